@@ -1,0 +1,300 @@
+//! Datasets: the embedded UCI digits, Fashion-MNIST from IDX files, splits,
+//! per-worker partitions and seeded per-epoch batching.
+
+mod digits;
+mod fashion;
+pub mod idx;
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_core::{Device, Tensor};
+
+pub use digits::{load_digits, DIGITS_CSV_GZ};
+pub use fashion::{fashion_mnist_dir, load_fashion_mnist, FASHION_MNIST_FILES, SYSTEM_FASHION_MNIST_DIR};
+
+use crate::error::{ModelError, Result};
+use crate::rng::{stable_hash64, DetRng};
+
+/// Which data set to train on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DatasetKind {
+    /// UCI handwritten digits, 8x8, embedded in the binary.
+    #[default]
+    Digits,
+    /// Fashion-MNIST, 28x28, from Debian's `dataset-fashion-mnist`.
+    FashionMnist,
+}
+
+impl FromStr for DatasetKind {
+    type Err = ModelError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "digits" => Ok(DatasetKind::Digits),
+            "fashion-mnist" | "fashion_mnist" | "fashion" => Ok(DatasetKind::FashionMnist),
+            other => Err(ModelError::Invalid(format!("unknown dataset `{other}`: expected digits or fashion-mnist"))),
+        }
+    }
+}
+
+impl fmt::Display for DatasetKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DatasetKind::Digits => "digits",
+            DatasetKind::FashionMnist => "fashion-mnist",
+        })
+    }
+}
+
+/// Shape of one input image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ImageShape {
+    pub channels: usize,
+    pub height: usize,
+    pub width: usize,
+}
+
+impl ImageShape {
+    pub fn len(&self) -> usize {
+        self.channels * self.height * self.width
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// An in-memory labelled image set, pixels scaled to [0, 1].
+#[derive(Clone)]
+pub struct Dataset {
+    pub name: String,
+    pub shape: ImageShape,
+    pub classes: usize,
+    /// `len() * shape.len()` values, row-major per image.
+    pub images: Vec<f32>,
+    pub labels: Vec<u8>,
+}
+
+impl fmt::Debug for Dataset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dataset")
+            .field("name", &self.name)
+            .field("shape", &self.shape)
+            .field("classes", &self.classes)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+/// A train/test pair.
+#[derive(Debug, Clone)]
+pub struct Split {
+    pub train: Dataset,
+    pub test: Dataset,
+}
+
+impl Dataset {
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// A new dataset holding the given samples, in the given order.
+    pub fn select(&self, indices: &[usize]) -> Result<Dataset> {
+        let d = self.shape.len();
+        let mut images = Vec::with_capacity(indices.len() * d);
+        let mut labels = Vec::with_capacity(indices.len());
+        for &i in indices {
+            let label = *self.labels.get(i).ok_or_else(|| {
+                ModelError::Invalid(format!("sample index {i} out of range ({} samples)", self.len()))
+            })?;
+            images.extend_from_slice(&self.images[i * d..(i + 1) * d]);
+            labels.push(label);
+        }
+        Ok(Dataset { name: self.name.clone(), shape: self.shape, classes: self.classes, images, labels })
+    }
+
+    /// This worker's slice of the data, chosen deterministically so that the
+    /// slices of all workers are disjoint and cover the whole set.
+    pub fn partition(&self, partition: &Partition) -> Result<Dataset> {
+        let indices = partition.indices(self.len())?;
+        self.select(&indices)
+    }
+
+    /// A batch as tensors: images `[n, c, h, w]` (f32) and labels `[n]` (u32).
+    pub fn batch(&self, indices: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+        let d = self.shape.len();
+        let mut images = Vec::with_capacity(indices.len() * d);
+        let mut labels = Vec::with_capacity(indices.len());
+        for &i in indices {
+            if i >= self.len() {
+                return Err(ModelError::Invalid(format!("sample index {i} out of range ({} samples)", self.len())));
+            }
+            images.extend_from_slice(&self.images[i * d..(i + 1) * d]);
+            labels.push(self.labels[i] as u32);
+        }
+        let n = indices.len();
+        let s = self.shape;
+        let x = Tensor::from_vec(images, (n, s.channels, s.height, s.width), device)?;
+        let y = Tensor::from_vec(labels, n, device)?;
+        Ok((x, y))
+    }
+
+    /// Seeded per-epoch batch order: the same `(seed, epoch)` always gives the
+    /// same batches. The last, short batch is kept so no sample is skipped.
+    pub fn epoch_batches(&self, batch_size: usize, seed: u64, epoch: u64) -> Result<Vec<Vec<usize>>> {
+        let all: Vec<usize> = (0..self.len()).collect();
+        shuffled_batches(&all, batch_size, seed, epoch)
+    }
+
+    /// Stratification-free seeded split into `(train, test)` with
+    /// `test_fraction` of the samples held out.
+    pub fn split(&self, test_fraction: f64, seed: u64) -> Result<Split> {
+        if !(0.0..1.0).contains(&test_fraction) {
+            return Err(ModelError::Invalid(format!("test fraction {test_fraction} not in [0, 1)")));
+        }
+        let mut order: Vec<usize> = (0..self.len()).collect();
+        DetRng::derive(seed, "train-test-split").shuffle(&mut order);
+        let n_test = (self.len() as f64 * test_fraction).round() as usize;
+        let (test, train) = order.split_at(n_test);
+        Ok(Split { train: self.select(train)?, test: self.select(test)? })
+    }
+}
+
+/// Seeded per-epoch batches over a subset of sample indices (a worker's
+/// partition): the same `(items, seed, epoch)` always gives the same batches.
+pub fn shuffled_batches(items: &[usize], batch_size: usize, seed: u64, epoch: u64) -> Result<Vec<Vec<usize>>> {
+    if batch_size == 0 {
+        return Err(ModelError::Invalid("batch size must be at least 1".into()));
+    }
+    let mut order = items.to_vec();
+    DetRng::derive(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15), "epoch-shuffle").shuffle(&mut order);
+    Ok(order.chunks(batch_size).map(|c| c.to_vec()).collect())
+}
+
+/// How a data set is cut across workers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Partition {
+    /// Everything (a single node).
+    Full,
+    /// Worker `rank` of `world` takes every sample `i` with `i % world == rank`.
+    Rank { rank: usize, world: usize },
+    /// Rendezvous hashing over peer ids: sample `i` goes to the peer whose
+    /// `hash(peer, i)` is highest. Needs no ranks, only the list of peers,
+    /// and moves only 1/n of the samples when a peer joins or leaves.
+    Peers { me: String, peers: Vec<String> },
+}
+
+impl Partition {
+    /// The sample indices this partition keeps, out of `n`.
+    pub fn indices(&self, n: usize) -> Result<Vec<usize>> {
+        match self {
+            Partition::Full => Ok((0..n).collect()),
+            Partition::Rank { rank, world } => {
+                if *world == 0 || rank >= world {
+                    return Err(ModelError::Invalid(format!("partition rank {rank} is not below world size {world}")));
+                }
+                Ok((*rank..n).step_by(*world).collect())
+            }
+            Partition::Peers { me, peers } => {
+                if !peers.iter().any(|p| p == me) {
+                    return Err(ModelError::Invalid(format!("peer {me} is not in the peer list")));
+                }
+                let hashes: Vec<u64> = peers.iter().map(|p| stable_hash64(p.as_bytes())).collect();
+                let mine = stable_hash64(me.as_bytes());
+                Ok((0..n)
+                    .filter(|&i| {
+                        let score =
+                            |h: u64| stable_hash64(&(h ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
+                        // Ties (astronomically unlikely) break towards the smaller hash.
+                        let best =
+                            hashes.iter().copied().max_by_key(|&h| (score(h), std::cmp::Reverse(h))).unwrap_or(mine);
+                        best == mine
+                    })
+                    .collect())
+            }
+        }
+    }
+}
+
+/// Load a dataset's train/test split. `data_dir` overrides where
+/// Fashion-MNIST is looked for; digits are embedded and ignore it.
+pub fn load(kind: DatasetKind, data_dir: Option<&std::path::Path>) -> Result<Split> {
+    match kind {
+        DatasetKind::Digits => load_digits(),
+        DatasetKind::FashionMnist => load_fashion_mnist(data_dir),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn toy(n: usize) -> Dataset {
+        Dataset {
+            name: "toy".into(),
+            shape: ImageShape { channels: 1, height: 1, width: 2 },
+            classes: 10,
+            images: (0..n * 2).map(|v| v as f32).collect(),
+            labels: (0..n).map(|v| (v % 10) as u8).collect(),
+        }
+    }
+
+    fn assert_disjoint_cover(parts: &[Vec<usize>], n: usize) {
+        let mut all: Vec<usize> = parts.iter().flatten().copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..n).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn rank_partitions_are_disjoint_and_cover() {
+        let parts: Vec<_> =
+            (0..3).map(|rank| Partition::Rank { rank, world: 3 }.indices(100).unwrap_or_default()).collect();
+        assert_disjoint_cover(&parts, 100);
+        assert!(Partition::Rank { rank: 3, world: 3 }.indices(10).is_err());
+    }
+
+    #[test]
+    fn peer_partitions_are_disjoint_balanced_and_stable() {
+        let peers: Vec<String> = (0..4).map(|i| format!("12D3KooPeer{i}")).collect();
+        let parts: Vec<_> = peers
+            .iter()
+            .map(|me| Partition::Peers { me: me.clone(), peers: peers.clone() }.indices(4000).unwrap_or_default())
+            .collect();
+        assert_disjoint_cover(&parts, 4000);
+        for p in &parts {
+            assert!((800..1200).contains(&p.len()), "unbalanced partition: {}", p.len());
+        }
+        // The same inputs give the same partition.
+        let again = Partition::Peers { me: peers[0].clone(), peers: peers.clone() }.indices(4000).unwrap_or_default();
+        assert_eq!(again, parts[0]);
+    }
+
+    #[test]
+    fn epoch_batches_are_seeded_and_complete() {
+        let d = toy(103);
+        let a = d.epoch_batches(10, 5, 0).unwrap_or_default();
+        let b = d.epoch_batches(10, 5, 0).unwrap_or_default();
+        let c = d.epoch_batches(10, 5, 1).unwrap_or_default();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(a.len(), 11);
+        assert_disjoint_cover(&a, 103);
+        assert!(d.epoch_batches(0, 5, 0).is_err());
+    }
+
+    #[test]
+    fn split_is_deterministic_and_disjoint() {
+        let d = toy(50);
+        let s1 = d.split(0.2, 1).ok();
+        let s2 = d.split(0.2, 1).ok();
+        let (s1, s2) = (s1.as_ref(), s2.as_ref());
+        assert_eq!(s1.map(|s| s.test.labels.clone()), s2.map(|s| s.test.labels.clone()));
+        assert_eq!(s1.map(|s| s.test.len()), Some(10));
+        assert_eq!(s1.map(|s| s.train.len()), Some(40));
+    }
+}

@@ -1,0 +1,33 @@
+//! `shoal-models`: the candle side of Shoal.
+//!
+//! - [`model`]: model configs, an MLP and a LeNet-style CNN, and the
+//!   [`TrainableModel`] trait the node drives.
+//! - [`layout`]: [`ParamLayout`] (parameters as one flat vector) and
+//!   [`ShardPlan`] (that vector cut into shards).
+//! - [`optim`]: SGD (momentum, Nesterov) and AdamW over flat slices, with
+//!   their state exposed so shard owners can hold and hand it off.
+//! - [`checkpoint`]: safetensors checkpoints with metadata.
+//! - [`data`]: embedded UCI digits, Fashion-MNIST IDX files, splits,
+//!   partitions and seeded batching.
+//! - [`train`]: the single-node training loop.
+//!
+//! Nothing here talks to the network, and nothing here panics on bad input.
+
+pub mod checkpoint;
+pub mod data;
+pub mod device;
+pub mod error;
+pub mod layout;
+pub mod model;
+pub mod optim;
+pub mod rng;
+pub mod train;
+
+pub use checkpoint::Checkpoint;
+pub use data::{Dataset, DatasetKind, ImageShape, Partition, Split};
+pub use device::DeviceKind;
+pub use error::{ModelError, Result};
+pub use layout::{ParamEntry, ParamLayout, Shard, ShardPlan};
+pub use model::{Arch, ArchKind, Evaluation, GradOutput, Model, ModelConfig, TrainableModel};
+pub use optim::{Optimizer, OptimizerConfig, OptimizerKind, OptimizerState};
+pub use train::{BatchProgress, EpochStats, LocalTrainer};

@@ -1,0 +1,359 @@
+//! Model configs, the two architectures, and [`TrainableModel`], the
+//! interface the node drives without knowing which architecture it holds.
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_core::{DType, Device, ModuleT, Tensor, D};
+use candle_nn::{Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
+
+use crate::data::{Dataset, ImageShape};
+use crate::error::{ModelError, Result};
+use crate::layout::ParamLayout;
+use crate::rng::DetRng;
+
+/// Which architecture.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Arch {
+    /// Fully connected layers with ReLU; `hidden` lists the hidden widths.
+    Mlp { hidden: Vec<usize> },
+    /// LeNet-style: two conv+ReLU+max-pool blocks, then two linear layers.
+    /// 5x5 kernels for inputs of 16 pixels or more, 3x3 below.
+    Cnn { conv1: usize, conv2: usize, fc: usize },
+}
+
+/// Architecture names accepted on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ArchKind {
+    #[default]
+    Mlp,
+    Cnn,
+}
+
+impl FromStr for ArchKind {
+    type Err = ModelError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "mlp" => Ok(ArchKind::Mlp),
+            "cnn" => Ok(ArchKind::Cnn),
+            other => Err(ModelError::Config(format!("unknown model `{other}`: expected mlp or cnn"))),
+        }
+    }
+}
+
+impl fmt::Display for ArchKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ArchKind::Mlp => "mlp",
+            ArchKind::Cnn => "cnn",
+        })
+    }
+}
+
+/// Everything needed to rebuild a model's shape: stored in checkpoints and
+/// compared between peers.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub input: ImageShape,
+    pub classes: usize,
+}
+
+impl ModelConfig {
+    /// The default config of an architecture for a given input.
+    pub fn new(kind: ArchKind, input: ImageShape, classes: usize) -> Self {
+        let arch = match kind {
+            ArchKind::Mlp => Arch::Mlp { hidden: vec![256, 128] },
+            ArchKind::Cnn => Arch::Cnn { conv1: 16, conv2: 32, fc: 128 },
+        };
+        Self { arch, input, classes }
+    }
+
+    /// The default config for a dataset.
+    pub fn for_dataset(kind: ArchKind, data: &Dataset) -> Self {
+        Self::new(kind, data.shape, data.classes)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.input.is_empty() {
+            return Err(ModelError::Config(format!("input shape {:?} is empty", self.input)));
+        }
+        if self.classes < 2 {
+            return Err(ModelError::Config(format!("{} classes; need at least 2", self.classes)));
+        }
+        match &self.arch {
+            Arch::Mlp { hidden } => {
+                if hidden.contains(&0) {
+                    return Err(ModelError::Config(format!("MLP hidden widths {hidden:?} contain 0")));
+                }
+            }
+            Arch::Cnn { conv1, conv2, fc } => {
+                if *conv1 == 0 || *conv2 == 0 || *fc == 0 {
+                    return Err(ModelError::Config("CNN widths must be positive".into()));
+                }
+                let ImageShape { height, width, .. } = self.input;
+                if height < 4 || width < 4 || height % 4 != 0 || width % 4 != 0 {
+                    return Err(ModelError::Config(format!(
+                        "CNN needs height and width divisible by 4 (two 2x2 pools); got {height}x{width}"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A short human description, e.g. `mlp[64-128-64-10]`.
+    pub fn describe(&self) -> String {
+        match &self.arch {
+            Arch::Mlp { hidden } => {
+                let mut widths = vec![self.input.len()];
+                widths.extend(hidden);
+                widths.push(self.classes);
+                let w: Vec<String> = widths.iter().map(|w| w.to_string()).collect();
+                format!("mlp[{}]", w.join("-"))
+            }
+            Arch::Cnn { conv1, conv2, fc } => format!(
+                "cnn[{}x{}x{} c{conv1} c{conv2} fc{fc} {}]",
+                self.input.channels, self.input.height, self.input.width, self.classes
+            ),
+        }
+    }
+}
+
+/// Result of one forward/backward pass.
+#[derive(Debug, Clone)]
+pub struct GradOutput {
+    /// Mean cross-entropy over the batch.
+    pub loss: f32,
+    /// Number of samples in the batch (the weight of these gradients when
+    /// peers aggregate).
+    pub samples: usize,
+    /// Gradients of the mean loss, flattened by the model's [`ParamLayout`].
+    pub grads: Vec<f32>,
+}
+
+/// Loss and accuracy on a data set.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Evaluation {
+    pub loss: f32,
+    pub accuracy: f32,
+    pub samples: usize,
+}
+
+/// What a node needs from a model. Parameters cross this boundary only as
+/// flat vectors in [`ParamLayout`] order, so optimizers, shard owners and the
+/// wire never see candle types.
+pub trait TrainableModel: Send {
+    fn config(&self) -> &ModelConfig;
+    fn layout(&self) -> &ParamLayout;
+    fn device(&self) -> &Device;
+    /// The variables, by name (for checkpoints).
+    fn varmap(&self) -> &VarMap;
+    /// Logits `[n, classes]` for images `[n, c, h, w]`.
+    fn forward(&self, images: &Tensor, train: bool) -> Result<Tensor>;
+    /// Forward and backward on one batch; gradients of the mean loss.
+    fn gradients(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
+        let logits = self.forward(images, true)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, labels)?;
+        let store = loss.backward()?;
+        let grads = self.layout().flatten_grads(self.varmap(), &store)?;
+        Ok(GradOutput { loss: loss.to_scalar::<f32>()?, samples: images.dim(0)?, grads })
+    }
+    /// The current parameters, flattened.
+    fn parameters(&self) -> Result<Vec<f32>> {
+        self.layout().flatten_vars(self.varmap())
+    }
+    /// Overwrite the parameters from a flat vector.
+    fn set_parameters(&self, flat: &[f32]) -> Result<()> {
+        self.layout().write_vars(self.varmap(), flat)
+    }
+    /// Mean loss and accuracy over a data set, in batches of `batch_size`.
+    fn evaluate(&self, data: &Dataset, batch_size: usize) -> Result<Evaluation> {
+        let mut loss_sum = 0.0f64;
+        let mut correct = 0usize;
+        let all: Vec<usize> = (0..data.len()).collect();
+        for chunk in all.chunks(batch_size.max(1)) {
+            let (x, y) = data.batch(chunk, self.device())?;
+            let logits = self.forward(&x, false)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()?;
+            loss_sum += loss as f64 * chunk.len() as f64;
+            let pred = logits.argmax(D::Minus1)?;
+            correct += pred.eq(&y)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
+        }
+        let n = data.len().max(1);
+        Ok(Evaluation { loss: (loss_sum / n as f64) as f32, accuracy: correct as f32 / n as f32, samples: data.len() })
+    }
+}
+
+enum Net {
+    Mlp(Vec<Linear>),
+    Cnn { conv1: Conv2d, conv2: Conv2d, fc1: Linear, fc2: Linear },
+}
+
+/// The concrete model behind [`TrainableModel`] for both architectures.
+pub struct Model {
+    config: ModelConfig,
+    varmap: VarMap,
+    layout: ParamLayout,
+    device: Device,
+    net: Net,
+}
+
+impl fmt::Debug for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Model")
+            .field("config", &self.config.describe())
+            .field("params", &self.layout.total_len())
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+impl Model {
+    /// Build a model with weights initialised deterministically from `seed`:
+    /// the same seed gives bit-identical weights on every peer.
+    pub fn new(config: ModelConfig, seed: u64, device: &Device) -> Result<Self> {
+        config.validate()?;
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+        let net = match &config.arch {
+            Arch::Mlp { hidden } => {
+                let mut widths = vec![config.input.len()];
+                widths.extend(hidden);
+                widths.push(config.classes);
+                let layers = widths
+                    .windows(2)
+                    .enumerate()
+                    .map(|(i, w)| candle_nn::linear(w[0], w[1], vb.pp(format!("fc{i}"))))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Net::Mlp(layers)
+            }
+            Arch::Cnn { conv1, conv2, fc } => {
+                let k = if config.input.height >= 16 { 5 } else { 3 };
+                let cfg = Conv2dConfig { padding: k / 2, ..Default::default() };
+                let flat = conv2 * (config.input.height / 4) * (config.input.width / 4);
+                Net::Cnn {
+                    conv1: candle_nn::conv2d(config.input.channels, *conv1, k, cfg, vb.pp("conv1"))?,
+                    conv2: candle_nn::conv2d(*conv1, *conv2, k, cfg, vb.pp("conv2"))?,
+                    fc1: candle_nn::linear(flat, *fc, vb.pp("fc1"))?,
+                    fc2: candle_nn::linear(*fc, config.classes, vb.pp("fc2"))?,
+                }
+            }
+        };
+        let layout = ParamLayout::from_varmap(&varmap)?;
+        init_params(&varmap, &layout, seed, device)?;
+        Ok(Self { config, varmap, layout, device: device.clone(), net })
+    }
+
+    /// Boxed, for callers that only want the trait.
+    pub fn boxed(config: ModelConfig, seed: u64, device: &Device) -> Result<Box<dyn TrainableModel>> {
+        Ok(Box::new(Self::new(config, seed, device)?))
+    }
+}
+
+/// PyTorch's default init for linear and conv layers: U(-b, b) with
+/// b = 1/sqrt(fan_in), for weights and biases alike. Each tensor gets its own
+/// stream derived from (seed, name), so init does not depend on build order.
+fn init_params(varmap: &VarMap, layout: &ParamLayout, seed: u64, device: &Device) -> Result<()> {
+    let data = varmap.data().lock().map_err(|_| ModelError::Invalid("variable map lock poisoned".into()))?;
+    for entry in layout.entries() {
+        let fan_in = if let Some(prefix) = entry.name.strip_suffix(".bias") {
+            layout
+                .entry(&format!("{prefix}.weight"))
+                .map(|w| w.len / w.shape.first().copied().unwrap_or(1).max(1))
+                .unwrap_or(entry.len)
+        } else {
+            entry.len / entry.shape.first().copied().unwrap_or(1).max(1)
+        };
+        let bound = 1.0 / (fan_in.max(1) as f32).sqrt();
+        let mut rng = DetRng::derive(seed, &entry.name);
+        let values: Vec<f32> = (0..entry.len).map(|_| rng.uniform(-bound, bound)).collect();
+        let t = Tensor::from_vec(values, entry.shape.as_slice(), device)?;
+        let var =
+            data.get(&entry.name).ok_or_else(|| ModelError::Invalid(format!("variable {} vanished", entry.name)))?;
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
+impl TrainableModel for Model {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    fn forward(&self, images: &Tensor, train: bool) -> Result<Tensor> {
+        Ok(match &self.net {
+            Net::Mlp(layers) => {
+                let mut x = images.flatten_from(1)?;
+                for (i, layer) in layers.iter().enumerate() {
+                    x = layer.forward_t(&x, train)?;
+                    if i + 1 < layers.len() {
+                        x = x.relu()?;
+                    }
+                }
+                x
+            }
+            Net::Cnn { conv1, conv2, fc1, fc2 } => {
+                let x = conv1.forward_t(images, train)?.relu()?.max_pool2d(2)?;
+                let x = conv2.forward_t(&x, train)?.relu()?.max_pool2d(2)?;
+                let x = fc1.forward_t(&x.flatten_from(1)?, train)?.relu()?;
+                fc2.forward_t(&x, train)?
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digits_shape() -> ImageShape {
+        ImageShape { channels: 1, height: 8, width: 8 }
+    }
+
+    #[test]
+    fn same_seed_same_weights_other_seed_other_weights() {
+        let cfg = ModelConfig::new(ArchKind::Mlp, digits_shape(), 10);
+        let a = Model::new(cfg.clone(), 1, &Device::Cpu).and_then(|m| m.parameters()).ok();
+        let b = Model::new(cfg.clone(), 1, &Device::Cpu).and_then(|m| m.parameters()).ok();
+        let c = Model::new(cfg, 2, &Device::Cpu).and_then(|m| m.parameters()).ok();
+        assert!(a.is_some());
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn cnn_runs_on_8x8_and_28x28() {
+        for (h, w) in [(8, 8), (28, 28)] {
+            let shape = ImageShape { channels: 1, height: h, width: w };
+            let m = Model::new(ModelConfig::new(ArchKind::Cnn, shape, 10), 0, &Device::Cpu);
+            assert!(m.is_ok(), "{m:?}");
+            let Ok(m) = m else { return };
+            let x = Tensor::zeros((3, 1, h, w), DType::F32, &Device::Cpu).ok();
+            let out = x.and_then(|x| m.forward(&x, false).ok()).map(|t| t.dims().to_vec());
+            assert_eq!(out, Some(vec![3, 10]));
+        }
+    }
+
+    #[test]
+    fn bad_configs_are_errors() {
+        let odd = ImageShape { channels: 1, height: 9, width: 9 };
+        assert!(Model::new(ModelConfig::new(ArchKind::Cnn, odd, 10), 0, &Device::Cpu).is_err());
+        let cfg = ModelConfig { arch: Arch::Mlp { hidden: vec![0] }, input: digits_shape(), classes: 10 };
+        assert!(Model::new(cfg, 0, &Device::Cpu).is_err());
+    }
+}

@@ -1,0 +1,193 @@
+//! Single-node training: the loop behind `shoal train`, built from the same
+//! pieces (flat gradients, flat optimizer) that a cluster uses.
+
+use candle_core::Device;
+
+use crate::checkpoint::Checkpoint;
+use crate::data::Dataset;
+use crate::error::{ModelError, Result};
+use crate::model::{Evaluation, Model, ModelConfig, TrainableModel};
+use crate::optim::{Optimizer, OptimizerConfig};
+
+/// Progress of one batch, for progress bars.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchProgress {
+    pub epoch: u64,
+    /// Batch index within the epoch.
+    pub batch: usize,
+    pub batches: usize,
+    pub samples: usize,
+    pub loss: f32,
+}
+
+/// What one epoch did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EpochStats {
+    pub epoch: u64,
+    pub mean_loss: f32,
+    pub samples: usize,
+    pub steps: usize,
+}
+
+/// A model, its optimizer and its position in the data.
+pub struct LocalTrainer {
+    model: Box<dyn TrainableModel>,
+    optimizer: Optimizer,
+    /// The parameters in flat form; the model's variables mirror them.
+    params: Vec<f32>,
+    step: u64,
+    seed: u64,
+    batch_size: usize,
+}
+
+impl std::fmt::Debug for LocalTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTrainer")
+            .field("model", &self.model.config().describe())
+            .field("step", &self.step)
+            .field("batch_size", &self.batch_size)
+            .finish()
+    }
+}
+
+impl LocalTrainer {
+    /// A fresh run: weights from `seed`, zeroed optimizer state.
+    pub fn new(
+        config: ModelConfig,
+        optimizer: OptimizerConfig,
+        seed: u64,
+        batch_size: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let model = Model::boxed(config, seed, device)?;
+        let params = model.parameters()?;
+        let optimizer = Optimizer::new(optimizer, params.len())?;
+        Self::assemble(model, optimizer, params, 0, seed, batch_size)
+    }
+
+    /// Continue from a checkpoint. The optimizer config in the checkpoint wins
+    /// unless `optimizer` overrides it (for example to change the learning rate).
+    pub fn resume(
+        ckpt: Checkpoint,
+        optimizer: Option<OptimizerConfig>,
+        batch_size: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let model = Model::boxed(ckpt.model.clone(), ckpt.seed, device)?;
+        model.set_parameters(&ckpt.params)?;
+        let optimizer = match (ckpt.optimizer, optimizer) {
+            (Some(state), None) => Optimizer::from_state(state)?,
+            (Some(mut state), Some(cfg)) if state.config.kind() == cfg.kind() => {
+                state.config = cfg;
+                Optimizer::from_state(state)?
+            }
+            (_, Some(cfg)) => Optimizer::new(cfg, ckpt.params.len())?,
+            (None, None) => {
+                return Err(ModelError::Invalid("checkpoint has no optimizer state; name an optimizer".into()))
+            }
+        };
+        Self::assemble(model, optimizer, ckpt.params, ckpt.step, ckpt.seed, batch_size)
+    }
+
+    fn assemble(
+        model: Box<dyn TrainableModel>,
+        optimizer: Optimizer,
+        params: Vec<f32>,
+        step: u64,
+        seed: u64,
+        batch_size: usize,
+    ) -> Result<Self> {
+        if batch_size == 0 {
+            return Err(ModelError::Invalid("batch size must be at least 1".into()));
+        }
+        Ok(Self { model, optimizer, params, step, seed, batch_size })
+    }
+
+    pub fn model(&self) -> &dyn TrainableModel {
+        self.model.as_ref()
+    }
+
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+
+    pub fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    /// Number of batches in an epoch of `data`.
+    pub fn batches_per_epoch(&self, data: &Dataset) -> u64 {
+        data.len().div_ceil(self.batch_size).max(1) as u64
+    }
+
+    /// The epoch the next step belongs to.
+    pub fn epoch(&self, data: &Dataset) -> u64 {
+        self.step / self.batches_per_epoch(data)
+    }
+
+    /// One optimizer step on the given samples. Returns the batch loss.
+    pub fn train_batch(&mut self, data: &Dataset, indices: &[usize]) -> Result<f32> {
+        let (x, y) = data.batch(indices, self.model.device())?;
+        let out = self.model.gradients(&x, &y)?;
+        if !out.loss.is_finite() {
+            return Err(ModelError::Invalid(format!(
+                "loss became {} at step {}; lower the learning rate",
+                out.loss, self.step
+            )));
+        }
+        self.optimizer.step(&mut self.params, &out.grads)?;
+        self.model.set_parameters(&self.params)?;
+        self.step += 1;
+        Ok(out.loss)
+    }
+
+    /// Finish the current epoch (from wherever a resume left it).
+    pub fn run_epoch(&mut self, data: &Dataset, on_batch: impl FnMut(BatchProgress)) -> Result<EpochStats> {
+        let bpe = self.batches_per_epoch(data);
+        let left = bpe - self.step % bpe;
+        self.train_steps(data, left, on_batch)
+    }
+
+    /// Take up to `steps` steps, stopping at the end of the current epoch.
+    /// The batch order depends only on `(seed, epoch)`, so a run that stops
+    /// anywhere and resumes from a checkpoint sees exactly the same batches.
+    pub fn train_steps(
+        &mut self,
+        data: &Dataset,
+        steps: u64,
+        mut on_batch: impl FnMut(BatchProgress),
+    ) -> Result<EpochStats> {
+        let bpe = self.batches_per_epoch(data);
+        let epoch = self.step / bpe;
+        let batches = data.epoch_batches(self.batch_size, self.seed, epoch)?;
+        let first = (self.step % bpe) as usize;
+        let (mut loss_sum, mut samples, mut taken) = (0.0f64, 0usize, 0usize);
+        for (i, idx) in batches.iter().enumerate().skip(first).take(steps.min(usize::MAX as u64) as usize) {
+            let loss = self.train_batch(data, idx)?;
+            loss_sum += loss as f64 * idx.len() as f64;
+            samples += idx.len();
+            taken += 1;
+            on_batch(BatchProgress { epoch, batch: i, batches: batches.len(), samples: idx.len(), loss });
+        }
+        Ok(EpochStats { epoch, mean_loss: (loss_sum / samples.max(1) as f64) as f32, samples, steps: taken })
+    }
+
+    pub fn evaluate(&self, data: &Dataset) -> Result<Evaluation> {
+        self.model.evaluate(data, 512)
+    }
+
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            model: self.model.config().clone(),
+            params: self.params.clone(),
+            optimizer: Some(self.optimizer.state().clone()),
+            step: self.step,
+            version: self.step,
+            seed: self.seed,
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Command-line interface. Every flag is documented here; `shoal <cmd> --help`
+//! prints it.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use shoal_models::{ArchKind, DatasetKind, DeviceKind, OptimizerKind};
+
+#[derive(Debug, Parser)]
+#[command(name = "shoal", version, about = "Peer-to-peer training of neural networks", long_about = None)]
+pub struct Cli {
+    /// Log format on stderr. Filter with RUST_LOG (default: info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Pretty, global = true)]
+    pub log_format: LogFormat,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train a model on this machine alone.
+    Train(TrainArgs),
+    /// Run one node of a cluster (the deployment form). See `docs/operations.md`.
+    Node(Box<NodeArgs>),
+    /// Start a 4-node cluster in this process on loopback TCP and train on the embedded digits.
+    Demo(DemoArgs),
+    /// Manage training data.
+    Data {
+        #[command(subcommand)]
+        command: DataCommand,
+    },
+    /// Benchmarks; each prints ratios against a baseline measured in the same run.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Model architecture.
+    #[arg(long, default_value = "mlp", value_parser = parse_arch)]
+    pub model: ArchKind,
+    /// Data set: `digits` is built in; `fashion-mnist` needs `shoal data fetch fashion-mnist`.
+    #[arg(long, default_value = "digits", value_parser = parse_dataset)]
+    pub dataset: DatasetKind,
+    /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Total epochs to train (a resumed run continues up to this count).
+    #[arg(long, default_value_t = 10)]
+    pub epochs: u64,
+    /// Samples per step.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Learning rate (default: 2e-3 for adamw, 0.05 for sgd).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Optimizer: adamw, or sgd (momentum 0.9, Nesterov).
+    #[arg(long, default_value = "adamw", value_parser = parse_optimizer)]
+    pub optimizer: OptimizerKind,
+    /// Seed for weight init and data order.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Compute device: cpu, cuda[:N] (feature `cuda`) or metal[:N] (feature `metal`).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceKind,
+    /// Save a safetensors checkpoint here after every epoch.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Resume from this checkpoint (model, optimizer state and data position).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+/// `shoal node`: the commonly changed fields of the config file can be overridden here
+/// (the rest live only in the file; see testnet/node.example.toml).
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// TOML config file (see testnet/node.example.toml). Without it, defaults apply.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Run name; nodes of different runs ignore each other.
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// Node name for logs and status.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Identity file (32-byte ed25519 secret; created if missing).
+    #[arg(long)]
+    pub identity: Option<PathBuf>,
+    /// Listen multiaddr, repeatable: /ip4/0.0.0.0/tcp/7000 (TCP+noise+yamux) or /ip4/0.0.0.0/udp/7000/quic-v1 (QUIC).
+    #[arg(long)]
+    pub listen: Vec<shoal_protocol::libp2p::Multiaddr>,
+    /// Bootstrap peer multiaddr with /p2p/<peer id>, repeatable.
+    #[arg(long)]
+    pub bootstrap: Vec<shoal_protocol::libp2p::Multiaddr>,
+    /// Disable mDNS LAN discovery.
+    #[arg(long)]
+    pub no_mdns: bool,
+    #[arg(long, value_parser = parse_arch)]
+    pub model: Option<ArchKind>,
+    #[arg(long, value_parser = parse_dataset)]
+    pub dataset: Option<DatasetKind>,
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    #[arg(long, value_parser = parse_optimizer)]
+    pub optimizer: Option<OptimizerKind>,
+    #[arg(long)]
+    pub lr: Option<f64>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Training steps this worker takes.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    #[arg(long, value_parser = parse_device)]
+    pub device: Option<DeviceKind>,
+    /// pull (shard owners) or gossip.
+    #[arg(long)]
+    pub mode: Option<crate::config::Mode>,
+    /// bsp, ssp:N, dssp:LO-HI or asp.
+    #[arg(long)]
+    pub sync: Option<crate::sync::SyncPolicy>,
+    /// Start training once this many nodes agree on the roster.
+    #[arg(long)]
+    pub min_peers: Option<usize>,
+    /// Shards the model is cut into.
+    #[arg(long)]
+    pub shards: Option<u32>,
+    /// Whether this node may own shards.
+    #[arg(long)]
+    pub can_aggregate: Option<bool>,
+    #[arg(long)]
+    pub heartbeat_ms: Option<u64>,
+    #[arg(long)]
+    pub failure_timeout_ms: Option<u64>,
+    #[arg(long)]
+    pub start_timeout_ms: Option<u64>,
+}
+
+/// `shoal demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Nodes in the cluster.
+    #[arg(long, default_value_t = 4)]
+    pub nodes: usize,
+    /// Training steps per node.
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    /// bsp, ssp:N, dssp:LO-HI or asp.
+    #[arg(long, default_value = "bsp")]
+    pub sync: crate::sync::SyncPolicy,
+    /// pull (shard owners) or gossip.
+    #[arg(long, default_value = "pull")]
+    pub mode: crate::config::Mode,
+    #[arg(long, default_value = "mlp", value_parser = parse_arch)]
+    pub model: ArchKind,
+    #[arg(long, default_value = "digits", value_parser = parse_dataset)]
+    pub dataset: DatasetKind,
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Samples per step on each node.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Shards the model is cut into.
+    #[arg(long, default_value_t = 8)]
+    pub shards: u32,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DataCommand {
+    /// Make a data set available locally and verify it.
+    Fetch(FetchArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FetchableDataset {
+    FashionMnist,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FetchMethod {
+    /// `apt-get install` when root, else download-and-extract.
+    Auto,
+    /// `apt-get install -y dataset-fashion-mnist` (needs root).
+    AptInstall,
+    /// `apt-get download` then `dpkg-deb -x` into --dest (no root needed).
+    Download,
+}
+
+#[derive(Debug, Args)]
+pub struct FetchArgs {
+    #[arg(value_enum)]
+    pub dataset: FetchableDataset,
+    /// How to get it.
+    #[arg(long, value_enum, default_value_t = FetchMethod::Auto)]
+    pub method: FetchMethod,
+    /// Where `download` extracts to.
+    #[arg(long, default_value = "data")]
+    pub dest: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Single-node training throughput (MLP, CNN) and matmul against a naive baseline.
+    Train(BenchTrainArgs),
+    /// Shard transfer over TCP+noise+yamux and QUIC against raw TCP; payload codecs against memcpy.
+    Wire(BenchWireArgs),
+    /// In-process clusters of 1, 2 and 4 nodes on loopback TCP, and an aggregation-bound 25M-parameter case.
+    Cluster(BenchClusterArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchClusterArgs {
+    /// Steps per node in the scaling runs.
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    /// Samples per step per node.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Evaluate every this many steps (for time to target accuracy).
+    #[arg(long, default_value_t = 25)]
+    pub eval_every: u64,
+    /// Target test accuracy (default: 0.80 on Fashion-MNIST, 0.95 on digits).
+    #[arg(long)]
+    pub target: Option<f32>,
+    /// Steps of the aggregation-bound case.
+    #[arg(long, default_value_t = 5)]
+    pub big_steps: u64,
+    /// Skip the aggregation-bound case.
+    #[arg(long)]
+    pub skip_big: bool,
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchWireArgs {
+    /// Shard size in MB (10^6 bytes).
+    #[arg(long, default_value_t = 100)]
+    pub shard_mb: usize,
+    /// Skip the QUIC transfer.
+    #[arg(long)]
+    pub skip_quic: bool,
+    /// Skip the codec measurements.
+    #[arg(long)]
+    pub skip_codecs: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchTrainArgs {
+    /// Timed training steps per model (after warm-up).
+    #[arg(long, default_value_t = 100)]
+    pub steps: usize,
+    /// Samples per step.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Square matrix size for the matmul comparison.
+    #[arg(long, default_value_t = 256)]
+    pub matmul_size: usize,
+    /// Where to look for Fashion-MNIST (digits are used if it is absent).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Compute device.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceKind,
+}
+
+fn parse_arch(s: &str) -> Result<ArchKind, String> {
+    s.parse().map_err(|e: shoal_models::ModelError| e.to_string())
+}
+
+fn parse_dataset(s: &str) -> Result<DatasetKind, String> {
+    s.parse().map_err(|e: shoal_models::ModelError| e.to_string())
+}
+
+fn parse_optimizer(s: &str) -> Result<OptimizerKind, String> {
+    s.parse().map_err(|e: shoal_models::ModelError| e.to_string())
+}
+
+fn parse_device(s: &str) -> Result<DeviceKind, String> {
+    s.parse().map_err(|e: shoal_models::ModelError| e.to_string())
+}

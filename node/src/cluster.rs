@@ -1,0 +1,96 @@
+//! An in-process cluster: N nodes in one process, each with its own actors
+//! and its own libp2p `Swarm` on real loopback TCP sockets. `shoal demo`,
+//! the tests and the benchmarks all build clusters with this.
+//!
+//! (It lives in `shoal-node` rather than `shoal-testnet` because the `shoal`
+//! binary's `demo` command needs it and Cargo forbids the dependency cycle
+//! node -> testnet -> node; `shoal-testnet` re-exports it.)
+
+use anyhow::Context;
+use shoal_protocol::libp2p::identity::Keypair;
+use shoal_protocol::libp2p::Multiaddr;
+
+use crate::config::NodeConfig;
+use crate::node::{start, NodeReport, RunningNode};
+
+/// Per-node differences from the shared config.
+#[derive(Debug, Clone, Default)]
+pub struct NodeOverride {
+    pub batch_size: Option<usize>,
+    pub can_aggregate: Option<bool>,
+}
+
+/// How to build a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    pub nodes: usize,
+    /// Shared config; `listen` is forced to loopback TCP on an ephemeral port
+    /// and `min_peers` to `nodes`.
+    pub base: NodeConfig,
+    pub overrides: Vec<NodeOverride>,
+}
+
+impl ClusterSpec {
+    pub fn new(nodes: usize, base: NodeConfig) -> Self {
+        Self { nodes, base, overrides: Vec::new() }
+    }
+
+    /// The config node `i` runs with (before bootstrap addresses are added).
+    pub fn node_config(&self, i: usize) -> anyhow::Result<NodeConfig> {
+        let mut c = self.base.clone();
+        c.name = Some(format!("node{i}"));
+        c.cluster.min_peers = self.nodes;
+        c.network.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().context("loopback address")?];
+        c.network.quic = false;
+        c.network.discovery.mdns = false;
+        if let Some(o) = self.overrides.get(i) {
+            if let Some(b) = o.batch_size {
+                c.training.batch_size = b;
+            }
+            if let Some(a) = o.can_aggregate {
+                c.cluster.can_aggregate = a;
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// A running cluster.
+#[derive(Debug)]
+pub struct Cluster {
+    pub nodes: Vec<RunningNode>,
+}
+
+impl Cluster {
+    /// Start every node; node `i` dials nodes `0..i`, so the cluster is a
+    /// full mesh of real TCP connections.
+    pub async fn start(spec: &ClusterSpec) -> anyhow::Result<Self> {
+        if spec.nodes == 0 {
+            anyhow::bail!("a cluster needs at least one node");
+        }
+        let mut nodes: Vec<RunningNode> = Vec::with_capacity(spec.nodes);
+        let mut addrs: Vec<Multiaddr> = Vec::new();
+        for i in 0..spec.nodes {
+            let mut cfg = spec.node_config(i)?;
+            cfg.cluster.bootstrap = addrs.clone();
+            let node = start(cfg, Keypair::generate_ed25519()).await.with_context(|| format!("starting node{i}"))?;
+            let addr = node.listen.first().cloned().with_context(|| format!("node{i} has no listen address"))?;
+            addrs.push(addr);
+            nodes.push(node);
+        }
+        Ok(Self { nodes })
+    }
+
+    /// Wait for every node to finish; the first failure is returned with
+    /// the node's name.
+    pub async fn wait(self) -> anyhow::Result<Vec<NodeReport>> {
+        let mut reports = Vec::with_capacity(self.nodes.len());
+        for n in self.nodes {
+            let name = n.name.clone();
+            let r =
+                n.task.await.with_context(|| format!("{name} panicked"))?.with_context(|| format!("{name} failed"))?;
+            reports.push(r);
+        }
+        Ok(reports)
+    }
+}

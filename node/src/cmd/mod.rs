@@ -1,0 +1,7 @@
+//! One module per subcommand.
+
+pub mod bench;
+pub mod data;
+pub mod demo;
+pub mod node;
+pub mod train;

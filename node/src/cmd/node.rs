@@ -1,0 +1,84 @@
+//! `shoal node`: one node of a real deployment.
+
+use crate::cli::NodeArgs;
+use crate::config::NodeConfig;
+use crate::node::{load_identity, start};
+
+/// Apply command-line overrides on top of the file (or defaults).
+pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
+    let mut c = match &args.config {
+        Some(p) => NodeConfig::from_file(p)?,
+        None => NodeConfig::default(),
+    };
+    macro_rules! set {
+        ($field:expr, $val:expr) => {
+            if let Some(v) = $val.clone() {
+                $field = v;
+            }
+        };
+    }
+    set!(c.run_id, args.run_id);
+    if args.name.is_some() {
+        c.name = args.name.clone();
+    }
+    if args.identity.is_some() {
+        c.identity = args.identity.clone();
+    }
+    if !args.listen.is_empty() {
+        c.network.listen = args.listen.clone();
+    }
+    if !args.bootstrap.is_empty() {
+        c.cluster.bootstrap = args.bootstrap.clone();
+    }
+    if args.no_mdns {
+        c.network.discovery.mdns = false;
+    }
+    let t = &mut c.training;
+    set!(t.model, args.model);
+    set!(t.dataset, args.dataset);
+    if args.data_dir.is_some() {
+        t.data_dir = args.data_dir.clone();
+    }
+    set!(t.batch_size, args.batch_size);
+    set!(t.optimizer, args.optimizer);
+    if args.lr.is_some() {
+        t.lr = args.lr;
+    }
+    set!(t.seed, args.seed);
+    set!(t.steps, args.steps);
+    set!(t.device, args.device);
+    let k = &mut c.cluster;
+    set!(k.mode, args.mode);
+    set!(k.sync, args.sync);
+    set!(k.min_peers, args.min_peers);
+    set!(k.shards, args.shards);
+    set!(k.can_aggregate, args.can_aggregate);
+    set!(k.heartbeat_ms, args.heartbeat_ms);
+    set!(k.failure_timeout_ms, args.failure_timeout_ms);
+    set!(k.start_timeout_ms, args.start_timeout_ms);
+    c.validate()?;
+    Ok(c)
+}
+
+#[allow(clippy::print_stdout)] // The CLI's own output.
+pub fn run(args: NodeArgs) -> anyhow::Result<()> {
+    let config = resolve(&args)?;
+    let keypair = load_identity(config.identity.as_deref())?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        let node = start(config, keypair).await?;
+        println!("peer id {}", node.peer_id);
+        for a in &node.listen {
+            println!("listening on {a}");
+        }
+        let report = node.task.await??;
+        println!(
+            "{}: finished {} steps, test accuracy {:.2}%, owned shards {:?}",
+            report.name,
+            report.steps,
+            report.accuracy * 100.0,
+            report.owned_shards
+        );
+        Ok(())
+    })
+}

@@ -1,0 +1,318 @@
+//! `NodeConfig`: one TOML file, every field overridable by a flag.
+//!
+//! Every limit and timeout lives here (or in the embedded
+//! [`ProtocolConfig`], the `[network]` table) with a documented default.
+//! See `docs/operations.md` and `testnet/node.example.toml`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use shoal_models::{ArchKind, DatasetKind, DeviceKind, ModelConfig, OptimizerConfig, OptimizerKind};
+use shoal_protocol::libp2p::Multiaddr;
+use shoal_protocol::{ProtocolConfig, RunId};
+
+use crate::sync::SyncPolicy;
+
+/// How a cluster shares what it learns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Parameter-server style: push gradients to shard owners, pull shards.
+    #[default]
+    Pull,
+    /// No owners: train locally and average with random peers every k steps.
+    Gossip,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "pull" => Ok(Mode::Pull),
+            "gossip" => Ok(Mode::Gossip),
+            o => Err(format!("unknown mode `{o}`: expected pull or gossip")),
+        }
+    }
+}
+
+/// Learning-rate schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrDecay {
+    /// Constant learning rate.
+    #[default]
+    None,
+    /// Cosine from `lr` down to `lr / 100` over `steps`. Gossip mode only for
+    /// now (shard owners in pull mode keep a constant rate).
+    Cosine,
+}
+
+impl LrDecay {
+    /// The rate for `step` of `steps`.
+    pub fn lr_at(self, lr: f64, step: u64, steps: u64) -> f64 {
+        match self {
+            LrDecay::None => lr,
+            LrDecay::Cosine => {
+                let floor = lr / 100.0;
+                let t = step as f64 / steps.max(1) as f64;
+                floor + 0.5 * (lr - floor) * (1.0 + (std::f64::consts::PI * t.min(1.0)).cos())
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for LrDecay {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(LrDecay::None),
+            "cosine" => Ok(LrDecay::Cosine),
+            o => Err(format!("unknown lr decay `{o}`: expected none or cosine")),
+        }
+    }
+}
+
+/// What to train.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainingConfig {
+    /// `mlp` or `cnn`. Default `mlp`.
+    pub model: ArchKind,
+    /// MLP hidden widths. Default `[256, 128]`.
+    pub mlp_hidden: Option<Vec<usize>>,
+    /// `digits` (embedded) or `fashion-mnist`. Default `digits`.
+    pub dataset: DatasetKind,
+    /// Where to look for Fashion-MNIST. Default: ./data, then /usr/share/datasets.
+    pub data_dir: Option<PathBuf>,
+    /// Samples per step on this node (nodes may differ). Default 32.
+    pub batch_size: usize,
+    /// `sgd` or `adamw`. Default `sgd` (momentum 0.9, Nesterov).
+    pub optimizer: OptimizerKind,
+    /// Learning rate. Default: 0.05 for sgd, 2e-3 for adamw.
+    pub lr: Option<f64>,
+    /// `none` or `cosine` (gossip mode only). Default `none`.
+    pub lr_decay: LrDecay,
+    /// Seed of weight init and data order; must match across the run. Default 42.
+    pub seed: u64,
+    /// Training steps each worker takes. Default 300.
+    pub steps: u64,
+    /// Evaluate on the test set every this many steps (0: only at the end). Default 0.
+    pub eval_every: u64,
+    /// `cpu`, `cuda[:N]` or `metal[:N]`. Default `cpu`.
+    pub device: DeviceKind,
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        Self {
+            model: ArchKind::Mlp,
+            mlp_hidden: None,
+            dataset: DatasetKind::Digits,
+            data_dir: None,
+            batch_size: 32,
+            optimizer: OptimizerKind::Sgd,
+            lr: None,
+            lr_decay: LrDecay::None,
+            seed: 42,
+            steps: 300,
+            eval_every: 0,
+            device: DeviceKind::Cpu,
+        }
+    }
+}
+
+impl TrainingConfig {
+    pub fn optimizer_config(&self) -> OptimizerConfig {
+        OptimizerConfig::new(self.optimizer, self.lr.unwrap_or_else(|| OptimizerConfig::default_lr(self.optimizer)))
+    }
+}
+
+/// How the cluster forms and synchronises.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// `pull` (shard owners) or `gossip`. Default `pull`.
+    pub mode: Mode,
+    /// `bsp`, `ssp:N`, `dssp:LO-HI` or `asp`. Default `bsp`.
+    pub sync: SyncPolicy,
+    /// Training starts once this many nodes (this one included) agree on the
+    /// roster. Default 1.
+    pub min_peers: usize,
+    /// Number of shards the model is cut into. Default 8.
+    pub shards: u32,
+    /// Whether this node may own shards. Default true.
+    pub can_aggregate: bool,
+    /// Multiaddrs (with `/p2p/<peer id>`) to dial at start.
+    pub bootstrap: Vec<Multiaddr>,
+    /// Heartbeat period. Default 300 ms.
+    pub heartbeat_ms: u64,
+    /// A peer silent this long is considered failed. Default 5000 ms.
+    pub failure_timeout_ms: u64,
+    /// Give up (non-zero exit) if the roster has not formed by then. Default 60000 ms.
+    pub start_timeout_ms: u64,
+    /// How long to wait to dial each bootstrap peer. Default 10000 ms.
+    pub dial_timeout_ms: u64,
+    /// Gossip mode: average with a random peer every this many steps. Default 5.
+    pub gossip_every: u64,
+    /// Total deadline of one push or pull, retries included; past it the node
+    /// fails with an error naming the shard and owner. Default 30000 ms.
+    pub request_timeout_ms: u64,
+    /// After finishing, keep serving shards until every roster peer has
+    /// finished or this long has passed. Default 60000 ms.
+    pub linger_ms: u64,
+    /// Capacity of every actor's command channel. Default 256.
+    pub channel_capacity: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Pull,
+            sync: SyncPolicy::Bsp,
+            min_peers: 1,
+            shards: 8,
+            can_aggregate: true,
+            bootstrap: Vec::new(),
+            heartbeat_ms: 300,
+            failure_timeout_ms: 5_000,
+            start_timeout_ms: 60_000,
+            dial_timeout_ms: 10_000,
+            gossip_every: 5,
+            request_timeout_ms: 30_000,
+            linger_ms: 60_000,
+            channel_capacity: 256,
+        }
+    }
+}
+
+/// The whole node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Name of the run; nodes of different runs ignore each other. Default `default`.
+    pub run_id: String,
+    /// A node name for logs and status (default: the last 6 characters of the peer id).
+    pub name: Option<String>,
+    /// Ed25519 identity: a file holding a 32-byte secret (created if missing).
+    /// Default: a fresh identity per start.
+    pub identity: Option<PathBuf>,
+    pub training: TrainingConfig,
+    pub cluster: ClusterConfig,
+    /// Transports, limits, timeouts, discovery and admission (see `docs/protocol.md`).
+    /// Its `run_id` is ignored: the top-level `run_id` is used.
+    pub network: ProtocolConfig,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            run_id: "default".into(),
+            name: None,
+            identity: None,
+            training: TrainingConfig::default(),
+            cluster: ClusterConfig::default(),
+            network: ProtocolConfig::default(),
+        }
+    }
+}
+
+impl NodeConfig {
+    /// Read a TOML file; unknown keys are errors that name the key.
+    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    /// Check everything that can be checked before touching the network.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        RunId::new(self.run_id.clone()).map_err(|e| anyhow::anyhow!("run_id: {e}"))?;
+        let t = &self.training;
+        if t.batch_size == 0 {
+            bail!("training.batch_size must be at least 1");
+        }
+        if t.steps == 0 {
+            bail!("training.steps must be at least 1");
+        }
+        t.optimizer_config().validate()?;
+        let c = &self.cluster;
+        if c.min_peers == 0 {
+            bail!("cluster.min_peers must be at least 1");
+        }
+        if c.shards == 0 {
+            bail!("cluster.shards must be at least 1");
+        }
+        for (name, v) in [
+            ("cluster.heartbeat_ms", c.heartbeat_ms),
+            ("cluster.failure_timeout_ms", c.failure_timeout_ms),
+            ("cluster.start_timeout_ms", c.start_timeout_ms),
+            ("cluster.request_timeout_ms", c.request_timeout_ms),
+            ("cluster.dial_timeout_ms", c.dial_timeout_ms),
+        ] {
+            if v == 0 {
+                bail!("{name} must be positive");
+            }
+        }
+        if c.failure_timeout_ms <= 2 * c.heartbeat_ms {
+            bail!(
+                "cluster.failure_timeout_ms ({}) must exceed two heartbeats ({} ms each)",
+                c.failure_timeout_ms,
+                c.heartbeat_ms
+            );
+        }
+        if t.lr_decay != LrDecay::None && c.mode != Mode::Gossip {
+            bail!("training.lr_decay = cosine is supported in gossip mode only (shard owners keep a constant rate)");
+        }
+        if c.mode == Mode::Gossip && c.gossip_every == 0 {
+            bail!("cluster.gossip_every must be at least 1 in gossip mode");
+        }
+        if c.channel_capacity == 0 {
+            bail!("cluster.channel_capacity must be at least 1");
+        }
+        for addr in &c.bootstrap {
+            if !addr.iter().any(|p| matches!(p, shoal_protocol::libp2p::multiaddr::Protocol::P2p(_))) {
+                bail!("bootstrap address {addr} has no /p2p/<peer id> part");
+            }
+        }
+        Ok(())
+    }
+
+    /// The model everybody in the run must share.
+    pub fn model_config(&self, data: &shoal_models::Dataset) -> ModelConfig {
+        let mut m = ModelConfig::for_dataset(self.training.model, data);
+        if let (Some(hidden), shoal_models::Arch::Mlp { .. }) = (&self.training.mlp_hidden, &m.arch) {
+            m.arch = shoal_models::Arch::Mlp { hidden: hidden.clone() };
+        }
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_config_parses_and_validates() {
+        let text = include_str!("../../testnet/node.example.toml");
+        let cfg: Result<NodeConfig, _> = toml::from_str(text);
+        assert!(cfg.is_ok(), "{cfg:?}");
+        assert!(cfg.map(|c| c.validate().is_ok()).unwrap_or(false));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_named() {
+        let e =
+            toml::from_str::<NodeConfig>("[training]\nbatch = 3\n").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("batch"), "{e}");
+        let e = toml::from_str::<NodeConfig>("[cluster]\nsync = \"raft\"\n")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("raft"), "{e}");
+        let mut c = NodeConfig::default();
+        c.cluster.failure_timeout_ms = 100;
+        assert!(c.validate().is_err());
+        let c = NodeConfig { run_id: String::new(), ..NodeConfig::default() };
+        assert!(c.validate().is_err());
+    }
+}

@@ -1,0 +1,34 @@
+//! `shoal`: a peer-to-peer trainer for neural networks.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use shoal_node::cli::{BenchCommand, Cli, Command, DataCommand};
+use shoal_node::{cmd, logging};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_level = if matches!(cli.command, Command::Demo(_) | Command::Bench { .. }) { "warn" } else { "info" };
+    if let Err(e) = logging::init(cli.log_format, default_level) {
+        eprintln!("error: cannot start logging: {e:#}");
+        return ExitCode::from(2);
+    }
+    let result = match cli.command {
+        Command::Train(args) => cmd::train::run(args),
+        Command::Node(args) => cmd::node::run(*args),
+        Command::Demo(args) => cmd::demo::run(args),
+        Command::Data { command: DataCommand::Fetch(args) } => cmd::data::fetch(args),
+        Command::Bench { command: BenchCommand::Train(args) } => cmd::bench::train(args),
+        Command::Bench { command: BenchCommand::Wire(args) } => cmd::bench::wire(args),
+        Command::Bench { command: BenchCommand::Cluster(args) } => cmd::bench::cluster(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` prints the whole cause chain on one line.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

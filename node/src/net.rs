@@ -1,0 +1,461 @@
+//! The network actor: the only task that polls the libp2p `Swarm`.
+//!
+//! It `select!`s over swarm events and [`NetCommand`]s. Outbound requests
+//! keep their `oneshot` reply in a map keyed by request id. Inbound requests
+//! are validated, then handed to the aggregator with `try_send` (this edge
+//! would otherwise close a cycle of bounded channels: the network never
+//! waits on another actor), and the eventual answers come back as futures
+//! that this actor polls and sends on the right `ResponseChannel`.
+//! Gossip heartbeats are validated and forwarded to membership the same way.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+use shoal_protocol::libp2p::multiaddr::Protocol;
+use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
+use shoal_protocol::libp2p::swarm::SwarmEvent;
+use shoal_protocol::libp2p::{gossipsub, identify, mdns, Multiaddr, PeerId, Swarm};
+use shoal_protocol::{
+    frame, membership_topic, validate_gossip, validate_request, Accepted, Encoding, ErrorCode, GossipMessage,
+    Heartbeat, Payload, ProtocolConfig, ShardRequest, ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent,
+    ValidationContext, WireError,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{debug, info, warn};
+
+use crate::aggregator::{AggregatorHandle, PullReply, PushReply};
+
+/// A copy of this node's current model, served to peers that sync state
+/// (`StateSync`) or gossip-average with us.
+#[derive(Debug, Clone, Default)]
+pub struct ModelSnapshot {
+    pub version: u64,
+    pub params: Arc<Vec<f32>>,
+}
+
+/// Why an outbound request failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NetError {
+    #[error("request to {peer} failed: {reason}")]
+    Request { peer: PeerId, reason: String },
+    #[error("dial {addr} failed: {reason}")]
+    Dial { addr: Multiaddr, reason: String },
+    #[error("network actor has stopped")]
+    Stopped,
+}
+
+enum NetCommand {
+    Request { peer: PeerId, req: ShardRequest, reply: oneshot::Sender<Result<ShardResponse, NetError>> },
+    Publish { msg: GossipMessage },
+    Dial { addr: Multiaddr, reply: oneshot::Sender<Result<PeerId, NetError>> },
+    ListenAddrs { reply: oneshot::Sender<Vec<Multiaddr>> },
+    Block(PeerId),
+    Unblock(PeerId),
+    KadBootstrap,
+}
+
+/// Where inbound shard requests go; set once training starts.
+#[derive(Debug, Clone)]
+pub struct Routes {
+    pub aggregator: Option<AggregatorHandle>,
+    pub epoch: u64,
+}
+
+/// Cloneable handle to the network actor.
+#[derive(Debug, Clone)]
+pub struct NetworkHandle {
+    sender: mpsc::Sender<NetCommand>,
+    local_peer: PeerId,
+}
+
+/// Everything the network actor needs besides the swarm.
+#[derive(Debug)]
+pub struct NetworkParts {
+    pub config: ProtocolConfig,
+    pub ctx: ValidationContext,
+    /// Element range of each shard in the flat model.
+    pub shard_ranges: Vec<std::ops::Range<usize>>,
+    pub heartbeats: mpsc::Sender<Heartbeat>,
+    pub routes: watch::Receiver<Routes>,
+    pub snapshot: watch::Receiver<ModelSnapshot>,
+    pub capacity: usize,
+}
+
+/// Callers waiting for a dial to a peer: the address tried and the reply.
+type DialWaiters = Vec<(Multiaddr, oneshot::Sender<Result<PeerId, NetError>>)>;
+
+type PendingResponse = Pin<Box<dyn Future<Output = (ResponseChannel<ShardResponse>, ShardResponse)> + Send>>;
+
+impl NetworkHandle {
+    /// Start the actor on an already built swarm.
+    pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> Self {
+        let local_peer = *swarm.local_peer_id();
+        let (sender, receiver) = mpsc::channel(parts.capacity.max(1));
+        let actor = NetworkActor {
+            topic: membership_topic(&parts.config.run_id),
+            swarm,
+            receiver,
+            parts,
+            outbound: HashMap::new(),
+            dials: HashMap::new(),
+            responses: FuturesUnordered::new(),
+        };
+        tokio::spawn(actor.run());
+        Self { sender, local_peer }
+    }
+
+    pub fn local_peer(&self) -> PeerId {
+        self.local_peer
+    }
+
+    pub async fn request(&self, peer: PeerId, req: ShardRequest) -> Result<ShardResponse, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.send(NetCommand::Request { peer, req, reply }).await.map_err(|_| NetError::Stopped)?;
+        rx.await.map_err(|_| NetError::Stopped)?
+    }
+
+    pub async fn publish(&self, msg: GossipMessage) -> Result<(), NetError> {
+        self.sender.send(NetCommand::Publish { msg }).await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Dial and wait until the connection is up (or failed).
+    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.send(NetCommand::Dial { addr, reply }).await.map_err(|_| NetError::Stopped)?;
+        rx.await.map_err(|_| NetError::Stopped)?
+    }
+
+    /// The addresses we listen on, with `/p2p/<id>`. Waits for at least one.
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.send(NetCommand::ListenAddrs { reply }).await.map_err(|_| NetError::Stopped)?;
+        rx.await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Refuse (and drop) connections with a peer: fault injection for
+    /// partitions, and the hook for banning misbehaving peers.
+    pub async fn block(&self, peer: PeerId) -> Result<(), NetError> {
+        self.sender.send(NetCommand::Block(peer)).await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Ask Kademlia (if on) to look up the network from the peers we know,
+    /// so that peers we never dialled become reachable by id.
+    pub async fn kad_bootstrap(&self) -> Result<(), NetError> {
+        self.sender.send(NetCommand::KadBootstrap).await.map_err(|_| NetError::Stopped)
+    }
+
+    pub async fn unblock(&self, peer: PeerId) -> Result<(), NetError> {
+        self.sender.send(NetCommand::Unblock(peer)).await.map_err(|_| NetError::Stopped)
+    }
+}
+
+struct NetworkActor {
+    swarm: Swarm<ShoalBehaviour>,
+    receiver: mpsc::Receiver<NetCommand>,
+    parts: NetworkParts,
+    topic: gossipsub::IdentTopic,
+    outbound: HashMap<OutboundRequestId, oneshot::Sender<Result<ShardResponse, NetError>>>,
+    dials: HashMap<PeerId, DialWaiters>,
+    responses: FuturesUnordered<PendingResponse>,
+}
+
+fn wire_error(code: ErrorCode, msg: impl Into<String>) -> ShardResponse {
+    ShardResponse::Error(WireError::new(code, msg))
+}
+
+impl NetworkActor {
+    async fn run(mut self) {
+        let mut listen_waiters: Vec<oneshot::Sender<Vec<Multiaddr>>> = Vec::new();
+        loop {
+            tokio::select! {
+                cmd = self.receiver.recv() => match cmd {
+                    Some(NetCommand::ListenAddrs { reply }) => {
+                        // Listeners report their addresses asynchronously: wait for the first.
+                        if self.listen_addrs().is_empty() && !self.parts.config.listen.is_empty() {
+                            listen_waiters.push(reply);
+                        } else {
+                            let _ = reply.send(self.listen_addrs());
+                        }
+                    }
+                    Some(cmd) => self.command(cmd),
+                    None => break,
+                },
+                event = self.swarm.select_next_some() => {
+                    if matches!(event, SwarmEvent::NewListenAddr { .. }) {
+                        let addrs = self.listen_addrs();
+                        for w in listen_waiters.drain(..) {
+                            let _ = w.send(addrs.clone());
+                        }
+                    }
+                    self.event(event);
+                }
+                Some((channel, response)) = self.responses.next(), if !self.responses.is_empty() => {
+                    if self.swarm.behaviour_mut().shard.send_response(channel, response).is_err() {
+                        debug!("peer went away before its response");
+                    }
+                }
+            }
+        }
+        debug!("network actor stopping: all handles dropped");
+    }
+
+    fn listen_addrs(&self) -> Vec<Multiaddr> {
+        let me = *self.swarm.local_peer_id();
+        self.swarm.listeners().map(|a| a.clone().with(Protocol::P2p(me))).collect()
+    }
+
+    fn command(&mut self, cmd: NetCommand) {
+        match cmd {
+            NetCommand::Request { peer, req, reply } => {
+                let id = self.swarm.behaviour_mut().send_request(&peer, req);
+                self.outbound.insert(id, reply);
+            }
+            NetCommand::Publish { msg } => {
+                let limits = self.parts.config.limits.clone();
+                if let Err(e) = self.swarm.behaviour_mut().publish(&self.topic, &msg, &limits) {
+                    // Normal before the mesh forms; the next heartbeat retries.
+                    debug!(error = %e, "gossip publish");
+                }
+            }
+            NetCommand::Dial { addr, reply } => {
+                // The last /p2p/ names the target (earlier ones name relays).
+                let Some(peer) = addr
+                    .iter()
+                    .filter_map(|p| match p {
+                        Protocol::P2p(id) => Some(id),
+                        _ => None,
+                    })
+                    .last()
+                else {
+                    let _ = reply.send(Err(NetError::Dial { addr, reason: "no /p2p/<peer id> in the address".into() }));
+                    return;
+                };
+                if self.swarm.is_connected(&peer) {
+                    let _ = reply.send(Ok(peer));
+                    return;
+                }
+                if let Err(e) = self.swarm.dial(addr.clone()) {
+                    let _ = reply.send(Err(NetError::Dial { addr, reason: e.to_string() }));
+                    return;
+                }
+                self.dials.entry(peer).or_default().push((addr, reply));
+            }
+            NetCommand::ListenAddrs { reply } => {
+                let _ = reply.send(self.listen_addrs());
+            }
+            NetCommand::Block(peer) => {
+                self.swarm.behaviour_mut().admission.block(peer);
+            }
+            NetCommand::Unblock(peer) => {
+                self.swarm.behaviour_mut().admission.unblock(&peer);
+            }
+            NetCommand::KadBootstrap => {
+                if let Some(kad) = self.swarm.behaviour_mut().kademlia.as_mut() {
+                    if let Err(e) = kad.bootstrap() {
+                        debug!(error = %e, "kademlia bootstrap");
+                    }
+                }
+            }
+        }
+    }
+
+    fn event(&mut self, event: SwarmEvent<ShoalBehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => info!(%address, "listening"),
+            SwarmEvent::ConnectionEstablished { peer_id, endpoint, .. } => {
+                debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
+                for (_, reply) in self.dials.remove(&peer_id).unwrap_or_default() {
+                    let _ = reply.send(Ok(peer_id));
+                }
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id: Some(peer), error, .. } => {
+                for (addr, reply) in self.dials.remove(&peer).unwrap_or_default() {
+                    let _ = reply.send(Err(NetError::Dial { addr, reason: error.to_string() }));
+                }
+            }
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::Shard(ev)) => self.shard_event(ev),
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
+                message,
+            })) => self.gossip(propagation_source, message_id, message),
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
+                // LAN discovery: remember the address and connect, so gossip reaches the peer.
+                for (peer, addr) in found {
+                    self.swarm.add_peer_address(peer, addr.clone());
+                    if !self.swarm.is_connected(&peer) {
+                        if let Err(e) = self.swarm.dial(addr.clone()) {
+                            debug!(%peer, %addr, error = %e, "mdns dial");
+                        }
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::Identify(identify::Event::Received {
+                peer_id, info, ..
+            })) => {
+                // Teach Kademlia (if on) where the peer listens, so requests to
+                // peers we only know by id can be dialled.
+                if let Some(kad) = self.swarm.behaviour_mut().kademlia.as_mut() {
+                    for addr in info.listen_addrs {
+                        kad.add_address(&peer_id, addr);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn shard_event(&mut self, ev: request_response::Event<ShardRequest, ShardResponse>) {
+        match ev {
+            request_response::Event::Message { peer, message, .. } => match message {
+                request_response::Message::Request { request, channel, .. } => self.inbound(peer, request, channel),
+                request_response::Message::Response { request_id, response } => {
+                    if let Some(reply) = self.outbound.remove(&request_id) {
+                        let _ = reply.send(Ok(response));
+                    }
+                }
+            },
+            request_response::Event::OutboundFailure { peer, request_id, error, .. } => {
+                if let Some(reply) = self.outbound.remove(&request_id) {
+                    let _ = reply.send(Err(NetError::Request { peer, reason: error.to_string() }));
+                }
+            }
+            request_response::Event::InboundFailure { peer, error, .. } => {
+                debug!(%peer, %error, "inbound request failed");
+            }
+            _ => {}
+        }
+    }
+
+    fn respond_now(&mut self, channel: ResponseChannel<ShardResponse>, resp: ShardResponse) {
+        if self.swarm.behaviour_mut().shard.send_response(channel, resp).is_err() {
+            debug!("peer went away before its response");
+        }
+    }
+
+    fn inbound(&mut self, peer: PeerId, req: ShardRequest, channel: ResponseChannel<ShardResponse>) {
+        if let Some(resp) = req.undecodable_reply() {
+            return self.respond_now(channel, resp);
+        }
+        if let Err(e) = validate_request(&req, &peer, &self.parts.ctx) {
+            warn!(%peer, kind = req.kind(), error = %e, "invalid request");
+            return self.respond_now(channel, ShardResponse::error(&e));
+        }
+        let routes = self.parts.routes.borrow().clone();
+        let run = self.parts.config.run_id.clone();
+        match req {
+            ShardRequest::PushGrad(p) => {
+                let Some(agg) = routes.aggregator else {
+                    // Peers can agree on the roster a moment before we do: ask them to retry.
+                    return self.respond_now(
+                        channel,
+                        wire_error(ErrorCode::Busy, "training has not started on this node yet"),
+                    );
+                };
+                let grad = match p.grad.decode() {
+                    Ok(g) => g,
+                    Err(e) => return self.respond_now(channel, ShardResponse::error(&e)),
+                };
+                let shard = p.shard;
+                match agg.try_push(peer, shard, p.base_version, p.samples, grad) {
+                    Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
+                    Ok(rx) => self.responses.push(Box::pin(async move {
+                        let resp = match rx.await {
+                            Ok(PushReply::Accepted { version, staleness }) => {
+                                ShardResponse::Accepted(Accepted { shard, version, staleness })
+                            }
+                            Ok(PushReply::Stale { current_version, max_staleness }) => {
+                                ShardResponse::Stale { shard, current_version, max_staleness }
+                            }
+                            Ok(PushReply::NotOwner { epoch }) => ShardResponse::NotOwner { shard, epoch, hint: None },
+                            Ok(PushReply::Invalid(m)) => wire_error(ErrorCode::InvalidRequest, m),
+                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+                        };
+                        (channel, resp)
+                    })),
+                }
+            }
+            ShardRequest::PullShard(p) => {
+                let Some(agg) = routes.aggregator else {
+                    // Peers can agree on the roster a moment before we do: ask them to retry.
+                    return self.respond_now(
+                        channel,
+                        wire_error(ErrorCode::Busy, "training has not started on this node yet"),
+                    );
+                };
+                let shard = p.shard;
+                let wait = Duration::from_millis(p.max_wait_ms as u64);
+                let epoch = routes.epoch;
+                match agg.try_pull(peer, shard, p.min_version, wait) {
+                    Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
+                    Ok(rx) => self.responses.push(Box::pin(async move {
+                        let resp = match rx.await {
+                            Ok(PullReply::State { version, params }) => match Payload::encode(&params, Encoding::F32) {
+                                Ok(params) => {
+                                    ShardResponse::ShardState(ShardState { run, shard, version, epoch, params })
+                                }
+                                Err(e) => ShardResponse::error(&e),
+                            },
+                            Ok(PullReply::NotReady { current_version }) => {
+                                ShardResponse::NotReady { shard, current_version }
+                            }
+                            Ok(PullReply::NotOwner { epoch }) => ShardResponse::NotOwner { shard, epoch, hint: None },
+                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+                        };
+                        (channel, resp)
+                    })),
+                }
+            }
+            ShardRequest::StateSync(s) => {
+                let snap = self.parts.snapshot.borrow().clone();
+                let range = self.parts.shard_ranges.get(s.shard as usize).cloned();
+                let resp = match range {
+                    Some(_) if snap.version < s.min_version || snap.params.is_empty() => {
+                        ShardResponse::NotReady { shard: s.shard, current_version: snap.version }
+                    }
+                    Some(r) if r.end <= snap.params.len() => match Payload::encode(&snap.params[r], Encoding::F32) {
+                        Ok(params) => ShardResponse::ShardState(ShardState {
+                            run,
+                            shard: s.shard,
+                            version: snap.version,
+                            epoch: routes.epoch,
+                            params,
+                        }),
+                        Err(e) => ShardResponse::error(&e),
+                    },
+                    _ => wire_error(ErrorCode::ShardOutOfRange, format!("no shard {}", s.shard)),
+                };
+                self.respond_now(channel, resp);
+            }
+            other => {
+                let kind = other.kind();
+                self.respond_now(
+                    channel,
+                    wire_error(ErrorCode::InvalidRequest, format!("{kind} is not served by this node yet")),
+                );
+            }
+        }
+    }
+
+    fn gossip(&mut self, source: PeerId, id: gossipsub::MessageId, message: gossipsub::Message) {
+        let decoded = frame::decode_gossip(&message.data, &self.parts.config.limits)
+            .and_then(|m| validate_gossip(&m, message.source.as_ref(), &self.parts.ctx).map(|()| m));
+        match decoded {
+            Ok(GossipMessage::Heartbeat(hb)) => {
+                self.swarm.behaviour_mut().report_gossip(&id, &source, true);
+                // Heartbeats are periodic: if membership is behind, drop this one.
+                let _ = self.parts.heartbeats.try_send(hb);
+            }
+            Ok(_) => self.swarm.behaviour_mut().report_gossip(&id, &source, true),
+            Err(e) => {
+                warn!(peer = %source, error = %e, "rejecting gossip message");
+                self.swarm.behaviour_mut().report_gossip(&id, &source, false);
+            }
+        }
+    }
+}

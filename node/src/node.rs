@@ -1,0 +1,351 @@
+//! One Shoal node: builds the actors, forms the roster, trains, lingers
+//! until its peers are done, and reports.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use shoal_models::rng::stable_hash64;
+use shoal_models::{data, ShardPlan};
+use shoal_protocol::libp2p::identity::Keypair;
+use shoal_protocol::libp2p::{Multiaddr, PeerId};
+use shoal_protocol::{build_swarm, Capabilities, Device, Role, RunId, ValidationContext};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::aggregator::{AggregatorHandle, ShardStats};
+use crate::assign::{assign, AssignPolicy, Candidate};
+use crate::config::{Mode, NodeConfig};
+use crate::membership::{MembershipConfig, MembershipHandle, Roster, RosterStatus};
+use crate::net::{ModelSnapshot, NetworkHandle, NetworkParts, Routes};
+use crate::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
+use crate::trainer::TrainerHandle;
+use crate::worker::{initial_owned, Routing, Worker};
+
+/// What a finished node reports.
+#[derive(Debug, Clone)]
+pub struct NodeReport {
+    pub peer_id: PeerId,
+    pub name: String,
+    pub accuracy: f32,
+    pub loss: f32,
+    pub steps: u64,
+    /// Final flat parameters.
+    pub params: Vec<f32>,
+    pub owned_shards: Vec<u32>,
+    pub shard_stats: Vec<ShardStats>,
+    pub roster: Vec<PeerId>,
+    pub status: Option<StatusSnapshot>,
+}
+
+/// A started node.
+#[derive(Debug)]
+pub struct RunningNode {
+    pub peer_id: PeerId,
+    pub name: String,
+    pub listen: Vec<Multiaddr>,
+    pub net: NetworkHandle,
+    pub status: StatusHandle,
+    pub task: JoinHandle<anyhow::Result<NodeReport>>,
+}
+
+/// Hash of everything that must match across a run: model, data, seed,
+/// shards, mode, policy, optimizer, steps. (Batch size may differ per node.)
+pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
+    let t = &cfg.training;
+    let c = &cfg.cluster;
+    let key = format!(
+        "{}|{}|{}|{}|{}|{:?}|{}|{}|{}|{:?}",
+        cfg.run_id,
+        serde_json::to_string(model).unwrap_or_default(),
+        t.dataset,
+        t.seed,
+        c.shards,
+        c.mode,
+        c.sync,
+        serde_json::to_string(&t.optimizer_config()).unwrap_or_default(),
+        t.steps,
+        t.lr_decay,
+    );
+    stable_hash64(key.as_bytes())
+}
+
+/// Load an identity file (32-byte ed25519 secret), creating it if missing.
+pub fn load_identity(path: Option<&std::path::Path>) -> anyhow::Result<Keypair> {
+    let Some(path) = path else { return Ok(Keypair::generate_ed25519()) };
+    if path.exists() {
+        let mut bytes = std::fs::read(path).with_context(|| format!("reading identity {}", path.display()))?;
+        if bytes.len() != 32 {
+            bail!("identity {} must hold exactly 32 bytes, has {}", path.display(), bytes.len());
+        }
+        Keypair::ed25519_from_bytes(&mut bytes)
+            .with_context(|| format!("identity {} is not an ed25519 key", path.display()))
+    } else {
+        let kp = shoal_protocol::libp2p::identity::ed25519::Keypair::generate();
+        std::fs::write(path, kp.secret().as_ref()).with_context(|| format!("writing identity {}", path.display()))?;
+        Ok(Keypair::from(kp))
+    }
+}
+
+/// Build every actor, start listening, dial the bootstrap peers, and spawn
+/// the training task. Errors in config, data or bootstrap come back here.
+pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<RunningNode> {
+    config.validate()?;
+    let run = RunId::new(config.run_id.clone()).map_err(|e| anyhow::anyhow!("run_id: {e}"))?;
+    let t = config.training.clone();
+    let c = config.cluster.clone();
+    let device = t.device.open()?;
+    let split = {
+        let (kind, dir) = (t.dataset, t.data_dir.clone());
+        tokio::task::spawn_blocking(move || data::load(kind, dir.as_deref()))
+            .await
+            .context("data loader panicked")?
+            .with_context(|| format!("loading data set {}", t.dataset))?
+    };
+    let model_cfg = config.model_config(&split.train);
+    let me = keypair.public().to_peer_id();
+    let name = config.name.clone().unwrap_or_else(|| short(&me));
+    let train_len = split.train.len();
+    let (trainer, _thread, initial) =
+        TrainerHandle::spawn(model_cfg.clone(), t.seed, device, split.train, split.test, c.channel_capacity, &name)?;
+    let plan = ShardPlan::new(initial.len(), c.shards as usize)?;
+    let hash = config_hash(&config, &model_cfg);
+
+    let mut proto = config.network.clone();
+    proto.run_id = run.clone();
+    let swarm = build_swarm(&proto, keypair)?;
+    let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
+        .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
+    let (hb_tx, hb_rx) = mpsc::channel(c.channel_capacity);
+    let (routes_tx, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
+    let (snap_tx, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(initial.clone()) });
+    let net = NetworkHandle::spawn(
+        swarm,
+        NetworkParts {
+            config: proto.clone(),
+            ctx,
+            shard_ranges: plan.shards().iter().map(|s| s.range()).collect(),
+            heartbeats: hb_tx,
+            routes: routes_rx,
+            snapshot: snap_rx,
+            capacity: c.channel_capacity,
+        },
+    );
+    let status = StatusHandle::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
+    let incarnation =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let membership = MembershipHandle::spawn(
+        MembershipConfig {
+            run: run.clone(),
+            me,
+            incarnation,
+            config_hash: hash,
+            capabilities: Capabilities {
+                device: match t.device {
+                    shoal_models::DeviceKind::Cpu => Device::Cpu,
+                    shoal_models::DeviceKind::Cuda(_) => Device::Cuda,
+                    shoal_models::DeviceKind::Metal(_) => Device::Metal,
+                },
+                memory_bytes: 0,
+                compute_samples_per_sec: 0.0,
+                net_bytes_per_sec: 0.0,
+                can_aggregate: c.can_aggregate,
+            },
+            min_peers: c.min_peers,
+            heartbeat: Duration::from_millis(c.heartbeat_ms),
+            failure_timeout: Duration::from_millis(c.failure_timeout_ms),
+        },
+        net.clone(),
+        hb_rx,
+    );
+    let listen = if proto.listen.is_empty() {
+        Vec::new()
+    } else {
+        tokio::time::timeout(Duration::from_millis(c.dial_timeout_ms), net.listen_addrs())
+            .await
+            .context("no listen address came up")??
+    };
+    for addr in &c.bootstrap {
+        tokio::time::timeout(Duration::from_millis(c.dial_timeout_ms), net.dial(addr.clone()))
+            .await
+            .map_err(|_| anyhow::anyhow!("bootstrap peer {addr} did not answer within {} ms", c.dial_timeout_ms))?
+            .with_context(|| format!("bootstrap peer {addr} is unreachable"))?;
+    }
+    if !c.bootstrap.is_empty() {
+        net.kad_bootstrap().await?;
+    }
+    let aggregator = AggregatorHandle::spawn(status.clone(), proto.timeouts.response_wait(), c.channel_capacity);
+    info!(peer = %me, %name, ?listen, "node started");
+
+    let worker = Worker {
+        me,
+        incarnation,
+        config: config.clone(),
+        run,
+        net: net.clone(),
+        aggregator: aggregator.clone(),
+        trainer: trainer.clone(),
+        status: status.clone(),
+        plan: plan.clone(),
+        train_len,
+        snapshot: snap_tx,
+        membership: membership.clone(),
+    };
+    let status_for_task = status.clone();
+    let task_name = name.clone();
+    let task = tokio::spawn(async move {
+        let out = drive(&config, worker, &routes_tx, &aggregator, initial, &task_name).await;
+        if let Err(e) = &out {
+            warn!(error = %format!("{e:#}"), "node failed");
+        }
+        let mut report = out?;
+        report.status = status_for_task.snapshot().await;
+        Ok(report)
+    });
+    Ok(RunningNode { peer_id: me, name, listen, net, status, task })
+}
+
+async fn drive(
+    config: &NodeConfig,
+    worker: Worker,
+    routes: &watch::Sender<Routes>,
+    aggregator: &AggregatorHandle,
+    initial: Vec<f32>,
+    name: &str,
+) -> anyhow::Result<NodeReport> {
+    let c = &config.cluster;
+    let me = worker.me;
+    let membership = &worker.membership;
+    let roster =
+        wait_for_roster(membership, c.min_peers, Duration::from_millis(c.start_timeout_ms), &config.run_id).await?;
+    let epoch = roster.hash();
+    membership.set_self(|s| {
+        s.frozen_epoch = Some(epoch);
+        s.announce += 1;
+    });
+    let (owners, owned) = match c.mode {
+        Mode::Pull => {
+            let candidates: Vec<Candidate<Vec<u8>>> =
+                roster.aggregators().iter().map(|p| Candidate { peer: p.to_bytes(), weight: 1.0 }).collect();
+            let a = assign(&candidates, worker.plan.len() as u32, AssignPolicy::default())
+                .context("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)")?;
+            let owners = a
+                .owners
+                .iter()
+                .map(|b| PeerId::from_bytes(b).map_err(|e| anyhow::anyhow!("bad peer id in assignment: {e}")))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let owned = initial_owned(&worker.plan, &owners, &me, &initial, config.training.optimizer_config())?;
+            (owners, owned)
+        }
+        Mode::Gossip => (Vec::new(), Vec::new()),
+    };
+    let owned_ids: Vec<u32> = owned.iter().map(|s| s.shard).collect();
+    aggregator.own(epoch, c.sync, roster.peers(), owned).await?;
+    routes.send_replace(Routes { aggregator: Some(aggregator.clone()), epoch });
+    let role = if owned_ids.is_empty() { Role::Worker } else { Role::Aggregator };
+    membership.set_self(|s| {
+        s.role = role;
+        s.owned_shards = owned_ids.clone();
+    });
+    worker.status.record(StatusEvent::Role {
+        role: if owned_ids.is_empty() { RoleView::Worker } else { RoleView::Aggregator },
+        owned: owned_ids.clone(),
+    });
+    worker.status.record(StatusEvent::Peers(roster.members.len()));
+    info!(%name, epoch, members = roster.members.len(), owned = ?owned_ids, "roster agreed; training starts");
+
+    let routing = Routing { epoch, owners, roster: roster.clone() };
+    let params = worker.run(&routing, initial).await?;
+    let steps = config.training.steps;
+    membership.set_self(|s| {
+        s.step = steps;
+        s.announce += 1;
+    });
+    let eval = worker.trainer.evaluate().await?;
+    worker.status.record(StatusEvent::Accuracy(eval.accuracy));
+    worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
+    info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
+    linger(membership, &roster, me, steps, Duration::from_millis(c.linger_ms)).await;
+    Ok(NodeReport {
+        peer_id: me,
+        name: name.to_string(),
+        accuracy: eval.accuracy,
+        loss: eval.loss,
+        steps,
+        params,
+        owned_shards: owned_ids,
+        shard_stats: aggregator.stats().await,
+        roster: roster.peers(),
+        status: None,
+    })
+}
+
+/// Wait (on view changes, not a timer) until the roster is agreed.
+async fn wait_for_roster(
+    membership: &MembershipHandle,
+    min_peers: usize,
+    timeout: Duration,
+    run: &str,
+) -> anyhow::Result<Roster> {
+    let mut rx = membership.subscribe();
+    let deadline = Instant::now() + timeout;
+    loop {
+        let snap = rx.borrow_and_update().clone();
+        if let RosterStatus::Agreed(r) = snap.roster {
+            return Ok(r);
+        }
+        match tokio::time::timeout_at(deadline, rx.changed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => bail!("membership stopped before the roster formed"),
+            Err(_) => {
+                let mismatched: Vec<String> = snap.view.mismatched.keys().map(short).collect();
+                let live = snap.view.peers.len() + 1;
+                let mut msg = format!(
+                    "no agreed roster of {min_peers} nodes for run `{run}` within {} ms: {live} node(s) with our config seen",
+                    timeout.as_millis()
+                );
+                if !mismatched.is_empty() {
+                    msg.push_str(&format!(
+                        "; {} peer(s) run a different model/training config and were ignored: {}",
+                        mismatched.len(),
+                        mismatched.join(", ")
+                    ));
+                }
+                bail!(msg);
+            }
+        }
+    }
+}
+
+/// Keep serving until every roster peer reports it finished (or is gone),
+/// bounded by `limit`.
+async fn linger(membership: &MembershipHandle, roster: &Roster, me: PeerId, steps: u64, limit: Duration) {
+    let mut rx = membership.subscribe();
+    let deadline = Instant::now() + limit;
+    loop {
+        let done = {
+            let snap = rx.borrow_and_update();
+            roster.peers().iter().filter(|p| **p != me).all(|p| match snap.view.peers.get(p) {
+                Some(s) => s.heartbeat.step >= steps,
+                None => true, // expired by the failure detector: nobody to serve
+            })
+        };
+        if done {
+            return;
+        }
+        match tokio::time::timeout_at(deadline, rx.changed()).await {
+            Ok(Ok(())) => {}
+            _ => {
+                warn!("stopped lingering: not every peer reported completion in time");
+                return;
+            }
+        }
+    }
+}
+
+pub fn short(p: &PeerId) -> String {
+    let s = p.to_string();
+    s[s.len().saturating_sub(6)..].to_string()
+}

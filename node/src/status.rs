@@ -1,0 +1,162 @@
+//! The status actor: counters about this node, for progress bars, reports
+//! and tests. Updates are fire-and-forget (`try_send`): a full channel drops
+//! an update rather than slowing a training step.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+
+/// A node's role as shown to people.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RoleView {
+    #[default]
+    Starting,
+    Worker,
+    Aggregator,
+    Done,
+}
+
+/// A point-in-time copy of the counters.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct StatusSnapshot {
+    pub name: String,
+    pub peer_id: String,
+    pub role: RoleView,
+    pub owned_shards: Vec<u32>,
+    pub step: u64,
+    pub total_steps: u64,
+    pub model_version: u64,
+    pub samples: u64,
+    pub samples_per_sec: f64,
+    pub last_loss: Option<f32>,
+    pub last_accuracy: Option<f32>,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    pub push_latency_ms: Option<f64>,
+    pub pull_latency_ms: Option<f64>,
+    /// Seconds of step time spent computing gradients vs. communicating.
+    pub compute_secs: f64,
+    pub comm_secs: f64,
+    pub known_peers: usize,
+    /// Largest staleness this node's shards accepted.
+    pub max_staleness: u64,
+    /// Gossip mode: relative parameter distance `||mine - theirs|| / ||mine||`
+    /// to the peer copies averaged in, at the first and the latest exchange.
+    pub gossip_first_distance: Option<f32>,
+    pub gossip_last_distance: Option<f32>,
+    /// `(step, seconds since the first step, test accuracy)` at each evaluation (at most 1000 kept).
+    pub accuracy_history: Vec<(u64, f64, f32)>,
+}
+
+/// Something that happened.
+#[derive(Debug, Clone)]
+pub enum StatusEvent {
+    Role { role: RoleView, owned: Vec<u32> },
+    Step { step: u64, samples: usize, loss: f32, compute_secs: f64, comm_secs: f64 },
+    Version(u64),
+    Bytes { out: u64, r#in: u64 },
+    PushLatency(f64),
+    PullLatency(f64),
+    Accuracy(f32),
+    Peers(usize),
+    Staleness(u64),
+    GossipDistance(f32),
+}
+
+enum StatusCommand {
+    Event(StatusEvent),
+    Snapshot(oneshot::Sender<StatusSnapshot>),
+}
+
+/// Cloneable handle to the status actor.
+#[derive(Debug, Clone)]
+pub struct StatusHandle {
+    sender: mpsc::Sender<StatusCommand>,
+}
+
+impl StatusHandle {
+    pub fn spawn(name: String, peer_id: String, total_steps: u64, capacity: usize) -> Self {
+        let (sender, receiver) = mpsc::channel(capacity.max(1));
+        let snap = StatusSnapshot { name, peer_id, total_steps, ..Default::default() };
+        tokio::spawn(StatusActor { snap, receiver, started: None }.run());
+        Self { sender }
+    }
+
+    /// Record an event; dropped if the actor is behind.
+    pub fn record(&self, event: StatusEvent) {
+        let _ = self.sender.try_send(StatusCommand::Event(event));
+    }
+
+    pub async fn snapshot(&self) -> Option<StatusSnapshot> {
+        let (tx, rx) = oneshot::channel();
+        self.sender.send(StatusCommand::Snapshot(tx)).await.ok()?;
+        rx.await.ok()
+    }
+}
+
+struct StatusActor {
+    snap: StatusSnapshot,
+    receiver: mpsc::Receiver<StatusCommand>,
+    started: Option<Instant>,
+}
+
+fn ema(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |o| 0.8 * o + 0.2 * new))
+}
+
+impl StatusActor {
+    async fn run(mut self) {
+        while let Some(cmd) = self.receiver.recv().await {
+            match cmd {
+                StatusCommand::Snapshot(reply) => {
+                    let _ = reply.send(self.snap.clone());
+                }
+                StatusCommand::Event(e) => self.apply(e),
+            }
+        }
+    }
+
+    fn apply(&mut self, e: StatusEvent) {
+        let s = &mut self.snap;
+        match e {
+            StatusEvent::Role { role, owned } => {
+                s.role = role;
+                s.owned_shards = owned;
+            }
+            StatusEvent::Step { step, samples, loss, compute_secs, comm_secs } => {
+                let started = *self.started.get_or_insert_with(Instant::now);
+                s.step = step;
+                s.samples += samples as u64;
+                s.last_loss = Some(loss);
+                s.compute_secs += compute_secs;
+                s.comm_secs += comm_secs;
+                let secs = started.elapsed().as_secs_f64();
+                if secs > 0.0 {
+                    s.samples_per_sec = s.samples as f64 / secs;
+                }
+            }
+            StatusEvent::Version(v) => s.model_version = v,
+            StatusEvent::Bytes { out, r#in } => {
+                s.bytes_out += out;
+                s.bytes_in += r#in;
+            }
+            StatusEvent::PushLatency(ms) => s.push_latency_ms = ema(s.push_latency_ms, ms),
+            StatusEvent::PullLatency(ms) => s.pull_latency_ms = ema(s.pull_latency_ms, ms),
+            StatusEvent::Accuracy(a) => {
+                s.last_accuracy = Some(a);
+                let secs = self.started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+                if s.accuracy_history.len() < 1000 {
+                    s.accuracy_history.push((s.step, secs, a));
+                }
+            }
+            StatusEvent::Peers(n) => s.known_peers = n,
+            StatusEvent::Staleness(st) => s.max_staleness = s.max_staleness.max(st),
+            StatusEvent::GossipDistance(d) => {
+                s.gossip_first_distance.get_or_insert(d);
+                s.gossip_last_distance = Some(d);
+            }
+        }
+    }
+}

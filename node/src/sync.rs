@@ -1,0 +1,410 @@
+//! Sync policies and the pure core of a shard owner.
+//!
+//! [`ShardCore`] holds one shard's parameters, optimizer state and version,
+//! accepts gradient pushes and decides when a worker's pull may be answered.
+//! It has no clock, no I/O and no channels: time comes in as an argument
+//! (milliseconds), so the same inputs always give the same outputs and the
+//! policy can be simulated with many workers in a unit test.
+//!
+//! Clocks: a worker's clock is the number of its pushes this shard accepted.
+//! A worker that has pushed step `c` pulls before computing step `c + 1`; the
+//! pull is held until `clock(w) - min_clock <= bound(w)`:
+//! - BSP: bound 0, and all pushes of one round are averaged (weighted by
+//!   samples) into ONE optimizer step, so N workers equal one node on the
+//!   concatenated batch.
+//! - SSP(s): bound `s`; each push is applied on arrival as its own step.
+//! - DSSP([lo, hi]): bound `lo + r`, where `r <= hi - lo` is predicted from the
+//!   measured iteration times so that the fast worker syncs just as the
+//!   slowest one arrives (Zhao et al., DSSP).
+//! - ASP: no bound.
+//!
+//! The staleness recorded for a push is the pusher's clock lead over the
+//! slowest worker when the push arrives; owners keep the largest one seen.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use shoal_models::{Optimizer, OptimizerState};
+
+/// How far workers may drift apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum SyncPolicy {
+    Bsp,
+    Ssp { staleness: u64 },
+    Dssp { lo: u64, hi: u64 },
+    Asp,
+}
+
+impl SyncPolicy {
+    /// The largest clock lead this policy can ever allow (`None`: unbounded).
+    pub fn max_bound(&self) -> Option<u64> {
+        match *self {
+            SyncPolicy::Bsp => Some(0),
+            SyncPolicy::Ssp { staleness } => Some(staleness),
+            SyncPolicy::Dssp { hi, .. } => Some(hi),
+            SyncPolicy::Asp => None,
+        }
+    }
+}
+
+impl FromStr for SyncPolicy {
+    type Err = String;
+    /// `bsp`, `ssp:2`, `dssp:1-4`, `asp`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let lower = s.trim().to_ascii_lowercase();
+        let (name, arg) = lower.split_once(':').map_or((lower.as_str(), None), |(n, a)| (n, Some(a)));
+        let num =
+            |a: &str| a.trim().parse::<u64>().map_err(|_| format!("`{a}` is not a whole number in sync policy `{s}`"));
+        match (name, arg) {
+            ("bsp", None) => Ok(SyncPolicy::Bsp),
+            ("asp", None) => Ok(SyncPolicy::Asp),
+            ("ssp", Some(a)) => Ok(SyncPolicy::Ssp { staleness: num(a)? }),
+            ("dssp", Some(a)) => {
+                let (lo, hi) =
+                    a.split_once('-').ok_or_else(|| format!("dssp needs a range like dssp:1-4, got `{s}`"))?;
+                let (lo, hi) = (num(lo)?, num(hi)?);
+                if lo > hi {
+                    return Err(format!("dssp range {lo}-{hi} is reversed"));
+                }
+                Ok(SyncPolicy::Dssp { lo, hi })
+            }
+            _ => Err(format!("unknown sync policy `{s}`: expected bsp, ssp:N, dssp:LO-HI or asp")),
+        }
+    }
+}
+
+impl fmt::Display for SyncPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SyncPolicy::Bsp => write!(f, "bsp"),
+            SyncPolicy::Ssp { staleness } => write!(f, "ssp:{staleness}"),
+            SyncPolicy::Dssp { lo, hi } => write!(f, "dssp:{lo}-{hi}"),
+            SyncPolicy::Asp => write!(f, "asp"),
+        }
+    }
+}
+
+impl From<SyncPolicy> for String {
+    fn from(p: SyncPolicy) -> String {
+        p.to_string()
+    }
+}
+
+impl TryFrom<String> for SyncPolicy {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+/// What happened to a push.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PushOutcome {
+    /// Taken; `staleness` is the pusher's lead over the slowest worker.
+    Accepted { version: u64, staleness: u64 },
+    /// BSP only: computed against an old version; the worker must pull.
+    Stale { current_version: u64 },
+    /// The pusher is not in the roster.
+    UnknownWorker,
+    /// Gradient length differs from the shard.
+    BadLength { expected: usize, got: usize },
+}
+
+#[derive(Debug, Clone, Default)]
+struct WorkerClock {
+    clock: u64,
+    last_push_ms: Option<u64>,
+    /// Exponential moving average of the time between pushes.
+    iter_ms: Option<f64>,
+    /// Samples behind the worker's latest push.
+    last_samples: Option<u32>,
+}
+
+/// One shard as its owner holds it.
+#[derive(Debug)]
+pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
+    params: Vec<f32>,
+    optimizer: Optimizer,
+    version: u64,
+    policy: SyncPolicy,
+    workers: BTreeMap<K, WorkerClock>,
+    /// BSP round in progress: (samples, gradient) per worker.
+    round: BTreeMap<K, (u32, Vec<f32>)>,
+    max_staleness: u64,
+}
+
+impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
+    pub fn new(
+        params: Vec<f32>,
+        optimizer: Optimizer,
+        version: u64,
+        policy: SyncPolicy,
+        roster: impl IntoIterator<Item = K>,
+    ) -> Self {
+        Self {
+            params,
+            optimizer,
+            version,
+            policy,
+            workers: roster.into_iter().map(|k| (k, WorkerClock::default())).collect(),
+            round: BTreeMap::new(),
+            max_staleness: 0,
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+
+    pub fn optimizer_state(&self) -> &OptimizerState {
+        self.optimizer.state()
+    }
+
+    pub fn policy(&self) -> SyncPolicy {
+        self.policy
+    }
+
+    /// Largest staleness accepted so far.
+    pub fn max_staleness(&self) -> u64 {
+        self.max_staleness
+    }
+
+    pub fn clock(&self, worker: &K) -> Option<u64> {
+        self.workers.get(worker).map(|w| w.clock)
+    }
+
+    fn min_clock(&self) -> u64 {
+        self.workers.values().map(|w| w.clock).min().unwrap_or(0)
+    }
+
+    /// Accept a gradient from `worker`, computed against `base_version`.
+    /// The gradient is taken by value: BSP keeps it for the round and the
+    /// asynchronous policies scale it in place, so no copy is made.
+    pub fn push(
+        &mut self,
+        worker: &K,
+        base_version: u64,
+        samples: u32,
+        mut grad: Vec<f32>,
+        now_ms: u64,
+    ) -> PushOutcome {
+        if grad.len() != self.params.len() {
+            return PushOutcome::BadLength { expected: self.params.len(), got: grad.len() };
+        }
+        let min_before = self.min_clock();
+        let Some(w) = self.workers.get(worker) else { return PushOutcome::UnknownWorker };
+        let lead = w.clock.saturating_sub(min_before);
+        if self.policy == SyncPolicy::Bsp {
+            if base_version != self.version {
+                return PushOutcome::Stale { current_version: self.version };
+            }
+            if self.round.contains_key(worker) {
+                // A retry of a push we already hold: idempotent.
+                return PushOutcome::Accepted { version: self.version, staleness: lead };
+            }
+            self.round.insert(worker.clone(), (samples.max(1), std::mem::take(&mut grad)));
+        }
+        if let Some(w) = self.workers.get_mut(worker) {
+            w.clock += 1;
+            if let Some(last) = w.last_push_ms {
+                let dt = now_ms.saturating_sub(last) as f64;
+                w.iter_ms = Some(w.iter_ms.map_or(dt, |m| 0.7 * m + 0.3 * dt));
+            }
+            w.last_push_ms = Some(now_ms);
+            w.last_samples = Some(samples.max(1));
+        }
+        self.max_staleness = self.max_staleness.max(lead);
+        let version = self.version;
+        match self.policy {
+            SyncPolicy::Bsp => {
+                if self.round.len() == self.workers.len() {
+                    self.apply_round();
+                }
+            }
+            _ => {
+                // Asynchronous policies: every push is its own optimizer step,
+                // weighted by its share of one round's samples (n_i / sum of
+                // every worker's latest n), so one push from each worker adds
+                // up to BSP's sample-weighted mean. Lengths were checked above,
+                // so the step cannot fail on size.
+                let total: u64 = self.workers.values().map(|w| w.last_samples.unwrap_or(samples.max(1)) as u64).sum();
+                let weight = samples.max(1) as f32 / total.max(1) as f32;
+                grad.iter_mut().for_each(|g| *g *= weight);
+                if self.optimizer.step(&mut self.params, &grad).is_ok() {
+                    self.version += 1;
+                }
+            }
+        }
+        PushOutcome::Accepted { version, staleness: lead }
+    }
+
+    /// Average the round's gradients weighted by samples, in worker order
+    /// (so every owner sums in the same order), and take one step.
+    fn apply_round(&mut self) {
+        let total: f64 = self.round.values().map(|(n, _)| *n as f64).sum();
+        let mut mean = vec![0.0f32; self.params.len()];
+        for (n, g) in self.round.values() {
+            let w = (*n as f64 / total) as f32;
+            for (m, x) in mean.iter_mut().zip(g) {
+                *m += w * x;
+            }
+        }
+        self.round.clear();
+        if self.optimizer.step(&mut self.params, &mean).is_ok() {
+            self.version += 1;
+        }
+    }
+
+    /// May `worker`, whose clock is `clock` on its side, be answered now?
+    /// BSP also needs the round it pushed into to be applied.
+    pub fn pull_ready(&self, worker: &K, min_version: u64, now_ms: u64) -> bool {
+        if self.version < min_version {
+            return false;
+        }
+        let Some(w) = self.workers.get(worker) else {
+            // Not a worker of ours (a reader, a joiner): serve what we have.
+            return true;
+        };
+        let lead = w.clock.saturating_sub(self.min_clock());
+        match self.bound_for(worker, now_ms) {
+            None => true,
+            Some(b) => lead <= b,
+        }
+    }
+
+    /// The clock lead `worker` is allowed right now.
+    pub fn bound_for(&self, worker: &K, now_ms: u64) -> Option<u64> {
+        match self.policy {
+            SyncPolicy::Bsp => Some(0),
+            SyncPolicy::Ssp { staleness } => Some(staleness),
+            SyncPolicy::Asp => None,
+            SyncPolicy::Dssp { lo, hi } => Some(lo + self.dssp_extra(worker, hi - lo, now_ms)),
+        }
+    }
+
+    /// DSSP's `r`: how many extra steps the fast worker can take before the
+    /// slowest worker's next push is expected, capped at `max_r`. Without
+    /// timing data yet, allow nothing extra.
+    fn dssp_extra(&self, worker: &K, max_r: u64, now_ms: u64) -> u64 {
+        let Some(me) = self.workers.get(worker).and_then(|w| w.iter_ms) else { return 0 };
+        let min = self.min_clock();
+        // The slowest worker's expected arrival: last push + its iteration time.
+        let wait = self
+            .workers
+            .values()
+            .filter(|w| w.clock == min)
+            .filter_map(|w| Some(w.last_push_ms? as f64 + w.iter_ms? - now_ms as f64))
+            .fold(f64::NEG_INFINITY, f64::max);
+        if !wait.is_finite() || wait <= 0.0 || me <= 0.0 {
+            return if wait.is_finite() { 0 } else { max_r };
+        }
+        ((wait / me).floor() as u64).min(max_r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_models::{OptimizerConfig, OptimizerKind};
+
+    fn sgd() -> Optimizer {
+        let cfg = OptimizerConfig::Sgd { lr: 1.0, momentum: 0.0, nesterov: false, weight_decay: 0.0 };
+        match Optimizer::new(cfg, 2) {
+            Ok(o) => o,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn parses_policies() {
+        assert_eq!("bsp".parse(), Ok(SyncPolicy::Bsp));
+        assert_eq!("SSP:2".parse(), Ok(SyncPolicy::Ssp { staleness: 2 }));
+        assert_eq!("dssp:1-4".parse(), Ok(SyncPolicy::Dssp { lo: 1, hi: 4 }));
+        assert_eq!("asp".parse(), Ok(SyncPolicy::Asp));
+        assert!("dssp:4-1".parse::<SyncPolicy>().is_err());
+        assert!("ssp".parse::<SyncPolicy>().is_err());
+        assert!("raft".parse::<SyncPolicy>().is_err());
+        for p in ["bsp", "ssp:3", "dssp:1-4", "asp"] {
+            assert_eq!(p.parse::<SyncPolicy>().map(|p| p.to_string()), Ok(p.to_string()));
+        }
+    }
+
+    #[test]
+    fn bsp_averages_by_samples_in_one_step() {
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ["a", "b"]);
+        assert_eq!(core.push(&"a", 0, 1, vec![4.0, 0.0], 0), PushOutcome::Accepted { version: 0, staleness: 0 });
+        assert!(!core.pull_ready(&"a", 1, 0), "round not complete");
+        assert_eq!(core.version(), 0);
+        // b has 3 samples: mean = (1*4 + 3*0)/4 = 1 and (1*0 + 3*8)/4 = 6.
+        assert!(matches!(core.push(&"b", 0, 3, vec![0.0, 8.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 1);
+        assert_eq!(core.params(), &[-1.0, -6.0]);
+        assert!(core.pull_ready(&"a", 1, 0) && core.pull_ready(&"b", 1, 0));
+        // A push against an old version is refused.
+        assert_eq!(core.push(&"a", 0, 1, vec![1.0, 1.0], 0), PushOutcome::Stale { current_version: 1 });
+        assert_eq!(core.push(&"z", 1, 1, vec![1.0, 1.0], 0), PushOutcome::UnknownWorker);
+        assert_eq!(core.push(&"a", 1, 1, vec![1.0], 0), PushOutcome::BadLength { expected: 2, got: 1 });
+    }
+
+    /// A seeded simulation: workers of very different speeds push and pull
+    /// under SSP(s) and DSSP; the recorded lead never exceeds the bound, and
+    /// fast workers are never let run further than the bound allows.
+    #[test]
+    fn ssp_and_dssp_bound_the_lead_in_simulation() {
+        for policy in [SyncPolicy::Ssp { staleness: 2 }, SyncPolicy::Dssp { lo: 1, hi: 4 }, SyncPolicy::Bsp] {
+            let speeds = [1u64, 1, 3, 7]; // ms per step
+            let ids = [0usize, 1, 2, 3];
+            let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, policy, ids);
+            let mut next_free = [0u64; 4];
+            let mut waiting = [false; 4];
+            let bound = policy.max_bound().unwrap_or(u64::MAX);
+            for now in 0..2000u64 {
+                for w in ids {
+                    if waiting[w] {
+                        let min_version = if policy == SyncPolicy::Bsp { core.clock(&w).unwrap_or(0) } else { 0 };
+                        if core.pull_ready(&w, min_version, now) {
+                            waiting[w] = false;
+                            next_free[w] = now + speeds[w];
+                        }
+                    } else if now >= next_free[w] {
+                        let base = core.version();
+                        let out = core.push(&w, base, 1, vec![0.001, 0.001], now);
+                        assert!(matches!(out, PushOutcome::Accepted { .. }), "{policy}: {out:?}");
+                        waiting[w] = true;
+                    }
+                }
+                let clocks: Vec<u64> = ids.iter().filter_map(|w| core.clock(w)).collect();
+                let spread = clocks.iter().max().unwrap_or(&0) - clocks.iter().min().unwrap_or(&0);
+                assert!(spread <= bound + 1, "{policy}: clocks {clocks:?}");
+            }
+            assert!(core.max_staleness() <= bound, "{policy}: staleness {}", core.max_staleness());
+            let slowest = core.clock(&3).unwrap_or(0);
+            assert!(slowest > 200, "{policy}: the slow worker must progress ({slowest})");
+            if policy != SyncPolicy::Bsp {
+                // Bounded staleness lets the fast workers get ahead of BSP's lockstep.
+                assert!(core.max_staleness() >= 1, "{policy}: nobody ran ahead");
+            }
+        }
+    }
+
+    #[test]
+    fn asp_never_blocks() {
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Asp, ["a", "b"]);
+        for i in 0..10 {
+            assert!(matches!(core.push(&"a", 0, 1, vec![1.0, 1.0], i), PushOutcome::Accepted { .. }));
+            assert!(core.pull_ready(&"a", 0, i));
+        }
+        assert_eq!(core.version(), 10);
+        assert_eq!(core.max_staleness(), 9);
+        // Each push is weighted by its share of a round: a's 1 sample out of
+        // a (1) + b (not yet seen, assumed 1) = 1/2, with lr 1: 10 * 0.5 = 5.
+        assert_eq!(core.params(), &[-5.0, -5.0]);
+        let _ = OptimizerKind::Sgd;
+    }
+}

@@ -1,0 +1,446 @@
+//! The worker: the life of one training step, in parameter-server mode.
+//!
+//! 1. compute gradients on this node's next batch (trainer thread);
+//! 2. cut them into shards with the `ShardPlan`;
+//! 3. push each shard to its owner (concurrently; the local owner directly);
+//! 4. pull every shard's new version (BSP: `base + 1`; other policies: what
+//!    the owner's staleness gate lets through);
+//! 5. load the new parameters into the model and publish a snapshot.
+//!
+//! Gossip mode replaces 3-4 with a local optimizer step and, every k steps,
+//! averaging each shard with a random peer's copy.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures::future::try_join_all;
+use shoal_models::data::shuffled_batches;
+use shoal_models::{Optimizer, OptimizerConfig, Partition, ShardPlan};
+use shoal_protocol::libp2p::PeerId;
+use shoal_protocol::{Encoding, Payload, PullShard, PushGrad, RunId, ShardRequest, ShardResponse, StateSync};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::aggregator::{AggregatorHandle, PullReply, PushReply};
+use crate::config::{Mode, NodeConfig};
+use crate::membership::{MembershipHandle, Roster};
+use crate::net::{ModelSnapshot, NetError, NetworkHandle};
+use crate::status::{StatusEvent, StatusHandle};
+use crate::sync::SyncPolicy;
+use crate::trainer::TrainerHandle;
+
+/// The batch a worker of rank `rank` among `world` trains on at `step`:
+/// its rank-strided partition of the training set, reshuffled each epoch.
+/// Public so that tests can rebuild the concatenated batch of all workers.
+pub fn batch_for_step(
+    train_len: usize,
+    rank: usize,
+    world: usize,
+    batch_size: usize,
+    seed: u64,
+    step: u64,
+) -> anyhow::Result<Vec<usize>> {
+    WorkerBatches::new(train_len, rank, world, batch_size, seed)?.for_step(step)
+}
+
+/// A worker's batches, computed once per epoch rather than once per step:
+/// the partition is fixed for the run and the shuffle changes only with the epoch.
+#[derive(Debug)]
+pub struct WorkerBatches {
+    part: Vec<usize>,
+    batch_size: usize,
+    seed: u64,
+    epoch: Option<u64>,
+    batches: Vec<Vec<usize>>,
+}
+
+impl WorkerBatches {
+    pub fn new(train_len: usize, rank: usize, world: usize, batch_size: usize, seed: u64) -> anyhow::Result<Self> {
+        let part = Partition::Rank { rank, world }.indices(train_len)?;
+        if part.is_empty() {
+            bail!("rank {rank} of {world} gets no training samples out of {train_len}");
+        }
+        if batch_size == 0 {
+            bail!("batch size must be at least 1");
+        }
+        Ok(Self { part, batch_size, seed, epoch: None, batches: Vec::new() })
+    }
+
+    pub fn for_step(&mut self, step: u64) -> anyhow::Result<Vec<usize>> {
+        let per_epoch = self.part.len().div_ceil(self.batch_size) as u64;
+        let epoch = step / per_epoch;
+        if self.epoch != Some(epoch) {
+            self.batches = shuffled_batches(&self.part, self.batch_size, self.seed, epoch)?;
+            self.epoch = Some(epoch);
+        }
+        self.batches.get((step % per_epoch) as usize).cloned().context("batch index out of range")
+    }
+}
+
+/// Everything the step loop talks to.
+pub struct Worker {
+    pub me: PeerId,
+    pub incarnation: u64,
+    pub config: NodeConfig,
+    pub run: RunId,
+    pub net: NetworkHandle,
+    pub aggregator: AggregatorHandle,
+    pub trainer: TrainerHandle,
+    pub status: StatusHandle,
+    pub plan: ShardPlan,
+    pub train_len: usize,
+    pub snapshot: watch::Sender<ModelSnapshot>,
+    pub membership: MembershipHandle,
+}
+
+/// Where each shard lives for this run.
+#[derive(Debug)]
+pub struct Routing {
+    pub epoch: u64,
+    pub owners: Vec<PeerId>,
+    pub roster: Roster,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("me", &self.me).finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    fn policy(&self) -> SyncPolicy {
+        self.config.cluster.sync
+    }
+
+    fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.config.cluster.request_timeout_ms)
+    }
+
+    /// Run all steps. Returns the final flat parameters.
+    pub async fn run(&self, routing: &Routing, mut params: Vec<f32>) -> anyhow::Result<Vec<f32>> {
+        let t = &self.config.training;
+        let rank = routing.roster.rank_of(&self.me).context("this node is not in its own roster")?;
+        let world = routing.roster.members.len();
+        let mut batches = WorkerBatches::new(self.train_len, rank, world, t.batch_size, t.seed)?;
+        let mut versions = vec![0u64; self.plan.len()];
+        let mut local_opt = match self.config.cluster.mode {
+            Mode::Gossip => Some(Optimizer::new(t.optimizer_config(), params.len())?),
+            Mode::Pull => None,
+        };
+        info!(rank, world, steps = t.steps, mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
+        for step in 0..t.steps {
+            let indices = batches.for_step(step)?;
+            let started = Instant::now();
+            let g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
+            let compute = started.elapsed().as_secs_f64();
+            let comm_started = Instant::now();
+            let version = match local_opt.as_mut() {
+                None => {
+                    self.push_all(routing, step, &versions, g.samples as u32, &g.grads).await?;
+                    self.pull_all(routing, &mut versions, &mut params).await?
+                }
+                Some(opt) => {
+                    let lr = t.lr_decay.lr_at(t.optimizer_config().lr(), step, t.steps);
+                    opt.set_lr(lr)?;
+                    opt.step(&mut params, &g.grads)?;
+                    if (step + 1) % self.config.cluster.gossip_every == 0 {
+                        self.gossip_average(routing, step, &mut params).await?;
+                    }
+                    step + 1
+                }
+            };
+            let params_arc = Arc::new(params.clone());
+            self.trainer.set_params(params_arc.clone()).await?;
+            self.snapshot.send_replace(ModelSnapshot { version, params: params_arc });
+            let comm = comm_started.elapsed().as_secs_f64();
+            self.status.record(StatusEvent::Step {
+                step: step + 1,
+                samples: g.samples,
+                loss: g.loss,
+                compute_secs: compute,
+                comm_secs: comm,
+            });
+            self.status.record(StatusEvent::Version(version));
+            self.membership.set_self(|me| {
+                me.step = step + 1;
+                me.model_version = version;
+            });
+            if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
+                let e = self.trainer.evaluate().await?;
+                self.status.record(StatusEvent::Accuracy(e.accuracy));
+                debug!(step = step + 1, accuracy = e.accuracy, "evaluated");
+            }
+        }
+        Ok(params)
+    }
+
+    async fn push_all(
+        &self,
+        routing: &Routing,
+        step: u64,
+        versions: &[u64],
+        samples: u32,
+        grads: &[f32],
+    ) -> anyhow::Result<()> {
+        let parts = self.plan.split(grads)?;
+        let pushes = self.plan.shards().iter().zip(parts).map(|(shard, slice)| {
+            let owner = routing.owners[shard.id as usize];
+            self.push_one(routing, owner, shard.id, versions[shard.id as usize], step, samples, slice)
+        });
+        try_join_all(pushes).await?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn push_one(
+        &self,
+        routing: &Routing,
+        owner: PeerId,
+        shard: u32,
+        base: u64,
+        step: u64,
+        samples: u32,
+        grad: &[f32],
+    ) -> anyhow::Result<()> {
+        let started = Instant::now();
+        let deadline = started + self.request_timeout();
+        let reply = if owner == self.me {
+            self.aggregator.push(self.me, shard, base, samples, grad.to_vec()).await?
+        } else {
+            let payload = Payload::encode(grad, Encoding::F32)?;
+            let bytes = payload.byte_len();
+            let req = ShardRequest::PushGrad(PushGrad {
+                run: self.run.clone(),
+                shard,
+                epoch: routing.epoch,
+                base_version: base,
+                worker: self.me,
+                incarnation: self.incarnation,
+                step,
+                samples: samples.max(1),
+                grad: payload,
+            });
+            let resp = self.request_with_retry(owner, req, deadline).await?;
+            self.status.record(StatusEvent::Bytes { out: bytes, r#in: 0 });
+            match resp {
+                ShardResponse::Accepted(a) => PushReply::Accepted { version: a.version, staleness: a.staleness },
+                ShardResponse::Stale { current_version, max_staleness, .. } => {
+                    PushReply::Stale { current_version, max_staleness }
+                }
+                ShardResponse::NotOwner { epoch, .. } => PushReply::NotOwner { epoch },
+                other => bail!("shard {shard}: owner {owner} answered a push with {}", other.kind()),
+            }
+        };
+        self.status.record(StatusEvent::PushLatency(started.elapsed().as_secs_f64() * 1e3));
+        match reply {
+            PushReply::Accepted { .. } => Ok(()),
+            PushReply::Stale { current_version, .. } => {
+                // Only BSP refuses pushes, and only if we missed a round:
+                // the gradient is dropped and the pull brings us up to date.
+                warn!(shard, base, current_version, "push was stale; skipping it");
+                Ok(())
+            }
+            PushReply::NotOwner { epoch } => {
+                bail!("shard {shard}: {owner} does not own it (its epoch {epoch}, ours {})", routing.epoch)
+            }
+            PushReply::Invalid(m) => bail!("shard {shard}: owner {owner} refused the push: {m}"),
+        }
+    }
+
+    /// Pull every shard; returns the smallest shard version (the model version).
+    async fn pull_all(&self, routing: &Routing, versions: &mut [u64], params: &mut [f32]) -> anyhow::Result<u64> {
+        let bsp = self.policy() == SyncPolicy::Bsp;
+        let pulls = self.plan.shards().iter().map(|shard| {
+            let min = if bsp { versions[shard.id as usize] + 1 } else { 0 };
+            self.pull_one(routing, routing.owners[shard.id as usize], shard.id, min)
+        });
+        let results = try_join_all(pulls).await?;
+        for (shard, (version, values)) in self.plan.shards().iter().zip(results) {
+            if values.len() != shard.len() {
+                bail!("shard {}: owner sent {} values, expected {}", shard.id, values.len(), shard.len());
+            }
+            params[shard.range()].copy_from_slice(&values);
+            versions[shard.id as usize] = version;
+        }
+        Ok(versions.iter().copied().min().unwrap_or(0))
+    }
+
+    async fn pull_one(
+        &self,
+        routing: &Routing,
+        owner: PeerId,
+        shard: u32,
+        min_version: u64,
+    ) -> anyhow::Result<(u64, Arc<Vec<f32>>)> {
+        let started = Instant::now();
+        let deadline = started + self.request_timeout();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!(
+                    "shard {shard}: owner {owner} did not reach version {min_version} within {} ms \
+                     (a straggler or a failed node; see cluster.request_timeout_ms)",
+                    self.config.cluster.request_timeout_ms
+                );
+            }
+            let reply = if owner == self.me {
+                self.aggregator.pull(self.me, shard, min_version, left).await?
+            } else {
+                let req = ShardRequest::PullShard(PullShard {
+                    run: self.run.clone(),
+                    shard,
+                    min_version,
+                    // Owners refuse waits longer than their response_wait_ms.
+                    max_wait_ms: left
+                        .as_millis()
+                        .min(self.config.network.timeouts.response_wait_ms as u128)
+                        .min(u32::MAX as u128) as u32,
+                    encoding: Encoding::F32,
+                });
+                match self.request_with_retry(owner, req, deadline).await? {
+                    ShardResponse::ShardState(s) => {
+                        self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
+                        PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) }
+                    }
+                    ShardResponse::NotReady { current_version, .. } => PullReply::NotReady { current_version },
+                    ShardResponse::NotOwner { epoch, .. } => PullReply::NotOwner { epoch },
+                    other => bail!("shard {shard}: owner {owner} answered a pull with {}", other.kind()),
+                }
+            };
+            match reply {
+                PullReply::State { version, params } => {
+                    self.status.record(StatusEvent::PullLatency(started.elapsed().as_secs_f64() * 1e3));
+                    return Ok((version, params));
+                }
+                PullReply::NotReady { current_version } => {
+                    debug!(shard, current_version, min_version, "pull not ready yet; asking again");
+                }
+                PullReply::NotOwner { epoch } => {
+                    bail!("shard {shard}: {owner} does not own it (its epoch {epoch}, ours {})", routing.epoch)
+                }
+            }
+        }
+    }
+
+    /// Send a request, retrying transport failures and `Busy` with capped
+    /// exponential back-off until `deadline`.
+    async fn request_with_retry(
+        &self,
+        peer: PeerId,
+        req: ShardRequest,
+        deadline: Instant,
+    ) -> anyhow::Result<ShardResponse> {
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            let last_err = match self.net.request(peer, req.clone()).await {
+                Ok(ShardResponse::Error(e)) if e.code == shoal_protocol::ErrorCode::Busy => {
+                    format!("busy: {}", e.message)
+                }
+                Ok(ShardResponse::Error(e)) => bail!("{peer} refused {}: {:?}: {}", req.kind(), e.code, e.message),
+                Ok(resp) => return Ok(resp),
+                Err(NetError::Stopped) => bail!("network actor stopped"),
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() + backoff >= deadline {
+                bail!("{} to {peer} kept failing until the deadline: {last_err}", req.kind());
+            }
+            debug!(%peer, error = %last_err, "retrying");
+            // Back-off between retries of a failed request, not synchronisation.
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// Gossip mode: average each shard with one randomly chosen peer's copy.
+    async fn gossip_average(&self, routing: &Routing, step: u64, params: &mut [f32]) -> anyhow::Result<()> {
+        use rand::seq::IndexedRandom;
+        let others: Vec<PeerId> = routing.roster.peers().into_iter().filter(|p| *p != self.me).collect();
+        if others.is_empty() {
+            return Ok(());
+        }
+        let picks: Vec<PeerId> = {
+            let mut rng = rand::rng();
+            (0..self.plan.len()).filter_map(|_| others.choose(&mut rng).copied()).collect()
+        };
+        let deadline = Instant::now() + self.request_timeout();
+        let fetches = self.plan.shards().iter().zip(&picks).map(|(shard, &peer)| {
+            let req = ShardRequest::StateSync(StateSync { run: self.run.clone(), shard: shard.id, min_version: 0 });
+            async move {
+                match self.request_with_retry(peer, req, deadline).await? {
+                    ShardResponse::ShardState(s) => Ok::<_, anyhow::Error>(Some(s.params.decode()?)),
+                    // The peer has not published a model yet: skip this round.
+                    ShardResponse::NotReady { .. } => Ok(None),
+                    other => bail!("gossip with {peer}: unexpected {}", other.kind()),
+                }
+            }
+        });
+        let copies = try_join_all(fetches).await?;
+        let (mut diff2, mut norm2) = (0.0f64, 0.0f64);
+        for (shard, copy) in self.plan.shards().iter().zip(&copies) {
+            let Some(copy) = copy else { continue };
+            for (p, q) in params[shard.range()].iter().zip(copy) {
+                diff2 += ((p - q) as f64).powi(2);
+                norm2 += (*p as f64).powi(2);
+            }
+        }
+        if norm2 > 0.0 {
+            self.status.record(StatusEvent::GossipDistance((diff2 / norm2).sqrt() as f32));
+        }
+        for (shard, copy) in self.plan.shards().iter().zip(copies) {
+            let Some(copy) = copy else { continue };
+            if copy.len() != shard.len() {
+                bail!("gossip: shard {} has {} values, expected {}", shard.id, copy.len(), shard.len());
+            }
+            for (p, q) in params[shard.range()].iter_mut().zip(&copy) {
+                *p = 0.5 * (*p + q);
+            }
+        }
+        debug!(step, "gossip averaged");
+        Ok(())
+    }
+}
+
+/// Shards this node owns, initialised from the shared initial parameters.
+pub fn initial_owned(
+    plan: &ShardPlan,
+    owners: &[PeerId],
+    me: &PeerId,
+    params: &[f32],
+    opt: OptimizerConfig,
+) -> anyhow::Result<Vec<crate::aggregator::OwnedShard>> {
+    plan.shards()
+        .iter()
+        .filter(|s| owners.get(s.id as usize) == Some(me))
+        .map(|s| {
+            Ok(crate::aggregator::OwnedShard {
+                shard: s.id,
+                params: params[s.range()].to_vec(),
+                optimizer: Optimizer::new(opt, s.len())?,
+                version: 0,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_batches_match_a_fresh_computation_across_epochs() -> anyhow::Result<()> {
+        // 100 samples, rank 1 of 3 -> 33 samples, batch 8 -> 5 batches per epoch.
+        let mut cached = WorkerBatches::new(100, 1, 3, 8, 7)?;
+        let mut seen = Vec::new();
+        for step in 0..12 {
+            let b = cached.for_step(step)?;
+            assert_eq!(b, batch_for_step(100, 1, 3, 8, 7, step)?, "step {step}");
+            assert!(b.iter().all(|i| i % 3 == 1), "rank 1 takes i % 3 == 1");
+            seen.push(b);
+        }
+        assert_ne!(seen[0], seen[5], "the next epoch is reshuffled");
+        assert!(WorkerBatches::new(2, 2, 3, 8, 7).is_err(), "an empty partition is an error");
+        Ok(())
+    }
+}

@@ -1,0 +1,197 @@
+//! The `shoal` binary end to end: real processes, real files.
+
+use std::process::{Command, Output};
+
+fn shoal(args: &[&str]) -> Output {
+    match Command::new(env!("CARGO_BIN_EXE_shoal")).args(args).env("RUST_LOG", "warn").output() {
+        Ok(o) => o,
+        Err(e) => panic!("cannot run shoal: {e}"),
+    }
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+#[test]
+fn train_saves_then_resumes_from_checkpoint() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let ckpt = dir.path().join("run.safetensors");
+    let ckpt = ckpt.to_str().unwrap_or_default();
+
+    let first = shoal(&["train", "--epochs", "1", "--checkpoint", ckpt]);
+    let (out, err) = text(&first);
+    assert!(first.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("epoch 1/1") && out.contains("test accuracy"), "{out}");
+    assert!(std::path::Path::new(ckpt).is_file());
+
+    let second = shoal(&["train", "--epochs", "2", "--resume", ckpt, "--checkpoint", ckpt]);
+    let (out, err) = text(&second);
+    assert!(second.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("epoch 2/2"), "{out}");
+    assert!(!out.contains("epoch 1/2"), "resume must not redo epoch 1: {out}");
+    // 1438 samples / 32 = 45 steps per epoch.
+    assert!(out.contains("after 90 steps"), "{out}");
+}
+
+#[test]
+fn resume_with_another_model_or_garbage_is_refused() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let ckpt = dir.path().join("mlp.safetensors");
+    let ckpt = ckpt.to_str().unwrap_or_default();
+    assert!(shoal(&["train", "--epochs", "1", "--checkpoint", ckpt]).status.success());
+
+    let wrong = shoal(&["train", "--model", "cnn", "--resume", ckpt]);
+    let (_, err) = text(&wrong);
+    assert!(!wrong.status.success());
+    assert!(err.contains("requested") && !err.contains("panicked"), "{err}");
+
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"this is not a checkpoint").unwrap_or_else(|e| panic!("{e}"));
+    let bad = shoal(&["train", "--resume", junk.to_str().unwrap_or_default()]);
+    let (_, err) = text(&bad);
+    assert!(!bad.status.success());
+    assert!(err.contains("checkpoint") && !err.contains("panicked"), "{err}");
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_without_the_feature_names_the_feature() {
+    let o = shoal(&["train", "--device", "cuda", "--epochs", "1"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("--features cuda"), "{err}");
+}
+
+#[test]
+fn missing_fashion_mnist_says_how_to_fetch_it() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let o = shoal(&["train", "--dataset", "fashion-mnist", "--data-dir", dir.path().to_str().unwrap_or_default()]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("shoal data fetch fashion-mnist"), "{err}");
+}
+
+#[test]
+fn bad_flags_are_rejected_before_work() {
+    for args in [
+        &["train", "--model", "transformer"][..],
+        &["train", "--epochs", "0"],
+        &["train", "--batch-size", "0"],
+        &["train", "--lr", "-1"],
+        &["train", "--optimizer", "lion"],
+    ] {
+        let o = shoal(args);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "{args:?} should fail");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(!err.trim().is_empty(), "{args:?} gave no message");
+    }
+}
+
+/// A `shoal node` child process on loopback with mDNS off and short timeouts.
+fn node_cmd(extra: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_shoal"));
+    c.args(["node", "--listen", "/ip4/127.0.0.1/tcp/0", "--no-mdns"]).args(extra).env("RUST_LOG", "warn");
+    c
+}
+
+#[test]
+fn node_rejects_a_bad_config_file_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.path().join("node.toml");
+    std::fs::write(&path, "[training]\nbatch = 3\n").unwrap_or_else(|e| panic!("{e}"));
+    let o = shoal(&["node", "--config", path.to_str().unwrap_or_default()]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("batch") && err.contains("node.toml"), "{err}");
+    let o = shoal(&["node", "--sync", "dssp:4-1"]);
+    assert!(!o.status.success(), "a reversed dssp range must be refused");
+}
+
+#[test]
+fn node_with_unreachable_bootstrap_peer_fails_fast() {
+    let o = node_cmd(&[
+        "--start-timeout-ms",
+        "4000",
+        "--bootstrap",
+        "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWE54zcAJi8KBgsrkiLYdhnwPWLmxSj7RHddoJ4dVNpcEg",
+    ])
+    .output()
+    .unwrap_or_else(|e| panic!("{e}"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("bootstrap peer") && err.contains("unreachable"), "{err}");
+}
+
+/// Two real node processes, one with another model: both give up with a
+/// clear message within the start timeout instead of hanging.
+#[test]
+fn nodes_with_mismatched_model_or_run_refuse_to_train_together() {
+    use std::io::{BufRead, BufReader};
+    // A waits longer than B and C, so it is still up while they try.
+    let mut a = node_cmd(&["--min-peers", "2", "--run-id", "mm", "--start-timeout-ms", "12000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let stdout = a.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+    let addr = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.strip_prefix("listening on ").map(str::to_string))
+        .unwrap_or_else(|| panic!("node A printed no address"));
+
+    let short = ["--min-peers", "2", "--start-timeout-ms", "4000", "--bootstrap", &addr];
+    let b = node_cmd(&short).args(["--run-id", "mm", "--model", "cnn"]).output().unwrap_or_else(|e| panic!("{e}"));
+    let err = String::from_utf8_lossy(&b.stderr);
+    assert!(!b.status.success());
+    assert!(err.contains("no agreed roster") && err.contains("different model/training config"), "{err}");
+
+    let c = node_cmd(&short).args(["--run-id", "other-run"]).output().unwrap_or_else(|e| panic!("{e}"));
+    let err = String::from_utf8_lossy(&c.stderr);
+    assert!(!c.status.success());
+    assert!(err.contains("no agreed roster") && err.contains("other-run"), "{err}");
+
+    let out = a.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+    assert!(!out.status.success(), "node A never had a valid peer and must fail too");
+}
+
+/// The deployment form: three `shoal node` processes on loopback TCP. B and
+/// C know only A; they find each other through Kademlia and train together.
+#[test]
+fn three_node_processes_train_together_over_tcp() {
+    use std::io::{BufRead, BufReader};
+    let common =
+        ["--min-peers", "3", "--run-id", "procs", "--steps", "150", "--lr", "0.1", "--start-timeout-ms", "30000"];
+    let mut a = node_cmd(&common).stdout(std::process::Stdio::piped()).spawn().unwrap_or_else(|e| panic!("{e}"));
+    let mut lines =
+        BufReader::new(a.stdout.take().unwrap_or_else(|| panic!("no stdout"))).lines().map_while(Result::ok);
+    let addr = lines
+        .by_ref()
+        .find_map(|l| l.strip_prefix("listening on ").map(str::to_string))
+        .unwrap_or_else(|| panic!("node A printed no address"));
+    let others: Vec<_> = (0..2)
+        .map(|_| node_cmd(&common).args(["--bootstrap", &addr]).stdout(std::process::Stdio::piped()).spawn())
+        .map(|c| c.unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    let mut finals: Vec<String> = lines.filter(|l| l.contains("test accuracy")).collect();
+    assert!(a.wait().map(|s| s.success()).unwrap_or(false), "node A failed");
+    for c in others {
+        let o = c.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+        assert!(o.status.success(), "a bootstrapped node failed");
+        finals.extend(
+            String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.contains("test accuracy")).map(str::to_string),
+        );
+    }
+    assert_eq!(finals.len(), 3, "{finals:?}");
+    for line in &finals {
+        let pct: f32 = line
+            .split("test accuracy ")
+            .nth(1)
+            .and_then(|r| r.split('%').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        assert!(pct >= 90.0, "{line}");
+    }
+}

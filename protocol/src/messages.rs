@@ -1,0 +1,711 @@
+//! Message types. Everything here is encoded with postcard (see
+//! `docs/protocol.md` for the byte-level rules); tensors inside messages are
+//! [`Payload`]s whose bodies travel after the postcard header.
+//!
+//! Compatibility rule: postcard is not self-describing, so the field order of
+//! every struct and the variant order of every enum *is* the wire format. New
+//! variants may be appended at the end of an enum in a minor revision;
+//! anything else (reordering, new fields) needs a new protocol id.
+
+use std::fmt;
+
+use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
+
+use crate::error::ProtocolError;
+use crate::payload::{Encoding, Payload};
+
+/// Minor revision of the `/shoal/shard/1.0.0` wire (frame prefix `version`
+/// field and `Heartbeat::protocol_minor`).
+pub const WIRE_VERSION: u16 = 1;
+
+/// Shard index into the model's `ParamLayout`.
+pub type ShardId = u32;
+/// Version of a shard (bumped by its owner on every optimizer step).
+pub type Version = u64;
+/// Assignment epoch (derived from the election's inputs).
+pub type Epoch = u64;
+
+/// Most shards a manifest may list.
+pub const MAX_MANIFEST_SHARDS: usize = 4096;
+/// Most shards a heartbeat may list as owned (keeps heartbeats under 4 KiB).
+pub const MAX_OWNED_SHARDS: usize = 256;
+/// Most service-time observations in one heartbeat.
+pub const MAX_SERVICE_OBSERVATIONS: usize = 32;
+/// Most optimizer state slots in a handoff (AdamW has two).
+pub const MAX_OPTIMIZER_SLOTS: usize = 4;
+/// Longest short name (optimizer kind, slot name).
+pub const MAX_NAME_LEN: usize = 32;
+/// Longest error message.
+pub const MAX_ERROR_MESSAGE_LEN: usize = 1024;
+
+/// A run id: 1 to 64 characters from `[A-Za-z0-9._-]`, so it can sit in a
+/// gossip topic and a log line unescaped. Validated on construction and on
+/// deserialization.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct RunId(String);
+
+impl RunId {
+    /// Validates and wraps a run id.
+    pub fn new(s: impl Into<String>) -> Result<RunId, ProtocolError> {
+        let s = s.into();
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if ok {
+            Ok(RunId(s))
+        } else {
+            Err(ProtocolError::InvalidRunId(s))
+        }
+    }
+
+    /// The id as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for RunId {
+    fn default() -> Self {
+        RunId("default".to_owned())
+    }
+}
+
+impl fmt::Display for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl TryFrom<String> for RunId {
+    type Error = ProtocolError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        RunId::new(s)
+    }
+}
+
+impl From<RunId> for String {
+    fn from(r: RunId) -> String {
+        r.0
+    }
+}
+
+impl std::str::FromStr for RunId {
+    type Err = ProtocolError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        RunId::new(s)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Requests on /shoal/shard/1.0.0
+// ---------------------------------------------------------------------------
+
+/// A worker's gradient contribution for one shard.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushGrad {
+    /// Run id.
+    pub run: RunId,
+    /// Shard the gradient belongs to.
+    pub shard: ShardId,
+    /// The assignment epoch the worker used to pick this owner.
+    pub epoch: Epoch,
+    /// Shard version the gradient was computed against (staleness is
+    /// `owner_version - base_version`).
+    pub base_version: Version,
+    /// The worker; must equal the authenticated sender.
+    pub worker: PeerId,
+    /// The worker's incarnation (fences contributions from a previous life).
+    pub incarnation: u64,
+    /// The worker's local step.
+    pub step: u64,
+    /// Samples behind the gradient (aggregation weight); at least 1.
+    pub samples: u32,
+    /// The gradient slice.
+    pub grad: Payload,
+}
+
+/// Fetch a shard from its owner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PullShard {
+    /// Run id.
+    pub run: RunId,
+    /// Shard wanted.
+    pub shard: ShardId,
+    /// Oldest acceptable version. The owner may hold the request up to
+    /// `max_wait_ms` for this version to appear, then answers `NotReady`.
+    pub min_version: Version,
+    /// How long the owner may hold the request, in ms (capped by the
+    /// owner's `timeouts.response_wait_ms`).
+    pub max_wait_ms: u32,
+    /// Encoding the puller would like. Owners always honour `F32`; they may
+    /// ignore others and answer in F32.
+    pub encoding: Encoding,
+}
+
+/// Why a shard's state is being sent to another node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HandoffKind {
+    /// Ownership moves: the receiver becomes the owner for `epoch`.
+    Transfer,
+    /// A backup copy for the next rendezvous choice; ownership stays.
+    Replica,
+}
+
+/// One named optimizer state tensor (e.g. AdamW's `m` and `v`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerSlot {
+    /// Slot name, at most 32 bytes.
+    pub name: String,
+    /// The state, same element order as the shard's parameters.
+    pub tensor: Payload,
+}
+
+/// Optimizer state of one shard.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerState {
+    /// Optimizer name ("sgd", "adamw", ...), at most 32 bytes.
+    pub kind: String,
+    /// Optimizer step count (bias correction).
+    pub step: u64,
+    /// State tensors, at most 4.
+    pub slots: Vec<OptimizerSlot>,
+}
+
+/// Moves (or replicates) a shard with its optimizer state and version.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Handoff {
+    /// Run id.
+    pub run: RunId,
+    /// The shard.
+    pub shard: ShardId,
+    /// Assignment epoch under which the receiver owns (or backs up) it. A
+    /// receiver refuses handoffs older than the epoch it already knows
+    /// (`Fenced`).
+    pub epoch: Epoch,
+    /// Transfer or replica.
+    pub kind: HandoffKind,
+    /// The previous owner; must equal the authenticated sender.
+    pub from: PeerId,
+    /// The previous owner's incarnation.
+    pub from_incarnation: u64,
+    /// Shard version of `params`.
+    pub version: Version,
+    /// Parameters (F32 so no precision is lost in a move).
+    pub params: Payload,
+    /// Optimizer state.
+    pub optimizer: OptimizerState,
+}
+
+/// A joiner fetches one shard of the current model from any peer that holds
+/// a copy (workers hold the whole model), so state sync spreads over many
+/// donors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateSync {
+    /// Run id.
+    pub run: RunId,
+    /// Shard wanted.
+    pub shard: ShardId,
+    /// Oldest acceptable version (a donor with an older copy answers
+    /// `NotReady`).
+    pub min_version: Version,
+}
+
+/// Ask a peer for its view of the model: shard count, versions, owners.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ManifestRequest {
+    /// Run id.
+    pub run: RunId,
+}
+
+/// A request on `/shoal/shard/1.0.0`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ShardRequest {
+    /// Variant 0.
+    PushGrad(PushGrad),
+    /// Variant 1.
+    PullShard(PullShard),
+    /// Variant 2.
+    Handoff(Handoff),
+    /// Variant 3.
+    StateSync(StateSync),
+    /// Variant 4.
+    Manifest(ManifestRequest),
+    /// Never on the wire: the codec hands this to the node when a frame was
+    /// well formed (within limits) but its header or tensors could not be
+    /// understood — for example a newer peer's message. The node answers it
+    /// with `ShardResponse::Error` (see [`ShardRequest::Undecodable`]'s
+    /// `code`), so the sender learns why instead of seeing a reset stream.
+    #[serde(skip)]
+    Undecodable {
+        /// Frame version the sender used.
+        version: u16,
+        /// What to answer with.
+        code: ErrorCode,
+        /// Why decoding failed.
+        reason: String,
+    },
+}
+
+impl ShardRequest {
+    /// Run id of the request, if it has one.
+    pub fn run(&self) -> Option<&RunId> {
+        match self {
+            ShardRequest::PushGrad(m) => Some(&m.run),
+            ShardRequest::PullShard(m) => Some(&m.run),
+            ShardRequest::Handoff(m) => Some(&m.run),
+            ShardRequest::StateSync(m) => Some(&m.run),
+            ShardRequest::Manifest(m) => Some(&m.run),
+            ShardRequest::Undecodable { .. } => None,
+        }
+    }
+
+    /// Shard the request is about, if any.
+    pub fn shard(&self) -> Option<ShardId> {
+        match self {
+            ShardRequest::PushGrad(m) => Some(m.shard),
+            ShardRequest::PullShard(m) => Some(m.shard),
+            ShardRequest::Handoff(m) => Some(m.shard),
+            ShardRequest::StateSync(m) => Some(m.shard),
+            ShardRequest::Manifest(_) | ShardRequest::Undecodable { .. } => None,
+        }
+    }
+
+    /// Short name for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ShardRequest::PushGrad(_) => "push_grad",
+            ShardRequest::PullShard(_) => "pull_shard",
+            ShardRequest::Handoff(_) => "handoff",
+            ShardRequest::StateSync(_) => "state_sync",
+            ShardRequest::Manifest(_) => "manifest",
+            ShardRequest::Undecodable { .. } => "undecodable",
+        }
+    }
+
+    /// The [`ShardResponse::Error`] a node should send back for an
+    /// `Undecodable` request (or `None` for a real request).
+    pub fn undecodable_reply(&self) -> Option<ShardResponse> {
+        match self {
+            ShardRequest::Undecodable { code, reason, .. } => {
+                Some(ShardResponse::Error(WireError::new(*code, reason.clone())))
+            }
+            _ => None,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------
+
+/// A pushed gradient was accepted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Accepted {
+    /// The shard.
+    pub shard: ShardId,
+    /// Owner's current version when the push arrived.
+    pub version: Version,
+    /// Staleness the owner recorded for this contribution
+    /// (`version - base_version`).
+    pub staleness: u64,
+}
+
+/// A shard's state (answer to `PullShard` and `StateSync`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardState {
+    /// Run id.
+    pub run: RunId,
+    /// The shard.
+    pub shard: ShardId,
+    /// Version of `params`.
+    pub version: Version,
+    /// Epoch under which the sender holds it.
+    pub epoch: Epoch,
+    /// Parameters.
+    pub params: Payload,
+}
+
+/// One shard in a manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardSummary {
+    /// The shard.
+    pub shard: ShardId,
+    /// Newest version the answering peer holds.
+    pub version: Version,
+    /// Elements in the shard.
+    pub numel: u64,
+    /// Owner in the answering peer's view.
+    pub owner: Option<PeerId>,
+}
+
+/// A peer's view of the model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Run id.
+    pub run: RunId,
+    /// Hash of the model config and layout; joiners refuse a mismatch.
+    pub config_hash: u64,
+    /// The answering peer's assignment epoch.
+    pub epoch: Epoch,
+    /// The answering peer's training step.
+    pub step: u64,
+    /// Shards, at most 4096.
+    pub shards: Vec<ShardSummary>,
+}
+
+/// Machine-readable error codes. Unknown codes from newer peers decode as
+/// [`ErrorCode::Unknown`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// The request was malformed or failed validation.
+    InvalidRequest,
+    /// The frame version is not supported.
+    UnsupportedVersion,
+    /// The request is for another run.
+    RunMismatch,
+    /// Model config hash differs.
+    ConfigMismatch,
+    /// Shard id out of range.
+    ShardOutOfRange,
+    /// A payload's checksum did not match.
+    ChecksumMismatch,
+    /// A payload contained NaN or infinity.
+    NonFinite,
+    /// The requested or received encoding is not supported.
+    UnsupportedEncoding,
+    /// A size limit was exceeded.
+    TooLarge,
+    /// The node is overloaded; retry later.
+    Busy,
+    /// Anything else on the responder's side.
+    Internal,
+    /// A code this build does not know (sent by a newer peer).
+    #[serde(other)]
+    Unknown,
+}
+
+/// An error answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireError {
+    /// Machine-readable code.
+    pub code: ErrorCode,
+    /// Human-readable detail, at most 1024 bytes.
+    pub message: String,
+}
+
+impl WireError {
+    /// Builds an error, truncating the message to the wire limit.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> WireError {
+        let mut message = message.into();
+        if message.len() > MAX_ERROR_MESSAGE_LEN {
+            let mut cut = MAX_ERROR_MESSAGE_LEN;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        WireError { code, message }
+    }
+}
+
+impl From<&ProtocolError> for WireError {
+    fn from(e: &ProtocolError) -> Self {
+        WireError::new(e.code(), e.to_string())
+    }
+}
+
+/// A response on `/shoal/shard/1.0.0`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ShardResponse {
+    /// Variant 0: the push was accepted.
+    Accepted(Accepted),
+    /// Variant 1: the push is too stale under the owner's sync policy; pull
+    /// and recompute.
+    Stale {
+        /// The shard.
+        shard: ShardId,
+        /// Owner's current version.
+        current_version: Version,
+        /// Largest staleness the owner accepts right now.
+        max_staleness: u64,
+    },
+    /// Variant 2: the responder does not own the shard in its view.
+    NotOwner {
+        /// The shard.
+        shard: ShardId,
+        /// The responder's assignment epoch (if higher than the sender's, the
+        /// sender's view is out of date).
+        epoch: Epoch,
+        /// Who the responder believes owns it.
+        hint: Option<PeerId>,
+    },
+    /// Variant 3: the requested version does not exist yet.
+    NotReady {
+        /// The shard.
+        shard: ShardId,
+        /// Newest version the responder holds.
+        current_version: Version,
+    },
+    /// Variant 4: a write from an older epoch or incarnation was refused.
+    Fenced {
+        /// The shard.
+        shard: ShardId,
+        /// The responder's epoch.
+        epoch: Epoch,
+    },
+    /// Variant 5: shard parameters.
+    ShardState(ShardState),
+    /// Variant 6: a handoff was stored.
+    HandoffAck {
+        /// The shard.
+        shard: ShardId,
+        /// Version stored.
+        version: Version,
+    },
+    /// Variant 7: the responder's manifest.
+    Manifest(Manifest),
+    /// Variant 8: an error.
+    Error(WireError),
+}
+
+impl ShardResponse {
+    /// Short name for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ShardResponse::Accepted(_) => "accepted",
+            ShardResponse::Stale { .. } => "stale",
+            ShardResponse::NotOwner { .. } => "not_owner",
+            ShardResponse::NotReady { .. } => "not_ready",
+            ShardResponse::Fenced { .. } => "fenced",
+            ShardResponse::ShardState(_) => "shard_state",
+            ShardResponse::HandoffAck { .. } => "handoff_ack",
+            ShardResponse::Manifest(_) => "manifest",
+            ShardResponse::Error(_) => "error",
+        }
+    }
+
+    /// Builds an error response from a validation failure.
+    pub fn error(e: &ProtocolError) -> ShardResponse {
+        ShardResponse::Error(WireError::from(e))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Gossip (topic /shoal/<run-id>/membership)
+// ---------------------------------------------------------------------------
+
+/// Compute device class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Device {
+    /// CPU.
+    Cpu,
+    /// NVIDIA CUDA.
+    Cuda,
+    /// Apple Metal.
+    Metal,
+    /// Anything else.
+    Other,
+}
+
+/// What a node can do.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Capabilities {
+    /// Device used for training.
+    pub device: Device,
+    /// Memory available to Shoal, bytes.
+    pub memory_bytes: u64,
+    /// Measured training throughput, samples/s.
+    pub compute_samples_per_sec: f32,
+    /// Measured network throughput, bytes/s.
+    pub net_bytes_per_sec: f32,
+    /// Whether the node may be elected aggregator.
+    pub can_aggregate: bool,
+}
+
+/// A node's current role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Role {
+    /// Trains and pushes gradients.
+    Worker,
+    /// Trains and owns shards.
+    Aggregator,
+    /// Syncing state before contributing.
+    Joining,
+    /// Handing off before leaving.
+    Leaving,
+}
+
+/// A worker's measurement of one shard owner's service time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceObservation {
+    /// The owner measured.
+    pub owner: PeerId,
+    /// Median of recent push + pull service time, microseconds per MiB.
+    pub micros_per_mib: f32,
+    /// Measurements behind the median.
+    pub samples: u32,
+}
+
+/// Periodic membership heartbeat; encodes to at most 4 KiB.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// Run id.
+    pub run: RunId,
+    /// Sender; must equal the gossip message's signed source.
+    pub peer: PeerId,
+    /// Changes each time the process starts (e.g. start time in ms), so a
+    /// restarted node is told apart from its previous life.
+    pub incarnation: u64,
+    /// Increases with each heartbeat of one incarnation (also makes each
+    /// heartbeat's content hash, hence message id, unique).
+    pub seq: u64,
+    /// Assignment epoch the sender currently uses.
+    pub epoch: Epoch,
+    /// Hash of the model config and layout.
+    pub config_hash: u64,
+    /// Wire minor revision the sender speaks ([`WIRE_VERSION`]).
+    pub protocol_minor: u16,
+    /// Capabilities.
+    pub capabilities: Capabilities,
+    /// Current role.
+    pub role: Role,
+    /// Shards the sender owns, at most 256.
+    pub owned_shards: Vec<ShardId>,
+    /// Training step.
+    pub step: u64,
+    /// Model version the sender trains on.
+    pub model_version: Version,
+    /// Service times of owners the sender pushes to, at most 32.
+    pub service: Vec<ServiceObservation>,
+}
+
+/// Small events worth telling everyone.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Announcement {
+    /// A shard reached a new version.
+    ShardVersion {
+        /// Run id.
+        run: RunId,
+        /// The shard.
+        shard: ShardId,
+        /// New version.
+        version: Version,
+        /// Epoch of the owner.
+        epoch: Epoch,
+        /// Owner (the sender).
+        owner: PeerId,
+    },
+    /// The sender is leaving cleanly (after handing off).
+    Leaving {
+        /// Run id.
+        run: RunId,
+        /// The sender.
+        peer: PeerId,
+        /// Its incarnation.
+        incarnation: u64,
+    },
+    /// A checkpoint was written.
+    Checkpoint {
+        /// Run id.
+        run: RunId,
+        /// Step.
+        step: u64,
+        /// Model version.
+        version: Version,
+        /// xxh3-64 of the checkpoint's parameter bytes.
+        params_hash: u64,
+    },
+}
+
+impl Announcement {
+    /// Run id.
+    pub fn run(&self) -> &RunId {
+        match self {
+            Announcement::ShardVersion { run, .. }
+            | Announcement::Leaving { run, .. }
+            | Announcement::Checkpoint { run, .. } => run,
+        }
+    }
+}
+
+/// Everything published on the membership topic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum GossipMessage {
+    /// Variant 0.
+    Heartbeat(Heartbeat),
+    /// Variant 1.
+    Announce(Announcement),
+}
+
+impl GossipMessage {
+    /// Run id.
+    pub fn run(&self) -> &RunId {
+        match self {
+            GossipMessage::Heartbeat(h) => &h.run,
+            GossipMessage::Announce(a) => a.run(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Tensor enumeration: the codec carries tensor bodies outside postcard, in
+// the order these functions list them.
+// ---------------------------------------------------------------------------
+
+/// A message whose tensors travel in the frame body.
+pub trait HasPayloads {
+    /// Tensors in wire order.
+    fn payloads(&self) -> Vec<&Payload>;
+    /// Tensors in wire order, mutable (to attach received bodies).
+    fn payloads_mut(&mut self) -> Vec<&mut Payload>;
+}
+
+impl HasPayloads for ShardRequest {
+    fn payloads(&self) -> Vec<&Payload> {
+        match self {
+            ShardRequest::PushGrad(m) => vec![&m.grad],
+            ShardRequest::Handoff(m) => {
+                let mut v = vec![&m.params];
+                v.extend(m.optimizer.slots.iter().map(|s| &s.tensor));
+                v
+            }
+            ShardRequest::PullShard(_)
+            | ShardRequest::StateSync(_)
+            | ShardRequest::Manifest(_)
+            | ShardRequest::Undecodable { .. } => Vec::new(),
+        }
+    }
+
+    fn payloads_mut(&mut self) -> Vec<&mut Payload> {
+        match self {
+            ShardRequest::PushGrad(m) => vec![&mut m.grad],
+            ShardRequest::Handoff(m) => {
+                let mut v = vec![&mut m.params];
+                v.extend(m.optimizer.slots.iter_mut().map(|s| &mut s.tensor));
+                v
+            }
+            ShardRequest::PullShard(_)
+            | ShardRequest::StateSync(_)
+            | ShardRequest::Manifest(_)
+            | ShardRequest::Undecodable { .. } => Vec::new(),
+        }
+    }
+}
+
+impl HasPayloads for ShardResponse {
+    fn payloads(&self) -> Vec<&Payload> {
+        match self {
+            ShardResponse::ShardState(s) => vec![&s.params],
+            _ => Vec::new(),
+        }
+    }
+
+    fn payloads_mut(&mut self) -> Vec<&mut Payload> {
+        match self {
+            ShardResponse::ShardState(s) => vec![&mut s.params],
+            _ => Vec::new(),
+        }
+    }
+}

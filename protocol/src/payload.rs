@@ -1,0 +1,851 @@
+//! Tensor payloads: a small header ([`TensorMeta`]) that travels inside the
+//! postcard message header, and the raw little-endian body bytes that travel
+//! after it in the frame (never inside postcard).
+//!
+//! Encodings and their round-trip accuracy contracts (all inputs must be
+//! finite; `x` is an input element, `x'` the decoded one):
+//!
+//! | encoding | body | contract |
+//! |---|---|---|
+//! | `F32` | `numel` x f32 LE | exact (bit-identical) |
+//! | `F16` | `numel` x IEEE binary16 LE | `\|x'-x\| <= 2^-11 \|x\|` for `\|x\| >= 2^-14`; `\|x'-x\| <= 2^-25` below; `\|x\| > 65504` is an encode error |
+//! | `Bf16` | `numel` x bfloat16 LE | `\|x'-x\| <= 2^-8 \|x\|` for normal `x`; `\|x'-x\| <= 2^-133` for subnormal `x`; round-to-nearest-even |
+//! | `Int8 { block }` | `ceil(numel/block)` x f32 LE scales, then `numel` x i8 | per block, `scale = max\|x\|/127`, `\|x'-x\| <= scale/2 + 2^-20 max\|x\| + f32::MIN_POSITIVE` |
+//! | `TopK { k }` | `nnz` x u32 LE indices (strictly increasing), then `nnz` x f32 LE values | the `min(k, numel)` largest-magnitude entries (ties: lower index) are exact, all others decode to 0 |
+//!
+//! Decoding reads straight out of the received [`Bytes`] (which the codec
+//! slices out of the frame without copying) into the caller's `f32` buffer:
+//! one copy in total.
+
+use bytes::Bytes;
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ProtocolError, Result};
+
+/// Largest rank a tensor header may declare.
+pub const MAX_RANK: usize = 8;
+/// Largest int8 block size.
+pub const MAX_INT8_BLOCK: u32 = 1 << 16;
+/// A sensible int8 block size: 1.6 % scale overhead, tight per-block ranges.
+pub const DEFAULT_INT8_BLOCK: u32 = 256;
+
+/// Staging size for chunked conversions (fits in L1).
+const CHUNK: usize = 1024;
+
+/// The on-wire dtype tag (`TensorMeta::dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Dtype {
+    /// IEEE binary32.
+    F32 = 0,
+    /// IEEE binary16.
+    F16 = 1,
+    /// bfloat16.
+    Bf16 = 2,
+    /// int8 with one f32 scale per block.
+    Int8Block = 3,
+    /// Top-k sparse: u32 indices + f32 values.
+    TopK = 4,
+}
+
+impl Dtype {
+    /// Parses a wire tag.
+    pub fn from_tag(tag: u8) -> Result<Dtype> {
+        Ok(match tag {
+            0 => Dtype::F32,
+            1 => Dtype::F16,
+            2 => Dtype::Bf16,
+            3 => Dtype::Int8Block,
+            4 => Dtype::TopK,
+            other => return Err(ProtocolError::UnknownDtype(other)),
+        })
+    }
+
+    /// Human-readable name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+            Dtype::Int8Block => "int8-block",
+            Dtype::TopK => "top-k",
+        }
+    }
+}
+
+/// How to encode a tensor (what a sender asks for; see the module docs for
+/// each contract).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Encoding {
+    /// Exact.
+    F32,
+    /// Half the bytes, ~3 significant decimal digits, range +-65504.
+    F16,
+    /// Half the bytes, ~2 significant decimal digits, full f32 range.
+    Bf16,
+    /// About a quarter of the bytes; error at most half a quantisation step.
+    Int8 {
+        /// Elements per scale, `1..=65536`.
+        block: u32,
+    },
+    /// Keep only the `k` largest-magnitude entries.
+    TopK {
+        /// Entries kept (clamped to the element count).
+        k: u64,
+    },
+}
+
+impl Encoding {
+    /// The dtype this encoding produces.
+    pub fn dtype(self) -> Dtype {
+        match self {
+            Encoding::F32 => Dtype::F32,
+            Encoding::F16 => Dtype::F16,
+            Encoding::Bf16 => Dtype::Bf16,
+            Encoding::Int8 { .. } => Dtype::Int8Block,
+            Encoding::TopK { .. } => Dtype::TopK,
+        }
+    }
+}
+
+/// The header of one tensor. Encoded with postcard inside the message header;
+/// the body it describes follows in the frame body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    /// [`Dtype`] tag. Kept as a raw byte so a header from a newer peer still
+    /// decodes and can be refused with [`ProtocolError::UnknownDtype`].
+    pub dtype: u8,
+    /// Int8 block size; 0 for every other dtype.
+    pub block: u32,
+    /// Logical shape; the product must equal `numel` (empty = scalar).
+    pub shape: Vec<u64>,
+    /// Element count of the dense tensor.
+    pub numel: u64,
+    /// Stored entries: `numel` for dense dtypes, the kept count for top-k.
+    pub nnz: u64,
+    /// Body length in bytes; must match what dtype, numel, nnz and block imply.
+    pub byte_len: u64,
+    /// xxh3-64 (seed 0) of the body bytes.
+    pub checksum: u64,
+}
+
+impl TensorMeta {
+    /// The dtype.
+    pub fn dtype(&self) -> Result<Dtype> {
+        Dtype::from_tag(self.dtype)
+    }
+
+    /// Checks that the header is self-consistent and within limits. This is
+    /// the cheap check a receiver runs before touching the body.
+    pub fn check(&self, max_elements: u64) -> Result<Dtype> {
+        let dtype = self.dtype()?;
+        if self.shape.len() > MAX_RANK {
+            return Err(ProtocolError::InvalidTensor(format!("rank {} exceeds {MAX_RANK}", self.shape.len())));
+        }
+        let product = self
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| ProtocolError::ShapeMismatch { shape: self.shape.clone(), numel: self.numel })?;
+        if product != self.numel {
+            return Err(ProtocolError::ShapeMismatch { shape: self.shape.clone(), numel: self.numel });
+        }
+        if self.numel > max_elements {
+            return Err(ProtocolError::TooLarge { what: "tensor element count", len: self.numel, max: max_elements });
+        }
+        match dtype {
+            Dtype::Int8Block if self.block == 0 || self.block > MAX_INT8_BLOCK => {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "int8 block size {} not in 1..={MAX_INT8_BLOCK}",
+                    self.block
+                )));
+            }
+            Dtype::Int8Block => {}
+            _ if self.block != 0 => {
+                return Err(ProtocolError::InvalidTensor(format!("block must be 0 for {}", dtype.name())));
+            }
+            _ => {}
+        }
+        match dtype {
+            Dtype::TopK => {
+                if self.nnz > self.numel {
+                    return Err(ProtocolError::InvalidTensor(format!(
+                        "top-k keeps {} of {} entries",
+                        self.nnz, self.numel
+                    )));
+                }
+                if self.numel > u64::from(u32::MAX) + 1 {
+                    return Err(ProtocolError::InvalidTensor("top-k indices are u32: numel must be <= 2^32".into()));
+                }
+            }
+            _ if self.nnz != self.numel => {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "dense {} tensor must have nnz == numel",
+                    dtype.name()
+                )));
+            }
+            _ => {}
+        }
+        let expected = body_len(dtype, self.numel, self.nnz, self.block)
+            .ok_or_else(|| ProtocolError::InvalidTensor("body length overflows u64".into()))?;
+        if expected != self.byte_len {
+            return Err(ProtocolError::SizeMismatch { expected, actual: self.byte_len });
+        }
+        Ok(dtype)
+    }
+}
+
+/// Body bytes implied by a header; `None` on overflow.
+fn body_len(dtype: Dtype, numel: u64, nnz: u64, block: u32) -> Option<u64> {
+    match dtype {
+        Dtype::F32 => numel.checked_mul(4),
+        Dtype::F16 | Dtype::Bf16 => numel.checked_mul(2),
+        Dtype::Int8Block => {
+            let blocks = numel.div_ceil(u64::from(block.max(1)));
+            blocks.checked_mul(4)?.checked_add(numel)
+        }
+        Dtype::TopK => nnz.checked_mul(8),
+    }
+}
+
+/// One tensor: header plus body. `Serialize` writes only the header; the
+/// codec carries the body after the postcard header and re-attaches it on
+/// receipt (see `frame`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Payload {
+    meta: TensorMeta,
+    #[serde(skip)]
+    data: Bytes,
+}
+
+/// xxh3-64 with seed 0, the checksum used for every body.
+pub fn checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+impl Payload {
+    /// Encodes a 1-D tensor.
+    pub fn encode(values: &[f32], encoding: Encoding) -> Result<Payload> {
+        Payload::encode_shaped(values, &[values.len() as u64], encoding)
+    }
+
+    /// Encodes a tensor of the given shape (`values` in row-major order).
+    pub fn encode_shaped(values: &[f32], shape: &[u64], encoding: Encoding) -> Result<Payload> {
+        let numel = values.len() as u64;
+        if shape.len() > MAX_RANK {
+            return Err(ProtocolError::InvalidTensor(format!("rank {} exceeds {MAX_RANK}", shape.len())));
+        }
+        let product = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if product != Some(numel) {
+            return Err(ProtocolError::ShapeMismatch { shape: shape.to_vec(), numel });
+        }
+        // Dense encodings check finiteness, convert and hash chunk by chunk
+        // (one pass over memory); the others check first, hash after.
+        let (data, nnz, block, sum) = match encoding {
+            Encoding::F32 => {
+                let (d, h) = encode_dense(values, 4, |_, chunk, out| {
+                    for (o, v) in out.chunks_exact_mut(4).zip(chunk) {
+                        o.copy_from_slice(&v.to_le_bytes());
+                    }
+                    Ok(())
+                })?;
+                (d, numel, 0, h)
+            }
+            Encoding::F16 => {
+                let (d, h) = encode_dense(values, 2, |start, chunk, out| {
+                    let mut halves = [f16::ZERO; CHUNK];
+                    let halves = &mut halves[..chunk.len()];
+                    // Vectorised (F16C) where the CPU has it.
+                    halves.convert_from_f32_slice(chunk);
+                    if !halves.iter().fold(true, |ok, h| ok & !h.is_infinite()) {
+                        let i = halves.iter().position(|h| h.is_infinite()).unwrap_or(0);
+                        return Err(ProtocolError::OutOfRange {
+                            index: (start + i) as u64,
+                            value: chunk[i],
+                            dtype: "f16",
+                        });
+                    }
+                    for (o, x) in out.chunks_exact_mut(2).zip(halves.iter()) {
+                        o.copy_from_slice(&x.to_bits().to_le_bytes());
+                    }
+                    Ok(())
+                })?;
+                (d, numel, 0, h)
+            }
+            Encoding::Bf16 => {
+                let (d, h) = encode_dense(values, 2, |start, chunk, out| {
+                    let mut overflow = false;
+                    for (o, &v) in out.chunks_exact_mut(2).zip(chunk) {
+                        let x = bf16::from_f32(v);
+                        overflow |= x.is_infinite();
+                        o.copy_from_slice(&x.to_bits().to_le_bytes());
+                    }
+                    if overflow {
+                        let i = chunk.iter().position(|&v| bf16::from_f32(v).is_infinite()).unwrap_or(0);
+                        return Err(ProtocolError::OutOfRange {
+                            index: (start + i) as u64,
+                            value: chunk[i],
+                            dtype: "bf16",
+                        });
+                    }
+                    Ok(())
+                })?;
+                (d, numel, 0, h)
+            }
+            Encoding::Int8 { block } => {
+                if block == 0 || block > MAX_INT8_BLOCK {
+                    return Err(ProtocolError::InvalidTensor(format!(
+                        "int8 block size {block} not in 1..={MAX_INT8_BLOCK}"
+                    )));
+                }
+                check_finite(values)?;
+                let d = encode_int8(values, block as usize);
+                let h = checksum(&d);
+                (d, numel, block, h)
+            }
+            Encoding::TopK { k } => {
+                if numel > u64::from(u32::MAX) + 1 {
+                    return Err(ProtocolError::InvalidTensor("top-k indices are u32: numel must be <= 2^32".into()));
+                }
+                check_finite(values)?;
+                let (d, kept) = encode_top_k(values, k.min(numel) as usize);
+                let h = checksum(&d);
+                (d, kept as u64, 0, h)
+            }
+        };
+        let meta = TensorMeta {
+            dtype: encoding.dtype() as u8,
+            block,
+            shape: shape.to_vec(),
+            numel,
+            nnz,
+            byte_len: data.len() as u64,
+            checksum: sum,
+        };
+        Ok(Payload { meta, data: Bytes::from(data) })
+    }
+
+    /// Builds a payload from a received header and body, checking that they
+    /// agree (but not the checksum: that is a pass over the body, done by
+    /// [`Payload::verify`] and every decode).
+    pub fn from_parts(meta: TensorMeta, data: Bytes, max_elements: u64) -> Result<Payload> {
+        meta.check(max_elements)?;
+        if data.len() as u64 != meta.byte_len {
+            return Err(ProtocolError::SizeMismatch { expected: meta.byte_len, actual: data.len() as u64 });
+        }
+        Ok(Payload { meta, data })
+    }
+
+    /// The header.
+    pub fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+
+    /// The body bytes (shares the frame's buffer).
+    pub fn data(&self) -> &Bytes {
+        &self.data
+    }
+
+    /// Element count of the dense tensor.
+    pub fn numel(&self) -> u64 {
+        self.meta.numel
+    }
+
+    /// Body length in bytes.
+    pub fn byte_len(&self) -> u64 {
+        self.meta.byte_len
+    }
+
+    /// Replaces the body (the codec does this after decoding the header).
+    pub(crate) fn attach(&mut self, data: Bytes) {
+        self.data = data;
+    }
+
+    /// Checks the checksum, and that every value decodes to a finite number
+    /// (and top-k indices are strictly increasing and in range), without
+    /// allocating. What a receiver runs before queueing a contribution.
+    pub fn verify(&self) -> Result<()> {
+        self.check_body()?;
+        match self.meta.dtype()? {
+            Dtype::TopK => self.for_each_sparse(|_, _| {}),
+            dtype => self.for_each_dense_chunk(dtype, |_, _| {}),
+        }
+    }
+
+    /// Decodes into a new vector of `numel` elements.
+    pub fn decode(&self) -> Result<Vec<f32>> {
+        let numel = usize::try_from(self.meta.numel)
+            .map_err(|_| ProtocolError::InvalidTensor("numel does not fit in memory".into()))?;
+        let mut out = vec![0.0f32; numel];
+        self.decode_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// Decodes into `out`, which must have exactly `numel` elements. On error
+    /// `out` may be partly written.
+    pub fn decode_into(&self, out: &mut [f32]) -> Result<()> {
+        self.check_out_len(out.len())?;
+        self.check_body()?;
+        match self.meta.dtype()? {
+            Dtype::F32 => {
+                // Fast path: straight from the frame bytes into `out`.
+                for (o, b) in out.iter_mut().zip(self.data.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+                check_finite(out)
+            }
+            Dtype::TopK => {
+                out.fill(0.0);
+                self.for_each_sparse(|i, v| out[i] = v)
+            }
+            dtype => self.for_each_dense_chunk(dtype, |start, chunk| {
+                out[start..start + chunk.len()].copy_from_slice(chunk);
+            }),
+        }
+    }
+
+    /// Adds `weight * decoded` into `acc` (length `numel`) without
+    /// materialising the decoded tensor: what an aggregator does with each
+    /// contribution.
+    pub fn add_scaled_into(&self, acc: &mut [f32], weight: f32) -> Result<()> {
+        self.check_out_len(acc.len())?;
+        self.check_body()?;
+        match self.meta.dtype()? {
+            Dtype::TopK => self.for_each_sparse(|i, v| acc[i] += weight * v),
+            dtype => self.for_each_dense_chunk(dtype, |start, chunk| {
+                for (a, v) in acc[start..start + chunk.len()].iter_mut().zip(chunk) {
+                    *a += weight * v;
+                }
+            }),
+        }
+    }
+
+    fn check_out_len(&self, len: usize) -> Result<()> {
+        if len as u64 != self.meta.numel {
+            return Err(ProtocolError::InvalidTensor(format!(
+                "output buffer has {len} elements, tensor has {}",
+                self.meta.numel
+            )));
+        }
+        Ok(())
+    }
+
+    /// Header/body agreement and checksum. Cheap relative to any use of the
+    /// body; run by every decode so a payload built by hand is still checked.
+    fn check_body(&self) -> Result<()> {
+        self.meta.check(u64::MAX)?;
+        if self.data.len() as u64 != self.meta.byte_len {
+            return Err(ProtocolError::SizeMismatch { expected: self.meta.byte_len, actual: self.data.len() as u64 });
+        }
+        let actual = checksum(&self.data);
+        if actual != self.meta.checksum {
+            return Err(ProtocolError::ChecksumMismatch { expected: self.meta.checksum, actual });
+        }
+        Ok(())
+    }
+
+    /// Calls `f(start, values)` for consecutive chunks of a dense tensor,
+    /// after checking each chunk is finite. `check_body` must have passed.
+    fn for_each_dense_chunk(&self, dtype: Dtype, mut f: impl FnMut(usize, &[f32])) -> Result<()> {
+        let mut buf = [0.0f32; CHUNK];
+        let data = &self.data[..];
+        match dtype {
+            Dtype::F32 => {
+                for (c, bytes) in data.chunks(CHUNK * 4).enumerate() {
+                    let n = bytes.len() / 4;
+                    for (o, b) in buf[..n].iter_mut().zip(bytes.chunks_exact(4)) {
+                        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                    emit_chunk(c * CHUNK, &buf[..n], &mut f)?;
+                }
+            }
+            Dtype::F16 => {
+                let mut halves = [f16::ZERO; CHUNK];
+                for (c, bytes) in data.chunks(CHUNK * 2).enumerate() {
+                    let n = bytes.len() / 2;
+                    for (h, b) in halves[..n].iter_mut().zip(bytes.chunks_exact(2)) {
+                        *h = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                    }
+                    halves[..n].convert_to_f32_slice(&mut buf[..n]);
+                    emit_chunk(c * CHUNK, &buf[..n], &mut f)?;
+                }
+            }
+            Dtype::Bf16 => {
+                for (c, bytes) in data.chunks(CHUNK * 2).enumerate() {
+                    let n = bytes.len() / 2;
+                    for (o, b) in buf[..n].iter_mut().zip(bytes.chunks_exact(2)) {
+                        // bf16 is the top half of an f32: widening is exact.
+                        *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                    }
+                    emit_chunk(c * CHUNK, &buf[..n], &mut f)?;
+                }
+            }
+            Dtype::Int8Block => {
+                let block = self.meta.block as usize;
+                let numel = self.meta.numel as usize;
+                let (scales, quants) = data.split_at(numel.div_ceil(block) * 4);
+                for (b, (q_block, s)) in quants.chunks(block).zip(scales.chunks_exact(4)).enumerate() {
+                    let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                    if !scale.is_finite() || scale < 0.0 {
+                        return Err(ProtocolError::InvalidTensor(format!("int8 block {b} has scale {scale}")));
+                    }
+                    // Blocks may exceed CHUNK; stage them in CHUNK pieces.
+                    for (p, piece) in q_block.chunks(CHUNK).enumerate() {
+                        for (o, &q) in buf[..piece.len()].iter_mut().zip(piece) {
+                            *o = f32::from(q as i8) * scale;
+                        }
+                        emit_chunk(b * block + p * CHUNK, &buf[..piece.len()], &mut f)?;
+                    }
+                }
+            }
+            Dtype::TopK => return Err(ProtocolError::InvalidTensor("top-k is not dense".into())),
+        }
+        Ok(())
+    }
+
+    /// Calls `f(index, value)` for each stored entry of a top-k tensor after
+    /// checking indices are strictly increasing and in range and values are
+    /// finite. `check_body` must have passed.
+    fn for_each_sparse(&self, mut f: impl FnMut(usize, f32)) -> Result<()> {
+        let nnz = self.meta.nnz as usize;
+        let (idx, vals) = self.data.split_at(nnz * 4);
+        let mut next_min: u64 = 0;
+        for (k, (ib, vb)) in idx.chunks_exact(4).zip(vals.chunks_exact(4)).enumerate() {
+            let i = u64::from(u32::from_le_bytes([ib[0], ib[1], ib[2], ib[3]]));
+            if i < next_min || i >= self.meta.numel {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "top-k index {i} at position {k} is out of order or >= numel {}",
+                    self.meta.numel
+                )));
+            }
+            next_min = i + 1;
+            let v = f32::from_le_bytes([vb[0], vb[1], vb[2], vb[3]]);
+            if !v.is_finite() {
+                return Err(ProtocolError::NonFinite { index: i, value: v });
+            }
+            f(i as usize, v);
+        }
+        Ok(())
+    }
+}
+
+fn emit_chunk(start: usize, chunk: &[f32], f: &mut impl FnMut(usize, &[f32])) -> Result<()> {
+    check_finite(chunk).map_err(|e| match e {
+        ProtocolError::NonFinite { index, value } => ProtocolError::NonFinite { index: index + start as u64, value },
+        other => other,
+    })?;
+    f(start, chunk);
+    Ok(())
+}
+
+/// Errors with the first non-finite value. Scans branch-free per chunk so the
+/// common all-finite case vectorises.
+pub fn check_finite(values: &[f32]) -> Result<()> {
+    for (c, chunk) in values.chunks(CHUNK).enumerate() {
+        if !chunk.iter().fold(true, |ok, v| ok & v.is_finite()) {
+            let (i, v) =
+                chunk.iter().enumerate().find(|(_, v)| !v.is_finite()).map(|(i, v)| (i, *v)).unwrap_or((0, f32::NAN));
+            return Err(ProtocolError::NonFinite { index: (c * CHUNK + i) as u64, value: v });
+        }
+    }
+    Ok(())
+}
+
+/// Encodes a dense tensor of `width` bytes per element, one chunk at a
+/// time: check finiteness, convert with `put(start, chunk, out)`, and hash
+/// the output while it is still in cache (one pass over memory).
+fn encode_dense(
+    values: &[f32],
+    width: usize,
+    mut put: impl FnMut(usize, &[f32], &mut [u8]) -> Result<()>,
+) -> Result<(Vec<u8>, u64)> {
+    let mut out = vec![0u8; values.len() * width];
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for (c, (chunk, dst)) in values.chunks(CHUNK).zip(out.chunks_mut(CHUNK * width)).enumerate() {
+        let start = c * CHUNK;
+        check_finite(chunk).map_err(|e| match e {
+            ProtocolError::NonFinite { index, value } => {
+                ProtocolError::NonFinite { index: index + start as u64, value }
+            }
+            other => other,
+        })?;
+        put(start, chunk, dst)?;
+        hasher.update(dst);
+    }
+    Ok((out, hasher.digest()))
+}
+
+fn encode_int8(values: &[f32], block: usize) -> Vec<u8> {
+    let blocks = values.len().div_ceil(block);
+    let mut out = vec![0u8; blocks * 4 + values.len()];
+    let (scales, quants) = out.split_at_mut(blocks * 4);
+    for ((chunk, s), q) in values.chunks(block).zip(scales.chunks_exact_mut(4)).zip(quants.chunks_mut(block)) {
+        let max_abs = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = max_abs / 127.0;
+        s.copy_from_slice(&scale.to_le_bytes());
+        if scale > 0.0 {
+            for (o, &v) in q.iter_mut().zip(chunk) {
+                // |v / scale| <= 127 up to rounding; clamp makes the cast total.
+                *o = (v / scale).round().clamp(-127.0, 127.0) as i8 as u8;
+            }
+        }
+        // scale == 0: the block is all zeros (or below f32 resolution); q stays 0.
+    }
+    out
+}
+
+fn encode_top_k(values: &[f32], k: usize) -> (Vec<u8>, usize) {
+    let n = values.len();
+    let mut chosen: Vec<u32> = if k == 0 {
+        Vec::new()
+    } else if k >= n {
+        (0..n as u32).collect()
+    } else {
+        let mut idx: Vec<u32> = (0..n as u32).collect();
+        // Larger magnitude first; ties go to the lower index so the choice is
+        // deterministic across peers.
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            values[b as usize].abs().total_cmp(&values[a as usize].abs()).then(a.cmp(&b))
+        });
+        idx.truncate(k);
+        idx
+    };
+    chosen.sort_unstable();
+    let mut out = vec![0u8; chosen.len() * 8];
+    let (idx_bytes, val_bytes) = out.split_at_mut(chosen.len() * 4);
+    for ((ib, vb), &i) in idx_bytes.chunks_exact_mut(4).zip(val_bytes.chunks_exact_mut(4)).zip(&chosen) {
+        ib.copy_from_slice(&i.to_le_bytes());
+        vb.copy_from_slice(&values[i as usize].to_le_bytes());
+    }
+    let kept = chosen.len();
+    (out, kept)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use proptest::prelude::*;
+
+    fn finite() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            -1e4f32..1e4f32,
+            -1.0f32..1.0f32,
+            (-1e-6f32..1e-6f32),
+            Just(0.0f32),
+            Just(-0.0f32),
+            proptest::num::f32::NORMAL | proptest::num::f32::SUBNORMAL | proptest::num::f32::ZERO,
+        ]
+    }
+
+    fn vec_f32() -> impl Strategy<Value = Vec<f32>> {
+        proptest::collection::vec(finite(), 0..600)
+    }
+
+    proptest! {
+        #[test]
+        fn f32_round_trip_is_exact(v in vec_f32()) {
+            let p = Payload::encode(&v, Encoding::F32).unwrap();
+            let back = p.decode().unwrap();
+            prop_assert_eq!(v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            back.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn f16_round_trip_within_contract(v in proptest::collection::vec(-65000.0f32..65000.0, 0..600)) {
+            let back = Payload::encode(&v, Encoding::F16).unwrap().decode().unwrap();
+            for (x, y) in v.iter().zip(&back) {
+                let tol = if x.abs() >= 2f32.powi(-14) { x.abs() * 2f32.powi(-11) } else { 2f32.powi(-25) };
+                prop_assert!((x - y).abs() <= tol, "{x} -> {y}");
+            }
+        }
+
+        #[test]
+        fn bf16_round_trip_within_contract(v in vec_f32()) {
+            let back = Payload::encode(&v, Encoding::Bf16).unwrap().decode().unwrap();
+            for (x, y) in v.iter().zip(&back) {
+                let tol = if x.abs() >= f32::MIN_POSITIVE { x.abs() * 2f32.powi(-8) } else { 2f32.powi(-133) };
+                prop_assert!((x - y).abs() <= tol, "{x} -> {y}");
+            }
+        }
+
+        #[test]
+        fn int8_round_trip_within_half_a_step(v in vec_f32(), block in 1u32..300) {
+            let p = Payload::encode(&v, Encoding::Int8 { block }).unwrap();
+            let back = p.decode().unwrap();
+            for (xs, ys) in v.chunks(block as usize).zip(back.chunks(block as usize)) {
+                let max_abs = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let scale = max_abs / 127.0;
+                let tol = scale / 2.0 + max_abs * 2f32.powi(-20) + f32::MIN_POSITIVE;
+                for (x, y) in xs.iter().zip(ys) {
+                    prop_assert!((x - y).abs() <= tol, "{x} -> {y} (scale {scale})");
+                }
+            }
+        }
+
+        #[test]
+        fn top_k_keeps_largest_exactly(v in vec_f32(), k in 0u64..700) {
+            let p = Payload::encode(&v, Encoding::TopK { k }).unwrap();
+            let back = p.decode().unwrap();
+            let kept = k.min(v.len() as u64) as usize;
+            prop_assert_eq!(p.meta().nnz as usize, kept);
+            // Reference: sort by (magnitude desc, index asc).
+            let mut order: Vec<usize> = (0..v.len()).collect();
+            order.sort_by(|&a, &b| v[b].abs().total_cmp(&v[a].abs()).then(a.cmp(&b)));
+            let keep: std::collections::HashSet<usize> = order[..kept].iter().copied().collect();
+            for (i, (x, y)) in v.iter().zip(&back).enumerate() {
+                if keep.contains(&i) {
+                    prop_assert_eq!(x.to_bits(), y.to_bits());
+                } else {
+                    prop_assert_eq!(*y, 0.0);
+                }
+            }
+        }
+
+        #[test]
+        fn add_scaled_matches_decode(v in vec_f32(), w in -2.0f32..2.0, enc in 0usize..5) {
+            let encoding = [Encoding::F32, Encoding::F16, Encoding::Bf16, Encoding::Int8 { block: 7 }, Encoding::TopK { k: 5 }][enc];
+            let v: Vec<f32> = v.into_iter().map(|x| x.clamp(-60000.0, 60000.0)).collect();
+            let p = Payload::encode(&v, encoding).unwrap();
+            let dec = p.decode().unwrap();
+            let mut acc = vec![1.0f32; v.len()];
+            p.add_scaled_into(&mut acc, w).unwrap();
+            for (a, d) in acc.iter().zip(&dec) {
+                prop_assert_eq!(a.to_bits(), (1.0 + w * d).to_bits());
+            }
+        }
+
+        #[test]
+        fn arbitrary_bodies_never_panic(
+            dtype in 0u8..7, block in 0u32..20, shape in proptest::collection::vec(0u64..50, 0..4),
+            nnz in 0u64..100, body in proptest::collection::vec(any::<u8>(), 0..400), fix_checksum in any::<bool>(),
+        ) {
+            let numel = shape.iter().product::<u64>();
+            let checksum_v = if fix_checksum { checksum(&body) } else { 7 };
+            let meta = TensorMeta { dtype, block, shape, numel, nnz, byte_len: body.len() as u64, checksum: checksum_v };
+            if let Ok(p) = Payload::from_parts(meta, Bytes::from(body), 1 << 20) {
+                let _ = p.verify();
+                let _ = p.decode();
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_non_finite_on_encode() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let err = Payload::encode(&[1.0, bad], Encoding::F32).unwrap_err();
+            assert!(matches!(err, ProtocolError::NonFinite { index: 1, .. }), "{err}");
+        }
+    }
+
+    #[test]
+    fn rejects_non_finite_on_decode() {
+        // Hand-build an f32 body containing NaN with a valid checksum.
+        let mut body = Vec::new();
+        for v in [1.0f32, 2.0, f32::NAN] {
+            body.extend_from_slice(&v.to_le_bytes());
+        }
+        let meta = TensorMeta {
+            dtype: 0,
+            block: 0,
+            shape: vec![3],
+            numel: 3,
+            nnz: 3,
+            byte_len: 12,
+            checksum: checksum(&body),
+        };
+        let p = Payload::from_parts(meta, Bytes::from(body), 10).unwrap();
+        assert!(matches!(p.decode().unwrap_err(), ProtocolError::NonFinite { index: 2, .. }));
+        assert!(matches!(p.verify().unwrap_err(), ProtocolError::NonFinite { index: 2, .. }));
+    }
+
+    #[test]
+    fn rejects_f16_overflow() {
+        let err = Payload::encode(&[0.0, 70000.0], Encoding::F16).unwrap_err();
+        assert!(matches!(err, ProtocolError::OutOfRange { index: 1, .. }), "{err}");
+    }
+
+    #[test]
+    fn rejects_checksum_mismatch() {
+        let p = Payload::encode(&[1.0, 2.0, 3.0], Encoding::F32).unwrap();
+        let mut body = p.data().to_vec();
+        body[0] ^= 1;
+        let tampered = Payload::from_parts(p.meta().clone(), Bytes::from(body), 10).unwrap();
+        assert!(matches!(tampered.decode().unwrap_err(), ProtocolError::ChecksumMismatch { .. }));
+    }
+
+    #[test]
+    fn rejects_size_and_shape_mismatch() {
+        let p = Payload::encode(&[1.0, 2.0, 3.0], Encoding::F32).unwrap();
+        let short = p.data().slice(0..8);
+        assert!(matches!(
+            Payload::from_parts(p.meta().clone(), short, 10).unwrap_err(),
+            ProtocolError::SizeMismatch { .. }
+        ));
+        let mut meta = p.meta().clone();
+        meta.shape = vec![2, 2];
+        assert!(matches!(
+            Payload::from_parts(meta, p.data().clone(), 10).unwrap_err(),
+            ProtocolError::ShapeMismatch { .. }
+        ));
+        assert!(matches!(
+            Payload::encode_shaped(&[1.0, 2.0], &[3], Encoding::F32).unwrap_err(),
+            ProtocolError::ShapeMismatch { .. }
+        ));
+        let mut meta = p.meta().clone();
+        meta.dtype = 42;
+        assert!(matches!(
+            Payload::from_parts(meta, p.data().clone(), 10).unwrap_err(),
+            ProtocolError::UnknownDtype(42)
+        ));
+        assert!(matches!(
+            Payload::from_parts(p.meta().clone(), p.data().clone(), 2).unwrap_err(),
+            ProtocolError::TooLarge { .. }
+        ));
+    }
+
+    #[test]
+    fn rejects_unsorted_top_k_indices() {
+        let mut body = Vec::new();
+        for i in [3u32, 1] {
+            body.extend_from_slice(&i.to_le_bytes());
+        }
+        for v in [1.0f32, 2.0] {
+            body.extend_from_slice(&v.to_le_bytes());
+        }
+        let meta = TensorMeta {
+            dtype: 4,
+            block: 0,
+            shape: vec![5],
+            numel: 5,
+            nnz: 2,
+            byte_len: 16,
+            checksum: checksum(&body),
+        };
+        let p = Payload::from_parts(meta, Bytes::from(body), 10).unwrap();
+        assert!(matches!(p.decode().unwrap_err(), ProtocolError::InvalidTensor(_)));
+    }
+
+    #[test]
+    fn decode_shares_the_frame_buffer() {
+        // A payload sliced out of a bigger buffer decodes from that buffer
+        // without a copy of the body: the Bytes point into the same memory.
+        let p = Payload::encode(&[1.5, -2.0], Encoding::F32).unwrap();
+        let mut frame = vec![0xAAu8; 5];
+        frame.extend_from_slice(p.data());
+        let frame = Bytes::from(frame);
+        let body = frame.slice(5..);
+        assert_eq!(body.as_ptr(), frame[5..].as_ptr());
+        let q = Payload::from_parts(p.meta().clone(), body, 10).unwrap();
+        assert_eq!(q.decode().unwrap(), vec![1.5, -2.0]);
+    }
+
+    #[test]
+    fn int8_scale_zero_block_decodes_to_zero() {
+        let p = Payload::encode(&[0.0; 10], Encoding::Int8 { block: 4 }).unwrap();
+        assert_eq!(p.byte_len(), 3 * 4 + 10);
+        assert_eq!(p.decode().unwrap(), vec![0.0; 10]);
+    }
+}

@@ -1,0 +1,367 @@
+//! Validation of everything a peer sends. The codec already enforces frame
+//! sizes and structural consistency (tensor lengths add up); these functions
+//! check meaning: run id, shard range, sender identity, counts, and tensor
+//! contents (checksum, NaN/Inf). None of them panics on any input.
+
+use libp2p::PeerId;
+
+use crate::config::{Limits, Timeouts};
+use crate::error::{ProtocolError, Result};
+use crate::messages::*;
+use crate::payload::{Dtype, Payload};
+
+/// What a receiver knows about its run.
+#[derive(Debug, Clone)]
+pub struct ValidationContext {
+    /// This node's run id.
+    pub run: RunId,
+    /// Shards in the model layout.
+    pub num_shards: u32,
+    /// Elements of each shard (index = shard id); empty if not known yet
+    /// (a joiner before it has the manifest), which skips the check.
+    pub shard_numel: Vec<u64>,
+    /// Size limits.
+    pub limits: Limits,
+    /// Longest `PullShard::max_wait_ms` honoured (`timeouts.response_wait_ms`).
+    pub max_wait_ms: u64,
+}
+
+impl ValidationContext {
+    /// A context for `run` with `num_shards` shards of unknown sizes.
+    pub fn new(run: RunId, num_shards: u32, limits: Limits, timeouts: &Timeouts) -> Self {
+        ValidationContext { run, num_shards, shard_numel: Vec::new(), limits, max_wait_ms: timeouts.response_wait_ms }
+    }
+
+    /// Also check each shard's element count.
+    pub fn with_shard_numel(mut self, numel: Vec<u64>) -> Self {
+        self.shard_numel = numel;
+        self
+    }
+
+    fn check_run(&self, run: &RunId) -> Result<()> {
+        if run != &self.run {
+            return Err(ProtocolError::RunMismatch { expected: self.run.to_string(), found: run.to_string() });
+        }
+        Ok(())
+    }
+
+    fn check_shard(&self, shard: ShardId) -> Result<()> {
+        if shard >= self.num_shards {
+            return Err(ProtocolError::ShardOutOfRange { shard, num_shards: self.num_shards });
+        }
+        Ok(())
+    }
+
+    /// Header checks, expected size, then checksum and finiteness.
+    fn check_payload(&self, p: &Payload, shard: ShardId, dense_only: bool) -> Result<()> {
+        let dtype = p.meta().check(self.limits.max_tensor_elements)?;
+        if dense_only && dtype != Dtype::F32 {
+            return Err(ProtocolError::InvalidTensor(format!(
+                "shard state must be f32 so no precision is lost, got {}",
+                dtype.name()
+            )));
+        }
+        if let Some(&expected) = self.shard_numel.get(shard as usize) {
+            if p.numel() != expected {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "shard {shard} has {expected} elements, payload has {}",
+                    p.numel()
+                )));
+            }
+        }
+        p.verify()
+    }
+}
+
+fn check_sender(claimed: &PeerId, actual: &PeerId) -> Result<()> {
+    if claimed != actual {
+        return Err(ProtocolError::SenderMismatch { claimed: Box::new(*claimed), actual: Box::new(*actual) });
+    }
+    Ok(())
+}
+
+fn check_count(field: &'static str, len: usize, max: usize) -> Result<()> {
+    if len > max {
+        return Err(ProtocolError::InvalidField { field, reason: format!("{len} entries, at most {max} allowed") });
+    }
+    Ok(())
+}
+
+fn check_name(field: &'static str, name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Err(ProtocolError::InvalidField { field, reason: format!("must be 1 to {MAX_NAME_LEN} bytes") });
+    }
+    Ok(())
+}
+
+fn check_measure(field: &'static str, index: usize, v: f32) -> Result<()> {
+    if !v.is_finite() {
+        return Err(ProtocolError::NonFinite { index: index as u64, value: v });
+    }
+    if v < 0.0 {
+        return Err(ProtocolError::InvalidField { field, reason: format!("negative value {v}") });
+    }
+    Ok(())
+}
+
+/// Validates a request received from the authenticated peer `sender`.
+/// Tensor contents are verified too (checksum, NaN/Inf), which is one pass
+/// over each body.
+pub fn validate_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext) -> Result<()> {
+    match req {
+        ShardRequest::PushGrad(m) => {
+            ctx.check_run(&m.run)?;
+            ctx.check_shard(m.shard)?;
+            check_sender(&m.worker, sender)?;
+            if m.samples == 0 {
+                return Err(ProtocolError::InvalidField { field: "samples", reason: "must be at least 1".into() });
+            }
+            ctx.check_payload(&m.grad, m.shard, false)
+        }
+        ShardRequest::PullShard(m) => {
+            ctx.check_run(&m.run)?;
+            ctx.check_shard(m.shard)?;
+            if u64::from(m.max_wait_ms) > ctx.max_wait_ms {
+                return Err(ProtocolError::InvalidField {
+                    field: "max_wait_ms",
+                    reason: format!("{} exceeds this node's response wait of {} ms", m.max_wait_ms, ctx.max_wait_ms),
+                });
+            }
+            if let crate::payload::Encoding::Int8 { block } = m.encoding {
+                if block == 0 || block > crate::payload::MAX_INT8_BLOCK {
+                    return Err(ProtocolError::InvalidField {
+                        field: "encoding",
+                        reason: format!("int8 block {block}"),
+                    });
+                }
+            }
+            Ok(())
+        }
+        ShardRequest::Handoff(m) => {
+            ctx.check_run(&m.run)?;
+            ctx.check_shard(m.shard)?;
+            check_sender(&m.from, sender)?;
+            check_name("optimizer.kind", &m.optimizer.kind)?;
+            check_count("optimizer.slots", m.optimizer.slots.len(), MAX_OPTIMIZER_SLOTS)?;
+            ctx.check_payload(&m.params, m.shard, true)?;
+            for slot in &m.optimizer.slots {
+                check_name("optimizer.slots.name", &slot.name)?;
+                ctx.check_payload(&slot.tensor, m.shard, true)?;
+            }
+            Ok(())
+        }
+        ShardRequest::StateSync(m) => {
+            ctx.check_run(&m.run)?;
+            ctx.check_shard(m.shard)
+        }
+        ShardRequest::Manifest(m) => ctx.check_run(&m.run),
+        ShardRequest::Undecodable { code, reason, .. } => {
+            Err(ProtocolError::Undecodable { code: *code, reason: reason.clone() })
+        }
+    }
+}
+
+/// Validates a response. Shard states must be f32 and pass checksum and
+/// finiteness checks.
+pub fn validate_response(resp: &ShardResponse, ctx: &ValidationContext) -> Result<()> {
+    match resp {
+        ShardResponse::Accepted(a) => ctx.check_shard(a.shard),
+        ShardResponse::Stale { shard, .. }
+        | ShardResponse::NotOwner { shard, .. }
+        | ShardResponse::NotReady { shard, .. }
+        | ShardResponse::Fenced { shard, .. }
+        | ShardResponse::HandoffAck { shard, .. } => ctx.check_shard(*shard),
+        ShardResponse::ShardState(s) => {
+            ctx.check_run(&s.run)?;
+            ctx.check_shard(s.shard)?;
+            // Pulls may ask for a compressed encoding, so any dtype is fine.
+            ctx.check_payload(&s.params, s.shard, false)
+        }
+        ShardResponse::Manifest(m) => {
+            ctx.check_run(&m.run)?;
+            check_count("shards", m.shards.len(), MAX_MANIFEST_SHARDS)?;
+            for s in &m.shards {
+                ctx.check_shard(s.shard)?;
+            }
+            Ok(())
+        }
+        ShardResponse::Error(e) => {
+            if e.message.len() > MAX_ERROR_MESSAGE_LEN {
+                return Err(ProtocolError::InvalidField {
+                    field: "message",
+                    reason: format!("longer than {MAX_ERROR_MESSAGE_LEN} bytes"),
+                });
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Validates a heartbeat whose gossip message was signed by `source`.
+pub fn validate_heartbeat(hb: &Heartbeat, source: Option<&PeerId>, ctx: &ValidationContext) -> Result<()> {
+    ctx.check_run(&hb.run)?;
+    match source {
+        Some(src) => check_sender(&hb.peer, src)?,
+        None => {
+            return Err(ProtocolError::InvalidField { field: "source", reason: "heartbeats must be signed".into() })
+        }
+    }
+    check_count("owned_shards", hb.owned_shards.len(), MAX_OWNED_SHARDS)?;
+    for &s in &hb.owned_shards {
+        ctx.check_shard(s)?;
+    }
+    check_count("service", hb.service.len(), MAX_SERVICE_OBSERVATIONS)?;
+    for (i, obs) in hb.service.iter().enumerate() {
+        check_measure("service.micros_per_mib", i, obs.micros_per_mib)?;
+    }
+    check_measure("capabilities.compute_samples_per_sec", 0, hb.capabilities.compute_samples_per_sec)?;
+    check_measure("capabilities.net_bytes_per_sec", 1, hb.capabilities.net_bytes_per_sec)?;
+    Ok(())
+}
+
+/// Validates any gossip message signed by `source`.
+pub fn validate_gossip(msg: &GossipMessage, source: Option<&PeerId>, ctx: &ValidationContext) -> Result<()> {
+    match msg {
+        GossipMessage::Heartbeat(hb) => validate_heartbeat(hb, source, ctx),
+        GossipMessage::Announce(a) => {
+            ctx.check_run(a.run())?;
+            let Some(src) = source else {
+                return Err(ProtocolError::InvalidField {
+                    field: "source",
+                    reason: "announcements must be signed".into(),
+                });
+            };
+            match a {
+                Announcement::ShardVersion { shard, owner, .. } => {
+                    ctx.check_shard(*shard)?;
+                    check_sender(owner, src)
+                }
+                Announcement::Leaving { peer, .. } => check_sender(peer, src),
+                Announcement::Checkpoint { .. } => Ok(()),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::payload::Encoding;
+
+    fn ctx() -> ValidationContext {
+        ValidationContext::new(RunId::new("run-a").unwrap(), 4, Limits::default(), &Timeouts::default())
+            .with_shard_numel(vec![3, 3, 3, 3])
+    }
+
+    fn push(worker: PeerId, values: &[f32]) -> PushGrad {
+        PushGrad {
+            run: RunId::new("run-a").unwrap(),
+            shard: 1,
+            epoch: 0,
+            base_version: 0,
+            worker,
+            incarnation: 0,
+            step: 0,
+            samples: 8,
+            grad: Payload::encode(values, Encoding::F32).unwrap(),
+        }
+    }
+
+    #[test]
+    fn accepts_a_good_push() {
+        let me = PeerId::random();
+        validate_request(&ShardRequest::PushGrad(push(me, &[1.0, 2.0, 3.0])), &me, &ctx()).unwrap();
+    }
+
+    #[test]
+    fn rejects_wrong_run_shard_sender_and_size() {
+        let me = PeerId::random();
+        let mut m = push(me, &[1.0, 2.0, 3.0]);
+        m.run = RunId::new("run-b").unwrap();
+        assert!(matches!(
+            validate_request(&ShardRequest::PushGrad(m), &me, &ctx()),
+            Err(ProtocolError::RunMismatch { .. })
+        ));
+        let mut m = push(me, &[1.0, 2.0, 3.0]);
+        m.shard = 4;
+        assert!(matches!(
+            validate_request(&ShardRequest::PushGrad(m), &me, &ctx()),
+            Err(ProtocolError::ShardOutOfRange { shard: 4, num_shards: 4 })
+        ));
+        let m = push(PeerId::random(), &[1.0, 2.0, 3.0]);
+        assert!(matches!(
+            validate_request(&ShardRequest::PushGrad(m), &me, &ctx()),
+            Err(ProtocolError::SenderMismatch { .. })
+        ));
+        let m = push(me, &[1.0, 2.0]);
+        assert!(matches!(
+            validate_request(&ShardRequest::PushGrad(m), &me, &ctx()),
+            Err(ProtocolError::InvalidTensor(_))
+        ));
+        let mut m = push(me, &[1.0, 2.0, 3.0]);
+        m.samples = 0;
+        assert!(matches!(
+            validate_request(&ShardRequest::PushGrad(m), &me, &ctx()),
+            Err(ProtocolError::InvalidField { field: "samples", .. })
+        ));
+    }
+
+    #[test]
+    fn rejects_nan_in_payload() {
+        let me = PeerId::random();
+        let mut body = Vec::new();
+        for v in [1.0f32, f32::INFINITY, 3.0] {
+            body.extend_from_slice(&v.to_le_bytes());
+        }
+        let meta = crate::payload::TensorMeta {
+            dtype: 0,
+            block: 0,
+            shape: vec![3],
+            numel: 3,
+            nnz: 3,
+            byte_len: 12,
+            checksum: crate::payload::checksum(&body),
+        };
+        let mut m = push(me, &[0.0; 3]);
+        m.grad = Payload::from_parts(meta, body.into(), 10).unwrap();
+        let err = validate_request(&ShardRequest::PushGrad(m), &me, &ctx()).unwrap_err();
+        assert!(matches!(err, ProtocolError::NonFinite { index: 1, .. }), "{err}");
+        assert_eq!(err.code(), ErrorCode::NonFinite);
+    }
+
+    #[test]
+    fn heartbeat_must_be_signed_by_its_peer() {
+        let me = PeerId::random();
+        let hb = Heartbeat {
+            run: RunId::new("run-a").unwrap(),
+            peer: me,
+            incarnation: 1,
+            seq: 1,
+            epoch: 0,
+            config_hash: 0,
+            protocol_minor: WIRE_VERSION,
+            capabilities: Capabilities {
+                device: Device::Cpu,
+                memory_bytes: 1,
+                compute_samples_per_sec: 1.0,
+                net_bytes_per_sec: 1.0,
+                can_aggregate: true,
+            },
+            role: Role::Worker,
+            owned_shards: vec![0, 3],
+            step: 0,
+            model_version: 0,
+            service: vec![],
+        };
+        validate_heartbeat(&hb, Some(&me), &ctx()).unwrap();
+        assert!(validate_heartbeat(&hb, Some(&PeerId::random()), &ctx()).is_err());
+        assert!(validate_heartbeat(&hb, None, &ctx()).is_err());
+        let mut bad = hb.clone();
+        bad.owned_shards.push(9);
+        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::ShardOutOfRange { .. })));
+        let mut bad = hb;
+        bad.capabilities.net_bytes_per_sec = f32::NAN;
+        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::NonFinite { .. })));
+    }
+}

@@ -1,0 +1,411 @@
+//! Property tests with no sockets: every message and payload encoding
+//! round-trips through its frame, and arbitrary or corrupted bytes fed to
+//! every decoder give an error, never a panic.
+#![allow(clippy::unwrap_used)]
+
+use bytes::Bytes;
+use futures::io::Cursor;
+use proptest::prelude::*;
+use shoal_protocol::frame::{self, FramePrefix, PREFIX_LEN};
+use shoal_protocol::libp2p::identity::Keypair;
+use shoal_protocol::libp2p::request_response::Codec;
+use shoal_protocol::libp2p::PeerId;
+use shoal_protocol::*;
+
+fn run_id() -> impl Strategy<Value = RunId> {
+    "[A-Za-z0-9._-]{1,20}".prop_map(|s| RunId::new(s).unwrap())
+}
+
+fn peer() -> impl Strategy<Value = PeerId> {
+    any::<[u8; 32]>().prop_map(|mut b| Keypair::ed25519_from_bytes(&mut b).unwrap().public().to_peer_id())
+}
+
+fn encoding() -> impl Strategy<Value = Encoding> {
+    prop_oneof![
+        Just(Encoding::F32),
+        Just(Encoding::F16),
+        Just(Encoding::Bf16),
+        (1u32..64).prop_map(|block| Encoding::Int8 { block }),
+        (0u64..40).prop_map(|k| Encoding::TopK { k }),
+    ]
+}
+
+fn payload() -> impl Strategy<Value = Payload> {
+    (proptest::collection::vec(-1000.0f32..1000.0, 0..200), encoding())
+        .prop_map(|(v, e)| Payload::encode(&v, e).unwrap())
+}
+
+fn f32_payload() -> impl Strategy<Value = Payload> {
+    proptest::collection::vec(-1000.0f32..1000.0, 0..200).prop_map(|v| Payload::encode(&v, Encoding::F32).unwrap())
+}
+
+fn request() -> impl Strategy<Value = ShardRequest> {
+    let push = (
+        run_id(),
+        any::<u32>(),
+        any::<u64>(),
+        any::<u64>(),
+        peer(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u32>(),
+        payload(),
+    )
+        .prop_map(|(run, shard, epoch, base_version, worker, incarnation, step, samples, grad)| {
+            ShardRequest::PushGrad(PushGrad {
+                run,
+                shard,
+                epoch,
+                base_version,
+                worker,
+                incarnation,
+                step,
+                samples,
+                grad,
+            })
+        });
+    let pull = (run_id(), any::<u32>(), any::<u64>(), any::<u32>(), encoding()).prop_map(
+        |(run, shard, min_version, max_wait_ms, encoding)| {
+            ShardRequest::PullShard(PullShard { run, shard, min_version, max_wait_ms, encoding })
+        },
+    );
+    let slot = ("[a-z]{1,8}", f32_payload()).prop_map(|(name, tensor)| OptimizerSlot { name, tensor });
+    let handoff = (
+        run_id(),
+        any::<u32>(),
+        any::<u64>(),
+        prop_oneof![Just(HandoffKind::Transfer), Just(HandoffKind::Replica)],
+        peer(),
+        any::<u64>(),
+        any::<u64>(),
+        f32_payload(),
+        ("[a-z]{1,8}", any::<u64>(), proptest::collection::vec(slot, 0..3)),
+    )
+        .prop_map(|(run, shard, epoch, kind, from, from_incarnation, version, params, (k, step, slots))| {
+            ShardRequest::Handoff(Handoff {
+                run,
+                shard,
+                epoch,
+                kind,
+                from,
+                from_incarnation,
+                version,
+                params,
+                optimizer: OptimizerState { kind: k, step, slots },
+            })
+        });
+    let sync = (run_id(), any::<u32>(), any::<u64>())
+        .prop_map(|(run, shard, min_version)| ShardRequest::StateSync(StateSync { run, shard, min_version }));
+    let manifest = run_id().prop_map(|run| ShardRequest::Manifest(ManifestRequest { run }));
+    prop_oneof![push, pull, handoff, sync, manifest]
+}
+
+fn response() -> impl Strategy<Value = ShardResponse> {
+    let code = prop_oneof![
+        Just(ErrorCode::InvalidRequest),
+        Just(ErrorCode::UnsupportedVersion),
+        Just(ErrorCode::RunMismatch),
+        Just(ErrorCode::NonFinite),
+        Just(ErrorCode::Busy),
+        Just(ErrorCode::Internal),
+    ];
+    let summary = (any::<u32>(), any::<u64>(), any::<u64>(), proptest::option::of(peer()))
+        .prop_map(|(shard, version, numel, owner)| ShardSummary { shard, version, numel, owner });
+    prop_oneof![
+        (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(shard, version, staleness)| {
+            ShardResponse::Accepted(Accepted { shard, version, staleness })
+        }),
+        (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(shard, current_version, max_staleness)| {
+            ShardResponse::Stale { shard, current_version, max_staleness }
+        }),
+        (any::<u32>(), any::<u64>(), proptest::option::of(peer()))
+            .prop_map(|(shard, epoch, hint)| ShardResponse::NotOwner { shard, epoch, hint }),
+        (any::<u32>(), any::<u64>())
+            .prop_map(|(shard, current_version)| ShardResponse::NotReady { shard, current_version }),
+        (any::<u32>(), any::<u64>()).prop_map(|(shard, epoch)| ShardResponse::Fenced { shard, epoch }),
+        (run_id(), any::<u32>(), any::<u64>(), any::<u64>(), payload()).prop_map(
+            |(run, shard, version, epoch, params)| {
+                ShardResponse::ShardState(ShardState { run, shard, version, epoch, params })
+            }
+        ),
+        (any::<u32>(), any::<u64>()).prop_map(|(shard, version)| ShardResponse::HandoffAck { shard, version }),
+        (run_id(), any::<u64>(), any::<u64>(), any::<u64>(), proptest::collection::vec(summary, 0..5)).prop_map(
+            |(run, config_hash, epoch, step, shards)| {
+                ShardResponse::Manifest(Manifest { run, config_hash, epoch, step, shards })
+            }
+        ),
+        (code, ".{0,40}").prop_map(|(code, m)| ShardResponse::Error(WireError::new(code, m))),
+    ]
+}
+
+fn gossip() -> impl Strategy<Value = GossipMessage> {
+    let obs = (peer(), 0.0f32..1e9, any::<u32>()).prop_map(|(owner, micros_per_mib, samples)| ServiceObservation {
+        owner,
+        micros_per_mib,
+        samples,
+    });
+    let hb = (
+        (run_id(), peer(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u16>()),
+        (
+            prop_oneof![Just(Device::Cpu), Just(Device::Cuda), Just(Device::Metal), Just(Device::Other)],
+            any::<u64>(),
+            0.0f32..1e9,
+            0.0f32..1e12,
+            any::<bool>(),
+        ),
+        prop_oneof![Just(Role::Worker), Just(Role::Aggregator), Just(Role::Joining), Just(Role::Leaving)],
+        proptest::collection::vec(any::<u32>(), 0..20),
+        any::<u64>(),
+        any::<u64>(),
+        proptest::collection::vec(obs, 0..5),
+    )
+        .prop_map(
+            |(
+                (run, peer, incarnation, seq, epoch, config_hash, protocol_minor),
+                caps,
+                role,
+                owned_shards,
+                step,
+                model_version,
+                service,
+            )| {
+                GossipMessage::Heartbeat(Heartbeat {
+                    run,
+                    peer,
+                    incarnation,
+                    seq,
+                    epoch,
+                    config_hash,
+                    protocol_minor,
+                    capabilities: Capabilities {
+                        device: caps.0,
+                        memory_bytes: caps.1,
+                        compute_samples_per_sec: caps.2,
+                        net_bytes_per_sec: caps.3,
+                        can_aggregate: caps.4,
+                    },
+                    role,
+                    owned_shards,
+                    step,
+                    model_version,
+                    service,
+                })
+            },
+        );
+    let ann = prop_oneof![
+        (run_id(), any::<u32>(), any::<u64>(), any::<u64>(), peer()).prop_map(|(run, shard, version, epoch, owner)| {
+            Announcement::ShardVersion { run, shard, version, epoch, owner }
+        }),
+        (run_id(), peer(), any::<u64>())
+            .prop_map(|(run, peer, incarnation)| { Announcement::Leaving { run, peer, incarnation } }),
+        (run_id(), any::<u64>(), any::<u64>(), any::<u64>())
+            .prop_map(|(run, step, version, params_hash)| Announcement::Checkpoint { run, step, version, params_hash }),
+    ]
+    .prop_map(GossipMessage::Announce);
+    prop_oneof![hb, ann]
+}
+
+fn limits() -> Limits {
+    Limits::default()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn requests_round_trip(req in request()) {
+        let bytes = frame::encode_request(&req, &limits()).unwrap().to_vec();
+        let back = frame::decode_request_frame(Bytes::from(bytes), &limits()).unwrap();
+        prop_assert_eq!(back, req);
+    }
+
+    #[test]
+    fn responses_round_trip(resp in response()) {
+        let bytes = frame::encode_response(&resp, &limits()).unwrap().to_vec();
+        let back = frame::decode_response_frame(Bytes::from(bytes), &limits()).unwrap();
+        prop_assert_eq!(back, resp);
+    }
+
+    #[test]
+    fn gossip_round_trips(msg in gossip()) {
+        let bytes = frame::encode_gossip(&msg, &limits()).unwrap();
+        prop_assert!(bytes.len() <= 4096);
+        prop_assert_eq!(frame::decode_gossip(&bytes, &limits()).unwrap(), msg);
+    }
+
+    #[test]
+    fn requests_round_trip_through_the_codec(req in request()) {
+        let mut codec = ShardCodec::default();
+        let mut buf = Cursor::new(Vec::new());
+        futures::executor::block_on(codec.write_request(&SHARD_PROTOCOL, &mut buf, req.clone())).unwrap();
+        let back = futures::executor::block_on(codec.read_request(&SHARD_PROTOCOL, &mut Cursor::new(buf.into_inner()))).unwrap();
+        prop_assert_eq!(back, req);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..600)) {
+        let l = limits();
+        let _ = frame::decode_request_frame(Bytes::from(data.clone()), &l);
+        let _ = frame::decode_response_frame(Bytes::from(data.clone()), &l);
+        let _ = frame::decode_gossip(&data, &l);
+        if let Ok(p) = <[u8; PREFIX_LEN]>::try_from(data.get(..PREFIX_LEN).unwrap_or(&[])) {
+            let _ = FramePrefix::parse(&p);
+        }
+        let mut codec = ShardCodec::default();
+        let _ = futures::executor::block_on(codec.read_request(&SHARD_PROTOCOL, &mut Cursor::new(data.clone())));
+        let _ = futures::executor::block_on(codec.read_response(&SHARD_PROTOCOL, &mut Cursor::new(data)));
+    }
+
+    #[test]
+    fn arbitrary_headers_behind_a_valid_prefix_never_panic(
+        header in proptest::collection::vec(any::<u8>(), 0..300),
+        body in proptest::collection::vec(any::<u8>(), 0..300),
+        version in 1u16..3,
+    ) {
+        // A well-formed prefix gets the garbage past the framing checks and
+        // into postcard and the tensor re-attachment.
+        let l = limits();
+        for kind in [frame::FrameKind::Request, frame::FrameKind::Response] {
+            let prefix = FramePrefix { version, kind, header_len: header.len() as u32, body_len: body.len() as u64 };
+            let mut bytes = prefix.to_bytes().to_vec();
+            bytes.extend_from_slice(&header);
+            bytes.extend_from_slice(&body);
+            let _ = frame::decode_request_frame(Bytes::from(bytes.clone()), &l);
+            if let Ok(resp) = frame::decode_response_frame(Bytes::from(bytes.clone()), &l) {
+                let ctx = ValidationContext::new(RunId::default(), 4, l.clone(), &Timeouts::default());
+                let _ = validate_response(&resp, &ctx);
+                for p in shoal_protocol::messages::HasPayloads::payloads(&resp) {
+                    let _ = p.decode();
+                }
+            }
+            let mut codec = ShardCodec::default();
+            let _ = futures::executor::block_on(codec.read_request(&SHARD_PROTOCOL, &mut Cursor::new(bytes)));
+        }
+    }
+
+    #[test]
+    fn corrupted_frames_never_panic(req in request(), flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8), cut in any::<prop::sample::Index>()) {
+        let l = limits();
+        let mut bytes = frame::encode_request(&req, &l).unwrap().to_vec();
+        for (i, x) in flips {
+            let i = i.index(bytes.len());
+            bytes[i] ^= x;
+        }
+        if let Ok(back) = frame::decode_request_frame(Bytes::from(bytes.clone()), &l) {
+            let ctx = ValidationContext::new(RunId::default(), 4, l.clone(), &Timeouts::default());
+            let _ = validate_request(&back, &PeerId::random(), &ctx);
+            for p in shoal_protocol::messages::HasPayloads::payloads(&back) {
+                let _ = p.decode();
+            }
+        }
+        bytes.truncate(cut.index(bytes.len() + 1));
+        let _ = frame::decode_request_frame(Bytes::from(bytes), &l);
+    }
+}
+
+#[test]
+fn largest_heartbeat_fits_in_4_kib() {
+    let peer = || Keypair::generate_ed25519().public().to_peer_id();
+    let hb = Heartbeat {
+        run: RunId::new("r".repeat(64)).unwrap(),
+        peer: peer(),
+        incarnation: u64::MAX,
+        seq: u64::MAX,
+        epoch: u64::MAX,
+        config_hash: u64::MAX,
+        protocol_minor: u16::MAX,
+        capabilities: Capabilities {
+            device: Device::Other,
+            memory_bytes: u64::MAX,
+            compute_samples_per_sec: f32::MAX,
+            net_bytes_per_sec: f32::MAX,
+            can_aggregate: true,
+        },
+        role: Role::Aggregator,
+        owned_shards: vec![u32::MAX; MAX_OWNED_SHARDS],
+        step: u64::MAX,
+        model_version: u64::MAX,
+        service: (0..MAX_SERVICE_OBSERVATIONS)
+            .map(|_| ServiceObservation { owner: peer(), micros_per_mib: f32::MAX, samples: u32::MAX })
+            .collect(),
+    };
+    let bytes = frame::encode_gossip(&GossipMessage::Heartbeat(hb), &limits()).unwrap();
+    assert!(bytes.len() <= 4096, "maximal heartbeat is {} bytes", bytes.len());
+}
+
+#[test]
+fn unknown_error_codes_from_newer_peers_decode_as_unknown() {
+    // Error variant 8, code variant 200 (not known), empty message.
+    let resp = ShardResponse::Error(WireError::new(ErrorCode::Busy, ""));
+    let mut bytes = frame::encode_response(&resp, &limits()).unwrap().to_vec();
+    // Header is [8 (Error), code, 0 (empty string)]; replace the code with a
+    // two-byte varint 200.
+    assert_eq!(&bytes[PREFIX_LEN..], &[8, 9, 0]);
+    bytes.truncate(PREFIX_LEN);
+    bytes.extend_from_slice(&[8, 0xC8, 0x01, 0]);
+    bytes[8] = 4; // header_len
+    let back = frame::decode_response_frame(Bytes::from(bytes), &limits()).unwrap();
+    assert_eq!(back, ShardResponse::Error(WireError { code: ErrorCode::Unknown, message: String::new() }));
+}
+
+#[test]
+fn undecodable_is_never_sent() {
+    let req = ShardRequest::Undecodable { version: 1, code: ErrorCode::InvalidRequest, reason: "x".into() };
+    assert!(matches!(frame::encode_request(&req, &limits()), Err(ProtocolError::Encode(_))));
+}
+
+#[test]
+fn wrong_kind_and_magic_are_rejected() {
+    let resp = ShardResponse::HandoffAck { shard: 1, version: 2 };
+    let bytes = frame::encode_response(&resp, &limits()).unwrap().to_vec();
+    assert!(matches!(
+        frame::decode_request_frame(Bytes::from(bytes.clone()), &limits()),
+        Err(ProtocolError::BadPrefix(_))
+    ));
+    let mut bad = bytes;
+    bad[0] = b'X';
+    assert!(matches!(frame::decode_response_frame(Bytes::from(bad), &limits()), Err(ProtocolError::BadMagic { .. })));
+}
+
+#[test]
+fn documented_example_frame_is_stable() {
+    // The example in docs/protocol.md: a StateSync request.
+    let req = ShardRequest::StateSync(StateSync { run: RunId::new("demo").unwrap(), shard: 3, min_version: 300 });
+    let bytes = frame::encode_request(&req, &limits()).unwrap().to_vec();
+    let expected: Vec<u8> = vec![
+        0x53, 0x48, 0x01, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 1, kind 1, reserved
+        0x09, 0x00, 0x00, 0x00, // header_len 9
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // body_len 0
+        0x03, // ShardRequest variant 3 = StateSync
+        0x04, b'd', b'e', b'm', b'o', // run: len 4 + "demo"
+        0x03, // shard 3
+        0xac, 0x02, // min_version 300 as varint
+    ];
+    assert_eq!(bytes, expected);
+}
+
+#[test]
+fn decoded_frames_share_the_received_buffer() {
+    // One copy only: the payload body of a decoded frame points into the
+    // frame buffer the codec received; decoding then copies into f32 once.
+    let values: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let req = ShardRequest::PushGrad(PushGrad {
+        run: RunId::default(),
+        shard: 0,
+        epoch: 0,
+        base_version: 0,
+        worker: PeerId::random(),
+        incarnation: 0,
+        step: 0,
+        samples: 1,
+        grad: Payload::encode(&values, Encoding::F32).unwrap(),
+    });
+    let frame_bytes = Bytes::from(frame::encode_request(&req, &limits()).unwrap().to_vec());
+    let range = frame_bytes.as_ptr() as usize..frame_bytes.as_ptr() as usize + frame_bytes.len();
+    let ShardRequest::PushGrad(back) = frame::decode_request_frame(frame_bytes.clone(), &limits()).unwrap() else {
+        panic!("wrong variant");
+    };
+    let body = back.grad.data();
+    assert!(range.contains(&(body.as_ptr() as usize)), "payload body was copied out of the frame");
+    assert_eq!(back.grad.decode().unwrap(), values);
+}

@@ -1,0 +1,41 @@
+//! Shared helpers for cross-crate scenarios: cluster configs that finish
+//! quickly on a 2-core machine, and parameter comparisons.
+
+use shoal_models::OptimizerKind;
+use shoal_node::cluster::{Cluster, ClusterSpec};
+use shoal_node::config::NodeConfig;
+use shoal_node::node::NodeReport;
+use shoal_node::sync::SyncPolicy;
+
+/// A digits/MLP config with the given policy; timeouts generous enough for
+/// a loaded CI machine but bounded, so a broken cluster fails instead of hanging.
+pub fn digits_config(run: &str, steps: u64, sync: SyncPolicy, optimizer: OptimizerKind, lr: f64) -> NodeConfig {
+    let mut c = NodeConfig { run_id: run.into(), ..NodeConfig::default() };
+    c.training.steps = steps;
+    c.training.optimizer = optimizer;
+    c.training.lr = Some(lr);
+    c.cluster.sync = sync;
+    c.cluster.shards = 8;
+    c.cluster.heartbeat_ms = 100;
+    c.cluster.failure_timeout_ms = 5_000;
+    c.cluster.start_timeout_ms = 60_000;
+    c.cluster.request_timeout_ms = 60_000;
+    c.cluster.linger_ms = 30_000;
+    c
+}
+
+/// Start a cluster, wait for it, and return the reports (in node order).
+pub async fn run_cluster(spec: &ClusterSpec) -> anyhow::Result<Vec<NodeReport>> {
+    let cluster = Cluster::start(spec).await?;
+    // Bound the whole run: a hung cluster is a failure, not a stuck CI job.
+    tokio::time::timeout(std::time::Duration::from_secs(600), cluster.wait())
+        .await
+        .map_err(|_| anyhow::anyhow!("cluster did not finish within 600 s"))?
+}
+
+/// `||a - b|| / ||b||`.
+pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((*x - *y) as f64).powi(2)).sum::<f64>().sqrt();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
+    num / den.max(f64::MIN_POSITIVE)
+}

@@ -1,0 +1,160 @@
+//! Multi-node training over real loopback TCP: numerical equivalence with a
+//! single node, accuracy under each sync policy, and recorded staleness.
+
+use candle_core::Device;
+use shoal_models::{data, DatasetKind, LocalTrainer, ModelConfig, OptimizerConfig, OptimizerKind};
+use shoal_node::cluster::{ClusterSpec, NodeOverride};
+use shoal_node::node::NodeReport;
+use shoal_node::sync::SyncPolicy;
+use shoal_node::worker::batch_for_step;
+use shoal_tests::{digits_config, rel_diff, run_cluster};
+
+const STEPS: u64 = 5;
+
+/// Train one node on the concatenation (in roster order) of every worker's
+/// batch, step by step, and return its parameters.
+fn single_node_reference(
+    reports: &[NodeReport],
+    batch_of: &dyn Fn(&NodeReport) -> usize,
+    optimizer: OptimizerConfig,
+) -> anyhow::Result<Vec<f32>> {
+    let split = data::load(DatasetKind::Digits, None)?;
+    let config = ModelConfig::for_dataset(shoal_models::ArchKind::Mlp, &split.train);
+    let mut single = LocalTrainer::new(config, optimizer, 42, 1, &Device::Cpu)?;
+    let roster = &reports[0].roster;
+    let world = roster.len();
+    for step in 0..STEPS {
+        let mut batch = Vec::new();
+        for (rank, peer) in roster.iter().enumerate() {
+            let r = reports.iter().find(|r| r.peer_id == *peer).ok_or_else(|| anyhow::anyhow!("peer missing"))?;
+            batch.extend(batch_for_step(split.train.len(), rank, world, batch_of(r), 42, step)?);
+        }
+        single.train_batch(&split.train, &batch)?;
+    }
+    Ok(single.params().to_vec())
+}
+
+async fn equivalence(nodes: usize, kind: OptimizerKind, lr: f64, batches: &[usize], tol: f64) -> anyhow::Result<()> {
+    let base = digits_config(&format!("equiv-{nodes}-{kind}"), STEPS, SyncPolicy::Bsp, kind, lr);
+    let opt = base.training.optimizer_config();
+    let mut spec = ClusterSpec::new(nodes, base);
+    spec.overrides = batches.iter().map(|&b| NodeOverride { batch_size: Some(b), ..Default::default() }).collect();
+    let reports = run_cluster(&spec).await?;
+    let names: Vec<String> = reports.iter().map(|r| r.name.clone()).collect();
+    let batch_of = |r: &NodeReport| {
+        let i = names.iter().position(|n| *n == r.name).unwrap_or(0);
+        batches.get(i).copied().unwrap_or(32)
+    };
+    let reference = single_node_reference(&reports, &batch_of, opt)?;
+    for r in &reports {
+        let d = rel_diff(&r.params, &reference);
+        eprintln!("{nodes} nodes, {kind}, batches {batches:?}: {} differs from one node by {d:.3e}", r.name);
+        assert!(d <= tol, "{}: relative difference {d:e} > {tol:e}", r.name);
+    }
+    // And training did move the parameters (the comparison is not vacuous).
+    let split = data::load(DatasetKind::Digits, None)?;
+    let init = LocalTrainer::new(
+        ModelConfig::for_dataset(shoal_models::ArchKind::Mlp, &split.train),
+        opt,
+        42,
+        1,
+        &Device::Cpu,
+    )?;
+    assert!(rel_diff(&reference, init.params()) > 1e-3, "five steps should change the model");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bsp_sgd_two_and_four_workers_equal_one_node_on_the_concatenated_batch() -> anyhow::Result<()> {
+    equivalence(2, OptimizerKind::Sgd, 0.05, &[32, 32], 1e-5).await?;
+    equivalence(4, OptimizerKind::Sgd, 0.05, &[32, 32, 32, 32], 1e-5).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bsp_adamw_four_workers_equal_one_node() -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
+    equivalence(4, OptimizerKind::Adamw, 2e-3, &[32, 32, 32, 32], 1e-4).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heterogeneous_batches_weighted_by_samples_stay_equivalent() -> anyhow::Result<()> {
+    equivalence(3, OptimizerKind::Sgd, 0.05, &[16, 32, 64], 1e-5).await
+}
+
+async fn train_policy(sync: SyncPolicy, steps: u64, target: f32) -> anyhow::Result<Vec<NodeReport>> {
+    let base =
+        digits_config(&format!("acc-{}", sync.to_string().replace(':', "-")), steps, sync, OptimizerKind::Sgd, 0.1);
+    let reports = run_cluster(&ClusterSpec::new(4, base)).await?;
+    for r in &reports {
+        eprintln!(
+            "{sync}: {} accuracy {:.4}, owned {:?}, shard stats {:?}",
+            r.name, r.accuracy, r.owned_shards, r.shard_stats
+        );
+        assert!(r.accuracy >= target, "{sync}: {} reached only {:.4}", r.name, r.accuracy);
+    }
+    let owned: usize = reports.iter().map(|r| r.owned_shards.len()).sum();
+    assert_eq!(owned, 8, "every shard has exactly one owner");
+    assert!(reports.iter().all(|r| r.owned_shards.len() == 2), "8 shards over 4 equal nodes: 2 each");
+    Ok(reports)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_node_bsp_cluster_reaches_95_percent_on_digits() -> anyhow::Result<()> {
+    let reports = train_policy(SyncPolicy::Bsp, 300, 0.95).await?;
+    // BSP: everyone ends on the same model.
+    for r in &reports[1..] {
+        assert_eq!(r.params, reports[0].params, "BSP workers must agree bit for bit");
+    }
+    for r in &reports {
+        assert!(r.shard_stats.iter().all(|s| s.max_staleness == 0 && s.version == 300), "{:?}", r.shard_stats);
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ssp_dssp_and_asp_clusters_reach_93_percent_within_their_staleness_bounds() -> anyhow::Result<()> {
+    for sync in [SyncPolicy::Ssp { staleness: 2 }, SyncPolicy::Dssp { lo: 1, hi: 4 }, SyncPolicy::Asp] {
+        let reports = train_policy(sync, 300, 0.93).await?;
+        let worst = reports.iter().flat_map(|r| r.shard_stats.iter().map(|s| s.max_staleness)).max().unwrap_or(0);
+        eprintln!("{sync}: largest recorded staleness {worst}");
+        if let Some(bound) = sync.max_bound() {
+            assert!(worst <= bound, "{sync}: staleness {worst} exceeds {bound}");
+        }
+        // Asynchronous owners step once per push: 4 workers x 300 steps.
+        for r in &reports {
+            assert!(r.shard_stats.iter().all(|s| s.version == 1200), "{sync}: {:?}", r.shard_stats);
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gossip_mode_converges_and_nodes_agree() -> anyhow::Result<()> {
+    let mut base = digits_config("gossip", 300, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
+    base.cluster.mode = shoal_node::config::Mode::Gossip;
+    base.cluster.gossip_every = 5;
+    // Decentralised SGD reaches consensus as the step size decays.
+    base.training.lr_decay = shoal_node::config::LrDecay::Cosine;
+    let reports = run_cluster(&ClusterSpec::new(4, base)).await?;
+    let mut first = 0.0f32;
+    for r in &reports {
+        let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("no status"))?;
+        eprintln!(
+            "gossip: {} accuracy {:.4}, distance first {:?} last {:?}",
+            r.name, r.accuracy, s.gossip_first_distance, s.gossip_last_distance
+        );
+        assert!(r.accuracy >= 0.93, "gossip: {} reached only {:.4}", r.name, r.accuracy);
+        assert!(r.owned_shards.is_empty(), "gossip mode has no shard owners");
+        first = first.max(s.gossip_first_distance.ok_or_else(|| anyhow::anyhow!("{} never exchanged", r.name))?);
+    }
+    // Largest pairwise distance between the final models.
+    let mut last = 0.0f64;
+    for a in &reports {
+        for b in &reports {
+            last = last.max(rel_diff(&a.params, &b.params));
+        }
+    }
+    eprintln!("gossip: largest distance at the first exchange {first:.3e}, between final models {last:.3e}");
+    assert!(first as f64 >= 10.0 * last, "distance shrank only from {first:e} to {last:e}");
+    Ok(())
+}
