@@ -1,4 +1,5 @@
-//! The aggregator actor: serves the shards this node owns.
+//! The aggregator actor: serves the shards this node owns, and moves them
+//! when the placement changes.
 //!
 //! It wraps one [`ShardCore`] per owned shard (the policy logic is there,
 //! pure) and adds what needs a clock and channels: pulls that must wait are
@@ -6,17 +7,37 @@
 //! or with `NotReady` when the deadline passes. Requests arrive from the
 //! local worker (through this handle) and from peers (the network actor
 //! forwards them with `try_send`, so the network never blocks on us).
+//!
+//! Ownership follows the [`Placement`] published by the election:
+//! - a shard this node loses is removed first (from then on it answers
+//!   `NotOwner` with a hint: the fence) and then sent, with its optimizer
+//!   state and version, to the new owner (`Handoff::Transfer`);
+//! - a shard it gains is installed from that transfer; if the old owner is
+//!   dead (not live in the placement) or silent past `handoff_timeout`, from
+//!   the freshest replica this node holds, or else from its own worker copy
+//!   of the model with a fresh optimizer state;
+//! - every `replica_every` versions an owned shard is copied to its backup
+//!   (`Handoff::Replica`), the node that takes it over if this one dies.
+//!
+//! A transfer that meets a copy with the same or a higher version is refused
+//! (`Fenced`): after a partition heals, the copy with the higher version
+//! wins, and on a tie the one already installed stays.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shoal_models::Optimizer;
+use shoal_models::{Optimizer, OptimizerConfig, OptimizerState};
 use shoal_protocol::libp2p::PeerId;
-use tokio::sync::{mpsc, oneshot};
+use shoal_protocol::{HandoffKind, RunId};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
+use crate::elect::Placement;
+use crate::handoff;
+use crate::net::{ModelSnapshot, NetworkHandle};
 use crate::status::{StatusEvent, StatusHandle};
 use crate::sync::{PushOutcome, ShardCore, SyncPolicy};
 
@@ -25,7 +46,11 @@ use crate::sync::{PushOutcome, ShardCore, SyncPolicy};
 pub enum PushReply {
     Accepted { version: u64, staleness: u64 },
     Stale { current_version: u64, max_staleness: u64 },
-    NotOwner { epoch: u64 },
+    NotOwner { epoch: u64, hint: Option<PeerId> },
+    /// The shard is assigned here but its state has not arrived: retry.
+    Pending,
+    /// The pusher is not a worker of this shard (the owner's view lost it).
+    UnknownWorker,
     Invalid(String),
 }
 
@@ -34,16 +59,25 @@ pub enum PushReply {
 pub enum PullReply {
     State { version: u64, params: Arc<Vec<f32>> },
     NotReady { current_version: u64 },
-    NotOwner { epoch: u64 },
+    NotOwner { epoch: u64, hint: Option<PeerId> },
 }
 
-/// Everything one owned shard starts from.
-#[derive(Debug)]
-pub struct OwnedShard {
+/// Answer to a handoff.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HandoffReply {
+    Ack { version: u64 },
+    /// A copy at least as new is already installed here.
+    Fenced { epoch: u64 },
+    Invalid(String),
+}
+
+/// One shard's state in flight or at rest: what a handoff carries.
+#[derive(Debug, Clone)]
+pub struct ShardState {
     pub shard: u32,
-    pub params: Vec<f32>,
-    pub optimizer: Optimizer,
     pub version: u64,
+    pub params: Vec<f32>,
+    pub optimizer: OptimizerState,
 }
 
 /// Per-shard counters for tests and status.
@@ -54,13 +88,26 @@ pub struct ShardStats {
     pub max_staleness: u64,
 }
 
+/// What the aggregator needs besides its channels.
+#[derive(Debug, Clone)]
+pub struct AggregatorConfig {
+    pub me: PeerId,
+    pub incarnation: u64,
+    pub run: RunId,
+    pub policy: SyncPolicy,
+    pub optimizer: OptimizerConfig,
+    /// Element range of each shard in the flat model.
+    pub ranges: Vec<Range<usize>>,
+    /// Longest a pull may be parked.
+    pub max_wait: Duration,
+    /// Send a replica to the backup every this many versions (0: never).
+    pub replica_every: u64,
+    /// How long a new owner waits for a live old owner's transfer.
+    pub handoff_timeout: Duration,
+    pub capacity: usize,
+}
+
 enum AggCommand {
-    Own {
-        epoch: u64,
-        policy: SyncPolicy,
-        roster: Vec<PeerId>,
-        shards: Vec<OwnedShard>,
-    },
     Push {
         worker: PeerId,
         shard: u32,
@@ -76,6 +123,17 @@ enum AggCommand {
         wait: Duration,
         reply: oneshot::Sender<PullReply>,
     },
+    Handoff {
+        from: PeerId,
+        kind: HandoffKind,
+        state: ShardState,
+        reply: oneshot::Sender<HandoffReply>,
+    },
+    /// A spawned transfer could not be delivered: keep the state as a replica.
+    TransferFailed(ShardState),
+    ReplicaDone {
+        shard: u32,
+    },
     Stats {
         reply: oneshot::Sender<Vec<ShardStats>>,
     },
@@ -87,6 +145,13 @@ struct ParkedPull {
     min_version: u64,
     deadline: Instant,
     reply: oneshot::Sender<PullReply>,
+}
+
+/// A copy of a shard kept here but not served: a replica, or a transfer
+/// that arrived before this node's own view made it the owner.
+struct Stored {
+    state: ShardState,
+    transfer: bool,
 }
 
 /// Cloneable handle to the aggregator.
@@ -101,33 +166,39 @@ pub struct AggregatorHandle {
 pub struct Busy;
 
 impl AggregatorHandle {
-    pub fn spawn(status: StatusHandle, max_wait: Duration, capacity: usize) -> Self {
-        let (sender, receiver) = mpsc::channel(capacity.max(1));
+    pub fn spawn(
+        cfg: AggregatorConfig,
+        status: StatusHandle,
+        net: NetworkHandle,
+        placement: watch::Receiver<Option<Arc<Placement>>>,
+        snapshot: watch::Receiver<ModelSnapshot>,
+    ) -> Self {
+        let (sender, receiver) = mpsc::channel(cfg.capacity.max(1));
         let actor = AggregatorActor {
+            me_tx: sender.downgrade(),
             receiver,
-            shards: BTreeMap::new(),
+            cores: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            stored: BTreeMap::new(),
+            placement_rx: placement,
+            placement: None,
             parked: Vec::new(),
-            epoch: 0,
+            replicating: BTreeSet::new(),
+            replicated: BTreeMap::new(),
             status,
-            max_wait,
+            net,
+            snapshot,
             started: Instant::now(),
+            cfg,
         };
         tokio::spawn(actor.run());
         Self { sender }
     }
 
-    /// Take ownership of shards for a roster and policy.
-    pub async fn own(
-        &self,
-        epoch: u64,
-        policy: SyncPolicy,
-        roster: Vec<PeerId>,
-        shards: Vec<OwnedShard>,
-    ) -> anyhow::Result<()> {
-        self.sender
-            .send(AggCommand::Own { epoch, policy, roster, shards })
-            .await
-            .map_err(|_| anyhow::anyhow!("aggregator has stopped"))
+    async fn ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> anyhow::Result<T> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.send(cmd(reply)).await.map_err(|_| anyhow::anyhow!("aggregator has stopped"))?;
+        rx.await.map_err(|_| anyhow::anyhow!("aggregator dropped a request"))
     }
 
     pub async fn push(
@@ -138,12 +209,7 @@ impl AggregatorHandle {
         samples: u32,
         grad: Vec<f32>,
     ) -> anyhow::Result<PushReply> {
-        let (reply, rx) = oneshot::channel();
-        self.sender
-            .send(AggCommand::Push { worker, shard, base_version, samples, grad, reply })
-            .await
-            .map_err(|_| anyhow::anyhow!("aggregator has stopped"))?;
-        rx.await.map_err(|_| anyhow::anyhow!("aggregator dropped a push"))
+        self.ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply }).await
     }
 
     pub async fn pull(
@@ -153,12 +219,13 @@ impl AggregatorHandle {
         min_version: u64,
         wait: Duration,
     ) -> anyhow::Result<PullReply> {
+        self.ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, reply }).await
+    }
+
+    fn try_ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> Result<oneshot::Receiver<T>, Busy> {
         let (reply, rx) = oneshot::channel();
-        self.sender
-            .send(AggCommand::Pull { worker, shard, min_version, wait, reply })
-            .await
-            .map_err(|_| anyhow::anyhow!("aggregator has stopped"))?;
-        rx.await.map_err(|_| anyhow::anyhow!("aggregator dropped a pull"))
+        self.sender.try_send(cmd(reply)).map_err(|_| Busy)?;
+        Ok(rx)
     }
 
     /// Non-blocking forms for the network actor.
@@ -170,11 +237,7 @@ impl AggregatorHandle {
         samples: u32,
         grad: Vec<f32>,
     ) -> Result<oneshot::Receiver<PushReply>, Busy> {
-        let (reply, rx) = oneshot::channel();
-        self.sender
-            .try_send(AggCommand::Push { worker, shard, base_version, samples, grad, reply })
-            .map_err(|_| Busy)?;
-        Ok(rx)
+        self.try_ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply })
     }
 
     pub fn try_pull(
@@ -184,27 +247,43 @@ impl AggregatorHandle {
         min_version: u64,
         wait: Duration,
     ) -> Result<oneshot::Receiver<PullReply>, Busy> {
-        let (reply, rx) = oneshot::channel();
-        self.sender.try_send(AggCommand::Pull { worker, shard, min_version, wait, reply }).map_err(|_| Busy)?;
-        Ok(rx)
+        self.try_ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, reply })
+    }
+
+    pub fn try_handoff(
+        &self,
+        from: PeerId,
+        kind: HandoffKind,
+        state: ShardState,
+    ) -> Result<oneshot::Receiver<HandoffReply>, Busy> {
+        self.try_ask(|reply| AggCommand::Handoff { from, kind, state, reply })
     }
 
     pub async fn stats(&self) -> Vec<ShardStats> {
-        let (reply, rx) = oneshot::channel();
-        if self.sender.send(AggCommand::Stats { reply }).await.is_err() {
-            return Vec::new();
-        }
-        rx.await.unwrap_or_default()
+        self.ask(|reply| AggCommand::Stats { reply }).await.unwrap_or_default()
     }
 }
 
 struct AggregatorActor {
+    cfg: AggregatorConfig,
+    /// For spawned transfers and replicas to report back; weak, so the
+    /// actor still stops when every handle is dropped.
+    me_tx: mpsc::WeakSender<AggCommand>,
     receiver: mpsc::Receiver<AggCommand>,
-    shards: BTreeMap<u32, ShardCore<PeerId>>,
+    cores: BTreeMap<u32, ShardCore<PeerId>>,
+    /// Shards assigned here whose state is awaited, with the deadline after
+    /// which this node restores them itself.
+    pending: BTreeMap<u32, Instant>,
+    stored: BTreeMap<u32, Stored>,
+    placement_rx: watch::Receiver<Option<Arc<Placement>>>,
+    placement: Option<Arc<Placement>>,
     parked: Vec<ParkedPull>,
-    epoch: u64,
+    replicating: BTreeSet<u32>,
+    /// Version last replicated, per shard.
+    replicated: BTreeMap<u32, u64>,
     status: StatusHandle,
-    max_wait: Duration,
+    net: NetworkHandle,
+    snapshot: watch::Receiver<ModelSnapshot>,
     started: Instant,
 }
 
@@ -213,14 +292,31 @@ impl AggregatorActor {
         self.started.elapsed().as_millis() as u64
     }
 
+    fn epoch(&self) -> u64 {
+        self.placement.as_ref().map(|p| p.epoch).unwrap_or(0)
+    }
+
+    fn hint(&self, shard: u32) -> Option<PeerId> {
+        self.placement.as_ref().and_then(|p| p.owner(shard)).filter(|o| *o != self.cfg.me)
+    }
+
     async fn run(mut self) {
         loop {
-            let next_deadline = self.parked.iter().map(|p| p.deadline).min();
+            let next_deadline = self.parked.iter().map(|p| p.deadline).chain(self.pending.values().copied()).min();
             tokio::select! {
                 cmd = self.receiver.recv() => match cmd {
                     Some(cmd) => self.handle(cmd),
                     None => break,
                 },
+                r = self.placement_rx.changed() => {
+                    if r.is_err() {
+                        break;
+                    }
+                    let p = self.placement_rx.borrow_and_update().clone();
+                    if let Some(p) = p {
+                        self.place(p);
+                    }
+                }
                 _ = sleep_until_opt(next_deadline) => self.expire(),
             }
         }
@@ -229,22 +325,18 @@ impl AggregatorActor {
 
     fn handle(&mut self, cmd: AggCommand) {
         match cmd {
-            AggCommand::Own { epoch, policy, roster, shards } => {
-                info!(epoch, %policy, shards = ?shards.iter().map(|s| s.shard).collect::<Vec<_>>(), "owning shards");
-                self.epoch = epoch;
-                self.shards = shards
-                    .into_iter()
-                    .map(|s| {
-                        (s.shard, ShardCore::new(s.params, s.optimizer, s.version, policy, roster.iter().copied()))
-                    })
-                    .collect();
-            }
             AggCommand::Push { worker, shard, base_version, samples, grad, reply } => {
                 let now = self.now_ms();
-                let Some(core) = self.shards.get_mut(&shard) else {
-                    let _ = reply.send(PushReply::NotOwner { epoch: self.epoch });
+                let Some(core) = self.cores.get_mut(&shard) else {
+                    let r = if self.pending.contains_key(&shard) {
+                        PushReply::Pending
+                    } else {
+                        PushReply::NotOwner { epoch: self.epoch(), hint: self.hint(shard) }
+                    };
+                    let _ = reply.send(r);
                     return;
                 };
+                let before = core.version();
                 let out = match core.push(&worker, base_version, samples, grad, now) {
                     PushOutcome::Accepted { version, staleness } => {
                         self.status.record(StatusEvent::Staleness(staleness));
@@ -254,32 +346,228 @@ impl AggregatorActor {
                         current_version,
                         max_staleness: core.policy().max_bound().unwrap_or(u64::MAX),
                     },
-                    PushOutcome::UnknownWorker => PushReply::Invalid(format!("{worker} is not in the roster")),
+                    PushOutcome::UnknownWorker => PushReply::UnknownWorker,
                     PushOutcome::BadLength { expected, got } => {
                         PushReply::Invalid(format!("gradient for shard {shard} has {got} values, expected {expected}"))
                     }
                 };
+                let bumped = core.version() != before;
                 let _ = reply.send(out);
+                if bumped {
+                    self.maybe_replicate(shard);
+                }
                 self.release_ready();
             }
             AggCommand::Pull { worker, shard, min_version, wait, reply } => {
-                if !self.shards.contains_key(&shard) {
-                    let _ = reply.send(PullReply::NotOwner { epoch: self.epoch });
+                if !self.cores.contains_key(&shard) && !self.pending.contains_key(&shard) {
+                    let _ = reply.send(PullReply::NotOwner { epoch: self.epoch(), hint: self.hint(shard) });
                     return;
                 }
-                let deadline = Instant::now() + wait.min(self.max_wait);
+                let deadline = Instant::now() + wait.min(self.cfg.max_wait);
                 self.parked.push(ParkedPull { worker, shard, min_version, deadline, reply });
                 self.release_ready();
             }
+            AggCommand::Handoff { from, kind, state, reply } => {
+                let r = self.receive(from, kind, state);
+                let _ = reply.send(r);
+                self.release_ready();
+            }
+            AggCommand::TransferFailed(state) => {
+                warn!(shard = state.shard, version = state.version, "transfer undelivered; keeping it as a replica");
+                self.store(state, false);
+            }
+            AggCommand::ReplicaDone { shard } => {
+                self.replicating.remove(&shard);
+            }
             AggCommand::Stats { reply } => {
                 let stats = self
-                    .shards
+                    .cores
                     .iter()
                     .map(|(&shard, c)| ShardStats { shard, version: c.version(), max_staleness: c.max_staleness() })
                     .collect();
                 let _ = reply.send(stats);
             }
         }
+    }
+
+    /// Keep a copy unless a newer one is already kept.
+    fn store(&mut self, state: ShardState, transfer: bool) {
+        let newer = self.stored.get(&state.shard).is_none_or(|s| state.version >= s.state.version);
+        if newer {
+            self.stored.insert(state.shard, Stored { state, transfer });
+        }
+    }
+
+    fn receive(&mut self, from: PeerId, kind: HandoffKind, state: ShardState) -> HandoffReply {
+        let Some(range) = self.cfg.ranges.get(state.shard as usize) else {
+            return HandoffReply::Invalid(format!("no shard {}", state.shard));
+        };
+        if state.params.len() != range.len() || state.optimizer.slots.iter().any(|(_, v)| v.len() != range.len()) {
+            return HandoffReply::Invalid(format!("shard {} state does not have {} values", state.shard, range.len()));
+        }
+        let shard = state.shard;
+        match kind {
+            HandoffKind::Replica => {
+                debug!(shard, version = state.version, %from, "replica stored");
+                let version = state.version;
+                self.store(state, false);
+                HandoffReply::Ack { version }
+            }
+            HandoffKind::Transfer => {
+                if let Some(core) = self.cores.get(&shard) {
+                    if core.version() >= state.version {
+                        info!(shard, mine = core.version(), theirs = state.version, %from, "transfer fenced: ours is as new");
+                        return HandoffReply::Fenced { epoch: self.epoch() };
+                    }
+                    info!(shard, mine = core.version(), theirs = state.version, %from, "newer copy replaces ours");
+                    let version = state.version;
+                    self.install(state);
+                    return HandoffReply::Ack { version };
+                }
+                let version = state.version;
+                self.status.record(StatusEvent::HandoffIn);
+                if self.pending.remove(&shard).is_some() {
+                    info!(shard, version, %from, "shard handed over");
+                    self.install(state);
+                } else {
+                    // Our view has not made us the owner yet: keep it until it does.
+                    self.store(state, true);
+                }
+                HandoffReply::Ack { version }
+            }
+        }
+    }
+
+    fn install(&mut self, state: ShardState) {
+        let workers = self.placement.as_ref().map(|p| p.workers.clone()).unwrap_or_default();
+        let optimizer = match Optimizer::from_state(state.optimizer) {
+            Ok(o) => o,
+            Err(e) => {
+                warn!(shard = state.shard, error = %e, "optimizer state unusable; starting it afresh");
+                match Optimizer::new(self.cfg.optimizer, state.params.len()) {
+                    Ok(o) => o,
+                    Err(e) => {
+                        warn!(shard = state.shard, error = %e, "cannot build an optimizer; shard not installed");
+                        return;
+                    }
+                }
+            }
+        };
+        self.replicated.insert(state.shard, state.version);
+        self.cores.insert(state.shard, ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers));
+    }
+
+    /// Take a shard over without a transfer: from a stored copy, or else
+    /// from this node's worker copy of the model.
+    fn restore(&mut self, shard: u32) {
+        self.pending.remove(&shard);
+        if let Some(s) = self.stored.remove(&shard) {
+            info!(shard, version = s.state.version, transfer = s.transfer, "taking the shard over from a stored copy");
+            self.status.record(StatusEvent::Restored { from_replica: true });
+            self.install(s.state);
+            return;
+        }
+        let Some(range) = self.cfg.ranges.get(shard as usize).cloned() else { return };
+        let snap = self.snapshot.borrow().clone();
+        if snap.params.len() < range.end {
+            warn!(shard, "no model copy to take the shard over from");
+            return;
+        }
+        let optimizer = match Optimizer::new(self.cfg.optimizer, range.len()) {
+            Ok(o) => o.into_state(),
+            Err(e) => {
+                warn!(shard, error = %e, "cannot build an optimizer");
+                return;
+            }
+        };
+        if snap.version > 0 {
+            warn!(shard, version = snap.version, "no replica: taking the shard over from the worker copy, optimizer state afresh");
+            self.status.record(StatusEvent::Restored { from_replica: false });
+        }
+        self.install(ShardState { shard, version: snap.version, params: snap.params[range].to_vec(), optimizer });
+    }
+
+    /// Apply a new placement: hand off what we lost, take what we gained.
+    fn place(&mut self, new: Arc<Placement>) {
+        let old = self.placement.replace(new.clone());
+        let me = self.cfg.me;
+        if !new.workers.is_empty() {
+            for core in self.cores.values_mut() {
+                core.set_workers(new.workers.iter().copied());
+            }
+        }
+        let lost: Vec<u32> = self.cores.keys().copied().filter(|&s| new.owner(s) != Some(me)).collect();
+        for shard in lost {
+            let Some(core) = self.cores.remove(&shard) else { continue };
+            let Some(to) = new.owner(shard) else { continue };
+            let (params, optimizer, version) = core.export();
+            info!(shard, version, to = %crate::node::short(&to), "handing the shard over");
+            self.status.record(StatusEvent::HandoffOut);
+            self.spawn_send(to, HandoffKind::Transfer, ShardState { shard, version, params, optimizer });
+        }
+        self.pending.retain(|s, _| new.owner(*s) == Some(me));
+        let deadline = Instant::now() + self.cfg.handoff_timeout;
+        for shard in new.owned_by(&me) {
+            if self.cores.contains_key(&shard) || self.pending.contains_key(&shard) {
+                continue;
+            }
+            let previous = old.as_ref().and_then(|o| o.owner(shard));
+            match previous {
+                // Training starts: every node holds the same initial model.
+                None => self.restore(shard),
+                Some(p) if p == me || !new.is_live(&p) => self.restore(shard),
+                Some(_) if self.stored.get(&shard).is_some_and(|s| s.transfer) => self.restore(shard),
+                Some(p) => {
+                    debug!(shard, from = %p, "waiting for the shard's transfer");
+                    self.pending.insert(shard, deadline);
+                }
+            }
+        }
+        self.release_ready();
+    }
+
+    fn maybe_replicate(&mut self, shard: u32) {
+        if self.cfg.replica_every == 0 || self.replicating.contains(&shard) {
+            return;
+        }
+        let Some(backup) = self.placement.as_ref().and_then(|p| p.backup(shard)) else { return };
+        let Some(core) = self.cores.get(&shard) else { return };
+        let last = self.replicated.get(&shard).copied().unwrap_or(0);
+        if core.version() < last + self.cfg.replica_every {
+            return;
+        }
+        let (params, optimizer, version) = core.export();
+        self.replicated.insert(shard, version);
+        self.replicating.insert(shard);
+        self.spawn_send(backup, HandoffKind::Replica, ShardState { shard, version, params, optimizer });
+    }
+
+    /// Deliver a transfer or replica from a task of its own (the actor keeps serving).
+    fn spawn_send(&self, to: PeerId, kind: HandoffKind, state: ShardState) {
+        let net = self.net.clone();
+        let back = self.me_tx.clone();
+        let (run, me, incarnation) = (self.cfg.run.clone(), self.cfg.me, self.cfg.incarnation);
+        let deadline = Instant::now() + self.cfg.handoff_timeout;
+        tokio::spawn(async move {
+            let shard = state.shard;
+            let result = handoff::send(&net, to, &run, me, incarnation, kind, &state, deadline).await;
+            let msg = match (kind, result) {
+                (HandoffKind::Replica, r) => {
+                    if let Err(e) = r {
+                        debug!(shard, %to, error = %format!("{e:#}"), "replica not delivered");
+                    }
+                    AggCommand::ReplicaDone { shard }
+                }
+                (HandoffKind::Transfer, Ok(())) => return,
+                (HandoffKind::Transfer, Err(e)) => {
+                    warn!(shard, %to, error = %format!("{e:#}"), "transfer failed");
+                    AggCommand::TransferFailed(state)
+                }
+            };
+            if let Some(tx) = back.upgrade() {
+                let _ = tx.send(msg).await;
+            }
+        });
     }
 
     /// Answer every parked pull whose condition now holds.
@@ -290,19 +578,24 @@ impl AggregatorActor {
         let mut i = 0;
         while i < self.parked.len() {
             let p = &self.parked[i];
-            let ready = self.shards.get(&p.shard).map(|c| c.pull_ready(&p.worker, p.min_version, now));
+            let ready = match self.cores.get(&p.shard) {
+                Some(c) => Some(c.pull_ready(&p.worker, p.min_version, now)),
+                None if self.pending.contains_key(&p.shard) => Some(false),
+                None => None,
+            };
             match ready {
                 Some(false) => i += 1,
                 Some(true) => {
                     let p = self.parked.swap_remove(i);
-                    if let Some(c) = self.shards.get(&p.shard) {
+                    if let Some(c) = self.cores.get(&p.shard) {
                         let params = copies.entry(p.shard).or_insert_with(|| Arc::new(c.params().to_vec())).clone();
                         let _ = p.reply.send(PullReply::State { version: c.version(), params });
                     }
                 }
                 None => {
                     let p = self.parked.swap_remove(i);
-                    let _ = p.reply.send(PullReply::NotOwner { epoch: self.epoch });
+                    let hint = self.hint(p.shard);
+                    let _ = p.reply.send(PullReply::NotOwner { epoch: self.epoch(), hint });
                 }
             }
         }
@@ -310,16 +603,22 @@ impl AggregatorActor {
 
     fn expire(&mut self) {
         let now = Instant::now();
+        let overdue: Vec<u32> = self.pending.iter().filter(|(_, d)| **d <= now).map(|(s, _)| *s).collect();
+        for shard in overdue {
+            warn!(shard, "the old owner did not hand the shard over in time; restoring it here");
+            self.restore(shard);
+        }
         let mut i = 0;
         while i < self.parked.len() {
             if self.parked[i].deadline <= now {
                 let p = self.parked.swap_remove(i);
-                let current_version = self.shards.get(&p.shard).map(|c| c.version()).unwrap_or(0);
+                let current_version = self.cores.get(&p.shard).map(|c| c.version()).unwrap_or(0);
                 let _ = p.reply.send(PullReply::NotReady { current_version });
             } else {
                 i += 1;
             }
         }
+        self.release_ready();
     }
 }
 

@@ -145,6 +145,18 @@ pub struct NodeArgs {
     pub failure_timeout_ms: Option<u64>,
     #[arg(long)]
     pub start_timeout_ms: Option<u64>,
+    /// Elastic roles: demote slow owners and move their shards (true/false).
+    #[arg(long)]
+    pub elastic: Option<bool>,
+    /// Copies of each shard: 1 or 2.
+    #[arg(long)]
+    pub replicas: Option<u32>,
+    /// Replicate each shard every this many versions.
+    #[arg(long)]
+    pub replica_every: Option<u64>,
+    /// Fault injection: answer pushes and pulls this many ms late.
+    #[arg(long)]
+    pub fault_delay_ms: Option<u64>,
 }
 
 /// `shoal demo`.

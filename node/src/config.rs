@@ -163,6 +163,30 @@ pub struct ClusterConfig {
     pub linger_ms: u64,
     /// Capacity of every actor's command channel. Default 256.
     pub channel_capacity: usize,
+    /// Elastic roles: demote slow shard owners and move their shards.
+    /// `false` keeps the assignment fixed except for failures. Default true.
+    pub elastic: bool,
+    /// Demote an owner whose median service time is this many times the
+    /// cluster's norm. Default 3.0.
+    pub demote_ratio: f64,
+    /// A demoted owner may own shards again once within this ratio of the
+    /// norm (hysteresis). Default 1.5.
+    pub restore_ratio: f64,
+    /// Workers forget an owner's service time after this many steps without
+    /// pushing to it, so a demoted owner gets another try. Default 100.
+    pub service_forget_steps: u64,
+    /// Copies of each shard: 2 keeps a replica on the next rendezvous choice;
+    /// 1 keeps none. Default 2.
+    pub replicas: u32,
+    /// Send the replica every this many versions: the most versions a
+    /// single failure can lose. Default 4.
+    pub replica_every: u64,
+    /// How long a new owner waits for a live old owner's transfer before it
+    /// restores the shard from a replica. Default 5000 ms.
+    pub handoff_timeout_ms: u64,
+    /// Fault injection for tests and benchmarks: answer every push and pull
+    /// this node serves as an owner this many ms late. Default 0.
+    pub fault_delay_ms: u64,
 }
 
 impl Default for ClusterConfig {
@@ -182,6 +206,14 @@ impl Default for ClusterConfig {
             request_timeout_ms: 30_000,
             linger_ms: 60_000,
             channel_capacity: 256,
+            elastic: true,
+            demote_ratio: 3.0,
+            restore_ratio: 1.5,
+            service_forget_steps: 100,
+            replicas: 2,
+            replica_every: 4,
+            handoff_timeout_ms: 5_000,
+            fault_delay_ms: 0,
         }
     }
 }
@@ -265,6 +297,24 @@ impl NodeConfig {
         }
         if c.mode == Mode::Gossip && c.gossip_every == 0 {
             bail!("cluster.gossip_every must be at least 1 in gossip mode");
+        }
+        if !(c.demote_ratio.is_finite() && c.restore_ratio.is_finite() && 1.0 < c.restore_ratio)
+            || c.restore_ratio > c.demote_ratio
+        {
+            bail!(
+                "cluster.restore_ratio ({}) must be above 1 and at most cluster.demote_ratio ({})",
+                c.restore_ratio,
+                c.demote_ratio
+            );
+        }
+        if !(1..=2).contains(&c.replicas) {
+            bail!("cluster.replicas must be 1 (no replica) or 2 (one backup), got {}", c.replicas);
+        }
+        if c.replicas == 2 && c.replica_every == 0 {
+            bail!("cluster.replica_every must be at least 1 when cluster.replicas = 2");
+        }
+        if c.handoff_timeout_ms == 0 {
+            bail!("cluster.handoff_timeout_ms must be positive");
         }
         if c.channel_capacity == 0 {
             bail!("cluster.channel_capacity must be at least 1");

@@ -6,10 +6,12 @@
 //! - [`trainer`] runs candle on a dedicated OS thread;
 //! - [`aggregator`] serves the shards this node owns;
 //! - [`membership`] keeps the gossiped view and the failure detector;
+//! - [`elect`] recomputes the shard placement whenever the view changes;
 //! - [`status`] keeps counters.
 //!
-//! Pure cores: [`sync`] (sync policies, shard owner logic) and [`assign`]
-//! (shard ownership from the view). [`worker`] is the step loop, [`node`]
+//! Pure cores: [`sync`] (sync policies, shard owner logic), [`assign`]
+//! (weighted rendezvous), [`health`] (straggler detection) and
+//! [`elect::elect`] (the placement from the view). [`worker`] is the step loop, [`node`]
 //! wires one node, [`cluster`] builds an in-process cluster.
 
 pub mod aggregator;
@@ -18,6 +20,9 @@ pub mod cli;
 pub mod cluster;
 pub mod cmd;
 pub mod config;
+pub mod elect;
+pub mod handoff;
+pub mod health;
 pub mod logging;
 pub mod membership;
 pub mod net;

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use shoal_models::rng::stable_hash64;
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{Capabilities, GossipMessage, Heartbeat, Role, RunId, WIRE_VERSION};
+use shoal_protocol::{Capabilities, GossipMessage, Heartbeat, Role, RunId, ServiceObservation, WIRE_VERSION};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -115,6 +115,8 @@ impl View {
                 let changed = s.heartbeat.epoch != hb.epoch
                     || s.heartbeat.step != hb.step
                     || s.heartbeat.role != hb.role
+                    || s.heartbeat.owned_shards != hb.owned_shards
+                    || s.heartbeat.service != hb.service
                     || s.heartbeat.incarnation != hb.incarnation;
                 s.heartbeat = hb;
                 s.last_seen_ms = now_ms;
@@ -196,6 +198,11 @@ pub struct SelfState {
     /// Bump to publish a heartbeat now instead of at the next tick (roster
     /// frozen, training finished): peers learn of it without waiting a period.
     pub announce: u64,
+    /// This node's measurements of the owners it pushes to.
+    pub service: Vec<ServiceObservation>,
+    /// Leaving cleanly: the heartbeat says `Leaving` so owners stop waiting
+    /// for this node and the election moves its shards away.
+    pub leaving: bool,
 }
 
 /// Membership settings.
@@ -230,6 +237,8 @@ impl MembershipHandle {
             model_version: 0,
             frozen_epoch: None,
             announce: 0,
+            service: Vec::new(),
+            leaving: false,
         };
         let (self_tx, self_rx) = watch::channel(initial_self);
         let view = View::new(cfg.me, cfg.capabilities.can_aggregate, cfg.config_hash);
@@ -252,6 +261,11 @@ impl MembershipHandle {
 
     pub fn set_self(&self, f: impl FnOnce(&mut SelfState)) {
         self.self_state.send_modify(f);
+    }
+
+    /// This node's own heartbeat fields, as they change.
+    pub fn subscribe_self(&self) -> watch::Receiver<SelfState> {
+        self.self_state.subscribe()
     }
 
     pub fn subscribe(&self) -> watch::Receiver<ViewSnapshot> {
@@ -347,11 +361,11 @@ impl MembershipActor {
             config_hash: self.cfg.config_hash,
             protocol_minor: WIRE_VERSION,
             capabilities: self.cfg.capabilities.clone(),
-            role: me.role,
+            role: if me.leaving { Role::Leaving } else { me.role },
             owned_shards: me.owned_shards.iter().copied().take(shoal_protocol::MAX_OWNED_SHARDS).collect(),
             step: me.step,
             model_version: me.model_version,
-            service: Vec::new(),
+            service: me.service.iter().take(shoal_protocol::MAX_SERVICE_OBSERVATIONS).cloned().collect(),
         };
         self.net.publish(GossipMessage::Heartbeat(hb)).await.map_err(|_| ())
     }

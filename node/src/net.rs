@@ -28,7 +28,9 @@ use shoal_protocol::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
-use crate::aggregator::{AggregatorHandle, PullReply, PushReply};
+use shoal_models::OptimizerConfig;
+
+use crate::aggregator::{AggregatorHandle, HandoffReply, PullReply, PushReply};
 
 /// A copy of this node's current model, served to peers that sync state
 /// (`StateSync`) or gossip-average with us.
@@ -84,6 +86,11 @@ pub struct NetworkParts {
     pub routes: watch::Receiver<Routes>,
     pub snapshot: watch::Receiver<ModelSnapshot>,
     pub capacity: usize,
+    /// This run's optimizer (to decode handed-off optimizer state).
+    pub optimizer: OptimizerConfig,
+    /// Fault injection: answer every push and pull this node serves as an
+    /// owner this much later (`cluster.fault_delay_ms`). Zero in production.
+    pub fault_delay: Duration,
 }
 
 /// Callers waiting for a dial to a peer: the address tried and the reply.
@@ -362,6 +369,7 @@ impl NetworkActor {
                     Err(e) => return self.respond_now(channel, ShardResponse::error(&e)),
                 };
                 let shard = p.shard;
+                let delay = self.parts.fault_delay;
                 match agg.try_push(peer, shard, p.base_version, p.samples, grad) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
@@ -372,10 +380,16 @@ impl NetworkActor {
                             Ok(PushReply::Stale { current_version, max_staleness }) => {
                                 ShardResponse::Stale { shard, current_version, max_staleness }
                             }
-                            Ok(PushReply::NotOwner { epoch }) => ShardResponse::NotOwner { shard, epoch, hint: None },
+                            Ok(PushReply::NotOwner { epoch, hint }) => ShardResponse::NotOwner { shard, epoch, hint },
+                            Ok(PushReply::Pending) => {
+                                wire_error(ErrorCode::Busy, format!("shard {shard} is being handed over"))
+                            }
+                            // The owner's view lost the worker: its write is fenced off.
+                            Ok(PushReply::UnknownWorker) => ShardResponse::Fenced { shard, epoch: 0 },
                             Ok(PushReply::Invalid(m)) => wire_error(ErrorCode::InvalidRequest, m),
                             Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
                         };
+                        fault_delay(delay).await;
                         (channel, resp)
                     })),
                 }
@@ -391,6 +405,7 @@ impl NetworkActor {
                 let shard = p.shard;
                 let wait = Duration::from_millis(p.max_wait_ms as u64);
                 let epoch = routes.epoch;
+                let delay = self.parts.fault_delay;
                 match agg.try_pull(peer, shard, p.min_version, wait) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
@@ -404,9 +419,10 @@ impl NetworkActor {
                             Ok(PullReply::NotReady { current_version }) => {
                                 ShardResponse::NotReady { shard, current_version }
                             }
-                            Ok(PullReply::NotOwner { epoch }) => ShardResponse::NotOwner { shard, epoch, hint: None },
+                            Ok(PullReply::NotOwner { epoch, hint }) => ShardResponse::NotOwner { shard, epoch, hint },
                             Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
                         };
+                        fault_delay(delay).await;
                         (channel, resp)
                     })),
                 }
@@ -431,6 +447,37 @@ impl NetworkActor {
                     _ => wire_error(ErrorCode::ShardOutOfRange, format!("no shard {}", s.shard)),
                 };
                 self.respond_now(channel, resp);
+            }
+            ShardRequest::Handoff(h) => {
+                let Some(agg) = routes.aggregator else {
+                    return self.respond_now(
+                        channel,
+                        wire_error(ErrorCode::Busy, "training has not started on this node yet"),
+                    );
+                };
+                if h.from != peer {
+                    return self.respond_now(
+                        channel,
+                        wire_error(ErrorCode::InvalidRequest, "handoff `from` is not the sender"),
+                    );
+                }
+                let state = match crate::handoff::from_wire(&h, self.parts.optimizer) {
+                    Ok(s) => s,
+                    Err(e) => return self.respond_now(channel, wire_error(ErrorCode::InvalidRequest, format!("{e:#}"))),
+                };
+                let shard = h.shard;
+                match agg.try_handoff(peer, h.kind, state) {
+                    Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
+                    Ok(rx) => self.responses.push(Box::pin(async move {
+                        let resp = match rx.await {
+                            Ok(HandoffReply::Ack { version }) => ShardResponse::HandoffAck { shard, version },
+                            Ok(HandoffReply::Fenced { epoch }) => ShardResponse::Fenced { shard, epoch },
+                            Ok(HandoffReply::Invalid(m)) => wire_error(ErrorCode::InvalidRequest, m),
+                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+                        };
+                        (channel, resp)
+                    })),
+                }
             }
             other => {
                 let kind = other.kind();
@@ -457,5 +504,12 @@ impl NetworkActor {
                 self.swarm.behaviour_mut().report_gossip(&id, &source, false);
             }
         }
+    }
+}
+
+/// Fault injection: hold a response back (`cluster.fault_delay_ms`).
+async fn fault_delay(delay: Duration) {
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
     }
 }

@@ -15,14 +15,15 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::aggregator::{AggregatorHandle, ShardStats};
-use crate::assign::{assign, AssignPolicy, Candidate};
+use crate::aggregator::{AggregatorConfig, AggregatorHandle, ShardStats};
 use crate::config::{Mode, NodeConfig};
+use crate::elect::{ElectPolicy, ElectionConfig, ElectionHandle, Placement};
+use crate::health::{HealthPolicy, ServiceTracker};
 use crate::membership::{MembershipConfig, MembershipHandle, Roster, RosterStatus};
 use crate::net::{ModelSnapshot, NetworkHandle, NetworkParts, Routes};
 use crate::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
 use crate::trainer::TrainerHandle;
-use crate::worker::{initial_owned, Routing, Worker};
+use crate::worker::{Routing, Worker};
 
 /// What a finished node reports.
 #[derive(Debug, Clone)]
@@ -57,7 +58,7 @@ pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
     let t = &cfg.training;
     let c = &cfg.cluster;
     let key = format!(
-        "{}|{}|{}|{}|{}|{:?}|{}|{}|{}|{:?}",
+        "{}|{}|{}|{}|{}|{:?}|{}|{}|{}|{:?}|{}|{}|{}|{}",
         cfg.run_id,
         serde_json::to_string(model).unwrap_or_default(),
         t.dataset,
@@ -68,6 +69,10 @@ pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
         serde_json::to_string(&t.optimizer_config()).unwrap_or_default(),
         t.steps,
         t.lr_decay,
+        c.elastic,
+        c.demote_ratio,
+        c.restore_ratio,
+        c.replicas,
     );
     stable_hash64(key.as_bytes())
 }
@@ -131,8 +136,13 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             routes: routes_rx,
             snapshot: snap_rx,
             capacity: c.channel_capacity,
+            optimizer: t.optimizer_config(),
+            fault_delay: Duration::from_millis(c.fault_delay_ms),
         },
     );
+    if c.fault_delay_ms > 0 {
+        warn!(delay_ms = c.fault_delay_ms, "fault injection: pushes and pulls served here are delayed");
+    }
     let status = StatusHandle::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
     let incarnation =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
@@ -176,7 +186,25 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     if !c.bootstrap.is_empty() {
         net.kad_bootstrap().await?;
     }
-    let aggregator = AggregatorHandle::spawn(status.clone(), proto.timeouts.response_wait(), c.channel_capacity);
+    let (placement_tx, election) = ElectionHandle::channel();
+    let aggregator = AggregatorHandle::spawn(
+        AggregatorConfig {
+            me,
+            incarnation,
+            run: run.clone(),
+            policy: c.sync,
+            optimizer: t.optimizer_config(),
+            ranges: plan.shards().iter().map(|s| s.range()).collect(),
+            max_wait: proto.timeouts.response_wait(),
+            replica_every: if c.replicas >= 2 { c.replica_every } else { 0 },
+            handoff_timeout: Duration::from_millis(c.handoff_timeout_ms),
+            capacity: c.channel_capacity,
+        },
+        status.clone(),
+        net.clone(),
+        election.subscribe(),
+        snap_tx.subscribe(),
+    );
     info!(peer = %me, %name, ?listen, "node started");
 
     let worker = Worker {
@@ -192,11 +220,13 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         train_len,
         snapshot: snap_tx,
         membership: membership.clone(),
+        placement: election.subscribe(),
+        service: std::sync::Mutex::new(ServiceTracker::default()),
     };
     let status_for_task = status.clone();
     let task_name = name.clone();
     let task = tokio::spawn(async move {
-        let out = drive(&config, worker, &routes_tx, &aggregator, initial, &task_name).await;
+        let out = drive(&config, worker, &routes_tx, &aggregator, (placement_tx, election), initial, &task_name).await;
         if let Err(e) = &out {
             warn!(error = %format!("{e:#}"), "node failed");
         }
@@ -212,6 +242,7 @@ async fn drive(
     worker: Worker,
     routes: &watch::Sender<Routes>,
     aggregator: &AggregatorHandle,
+    (placement_tx, election): (watch::Sender<Option<Arc<Placement>>>, ElectionHandle),
     initial: Vec<f32>,
     name: &str,
 ) -> anyhow::Result<NodeReport> {
@@ -223,40 +254,45 @@ async fn drive(
     let epoch = roster.hash();
     membership.set_self(|s| {
         s.frozen_epoch = Some(epoch);
+        s.role = Role::Worker;
         s.announce += 1;
     });
-    let (owners, owned) = match c.mode {
-        Mode::Pull => {
-            let candidates: Vec<Candidate<Vec<u8>>> =
-                roster.aggregators().iter().map(|p| Candidate { peer: p.to_bytes(), weight: 1.0 }).collect();
-            let a = assign(&candidates, worker.plan.len() as u32, AssignPolicy::default())
-                .context("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)")?;
-            let owners = a
-                .owners
-                .iter()
-                .map(|b| PeerId::from_bytes(b).map_err(|e| anyhow::anyhow!("bad peer id in assignment: {e}")))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            let owned = initial_owned(&worker.plan, &owners, &me, &initial, config.training.optimizer_config())?;
-            (owners, owned)
-        }
-        Mode::Gossip => (Vec::new(), Vec::new()),
-    };
-    let owned_ids: Vec<u32> = owned.iter().map(|s| s.shard).collect();
-    aggregator.own(epoch, c.sync, roster.peers(), owned).await?;
     routes.send_replace(Routes { aggregator: Some(aggregator.clone()), epoch });
-    let role = if owned_ids.is_empty() { Role::Worker } else { Role::Aggregator };
-    membership.set_self(|s| {
-        s.role = role;
-        s.owned_shards = owned_ids.clone();
-    });
-    worker.status.record(StatusEvent::Role {
-        role: if owned_ids.is_empty() { RoleView::Worker } else { RoleView::Aggregator },
-        owned: owned_ids.clone(),
-    });
+    if c.mode == Mode::Pull {
+        if !roster.members.iter().any(|m| m.1) {
+            bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
+        }
+        let health = if c.elastic {
+            HealthPolicy { demote_ratio: c.demote_ratio, restore_ratio: c.restore_ratio }
+        } else {
+            // Static roles: nobody is ever judged slow; only failures move shards.
+            HealthPolicy { demote_ratio: f64::INFINITY, restore_ratio: f64::INFINITY }
+        };
+        ElectionHandle::start(
+            placement_tx,
+            ElectionConfig {
+                shards: worker.plan.len() as u32,
+                policy: ElectPolicy { health, max_aggregators: 0 },
+                can_aggregate: c.can_aggregate,
+                total_steps: config.training.steps,
+                failure_timeout_ms: c.failure_timeout_ms,
+                name: name.to_string(),
+            },
+            membership.clone(),
+            worker.status.clone(),
+        );
+        let mut rx = election.subscribe();
+        tokio::time::timeout(Duration::from_millis(c.start_timeout_ms), rx.wait_for(Option::is_some))
+            .await
+            .context("no shard placement could be computed")?
+            .map_err(|_| anyhow::anyhow!("the election stopped"))?;
+    } else {
+        worker.status.record(StatusEvent::Role { role: RoleView::Worker, owned: Vec::new() });
+    }
     worker.status.record(StatusEvent::Peers(roster.members.len()));
-    info!(%name, epoch, members = roster.members.len(), owned = ?owned_ids, "roster agreed; training starts");
+    info!(%name, epoch, members = roster.members.len(), "roster agreed; training starts");
 
-    let routing = Routing { epoch, owners, roster: roster.clone() };
+    let routing = Routing { roster: roster.clone() };
     let params = worker.run(&routing, initial).await?;
     let steps = config.training.steps;
     membership.set_self(|s| {
@@ -265,6 +301,7 @@ async fn drive(
     });
     let eval = worker.trainer.evaluate().await?;
     worker.status.record(StatusEvent::Accuracy(eval.accuracy));
+    let owned_ids = election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
     worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
     info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
     linger(membership, &roster, me, steps, Duration::from_millis(c.linger_ms)).await;
@@ -275,7 +312,7 @@ async fn drive(
         loss: eval.loss,
         steps,
         params,
-        owned_shards: owned_ids,
+        owned_shards: election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
         shard_stats: aggregator.stats().await,
         roster: roster.peers(),
         status: None,

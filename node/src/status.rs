@@ -48,6 +48,27 @@ pub struct StatusSnapshot {
     pub gossip_last_distance: Option<f32>,
     /// `(step, seconds since the first step, test accuracy)` at each evaluation (at most 1000 kept).
     pub accuracy_history: Vec<(u64, f64, f32)>,
+    /// Every role change: when (seconds since the node started), at which
+    /// step, to which role and shards (at most 1000 kept).
+    pub role_changes: Vec<RoleChange>,
+    /// Shards handed to a new owner / taken over from an old one.
+    pub handoffs_out: u64,
+    pub handoffs_in: u64,
+    /// Shards taken over from a replica / from a worker copy (no optimizer state).
+    pub restored_from_replica: u64,
+    pub restored_from_worker_copy: u64,
+    /// Largest drop of a shard's version seen by this worker (an owner
+    /// restored from an older replica).
+    pub max_version_regression: u64,
+}
+
+/// One role change of a node.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RoleChange {
+    pub secs: f64,
+    pub step: u64,
+    pub role: RoleView,
+    pub owned: Vec<u32>,
 }
 
 /// Something that happened.
@@ -63,6 +84,10 @@ pub enum StatusEvent {
     Peers(usize),
     Staleness(u64),
     GossipDistance(f32),
+    HandoffOut,
+    HandoffIn,
+    Restored { from_replica: bool },
+    VersionRegression(u64),
 }
 
 enum StatusCommand {
@@ -80,7 +105,7 @@ impl StatusHandle {
     pub fn spawn(name: String, peer_id: String, total_steps: u64, capacity: usize) -> Self {
         let (sender, receiver) = mpsc::channel(capacity.max(1));
         let snap = StatusSnapshot { name, peer_id, total_steps, ..Default::default() };
-        tokio::spawn(StatusActor { snap, receiver, started: None }.run());
+        tokio::spawn(StatusActor { snap, receiver, started: None, born: Instant::now() }.run());
         Self { sender }
     }
 
@@ -100,6 +125,7 @@ struct StatusActor {
     snap: StatusSnapshot,
     receiver: mpsc::Receiver<StatusCommand>,
     started: Option<Instant>,
+    born: Instant,
 }
 
 fn ema(old: Option<f64>, new: f64) -> Option<f64> {
@@ -122,9 +148,22 @@ impl StatusActor {
         let s = &mut self.snap;
         match e {
             StatusEvent::Role { role, owned } => {
+                if (s.role != role || s.owned_shards != owned) && s.role_changes.len() < 1000 {
+                    s.role_changes.push(RoleChange {
+                        secs: self.born.elapsed().as_secs_f64(),
+                        step: s.step,
+                        role,
+                        owned: owned.clone(),
+                    });
+                }
                 s.role = role;
                 s.owned_shards = owned;
             }
+            StatusEvent::HandoffOut => s.handoffs_out += 1,
+            StatusEvent::HandoffIn => s.handoffs_in += 1,
+            StatusEvent::Restored { from_replica: true } => s.restored_from_replica += 1,
+            StatusEvent::Restored { from_replica: false } => s.restored_from_worker_copy += 1,
+            StatusEvent::VersionRegression(v) => s.max_version_regression = s.max_version_regression.max(v),
             StatusEvent::Step { step, samples, loss, compute_secs, comm_secs } => {
                 let started = *self.started.get_or_insert_with(Instant::now);
                 s.step = step;

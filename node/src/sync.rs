@@ -201,7 +201,10 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let Some(w) = self.workers.get(worker) else { return PushOutcome::UnknownWorker };
         let lead = w.clock.saturating_sub(min_before);
         if self.policy == SyncPolicy::Bsp {
-            if base_version != self.version {
+            // An older base missed a round. A newer one means this owner was
+            // restored from a replica older than the worker's model (the loss
+            // bound); the gradient still belongs to the round in progress.
+            if base_version < self.version {
                 return PushOutcome::Stale { current_version: self.version };
             }
             if self.round.contains_key(worker) {
@@ -242,6 +245,38 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             }
         }
         PushOutcome::Accepted { version, staleness: lead }
+    }
+
+    /// Replace the set of workers (the live members of the view). Workers
+    /// that left are dropped, with any gradient they put into the BSP round;
+    /// new ones start at the slowest clock so they are not counted as far
+    /// behind. A BSP round that now has every remaining worker is applied.
+    pub fn set_workers(&mut self, live: impl IntoIterator<Item = K>) {
+        let live: std::collections::BTreeSet<K> = live.into_iter().collect();
+        if live.is_empty() {
+            return;
+        }
+        let min = self.min_clock();
+        self.workers.retain(|k, _| live.contains(k));
+        self.round.retain(|k, _| live.contains(k));
+        for k in live {
+            self.workers.entry(k).or_insert_with(|| WorkerClock { clock: min, ..WorkerClock::default() });
+        }
+        if self.policy == SyncPolicy::Bsp && !self.round.is_empty() && self.round.len() == self.workers.len() {
+            self.apply_round();
+        }
+    }
+
+    /// The workers this shard waits for.
+    pub fn workers(&self) -> impl Iterator<Item = &K> {
+        self.workers.keys()
+    }
+
+    /// Everything a new owner needs: parameters, optimizer state, version.
+    /// A BSP round in progress is not included: its workers push again to
+    /// the new owner (see `worker::exchange`).
+    pub fn export(&self) -> (Vec<f32>, OptimizerState, u64) {
+        (self.params.clone(), self.optimizer.state().clone(), self.version)
     }
 
     /// Average the round's gradients weighted by samples, in worker order
@@ -348,6 +383,8 @@ mod tests {
         assert!(core.pull_ready(&"a", 1, 0) && core.pull_ready(&"b", 1, 0));
         // A push against an old version is refused.
         assert_eq!(core.push(&"a", 0, 1, vec![1.0, 1.0], 0), PushOutcome::Stale { current_version: 1 });
+        // One against a newer version (an owner restored from an older replica) joins the round.
+        assert!(matches!(core.push(&"a", 3, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { version: 1, .. }));
         assert_eq!(core.push(&"z", 1, 1, vec![1.0, 1.0], 0), PushOutcome::UnknownWorker);
         assert_eq!(core.push(&"a", 1, 1, vec![1.0], 0), PushOutcome::BadLength { expected: 2, got: 1 });
     }
@@ -391,6 +428,28 @@ mod tests {
                 assert!(core.max_staleness() >= 1, "{policy}: nobody ran ahead");
             }
         }
+    }
+
+    #[test]
+    fn bsp_round_completes_when_a_worker_leaves_and_takes_joiners() {
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ["a", "b", "c"]);
+        assert!(matches!(core.push(&"a", 0, 1, vec![2.0, 2.0], 0), PushOutcome::Accepted { .. }));
+        assert!(matches!(core.push(&"b", 0, 1, vec![4.0, 4.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 0, "waiting for c");
+        // c fails: the round of a and b is complete.
+        core.set_workers(["a", "b"]);
+        assert_eq!(core.version(), 1);
+        assert_eq!(core.params(), &[-3.0, -3.0]);
+        // d joins at the slowest clock and is waited for from the next round on.
+        core.set_workers(["a", "b", "d"]);
+        assert_eq!(core.clock(&"d"), core.clock(&"a"));
+        assert!(matches!(core.push(&"a", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
+        assert!(matches!(core.push(&"b", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 1, "waiting for d");
+        assert!(matches!(core.push(&"d", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 2);
+        let (params, state, version) = core.export();
+        assert_eq!((params.as_slice(), version, state.step), (core.params(), 2, 2));
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use futures::future::try_join_all;
 use shoal_models::data::shuffled_batches;
-use shoal_models::{Optimizer, OptimizerConfig, Partition, ShardPlan};
+use shoal_models::{Optimizer, Partition, ShardPlan};
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::{Encoding, Payload, PullShard, PushGrad, RunId, ShardRequest, ShardResponse, StateSync};
 use tokio::sync::watch;
@@ -25,6 +25,8 @@ use tracing::{debug, info, warn};
 
 use crate::aggregator::{AggregatorHandle, PullReply, PushReply};
 use crate::config::{Mode, NodeConfig};
+use crate::elect::Placement;
+use crate::health::ServiceTracker;
 use crate::membership::{MembershipHandle, Roster};
 use crate::net::{ModelSnapshot, NetError, NetworkHandle};
 use crate::status::{StatusEvent, StatusHandle};
@@ -93,14 +95,22 @@ pub struct Worker {
     pub train_len: usize,
     pub snapshot: watch::Sender<ModelSnapshot>,
     pub membership: MembershipHandle,
+    pub placement: watch::Receiver<Option<Arc<Placement>>>,
+    /// Service times of the owners this worker pushes to.
+    pub service: std::sync::Mutex<ServiceTracker>,
 }
 
-/// Where each shard lives for this run.
+/// The roster training started with: it fixes each worker's data partition.
 #[derive(Debug)]
 pub struct Routing {
-    pub epoch: u64,
-    pub owners: Vec<PeerId>,
     pub roster: Roster,
+}
+
+/// Wait for the placement to change, at most `backoff` (which then grows):
+/// retries of a failed exchange go as soon as the shard may have moved.
+async fn wait_for_change(placement: &mut watch::Receiver<Option<Arc<Placement>>>, backoff: &mut Duration) {
+    let _ = tokio::time::timeout(*backoff, placement.changed()).await;
+    *backoff = (*backoff * 2).min(Duration::from_millis(500));
 }
 
 impl std::fmt::Debug for Worker {
@@ -138,8 +148,13 @@ impl Worker {
             let comm_started = Instant::now();
             let version = match local_opt.as_mut() {
                 None => {
-                    self.push_all(routing, step, &versions, g.samples as u32, &g.grads).await?;
-                    self.pull_all(routing, &mut versions, &mut params).await?
+                    let v = self.exchange_all(step, &mut versions, g.samples as u32, &g.grads, &mut params).await?;
+                    if self.config.cluster.elastic {
+                        let forget = self.config.cluster.service_forget_steps;
+                        let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
+                        self.membership.set_self(|me| me.service = report);
+                    }
+                    v
                 }
                 Some(opt) => {
                     let lr = t.lr_decay.lr_at(t.optimizer_config().lr(), step, t.steps);
@@ -176,152 +191,225 @@ impl Worker {
         Ok(params)
     }
 
-    async fn push_all(
+    /// Exchange every shard (push the gradient, pull the new version)
+    /// concurrently. Returns the smallest shard version (the model version).
+    async fn exchange_all(
         &self,
-        routing: &Routing,
         step: u64,
-        versions: &[u64],
+        versions: &mut [u64],
         samples: u32,
         grads: &[f32],
-    ) -> anyhow::Result<()> {
+        params: &mut [f32],
+    ) -> anyhow::Result<u64> {
         let parts = self.plan.split(grads)?;
-        let pushes = self.plan.shards().iter().zip(parts).map(|(shard, slice)| {
-            let owner = routing.owners[shard.id as usize];
-            self.push_one(routing, owner, shard.id, versions[shard.id as usize], step, samples, slice)
-        });
-        try_join_all(pushes).await?;
-        Ok(())
+        let exchanges = self
+            .plan
+            .shards()
+            .iter()
+            .zip(parts)
+            .map(|(shard, slice)| self.exchange(shard.id, step, versions[shard.id as usize], samples, slice));
+        let results = try_join_all(exchanges).await?;
+        for (shard, (version, values)) in self.plan.shards().iter().zip(results) {
+            if values.len() != shard.len() {
+                bail!("shard {}: owner sent {} values, expected {}", shard.id, values.len(), shard.len());
+            }
+            params[shard.range()].copy_from_slice(&values);
+            let before = versions[shard.id as usize];
+            if version < before {
+                self.status.record(StatusEvent::VersionRegression(before - version));
+            }
+            versions[shard.id as usize] = version;
+        }
+        Ok(versions.iter().copied().min().unwrap_or(0))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn push_one(
+    /// Push one shard's gradient to its owner and pull the shard's next
+    /// version, following the shard wherever the placement moves it.
+    ///
+    /// Under BSP a gradient counts once the round it joined is applied, so
+    /// if the owner changes before our pull is answered, the gradient is
+    /// pushed again to the new owner: it either joins the round there (the
+    /// old owner's unfinished round was not handed over) or is refused as
+    /// `Stale` because the round was applied before the move. Under the
+    /// other policies a push is applied on arrival and never sent twice.
+    async fn exchange(
         &self,
-        routing: &Routing,
+        shard: u32,
+        step: u64,
+        base: u64,
+        samples: u32,
+        grad: &[f32],
+    ) -> anyhow::Result<(u64, Arc<Vec<f32>>)> {
+        let bsp = self.policy() == SyncPolicy::Bsp;
+        let started = Instant::now();
+        let deadline = started + self.request_timeout();
+        let mut placement = self.placement.clone();
+        // The owner holding (BSP) or having applied (others) our gradient.
+        let mut holder: Option<PeerId> = None;
+        let mut min_version = if bsp { base + 1 } else { 0 };
+        let mut hint: Option<PeerId> = None;
+        let mut backoff = Duration::from_millis(10);
+        let mut last = String::from("no attempt");
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!(
+                    "shard {shard}: no owner pushed and pulled within {} ms; last: {last} \
+                     (see cluster.request_timeout_ms)",
+                    self.config.cluster.request_timeout_ms
+                );
+            }
+            let owner = match hint.take() {
+                Some(h) => h,
+                None => {
+                    let p = placement.borrow_and_update().clone();
+                    p.and_then(|p| p.owner(shard)).context("no placement yet")?
+                }
+            };
+            let need_push = if bsp { holder != Some(owner) } else { holder.is_none() };
+            if need_push {
+                match self.push_to(owner, shard, base, step, samples, grad).await {
+                    Ok(PushReply::Accepted { version, .. }) => {
+                        holder = Some(owner);
+                        if bsp {
+                            min_version = version + 1;
+                        }
+                    }
+                    Ok(PushReply::Stale { current_version, .. }) => {
+                        // BSP: the round we computed for was applied without us.
+                        debug!(shard, base, current_version, "push was stale; pulling the current version");
+                        holder = Some(owner);
+                        min_version = current_version;
+                    }
+                    Ok(PushReply::UnknownWorker) => {
+                        warn!(shard, %owner, "the owner does not count this node as a worker; gradient dropped");
+                        holder = Some(owner);
+                        min_version = 0;
+                    }
+                    Ok(PushReply::NotOwner { hint: h, .. }) => {
+                        last = format!("{owner} does not own it");
+                        hint = h.filter(|h| *h != owner);
+                        if hint.is_none() {
+                            wait_for_change(&mut placement, &mut backoff).await;
+                        }
+                        continue;
+                    }
+                    Ok(PushReply::Pending) => {
+                        last = format!("{owner} is waiting for the shard's handoff");
+                        wait_for_change(&mut placement, &mut backoff).await;
+                        continue;
+                    }
+                    Ok(PushReply::Invalid(m)) => bail!("shard {shard}: owner {owner} refused the push: {m}"),
+                    Err(e) => {
+                        last = format!("push to {owner}: {e:#}");
+                        wait_for_change(&mut placement, &mut backoff).await;
+                        continue;
+                    }
+                }
+                self.status.record(StatusEvent::PushLatency(started.elapsed().as_secs_f64() * 1e3));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.pull_from(owner, shard, min_version, left).await {
+                Ok(PullReply::State { version, params }) => {
+                    self.status.record(StatusEvent::PullLatency(started.elapsed().as_secs_f64() * 1e3));
+                    return Ok((version, params));
+                }
+                Ok(PullReply::NotReady { current_version }) => {
+                    last = format!("{owner} still at version {current_version}, waiting for {min_version}");
+                }
+                Ok(PullReply::NotOwner { hint: h, .. }) => {
+                    last = format!("{owner} no longer owns it");
+                    if bsp && holder == Some(owner) {
+                        holder = None; // push again to whoever owns it now
+                    }
+                    hint = h.filter(|h| *h != owner);
+                    if hint.is_none() {
+                        wait_for_change(&mut placement, &mut backoff).await;
+                    }
+                }
+                Err(e) => {
+                    last = format!("pull from {owner}: {e:#}");
+                    wait_for_change(&mut placement, &mut backoff).await;
+                }
+            }
+        }
+    }
+
+    /// One push attempt, to the local aggregator or over the network. Remote
+    /// answers are timed for the straggler detector.
+    async fn push_to(
+        &self,
         owner: PeerId,
         shard: u32,
         base: u64,
         step: u64,
         samples: u32,
         grad: &[f32],
-    ) -> anyhow::Result<()> {
-        let started = Instant::now();
-        let deadline = started + self.request_timeout();
-        let reply = if owner == self.me {
-            self.aggregator.push(self.me, shard, base, samples, grad.to_vec()).await?
-        } else {
-            let payload = Payload::encode(grad, Encoding::F32)?;
-            let bytes = payload.byte_len();
-            let req = ShardRequest::PushGrad(PushGrad {
-                run: self.run.clone(),
-                shard,
-                epoch: routing.epoch,
-                base_version: base,
-                worker: self.me,
-                incarnation: self.incarnation,
-                step,
-                samples: samples.max(1),
-                grad: payload,
-            });
-            let resp = self.request_with_retry(owner, req, deadline).await?;
-            self.status.record(StatusEvent::Bytes { out: bytes, r#in: 0 });
-            match resp {
-                ShardResponse::Accepted(a) => PushReply::Accepted { version: a.version, staleness: a.staleness },
-                ShardResponse::Stale { current_version, max_staleness, .. } => {
-                    PushReply::Stale { current_version, max_staleness }
-                }
-                ShardResponse::NotOwner { epoch, .. } => PushReply::NotOwner { epoch },
-                other => bail!("shard {shard}: owner {owner} answered a push with {}", other.kind()),
-            }
-        };
-        self.status.record(StatusEvent::PushLatency(started.elapsed().as_secs_f64() * 1e3));
-        match reply {
-            PushReply::Accepted { .. } => Ok(()),
-            PushReply::Stale { current_version, .. } => {
-                // Only BSP refuses pushes, and only if we missed a round:
-                // the gradient is dropped and the pull brings us up to date.
-                warn!(shard, base, current_version, "push was stale; skipping it");
-                Ok(())
-            }
-            PushReply::NotOwner { epoch } => {
-                bail!("shard {shard}: {owner} does not own it (its epoch {epoch}, ours {})", routing.epoch)
-            }
-            PushReply::Invalid(m) => bail!("shard {shard}: owner {owner} refused the push: {m}"),
+    ) -> anyhow::Result<PushReply> {
+        if owner == self.me {
+            return self.aggregator.push(self.me, shard, base, samples, grad.to_vec()).await;
         }
-    }
-
-    /// Pull every shard; returns the smallest shard version (the model version).
-    async fn pull_all(&self, routing: &Routing, versions: &mut [u64], params: &mut [f32]) -> anyhow::Result<u64> {
-        let bsp = self.policy() == SyncPolicy::Bsp;
-        let pulls = self.plan.shards().iter().map(|shard| {
-            let min = if bsp { versions[shard.id as usize] + 1 } else { 0 };
-            self.pull_one(routing, routing.owners[shard.id as usize], shard.id, min)
+        let payload = Payload::encode(grad, Encoding::F32)?;
+        let bytes = payload.byte_len();
+        let req = ShardRequest::PushGrad(PushGrad {
+            run: self.run.clone(),
+            shard,
+            epoch: 0,
+            base_version: base,
+            worker: self.me,
+            incarnation: self.incarnation,
+            step,
+            samples: samples.max(1),
+            grad: payload,
         });
-        let results = try_join_all(pulls).await?;
-        for (shard, (version, values)) in self.plan.shards().iter().zip(results) {
-            if values.len() != shard.len() {
-                bail!("shard {}: owner sent {} values, expected {}", shard.id, values.len(), shard.len());
+        let sent = Instant::now();
+        let resp = self.net.request(owner, req).await?;
+        let reply = match resp {
+            ShardResponse::Accepted(a) => PushReply::Accepted { version: a.version, staleness: a.staleness },
+            ShardResponse::Stale { current_version, max_staleness, .. } => {
+                PushReply::Stale { current_version, max_staleness }
             }
-            params[shard.range()].copy_from_slice(&values);
-            versions[shard.id as usize] = version;
+            ShardResponse::NotOwner { epoch, hint, .. } => return Ok(PushReply::NotOwner { epoch, hint }),
+            ShardResponse::Fenced { .. } => PushReply::UnknownWorker,
+            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::Busy => return Ok(PushReply::Pending),
+            ShardResponse::Error(e) => bail!("{owner} refused a push: {:?}: {}", e.code, e.message),
+            other => bail!("shard {shard}: owner {owner} answered a push with {}", other.kind()),
+        };
+        self.status.record(StatusEvent::Bytes { out: bytes, r#in: 0 });
+        if let Ok(mut t) = self.service.lock() {
+            t.observe(owner, bytes, sent.elapsed().as_secs_f64() * 1e6, step);
         }
-        Ok(versions.iter().copied().min().unwrap_or(0))
+        Ok(reply)
     }
 
-    async fn pull_one(
-        &self,
-        routing: &Routing,
-        owner: PeerId,
-        shard: u32,
-        min_version: u64,
-    ) -> anyhow::Result<(u64, Arc<Vec<f32>>)> {
-        let started = Instant::now();
-        let deadline = started + self.request_timeout();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                bail!(
-                    "shard {shard}: owner {owner} did not reach version {min_version} within {} ms \
-                     (a straggler or a failed node; see cluster.request_timeout_ms)",
-                    self.config.cluster.request_timeout_ms
-                );
-            }
-            let reply = if owner == self.me {
-                self.aggregator.pull(self.me, shard, min_version, left).await?
-            } else {
-                let req = ShardRequest::PullShard(PullShard {
-                    run: self.run.clone(),
-                    shard,
-                    min_version,
-                    // Owners refuse waits longer than their response_wait_ms.
-                    max_wait_ms: left
-                        .as_millis()
-                        .min(self.config.network.timeouts.response_wait_ms as u128)
-                        .min(u32::MAX as u128) as u32,
-                    encoding: Encoding::F32,
-                });
-                match self.request_with_retry(owner, req, deadline).await? {
-                    ShardResponse::ShardState(s) => {
-                        self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
-                        PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) }
-                    }
-                    ShardResponse::NotReady { current_version, .. } => PullReply::NotReady { current_version },
-                    ShardResponse::NotOwner { epoch, .. } => PullReply::NotOwner { epoch },
-                    other => bail!("shard {shard}: owner {owner} answered a pull with {}", other.kind()),
-                }
-            };
-            match reply {
-                PullReply::State { version, params } => {
-                    self.status.record(StatusEvent::PullLatency(started.elapsed().as_secs_f64() * 1e3));
-                    return Ok((version, params));
-                }
-                PullReply::NotReady { current_version } => {
-                    debug!(shard, current_version, min_version, "pull not ready yet; asking again");
-                }
-                PullReply::NotOwner { epoch } => {
-                    bail!("shard {shard}: {owner} does not own it (its epoch {epoch}, ours {})", routing.epoch)
-                }
-            }
+    /// One pull attempt; the owner may hold it up to `left` (capped by its
+    /// `response_wait_ms`).
+    async fn pull_from(&self, owner: PeerId, shard: u32, min_version: u64, left: Duration) -> anyhow::Result<PullReply> {
+        if owner == self.me {
+            return self.aggregator.pull(self.me, shard, min_version, left).await;
         }
+        let req = ShardRequest::PullShard(PullShard {
+            run: self.run.clone(),
+            shard,
+            min_version,
+            // Owners refuse waits longer than their response_wait_ms.
+            max_wait_ms: left.as_millis().min(self.config.network.timeouts.response_wait_ms as u128).min(u32::MAX as u128)
+                as u32,
+            encoding: Encoding::F32,
+        });
+        Ok(match self.net.request(owner, req).await? {
+            ShardResponse::ShardState(s) => {
+                self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
+                PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) }
+            }
+            ShardResponse::NotReady { current_version, .. } => PullReply::NotReady { current_version },
+            ShardResponse::NotOwner { epoch, hint, .. } => PullReply::NotOwner { epoch, hint },
+            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::Busy => {
+                bail!("{owner} is busy: {}", e.message)
+            }
+            ShardResponse::Error(e) => bail!("{owner} refused a pull: {:?}: {}", e.code, e.message),
+            other => bail!("shard {shard}: owner {owner} answered a pull with {}", other.kind()),
+        })
     }
 
     /// Send a request, retrying transport failures and `Busy` with capped
@@ -400,28 +488,6 @@ impl Worker {
         debug!(step, "gossip averaged");
         Ok(())
     }
-}
-
-/// Shards this node owns, initialised from the shared initial parameters.
-pub fn initial_owned(
-    plan: &ShardPlan,
-    owners: &[PeerId],
-    me: &PeerId,
-    params: &[f32],
-    opt: OptimizerConfig,
-) -> anyhow::Result<Vec<crate::aggregator::OwnedShard>> {
-    plan.shards()
-        .iter()
-        .filter(|s| owners.get(s.id as usize) == Some(me))
-        .map(|s| {
-            Ok(crate::aggregator::OwnedShard {
-                shard: s.id,
-                params: params[s.range()].to_vec(),
-                optimizer: Optimizer::new(opt, s.len())?,
-                version: 0,
-            })
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -644,6 +644,14 @@ mod tests {
         proptest::collection::vec(finite(), 0..600)
     }
 
+    /// Finite values that bf16 can hold: bf16 shares f32's exponent range, but its
+    /// largest finite value is below `f32::MAX`, so the top of the f32 range rounds
+    /// to infinity and is rejected (see `rejects_bf16_overflow`).
+    fn vec_bf16_range() -> impl Strategy<Value = Vec<f32>> {
+        let max = bf16::MAX.to_f32();
+        proptest::collection::vec(finite().prop_filter("outside bf16 range", move |x| x.abs() <= max), 0..600)
+    }
+
     proptest! {
         #[test]
         fn f32_round_trip_is_exact(v in vec_f32()) {
@@ -663,7 +671,7 @@ mod tests {
         }
 
         #[test]
-        fn bf16_round_trip_within_contract(v in vec_f32()) {
+        fn bf16_round_trip_within_contract(v in vec_bf16_range()) {
             let back = Payload::encode(&v, Encoding::Bf16).unwrap().decode().unwrap();
             for (x, y) in v.iter().zip(&back) {
                 let tol = if x.abs() >= f32::MIN_POSITIVE { x.abs() * 2f32.powi(-8) } else { 2f32.powi(-133) };
@@ -765,6 +773,14 @@ mod tests {
     fn rejects_f16_overflow() {
         let err = Payload::encode(&[0.0, 70000.0], Encoding::F16).unwrap_err();
         assert!(matches!(err, ProtocolError::OutOfRange { index: 1, .. }), "{err}");
+    }
+
+    #[test]
+    fn rejects_bf16_overflow() {
+        // 3.3978e38 lies above bf16::MAX (3.3895e38) and rounds to infinity.
+        let err = Payload::encode(&[1.0, 3.397_847_6e38], Encoding::Bf16).unwrap_err();
+        assert!(matches!(err, ProtocolError::OutOfRange { index: 1, .. }), "{err}");
+        assert!(Payload::encode(&[bf16::MAX.to_f32()], Encoding::Bf16).is_ok());
     }
 
     #[test]

@@ -56,6 +56,10 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     set!(k.heartbeat_ms, args.heartbeat_ms);
     set!(k.failure_timeout_ms, args.failure_timeout_ms);
     set!(k.start_timeout_ms, args.start_timeout_ms);
+    set!(k.elastic, args.elastic);
+    set!(k.replicas, args.replicas);
+    set!(k.replica_every, args.replica_every);
+    set!(k.fault_delay_ms, args.fault_delay_ms);
     c.validate()?;
     Ok(c)
 }
