@@ -426,9 +426,14 @@ impl AggregatorActor {
                 }
                 let version = state.version;
                 self.status.record(StatusEvent::HandoffIn);
+                let owner = self.placement.as_ref().and_then(|p| p.owner(shard));
                 if self.pending.remove(&shard).is_some() {
                     info!(shard, version, %from, "shard handed over");
                     self.install(state);
+                } else if let Some(to) = owner.filter(|o| *o != self.cfg.me && *o != from) {
+                    // The shard moved on while it was on the wire: pass it along.
+                    info!(shard, version, to = %crate::node::short(&to), "forwarding a transfer to the current owner");
+                    self.spawn_send(to, HandoffKind::Transfer, state);
                 } else {
                     // Our view has not made us the owner yet: keep it until it does.
                     self.store(state, true);
@@ -505,6 +510,19 @@ impl AggregatorActor {
             self.status.record(StatusEvent::HandoffOut);
             self.spawn_send(to, HandoffKind::Transfer, ShardState { shard, version, params, optimizer });
         }
+        // A new backup gets a replica now rather than after the next few
+        // versions: it is who takes the shard over if this node dies.
+        let rebacked: Vec<u32> = self
+            .cores
+            .keys()
+            .copied()
+            .filter(|&s| old.as_ref().and_then(|o| o.backup(s)) != new.backup(s))
+            .collect();
+        for shard in rebacked {
+            self.replicated.insert(shard, 0);
+            self.replicating.remove(&shard);
+            self.maybe_replicate_now(shard);
+        }
         self.pending.retain(|s, _| new.owner(*s) == Some(me));
         let deadline = Instant::now() + self.cfg.handoff_timeout;
         for shard in new.owned_by(&me) {
@@ -530,12 +548,21 @@ impl AggregatorActor {
         if self.cfg.replica_every == 0 || self.replicating.contains(&shard) {
             return;
         }
-        let Some(backup) = self.placement.as_ref().and_then(|p| p.backup(shard)) else { return };
         let Some(core) = self.cores.get(&shard) else { return };
         let last = self.replicated.get(&shard).copied().unwrap_or(0);
         if core.version() < last + self.cfg.replica_every {
             return;
         }
+        self.maybe_replicate_now(shard);
+    }
+
+    /// Send the shard's current state to its backup (if replication is on).
+    fn maybe_replicate_now(&mut self, shard: u32) {
+        if self.cfg.replica_every == 0 {
+            return;
+        }
+        let Some(backup) = self.placement.as_ref().and_then(|p| p.backup(shard)) else { return };
+        let Some(core) = self.cores.get(&shard) else { return };
         let (params, optimizer, version) = core.export();
         self.replicated.insert(shard, version);
         self.replicating.insert(shard);

@@ -18,6 +18,8 @@ use crate::node::{start, NodeReport, RunningNode};
 pub struct NodeOverride {
     pub batch_size: Option<usize>,
     pub can_aggregate: Option<bool>,
+    /// Fault injection: this node answers pushes and pulls this many ms late.
+    pub fault_delay_ms: Option<u64>,
 }
 
 /// How to build a cluster.
@@ -50,6 +52,9 @@ impl ClusterSpec {
             if let Some(a) = o.can_aggregate {
                 c.cluster.can_aggregate = a;
             }
+            if let Some(d) = o.fault_delay_ms {
+                c.cluster.fault_delay_ms = d;
+            }
         }
         Ok(c)
     }
@@ -79,6 +84,18 @@ impl Cluster {
             nodes.push(node);
         }
         Ok(Self { nodes })
+    }
+
+    /// Crash node `i` (no handoff, every connection closed) and drop it from
+    /// the cluster; returns its name and peer id.
+    pub async fn kill(&mut self, i: usize) -> anyhow::Result<(String, shoal_protocol::libp2p::PeerId)> {
+        if i >= self.nodes.len() {
+            anyhow::bail!("no node {i} to kill (the cluster has {})", self.nodes.len());
+        }
+        let node = self.nodes.remove(i);
+        let out = (node.name.clone(), node.peer_id);
+        node.kill().await;
+        Ok(out)
     }
 
     /// Wait for every node to finish; the first failure is returned with

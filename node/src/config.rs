@@ -172,6 +172,9 @@ pub struct ClusterConfig {
     /// A demoted owner may own shards again once within this ratio of the
     /// norm (hysteresis). Default 1.5.
     pub restore_ratio: f64,
+    /// ... and is also slower than the norm by at least this many ms per
+    /// push (a floor against scheduling noise on fast links). Default 5.
+    pub straggler_min_excess_ms: f64,
     /// Workers forget an owner's service time after this many steps without
     /// pushing to it, so a demoted owner gets another try. Default 100.
     pub service_forget_steps: u64,
@@ -209,6 +212,7 @@ impl Default for ClusterConfig {
             elastic: true,
             demote_ratio: 3.0,
             restore_ratio: 1.5,
+            straggler_min_excess_ms: 5.0,
             service_forget_steps: 100,
             replicas: 2,
             replica_every: 4,
@@ -306,6 +310,9 @@ impl NodeConfig {
                 c.restore_ratio,
                 c.demote_ratio
             );
+        }
+        if !(c.straggler_min_excess_ms.is_finite() && c.straggler_min_excess_ms >= 0.0) {
+            bail!("cluster.straggler_min_excess_ms must be a non-negative number");
         }
         if !(1..=2).contains(&c.replicas) {
             bail!("cluster.replicas must be 1 (no replica) or 2 (one backup), got {}", c.replicas);

@@ -27,11 +27,15 @@ pub struct HealthPolicy {
     pub demote_ratio: f64,
     /// A demoted owner stays out until it is within this ratio of the norm.
     pub restore_ratio: f64,
+    /// ... and only if it is also slower than the norm by at least this many
+    /// µs per MiB: on a fast LAN or loopback, where a push takes well under a
+    /// millisecond, scheduling noise alone reaches 3x and must not move shards.
+    pub min_excess_micros_per_mib: f64,
 }
 
 impl Default for HealthPolicy {
     fn default() -> Self {
-        Self { demote_ratio: 3.0, restore_ratio: 1.5 }
+        Self { demote_ratio: 3.0, restore_ratio: 1.5, min_excess_micros_per_mib: 0.0 }
     }
 }
 
@@ -45,14 +49,19 @@ fn lower_median(mut v: Vec<f64>) -> Option<f64> {
     Some(v[(v.len() - 1) / 2])
 }
 
+/// A report counts once it averages this many pushes: one slow first push
+/// (connection set-up, a scheduling hiccup) must not demote anybody.
+pub const MIN_SAMPLES: u32 = 3;
+
 /// Median service time (µs per MiB) of each owner over the reports about it.
-/// Self-reports and non-finite or non-positive values are ignored.
+/// Self-reports, reports of fewer than [`MIN_SAMPLES`] pushes, and
+/// non-finite or non-positive values are ignored.
 pub fn medians<'a>(reports: impl IntoIterator<Item = (PeerId, &'a [ServiceObservation])>) -> BTreeMap<PeerId, f64> {
     let mut by_owner: BTreeMap<PeerId, Vec<f64>> = BTreeMap::new();
     for (reporter, obs) in reports {
         for o in obs {
             let v = o.micros_per_mib as f64;
-            if o.owner != reporter && v.is_finite() && v > 0.0 {
+            if o.owner != reporter && o.samples >= MIN_SAMPLES && v.is_finite() && v > 0.0 {
                 by_owner.entry(o.owner).or_default().push(v);
             }
         }
@@ -75,7 +84,8 @@ pub fn stragglers(
         .iter()
         .filter(|(peer, &m)| {
             let ratio = m / norm;
-            ratio >= policy.demote_ratio || (ratio >= policy.restore_ratio && !serving(peer))
+            m - norm >= policy.min_excess_micros_per_mib
+                && (ratio >= policy.demote_ratio || (ratio >= policy.restore_ratio && !serving(peer)))
         })
         .map(|(p, _)| *p)
         .collect()
@@ -173,6 +183,10 @@ mod tests {
             let seen = vec![obs(owners[0], 100.0), obs(owners[1], 100.0), obs(owners[2], v)];
             medians([(r, seen.as_slice())])
         };
+        // 5x the norm, but by less than the absolute floor: noise, not a straggler.
+        let floor = HealthPolicy { min_excess_micros_per_mib: 1000.0, ..p };
+        assert!(stragglers(&at(500.0), |_| true, floor).is_empty());
+        assert!(stragglers(&at(1500.0), |_| true, floor).contains(&owners[2]));
         // 2x the norm: a serving owner stays, a demoted one stays out.
         assert!(stragglers(&at(200.0), |_| true, p).is_empty());
         assert!(stragglers(&at(200.0), |_| false, p).contains(&owners[2]));
@@ -182,6 +196,9 @@ mod tests {
         // Self-reports are ignored.
         let own = vec![obs(r, 1e9)];
         assert!(medians([(r, own.as_slice())]).is_empty());
+        // So are reports of too few pushes.
+        let early = vec![ServiceObservation { owner: owners[0], micros_per_mib: 1e9, samples: MIN_SAMPLES - 1 }];
+        assert!(medians([(r, early.as_slice())]).is_empty());
     }
 
     #[test]

@@ -59,6 +59,8 @@ enum NetCommand {
     Block(PeerId),
     Unblock(PeerId),
     KadBootstrap,
+    /// Drop the swarm now: every connection closes, as when the process dies.
+    Shutdown,
 }
 
 /// Where inbound shard requests go; set once training starts.
@@ -150,6 +152,11 @@ impl NetworkHandle {
         self.sender.send(NetCommand::Block(peer)).await.map_err(|_| NetError::Stopped)
     }
 
+    /// Stop the network actor, dropping the swarm and all its connections.
+    pub async fn shutdown(&self) {
+        let _ = self.sender.send(NetCommand::Shutdown).await;
+    }
+
     /// Ask Kademlia (if on) to look up the network from the peers we know,
     /// so that peers we never dialled become reachable by id.
     pub async fn kad_bootstrap(&self) -> Result<(), NetError> {
@@ -188,6 +195,10 @@ impl NetworkActor {
                         } else {
                             let _ = reply.send(self.listen_addrs());
                         }
+                    }
+                    Some(NetCommand::Shutdown) => {
+                        info!("network shutting down: closing every connection");
+                        break;
                     }
                     Some(cmd) => self.command(cmd),
                     None => break,
@@ -258,6 +269,7 @@ impl NetworkActor {
             NetCommand::Block(peer) => {
                 self.swarm.behaviour_mut().admission.block(peer);
             }
+            NetCommand::Shutdown => {}
             NetCommand::Unblock(peer) => {
                 self.swarm.behaviour_mut().admission.unblock(&peer);
             }

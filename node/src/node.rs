@@ -49,7 +49,20 @@ pub struct RunningNode {
     pub listen: Vec<Multiaddr>,
     pub net: NetworkHandle,
     pub status: StatusHandle,
+    /// This node's own heartbeat fields (step, role, shards) as they change.
+    pub progress: watch::Receiver<crate::membership::SelfState>,
+    /// The shard placement this node currently follows.
+    pub placement: ElectionHandle,
     pub task: JoinHandle<anyhow::Result<NodeReport>>,
+}
+
+impl RunningNode {
+    /// Crash the node: stop its training task and close every connection at
+    /// once, with no handoff (tests and testnets use this as a kill).
+    pub async fn kill(self) {
+        self.task.abort();
+        self.net.shutdown().await;
+    }
 }
 
 /// Hash of everything that must match across a run: model, data, seed,
@@ -73,7 +86,7 @@ pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
         c.demote_ratio,
         c.restore_ratio,
         c.replicas,
-    );
+    ) + &format!("|{}", c.straggler_min_excess_ms);
     stable_hash64(key.as_bytes())
 }
 
@@ -223,6 +236,8 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         placement: election.subscribe(),
         service: std::sync::Mutex::new(ServiceTracker::default()),
     };
+    let progress = membership.subscribe_self();
+    let placement_view = election.clone();
     let status_for_task = status.clone();
     let task_name = name.clone();
     let task = tokio::spawn(async move {
@@ -234,7 +249,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         report.status = status_for_task.snapshot().await;
         Ok(report)
     });
-    Ok(RunningNode { peer_id: me, name, listen, net, status, task })
+    Ok(RunningNode { peer_id: me, name, listen, net, status, progress, placement: placement_view, task })
 }
 
 async fn drive(
@@ -263,10 +278,20 @@ async fn drive(
             bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
         }
         let health = if c.elastic {
-            HealthPolicy { demote_ratio: c.demote_ratio, restore_ratio: c.restore_ratio }
+            // The floor is per push; reports are per MiB of the mean shard.
+            let shard_mib = (worker.plan.total_len() as f64 * 4.0 / worker.plan.len() as f64) / (1024.0 * 1024.0);
+            HealthPolicy {
+                demote_ratio: c.demote_ratio,
+                restore_ratio: c.restore_ratio,
+                min_excess_micros_per_mib: c.straggler_min_excess_ms * 1e3 / shard_mib.max(f64::MIN_POSITIVE),
+            }
         } else {
             // Static roles: nobody is ever judged slow; only failures move shards.
-            HealthPolicy { demote_ratio: f64::INFINITY, restore_ratio: f64::INFINITY }
+            HealthPolicy {
+                demote_ratio: f64::INFINITY,
+                restore_ratio: f64::INFINITY,
+                min_excess_micros_per_mib: f64::INFINITY,
+            }
         };
         ElectionHandle::start(
             placement_tx,
@@ -304,7 +329,7 @@ async fn drive(
     let owned_ids = election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
     worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
     info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
-    linger(membership, &roster, me, steps, Duration::from_millis(c.linger_ms)).await;
+    linger(membership, me, steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
     Ok(NodeReport {
         peer_id: me,
         name: name.to_string(),
@@ -356,18 +381,20 @@ async fn wait_for_roster(
     }
 }
 
-/// Keep serving until every roster peer reports it finished (or is gone),
-/// bounded by `limit`.
-async fn linger(membership: &MembershipHandle, roster: &Roster, me: PeerId, steps: u64, limit: Duration) {
+/// Keep serving until every live peer (roster members and joiners alike)
+/// reports it finished, left, or is gone, bounded by `limit`: they may still
+/// need the shards this node owns.
+async fn linger(membership: &MembershipHandle, me: PeerId, steps: u64, failure_timeout_ms: u64, limit: Duration) {
     let mut rx = membership.subscribe();
     let deadline = Instant::now() + limit;
     loop {
         let done = {
             let snap = rx.borrow_and_update();
-            roster.peers().iter().filter(|p| **p != me).all(|p| match snap.view.peers.get(p) {
-                Some(s) => s.heartbeat.step >= steps,
-                None => true, // expired by the failure detector: nobody to serve
-            })
+            snap.view
+                .live(snap.now_ms, failure_timeout_ms)
+                .iter()
+                .filter(|p| p.heartbeat.peer != me)
+                .all(|p| p.heartbeat.step >= steps || p.heartbeat.role == Role::Leaving)
         };
         if done {
             return;

@@ -1,0 +1,137 @@
+//! Elastic roles over real loopback TCP: a slowed aggregator is demoted and
+//! its shards move; a killed aggregator's shards are re-homed from replicas
+//! within the loss bound; training still reaches the accuracy target.
+
+use std::time::Duration;
+
+use shoal_models::OptimizerKind;
+use shoal_node::cluster::{Cluster, ClusterSpec, NodeOverride};
+use shoal_node::config::NodeConfig;
+use shoal_node::node::NodeReport;
+use shoal_node::status::{RoleView, StatusSnapshot};
+use shoal_node::sync::SyncPolicy;
+use shoal_tests::digits_config;
+
+const STEPS: u64 = 300;
+
+fn elastic_config(run: &str) -> NodeConfig {
+    let mut c = digits_config(run, STEPS, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
+    c.cluster.heartbeat_ms = 100;
+    c.cluster.failure_timeout_ms = 1_500;
+    c.cluster.replica_every = 4;
+    c
+}
+
+async fn wait_all(cluster: Cluster) -> anyhow::Result<Vec<NodeReport>> {
+    tokio::time::timeout(Duration::from_secs(600), cluster.wait())
+        .await
+        .map_err(|_| anyhow::anyhow!("cluster did not finish within 600 s"))?
+}
+
+fn status(r: &NodeReport) -> anyhow::Result<&StatusSnapshot> {
+    r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slowed_aggregator_is_demoted_its_shards_move_and_accuracy_reaches_93_percent() -> anyhow::Result<()> {
+    // node3 answers every push and pull 25 ms late: on loopback that is far
+    // more than 5x the others' service time (about 1 ms).
+    let mut spec = ClusterSpec::new(4, elastic_config("elastic-slow"));
+    spec.overrides = vec![NodeOverride::default(); 4];
+    spec.overrides[3].fault_delay_ms = Some(25);
+    let cluster = Cluster::start(&spec).await?;
+    let slow = cluster.nodes[3].peer_id;
+    let reports = wait_all(cluster).await?;
+    let shards = spec.base.cluster.shards as usize;
+    let mut handed_in = 0;
+    for r in &reports {
+        let s = status(r)?;
+        eprintln!(
+            "{}: accuracy {:.2}%, owns {:?}, role changes {:?}, handoffs in {} out {}",
+            r.name,
+            r.accuracy * 100.0,
+            r.owned_shards,
+            s.role_changes.iter().map(|c| (c.step, c.role, c.owned.clone())).collect::<Vec<_>>(),
+            s.handoffs_in,
+            s.handoffs_out
+        );
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
+        handed_in += s.handoffs_in;
+    }
+    let slow_report = reports.iter().find(|r| r.peer_id == slow).ok_or_else(|| anyhow::anyhow!("no node3"))?;
+    let s = status(slow_report)?;
+    // node3 started as an aggregator and was demoted to a worker.
+    assert!(s.role_changes.iter().any(|c| c.role == RoleView::Aggregator && !c.owned.is_empty()), "never owned");
+    assert!(
+        s.role_changes.iter().any(|c| c.role == RoleView::Worker && c.owned.is_empty()),
+        "node3 was not demoted: {:?}",
+        s.role_changes
+    );
+    assert!(slow_report.owned_shards.is_empty(), "node3 still owns {:?}", slow_report.owned_shards);
+    assert!(s.handoffs_out >= 1, "node3 handed nothing over");
+    assert!(handed_in >= s.handoffs_out, "transfers out {} but only {handed_in} received", s.handoffs_out);
+    // Every shard is owned by exactly one of the healthy nodes at the end.
+    let mut owned: Vec<u32> = reports.iter().flat_map(|r| r.owned_shards.clone()).collect();
+    owned.sort_unstable();
+    assert_eq!(owned, (0..shards as u32).collect::<Vec<_>>(), "final ownership");
+    // Nothing was restored from a replica or a worker copy: a clean move loses nothing.
+    for r in &reports {
+        let st = status(r)?;
+        assert_eq!(st.restored_from_worker_copy, 0, "{}", r.name);
+        assert_eq!(st.max_version_regression, 0, "{}: version went back", r.name);
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_aggregator_shards_are_rehomed_from_replicas_within_the_loss_bound() -> anyhow::Result<()> {
+    let base = elastic_config("elastic-kill");
+    let replica_every = base.cluster.replica_every;
+    let spec = ClusterSpec::new(4, base);
+    let mut cluster = Cluster::start(&spec).await?;
+    let victim = 3;
+    // Kill node3 once it is well into training (an event, not a timer).
+    let mut progress = cluster.nodes[victim].progress.clone();
+    let mut placement = cluster.nodes[victim].placement.subscribe();
+    tokio::time::timeout(Duration::from_secs(300), progress.wait_for(|s| s.step >= 60))
+        .await
+        .map_err(|_| anyhow::anyhow!("node3 never reached step 60"))??;
+    let owned_at_kill = placement.borrow_and_update().as_ref().map(|p| p.owned_by(&cluster.nodes[victim].peer_id));
+    let (name, dead) = cluster.kill(victim).await?;
+    eprintln!("killed {name} ({dead}) owning {owned_at_kill:?}");
+    assert!(owned_at_kill.as_ref().is_some_and(|o| !o.is_empty()), "the victim owned no shard");
+    let reports = wait_all(cluster).await?;
+    let mut from_replica = 0;
+    for r in &reports {
+        let s = status(r)?;
+        eprintln!(
+            "{}: accuracy {:.2}%, owns {:?}, role changes {:?}, restored from replica {} / worker copy {}, version regression {}",
+            r.name,
+            r.accuracy * 100.0,
+            r.owned_shards,
+            s.role_changes.iter().map(|c| (c.step, c.owned.clone())).collect::<Vec<_>>(),
+            s.restored_from_replica,
+            s.restored_from_worker_copy,
+            s.max_version_regression
+        );
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
+        // The loss bound: a replica is at most `replica_every` versions old,
+        // plus the versions applied while one replica was on the wire.
+        assert!(
+            s.max_version_regression <= replica_every + 1,
+            "{}: version went back by {} (> {})",
+            r.name,
+            s.max_version_regression,
+            replica_every + 1
+        );
+        assert_eq!(s.restored_from_worker_copy, 0, "{}: a shard lost its optimizer state", r.name);
+        from_replica += s.restored_from_replica;
+        assert!(!r.owned_shards.is_empty(), "{}: survivors share the shards", r.name);
+    }
+    let owned_at_kill = owned_at_kill.unwrap_or_default();
+    assert!(from_replica >= owned_at_kill.len() as u64, "{from_replica} restores for {owned_at_kill:?}");
+    let mut owned: Vec<u32> = reports.iter().flat_map(|r| r.owned_shards.clone()).collect();
+    owned.sort_unstable();
+    assert_eq!(owned, (0..spec.base.cluster.shards).collect::<Vec<_>>(), "every shard re-homed once");
+    Ok(())
+}
