@@ -44,9 +44,18 @@ use crate::sync::{PushOutcome, ShardCore, SyncPolicy};
 /// Answer to a push.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PushReply {
-    Accepted { version: u64, staleness: u64 },
-    Stale { current_version: u64, max_staleness: u64 },
-    NotOwner { epoch: u64, hint: Option<PeerId> },
+    Accepted {
+        version: u64,
+        staleness: u64,
+    },
+    Stale {
+        current_version: u64,
+        max_staleness: u64,
+    },
+    NotOwner {
+        epoch: u64,
+        hint: Option<PeerId>,
+    },
     /// The shard is assigned here but its state has not arrived: retry.
     Pending,
     /// The pusher is not a worker of this shard (the owner's view lost it).
@@ -65,9 +74,13 @@ pub enum PullReply {
 /// Answer to a handoff.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HandoffReply {
-    Ack { version: u64 },
+    Ack {
+        version: u64,
+    },
     /// A copy at least as new is already installed here.
-    Fenced { epoch: u64 },
+    Fenced {
+        epoch: u64,
+    },
     Invalid(String),
 }
 
@@ -459,7 +472,8 @@ impl AggregatorActor {
             }
         };
         self.replicated.insert(state.shard, state.version);
-        self.cores.insert(state.shard, ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers));
+        self.cores
+            .insert(state.shard, ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers));
     }
 
     /// Take a shard over without a transfer: from a stored copy, or else
@@ -486,7 +500,11 @@ impl AggregatorActor {
             }
         };
         if snap.version > 0 {
-            warn!(shard, version = snap.version, "no replica: taking the shard over from the worker copy, optimizer state afresh");
+            warn!(
+                shard,
+                version = snap.version,
+                "no replica: taking the shard over from the worker copy, optimizer state afresh"
+            );
             self.status.record(StatusEvent::Restored { from_replica: false });
         }
         self.install(ShardState { shard, version: snap.version, params: snap.params[range].to_vec(), optimizer });
@@ -512,12 +530,8 @@ impl AggregatorActor {
         }
         // A new backup gets a replica now rather than after the next few
         // versions: it is who takes the shard over if this node dies.
-        let rebacked: Vec<u32> = self
-            .cores
-            .keys()
-            .copied()
-            .filter(|&s| old.as_ref().and_then(|o| o.backup(s)) != new.backup(s))
-            .collect();
+        let rebacked: Vec<u32> =
+            self.cores.keys().copied().filter(|&s| old.as_ref().and_then(|o| o.backup(s)) != new.backup(s)).collect();
         for shard in rebacked {
             self.replicated.insert(shard, 0);
             self.replicating.remove(&shard);

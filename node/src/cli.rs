@@ -229,6 +229,21 @@ pub enum BenchCommand {
     Wire(BenchWireArgs),
     /// In-process clusters of 1, 2 and 4 nodes on loopback TCP, and an aggregation-bound 25M-parameter case.
     Cluster(BenchClusterArgs),
+    /// One aggregator slowed 5x: no straggler vs. static roles vs. elastic roles (4 nodes, digits).
+    Straggler(BenchStragglerArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchStragglerArgs {
+    /// Steps per node in each case.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Samples per step per node.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// How much slower the straggling aggregator makes a step under static roles.
+    #[arg(long, default_value_t = 5.0)]
+    pub slowdown: f64,
 }
 
 #[derive(Debug, Args)]

@@ -97,7 +97,12 @@ fn owners_of(candidates: &[Candidate<Vec<u8>>], shards: u32, max: usize) -> Opti
 }
 
 /// Compute the placement. `None` when no live member may own shards.
-pub fn elect(members: &[Member], service: &BTreeMap<PeerId, f64>, shards: u32, policy: ElectPolicy) -> Option<Placement> {
+pub fn elect(
+    members: &[Member],
+    service: &BTreeMap<PeerId, f64>,
+    shards: u32,
+    policy: ElectPolicy,
+) -> Option<Placement> {
     let mut members: Vec<&Member> = members.iter().collect();
     members.sort_by_key(|m| m.peer.to_bytes());
     members.dedup_by_key(|m| m.peer);
@@ -173,8 +178,10 @@ pub fn inputs_from_view(
         active: me.step < total_steps && !me.leaving,
         leaving: me.leaving,
     });
-    let reports =
-        live.iter().map(|p| (p.heartbeat.peer, p.heartbeat.service.as_slice())).chain([(view.me, me.service.as_slice())]);
+    let reports = live
+        .iter()
+        .map(|p| (p.heartbeat.peer, p.heartbeat.service.as_slice()))
+        .chain([(view.me, me.service.as_slice())]);
     (members, medians(reports))
 }
 
@@ -299,7 +306,13 @@ mod tests {
 
     fn members(n: usize) -> Vec<Member> {
         (0..n)
-            .map(|_| Member { peer: PeerId::random(), can_aggregate: true, serving: true, active: true, leaving: false })
+            .map(|_| Member {
+                peer: PeerId::random(),
+                can_aggregate: true,
+                serving: true,
+                active: true,
+                leaving: false,
+            })
             .collect()
     }
 

@@ -155,7 +155,8 @@ mod tests {
         let honest: Vec<ServiceObservation> = owners.iter().map(|&o| obs(o, 100.0)).collect();
         let mut lying = honest.clone();
         lying[0].micros_per_mib = 1e6;
-        let reports = vec![(reporters[0], honest.as_slice()), (reporters[1], honest.as_slice()), (reporters[2], &lying)];
+        let reports =
+            vec![(reporters[0], honest.as_slice()), (reporters[1], honest.as_slice()), (reporters[2], &lying)];
         let m = medians(reports.clone());
         assert_eq!(m[&owners[0]], 100.0);
         assert!(stragglers(&m, |_| true, HealthPolicy::default()).is_empty());

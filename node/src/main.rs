@@ -22,6 +22,7 @@ fn main() -> ExitCode {
         Command::Bench { command: BenchCommand::Train(args) } => cmd::bench::train(args),
         Command::Bench { command: BenchCommand::Wire(args) } => cmd::bench::wire(args),
         Command::Bench { command: BenchCommand::Cluster(args) } => cmd::bench::cluster(args),
+        Command::Bench { command: BenchCommand::Straggler(args) } => cmd::bench::straggler(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -52,10 +52,21 @@ pub enum NetError {
 }
 
 enum NetCommand {
-    Request { peer: PeerId, req: ShardRequest, reply: oneshot::Sender<Result<ShardResponse, NetError>> },
-    Publish { msg: GossipMessage },
-    Dial { addr: Multiaddr, reply: oneshot::Sender<Result<PeerId, NetError>> },
-    ListenAddrs { reply: oneshot::Sender<Vec<Multiaddr>> },
+    Request {
+        peer: PeerId,
+        req: ShardRequest,
+        reply: oneshot::Sender<Result<ShardResponse, NetError>>,
+    },
+    Publish {
+        msg: GossipMessage,
+    },
+    Dial {
+        addr: Multiaddr,
+        reply: oneshot::Sender<Result<PeerId, NetError>>,
+    },
+    ListenAddrs {
+        reply: oneshot::Sender<Vec<Multiaddr>>,
+    },
     Block(PeerId),
     Unblock(PeerId),
     KadBootstrap,
@@ -475,7 +486,9 @@ impl NetworkActor {
                 }
                 let state = match crate::handoff::from_wire(&h, self.parts.optimizer) {
                     Ok(s) => s,
-                    Err(e) => return self.respond_now(channel, wire_error(ErrorCode::InvalidRequest, format!("{e:#}"))),
+                    Err(e) => {
+                        return self.respond_now(channel, wire_error(ErrorCode::InvalidRequest, format!("{e:#}")))
+                    }
                 };
                 let shard = h.shard;
                 match agg.try_handoff(peer, h.kind, state) {

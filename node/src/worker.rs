@@ -384,7 +384,13 @@ impl Worker {
 
     /// One pull attempt; the owner may hold it up to `left` (capped by its
     /// `response_wait_ms`).
-    async fn pull_from(&self, owner: PeerId, shard: u32, min_version: u64, left: Duration) -> anyhow::Result<PullReply> {
+    async fn pull_from(
+        &self,
+        owner: PeerId,
+        shard: u32,
+        min_version: u64,
+        left: Duration,
+    ) -> anyhow::Result<PullReply> {
         if owner == self.me {
             return self.aggregator.pull(self.me, shard, min_version, left).await;
         }
@@ -393,8 +399,10 @@ impl Worker {
             shard,
             min_version,
             // Owners refuse waits longer than their response_wait_ms.
-            max_wait_ms: left.as_millis().min(self.config.network.timeouts.response_wait_ms as u128).min(u32::MAX as u128)
-                as u32,
+            max_wait_ms: left
+                .as_millis()
+                .min(self.config.network.timeouts.response_wait_ms as u128)
+                .min(u32::MAX as u128) as u32,
             encoding: Encoding::F32,
         });
         Ok(match self.net.request(owner, req).await? {

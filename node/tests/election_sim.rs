@@ -127,7 +127,8 @@ impl Sim {
     fn tick(&mut self) {
         self.now += TICK_MS;
         let now = self.now;
-        let (due, later): (Vec<Msg>, Vec<Msg>) = std::mem::take(&mut self.inflight).into_iter().partition(|m| m.at <= now);
+        let (due, later): (Vec<Msg>, Vec<Msg>) =
+            std::mem::take(&mut self.inflight).into_iter().partition(|m| m.at <= now);
         self.inflight = later;
         for m in due {
             if self.nodes[m.to].up {

@@ -245,3 +245,93 @@ pub fn cluster(args: crate::cli::BenchClusterArgs) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+/// One straggler case: steps/s of the cluster, final accuracy, and (if the
+/// slow node was demoted) seconds from the start of training to its demotion.
+struct StragglerCase {
+    steps_per_sec: f64,
+    accuracy: f32,
+    moved_after: Option<f64>,
+    slow_step_ms: f64,
+}
+
+async fn straggler_case(
+    args: &crate::cli::BenchStragglerArgs,
+    run: &str,
+    delay_ms: u64,
+    elastic: bool,
+) -> anyhow::Result<StragglerCase> {
+    use crate::cluster::{Cluster, ClusterSpec, NodeOverride};
+    use crate::config::NodeConfig;
+    use crate::status::RoleView;
+
+    let mut cfg = NodeConfig { run_id: run.into(), ..NodeConfig::default() };
+    cfg.training.steps = args.steps;
+    cfg.training.batch_size = args.batch_size;
+    cfg.training.lr = Some(0.1);
+    cfg.cluster.heartbeat_ms = 100;
+    cfg.cluster.elastic = elastic;
+    let mut spec = ClusterSpec::new(4, cfg);
+    spec.overrides = vec![NodeOverride::default(); 4];
+    spec.overrides[3].fault_delay_ms = Some(delay_ms);
+    let cluster = Cluster::start(&spec).await?;
+    let slow = cluster.nodes[3].peer_id;
+    let reports = cluster.wait().await?;
+    // Training time of the slowest node's step loop (compute + communication),
+    // which excludes roster formation and lingering.
+    let secs =
+        reports.iter().filter_map(|r| r.status.as_ref().map(|s| s.compute_secs + s.comm_secs)).fold(0.0f64, f64::max);
+    let accuracy = reports.iter().map(|r| r.accuracy).fold(f32::INFINITY, f32::min);
+    let moved_after = reports.iter().find(|r| r.peer_id == slow).and_then(|r| {
+        let changes = &r.status.as_ref()?.role_changes;
+        let start = changes.iter().find(|c| c.role == RoleView::Aggregator)?.secs;
+        let moved = changes.iter().find(|c| c.secs >= start && c.owned.is_empty() && c.role == RoleView::Worker)?;
+        Some(moved.secs - start)
+    });
+    Ok(StragglerCase {
+        steps_per_sec: args.steps as f64 / secs.max(1e-9),
+        accuracy,
+        moved_after,
+        slow_step_ms: secs * 1e3 / args.steps as f64,
+    })
+}
+
+/// `shoal bench straggler`: the PSLD comparison on one machine.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+pub fn straggler(args: crate::cli::BenchStragglerArgs) -> anyhow::Result<()> {
+    if args.steps == 0 || args.batch_size == 0 || !(args.slowdown > 1.0 && args.slowdown.is_finite()) {
+        anyhow::bail!("--steps and --batch-size must be at least 1 and --slowdown above 1");
+    }
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        println!(
+            "shoal bench straggler: 4 nodes on loopback TCP, digits MLP, BSP, batch {} per node, {} steps per case",
+            args.batch_size, args.steps
+        );
+        let base = straggler_case(&args, "straggler-none", 0, true).await?;
+        // A step touches the slow owner twice (push and pull), so this delay
+        // makes a static-role step about `slowdown` times the baseline's.
+        let delay_ms = ((args.slowdown - 1.0) * base.slow_step_ms / 2.0).ceil().max(1.0) as u64;
+        println!("baseline step {:.1} ms; node3 answers pushes and pulls {delay_ms} ms late", base.slow_step_ms);
+        let fixed = straggler_case(&args, "straggler-static", delay_ms, false).await?;
+        let elastic = straggler_case(&args, "straggler-elastic", delay_ms, true).await?;
+        println!("{:<28} {:>9} {:>10} {:>10}", "case", "steps/s", "accuracy", "moved in");
+        for (name, c) in
+            [("no straggler", &base), ("straggler, static roles", &fixed), ("straggler, elastic roles", &elastic)]
+        {
+            let moved = c.moved_after.map_or("-".to_string(), |s| format!("{s:.2} s"));
+            println!("{name:<28} {:>9.1} {:>9.2}% {moved:>10}", c.steps_per_sec, c.accuracy * 100.0);
+        }
+        println!("static / no straggler: {:.2}x (the injected slowdown)", fixed.steps_per_sec / base.steps_per_sec);
+        println!("elastic / static: {:.2}x (PSLD reports up to 2.86x)", elastic.steps_per_sec / fixed.steps_per_sec);
+        println!(
+            "elastic / no straggler: {:.2}x (fraction of speed recovered)",
+            elastic.steps_per_sec / base.steps_per_sec
+        );
+        match elastic.moved_after {
+            Some(s) => println!("slowdown to shards moved: {s:.2} s"),
+            None => println!("the straggler's shards never moved"),
+        }
+        Ok(())
+    })
+}
