@@ -443,8 +443,9 @@ impl AggregatorActor {
                 if self.pending.remove(&shard).is_some() {
                     info!(shard, version, %from, "shard handed over");
                     self.install(state);
-                } else if let Some(to) = owner.filter(|o| *o != self.cfg.me && *o != from) {
-                    // The shard moved on while it was on the wire: pass it along.
+                } else if let Some(to) = owner.filter(|o| *o != self.cfg.me) {
+                    // The shard moved on while it was on the wire (possibly back
+                    // to the sender, which now waits for it): pass it along.
                     info!(shard, version, to = %crate::node::short(&to), "forwarding a transfer to the current owner");
                     self.spawn_send(to, HandoffKind::Transfer, state);
                 } else {

@@ -21,6 +21,10 @@ pub fn digits_config(run: &str, steps: u64, sync: SyncPolicy, optimizer: Optimiz
     c.cluster.start_timeout_ms = 60_000;
     c.cluster.request_timeout_ms = 60_000;
     c.cluster.linger_ms = 30_000;
+    // These scenarios test sync policies and exact results; several clusters
+    // share 2 cores, so keep scheduling noise from moving shards. Elastic
+    // roles are tested in tests/elastic.rs.
+    c.cluster.elastic = false;
     c
 }
 

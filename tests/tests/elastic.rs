@@ -19,6 +19,7 @@ fn elastic_config(run: &str) -> NodeConfig {
     c.cluster.heartbeat_ms = 100;
     c.cluster.failure_timeout_ms = 1_500;
     c.cluster.replica_every = 4;
+    c.cluster.elastic = true;
     c
 }
 
@@ -85,7 +86,10 @@ async fn slowed_aggregator_is_demoted_its_shards_move_and_accuracy_reaches_93_pe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_aggregator_shards_are_rehomed_from_replicas_within_the_loss_bound() -> anyhow::Result<()> {
-    let base = elastic_config("elastic-kill");
+    let mut base = elastic_config("elastic-kill");
+    // Only the failure moves shards here: no straggler judgement (noise on a
+    // loaded 2-core machine must not add moves to the loss accounting).
+    base.cluster.elastic = false;
     let replica_every = base.cluster.replica_every;
     let spec = ClusterSpec::new(4, base);
     let mut cluster = Cluster::start(&spec).await?;
