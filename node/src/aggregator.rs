@@ -314,6 +314,9 @@ impl AggregatorActor {
     }
 
     async fn run(mut self) {
+        // In gossip mode no election runs and the placement sender is dropped
+        // at once: keep serving (stats, refusals) rather than stop.
+        let mut placements_open = true;
         loop {
             let next_deadline = self.parked.iter().map(|p| p.deadline).chain(self.pending.values().copied()).min();
             tokio::select! {
@@ -321,9 +324,10 @@ impl AggregatorActor {
                     Some(cmd) => self.handle(cmd),
                     None => break,
                 },
-                r = self.placement_rx.changed() => {
+                r = self.placement_rx.changed(), if placements_open => {
                     if r.is_err() {
-                        break;
+                        placements_open = false;
+                        continue;
                     }
                     let p = self.placement_rx.borrow_and_update().clone();
                     if let Some(p) = p {
