@@ -93,6 +93,24 @@ pub struct ShardState {
     pub optimizer: OptimizerState,
 }
 
+/// What this node holds as an owner: a node leaving cleanly waits for
+/// all of it to reach zero before it stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Held {
+    /// Shards served here.
+    pub shards: usize,
+    /// Shards assigned here whose transfer is awaited.
+    pub pending: usize,
+    /// Transfers sent and not yet acknowledged.
+    pub transfers: usize,
+}
+
+impl Held {
+    pub fn is_empty(&self) -> bool {
+        self.shards == 0 && self.pending == 0 && self.transfers == 0
+    }
+}
+
 /// Per-shard counters for tests and status.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardStats {
@@ -142,6 +160,8 @@ enum AggCommand {
         state: ShardState,
         reply: oneshot::Sender<HandoffReply>,
     },
+    /// A spawned transfer was acknowledged.
+    TransferDone,
     /// A spawned transfer could not be delivered: keep the state as a replica.
     TransferFailed(ShardState),
     ReplicaDone {
@@ -171,6 +191,7 @@ struct Stored {
 #[derive(Debug, Clone)]
 pub struct AggregatorHandle {
     sender: mpsc::Sender<AggCommand>,
+    held: watch::Receiver<Held>,
 }
 
 /// Returned by [`AggregatorHandle::try_push`] / `try_pull` when the actor is
@@ -187,7 +208,10 @@ impl AggregatorHandle {
         snapshot: watch::Receiver<ModelSnapshot>,
     ) -> Self {
         let (sender, receiver) = mpsc::channel(cfg.capacity.max(1));
+        let (held_tx, held) = watch::channel(Held::default());
         let actor = AggregatorActor {
+            held: held_tx,
+            transfers: 0,
             me_tx: sender.downgrade(),
             receiver,
             cores: BTreeMap::new(),
@@ -205,7 +229,12 @@ impl AggregatorHandle {
             cfg,
         };
         tokio::spawn(actor.run());
-        Self { sender }
+        Self { sender, held }
+    }
+
+    /// What this node holds as an owner, as it changes.
+    pub fn held(&self) -> watch::Receiver<Held> {
+        self.held.clone()
     }
 
     async fn ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> anyhow::Result<T> {
@@ -298,9 +327,17 @@ struct AggregatorActor {
     net: NetworkHandle,
     snapshot: watch::Receiver<ModelSnapshot>,
     started: Instant,
+    held: watch::Sender<Held>,
+    /// Transfers in flight.
+    transfers: usize,
 }
 
 impl AggregatorActor {
+    fn publish_held(&self) {
+        let now = Held { shards: self.cores.len(), pending: self.pending.len(), transfers: self.transfers };
+        self.held.send_if_modified(|h| std::mem::replace(h, now) != now);
+    }
+
     fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
     }
@@ -336,6 +373,7 @@ impl AggregatorActor {
                 }
                 _ = sleep_until_opt(next_deadline) => self.expire(),
             }
+            self.publish_held();
         }
         debug!("aggregator stopping: all handles dropped");
     }
@@ -357,6 +395,7 @@ impl AggregatorActor {
                 let out = match core.push(&worker, base_version, samples, grad, now) {
                     PushOutcome::Accepted { version, staleness } => {
                         self.status.record(StatusEvent::Staleness(staleness));
+                        self.status.record(StatusEvent::PushAccepted(worker));
                         PushReply::Accepted { version, staleness }
                     }
                     PushOutcome::Stale { current_version } => PushReply::Stale {
@@ -389,7 +428,11 @@ impl AggregatorActor {
                 let _ = reply.send(r);
                 self.release_ready();
             }
+            AggCommand::TransferDone => {
+                self.transfers = self.transfers.saturating_sub(1);
+            }
             AggCommand::TransferFailed(state) => {
+                self.transfers = self.transfers.saturating_sub(1);
                 warn!(shard = state.shard, version = state.version, "transfer undelivered; keeping it as a replica");
                 self.store(state, false);
             }
@@ -487,7 +530,10 @@ impl AggregatorActor {
         self.pending.remove(&shard);
         if let Some(s) = self.stored.remove(&shard) {
             info!(shard, version = s.state.version, transfer = s.transfer, "taking the shard over from a stored copy");
-            self.status.record(StatusEvent::Restored { from_replica: true });
+            if !s.transfer {
+                // A transfer that arrived early was counted as a handoff in.
+                self.status.record(StatusEvent::Restored { from_replica: true });
+            }
             self.install(s.state);
             return;
         }
@@ -549,11 +595,17 @@ impl AggregatorActor {
                 continue;
             }
             let previous = old.as_ref().and_then(|o| o.owner(shard));
+            let starting = self.snapshot.borrow().version == 0;
             match previous {
+                _ if self.stored.get(&shard).is_some_and(|s| s.transfer) => self.restore(shard),
                 // Training starts: every node holds the same initial model.
-                None => self.restore(shard),
+                None if starting => self.restore(shard),
+                // A node that joined mid-run: the current owner hands it over.
+                None => {
+                    debug!(shard, "joined mid-run: waiting for the shard's transfer");
+                    self.pending.insert(shard, deadline);
+                }
                 Some(p) if p == me || !new.is_live(&p) => self.restore(shard),
-                Some(_) if self.stored.get(&shard).is_some_and(|s| s.transfer) => self.restore(shard),
                 Some(p) => {
                     debug!(shard, from = %p, "waiting for the shard's transfer");
                     self.pending.insert(shard, deadline);
@@ -589,7 +641,10 @@ impl AggregatorActor {
     }
 
     /// Deliver a transfer or replica from a task of its own (the actor keeps serving).
-    fn spawn_send(&self, to: PeerId, kind: HandoffKind, state: ShardState) {
+    fn spawn_send(&mut self, to: PeerId, kind: HandoffKind, state: ShardState) {
+        if kind == HandoffKind::Transfer {
+            self.transfers += 1;
+        }
         let net = self.net.clone();
         let back = self.me_tx.clone();
         let (run, me, incarnation) = (self.cfg.run.clone(), self.cfg.me, self.cfg.incarnation);
@@ -604,7 +659,7 @@ impl AggregatorActor {
                     }
                     AggCommand::ReplicaDone { shard }
                 }
-                (HandoffKind::Transfer, Ok(())) => return,
+                (HandoffKind::Transfer, Ok(())) => AggCommand::TransferDone,
                 (HandoffKind::Transfer, Err(e)) => {
                     warn!(shard, %to, error = %format!("{e:#}"), "transfer failed");
                     AggCommand::TransferFailed(state)

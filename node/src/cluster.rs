@@ -86,6 +86,17 @@ impl Cluster {
         Ok(Self { nodes })
     }
 
+    /// Start one more node mid-run (it joins the running training) with
+    /// the config of node index `i` in `spec`; it dials every node still in
+    /// the cluster. Returns its index in `nodes`.
+    pub async fn add(&mut self, spec: &ClusterSpec, i: usize) -> anyhow::Result<usize> {
+        let mut cfg = spec.node_config(i)?;
+        cfg.cluster.bootstrap = self.nodes.iter().filter_map(|n| n.listen.first().cloned()).collect();
+        let node = start(cfg, Keypair::generate_ed25519()).await.with_context(|| format!("starting node{i}"))?;
+        self.nodes.push(node);
+        Ok(self.nodes.len() - 1)
+    }
+
     /// Crash node `i` (no handoff, every connection closed) and drop it from
     /// the cluster; returns its name and peer id.
     pub async fn kill(&mut self, i: usize) -> anyhow::Result<(String, shoal_protocol::libp2p::PeerId)> {

@@ -147,7 +147,8 @@ pub fn elect(
     Some(Placement { epoch: stable_hash64(&digest), owners, backups, live, workers, stragglers })
 }
 
-/// The election's inputs from this node's view: live peers plus itself, and
+/// The election's inputs from this node's view: live peers that take part
+/// in the run plus itself, and
 /// the median service time of every owner over all reports (its own included).
 pub fn inputs_from_view(
     view: &View,
@@ -157,7 +158,15 @@ pub fn inputs_from_view(
     now_ms: u64,
     timeout_ms: u64,
 ) -> (Vec<Member>, BTreeMap<PeerId, f64>) {
-    let live = view.live(now_ms, timeout_ms);
+    // A peer still joining (fetching the model; its heartbeat proposes a
+    // roster of its own) takes no part until it announces itself ready.
+    // At the start of a run a peer may still say `Joining` while it already
+    // proposes the agreed roster: it is in.
+    let live: Vec<_> = view
+        .live(now_ms, timeout_ms)
+        .into_iter()
+        .filter(|p| p.heartbeat.role != Role::Joining || me.frozen_epoch == Some(p.heartbeat.epoch))
+        .collect();
     let mut members: Vec<Member> = live
         .iter()
         .map(|p| {

@@ -23,6 +23,7 @@ pub mod config;
 pub mod elect;
 pub mod handoff;
 pub mod health;
+pub mod join;
 pub mod logging;
 pub mod membership;
 pub mod net;

@@ -19,6 +19,7 @@ use crate::aggregator::{AggregatorConfig, AggregatorHandle, ShardStats};
 use crate::config::{Mode, NodeConfig};
 use crate::elect::{ElectPolicy, ElectionConfig, ElectionHandle, Placement};
 use crate::health::{HealthPolicy, ServiceTracker};
+use crate::join::{donor_count, fetch_model, join_point, JoinPoint};
 use crate::membership::{MembershipConfig, MembershipHandle, Roster, RosterStatus};
 use crate::net::{ModelSnapshot, NetworkHandle, NetworkParts, Routes};
 use crate::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
@@ -33,6 +34,8 @@ pub struct NodeReport {
     pub accuracy: f32,
     pub loss: f32,
     pub steps: u64,
+    /// Left cleanly before the last step (`steps` is where it stopped).
+    pub left: bool,
     /// Final flat parameters.
     pub params: Vec<f32>,
     pub owned_shards: Vec<u32>,
@@ -54,9 +57,30 @@ pub struct RunningNode {
     /// The shard placement this node currently follows.
     pub placement: ElectionHandle,
     pub task: JoinHandle<anyhow::Result<NodeReport>>,
+    leave: LeaveSwitch,
+}
+
+/// Asks a node to leave cleanly; cloneable, so it can outlive borrowing the node.
+#[derive(Debug, Clone)]
+pub struct LeaveSwitch(Arc<watch::Sender<bool>>);
+
+impl LeaveSwitch {
+    pub fn leave(&self) {
+        self.0.send_replace(true);
+    }
 }
 
 impl RunningNode {
+    /// Ask the node to leave cleanly: it finishes the step in hand, hands
+    /// every shard it owns to its new owner, and then its task ends.
+    pub fn leave(&self) {
+        self.leave.leave();
+    }
+
+    /// The same switch, to keep after the node's fields are moved out.
+    pub fn leave_switch(&self) -> LeaveSwitch {
+        self.leave.clone()
+    }
     /// Crash the node: stop its training task and close every connection at
     /// once, with no handoff (tests and testnets use this as a kill).
     pub async fn kill(self) {
@@ -220,6 +244,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     );
     info!(peer = %me, %name, ?listen, "node started");
 
+    let (leave_tx, leave_rx) = watch::channel(false);
     let worker = Worker {
         me,
         incarnation,
@@ -235,6 +260,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         membership: membership.clone(),
         placement: election.subscribe(),
         service: std::sync::Mutex::new(ServiceTracker::default()),
+        leave: leave_rx,
     };
     let progress = membership.subscribe_self();
     let placement_view = election.clone();
@@ -249,7 +275,17 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         report.status = status_for_task.snapshot().await;
         Ok(report)
     });
-    Ok(RunningNode { peer_id: me, name, listen, net, status, progress, placement: placement_view, task })
+    Ok(RunningNode {
+        peer_id: me,
+        name,
+        listen,
+        net,
+        status,
+        progress,
+        placement: placement_view,
+        task,
+        leave: LeaveSwitch(Arc::new(leave_tx)),
+    })
 }
 
 async fn drive(
@@ -264,15 +300,39 @@ async fn drive(
     let c = &config.cluster;
     let me = worker.me;
     let membership = &worker.membership;
-    let roster =
-        wait_for_roster(membership, c.min_peers, Duration::from_millis(c.start_timeout_ms), &config.run_id).await?;
-    let epoch = roster.hash();
-    membership.set_self(|s| {
-        s.frozen_epoch = Some(epoch);
-        s.role = Role::Worker;
-        s.announce += 1;
-    });
-    routes.send_replace(Routes { aggregator: Some(aggregator.clone()), epoch });
+    let start_timeout = Duration::from_millis(c.start_timeout_ms);
+    let begin = wait_for_start(
+        membership,
+        c.min_peers,
+        start_timeout,
+        &config.run_id,
+        c.failure_timeout_ms,
+        Duration::from_millis(c.heartbeat_ms),
+    )
+    .await?;
+    let (roster, routing, params) = match begin {
+        Start::Roster(roster) => {
+            let epoch = roster.hash();
+            membership.set_self(|s| {
+                s.frozen_epoch = Some(epoch);
+                s.role = Role::Worker;
+                s.announce += 1;
+            });
+            routes.send_replace(Routes { aggregator: Some(aggregator.clone()), epoch });
+            let rank = roster.rank_of(&me).context("this node is not in its own roster")?;
+            let routing = Routing {
+                roster: roster.clone(),
+                partition: Some((rank, roster.members.len())),
+                start_step: 0,
+                versions: vec![0; worker.plan.len()],
+            };
+            info!(%name, epoch, members = roster.members.len(), "roster agreed; training starts");
+            (roster, routing, initial)
+        }
+        Start::Join(jp) => {
+            join_run(config, &worker, routes, aggregator, jp, name, Instant::now() + start_timeout).await?
+        }
+    };
     if c.mode == Mode::Pull {
         if !roster.members.iter().any(|m| m.1) {
             bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
@@ -307,7 +367,7 @@ async fn drive(
             worker.status.clone(),
         );
         let mut rx = election.subscribe();
-        tokio::time::timeout(Duration::from_millis(c.start_timeout_ms), rx.wait_for(Option::is_some))
+        tokio::time::timeout(start_timeout, rx.wait_for(Option::is_some))
             .await
             .context("no shard placement could be computed")?
             .map_err(|_| anyhow::anyhow!("the election stopped"))?;
@@ -315,28 +375,34 @@ async fn drive(
         worker.status.record(StatusEvent::Role { role: RoleView::Worker, owned: Vec::new() });
     }
     worker.status.record(StatusEvent::Peers(roster.members.len()));
-    info!(%name, epoch, members = roster.members.len(), "roster agreed; training starts");
 
-    let routing = Routing { roster: roster.clone() };
-    let params = worker.run(&routing, initial).await?;
-    let steps = config.training.steps;
-    membership.set_self(|s| {
-        s.step = steps;
-        s.announce += 1;
-    });
+    let ran = worker.run(&routing, params).await?;
+    if ran.left {
+        leave_run(config, &worker, aggregator, &election, ran.steps, name).await;
+    } else {
+        membership.set_self(|s| {
+            s.step = ran.steps;
+            s.announce += 1;
+        });
+    }
     let eval = worker.trainer.evaluate().await?;
     worker.status.record(StatusEvent::Accuracy(eval.accuracy));
     let owned_ids = election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
     worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
-    info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
-    linger(membership, me, steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
+    if ran.left {
+        info!(%name, accuracy = eval.accuracy, loss = eval.loss, step = ran.steps, "left the run");
+    } else {
+        info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
+        linger(membership, me, ran.steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
+    }
     Ok(NodeReport {
         peer_id: me,
         name: name.to_string(),
         accuracy: eval.accuracy,
         loss: eval.loss,
-        steps,
-        params,
+        steps: ran.steps,
+        left: ran.left,
+        params: ran.params,
         owned_shards: election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
         shard_stats: aggregator.stats().await,
         roster: roster.peers(),
@@ -344,19 +410,121 @@ async fn drive(
     })
 }
 
-/// Wait (on view changes, not a timer) until the roster is agreed.
-async fn wait_for_roster(
+/// How this node enters the run.
+enum Start {
+    /// It is a member of the roster the run starts with.
+    Roster(Roster),
+    /// The run started without it: join mid-run.
+    Join(JoinPoint),
+}
+
+/// Join a run that has started: fetch the model from several peers, then
+/// announce this node ready under the run's epoch. Returns the roster (the
+/// run's nodes plus this one), where to start, and the fetched parameters.
+async fn join_run(
+    config: &NodeConfig,
+    worker: &Worker,
+    routes: &watch::Sender<Routes>,
+    aggregator: &AggregatorHandle,
+    jp: JoinPoint,
+    name: &str,
+    deadline: Instant,
+) -> anyhow::Result<(Roster, Routing, Vec<f32>)> {
+    let steps = config.training.steps;
+    if jp.step >= steps {
+        bail!("run `{}` has already finished (its nodes reached step {}); nothing to join", config.run_id, jp.step);
+    }
+    worker.status.record(StatusEvent::Role { role: RoleView::Joining, owned: Vec::new() });
+    info!(%name, step = jp.step, donors = jp.donors.len(), "the run has started: joining it");
+    let fetched = fetch_model(&worker.net, &worker.run, &worker.plan, &jp.donors, deadline)
+        .await
+        .context("joining mid-run: fetching the current model")?;
+    let version = fetched.versions.iter().copied().min().unwrap_or(0);
+    let params = Arc::new(fetched.params.clone());
+    worker.trainer.set_params(params.clone()).await?;
+    worker.snapshot.send_replace(ModelSnapshot { version, params });
+    routes.send_replace(Routes { aggregator: Some(aggregator.clone()), epoch: jp.epoch });
+    let donors = donor_count(&fetched.served_by);
+    worker.status.record(StatusEvent::Joined { step: jp.step, donors });
+    worker.status.record(StatusEvent::Version(version));
+    // Taking the run's epoch as ours is what tells every peer we are ready.
+    worker.membership.set_self(|s| {
+        s.frozen_epoch = Some(jp.epoch);
+        s.role = Role::Worker;
+        s.step = jp.step;
+        s.model_version = version;
+        s.announce += 1;
+    });
+    info!(%name, step = jp.step, version, donors, shards = worker.plan.len(), "model fetched; contributing from now on");
+    let routing =
+        Routing { roster: jp.roster.clone(), partition: None, start_step: jp.step, versions: fetched.versions };
+    Ok((jp.roster, routing, fetched.params))
+}
+
+/// Leave cleanly: announce `Leaving` (owners stop waiting for this node and
+/// every election, this node's included, moves its shards away), then wait
+/// until every shard it owned has been handed over and acknowledged.
+async fn leave_run(
+    config: &NodeConfig,
+    worker: &Worker,
+    aggregator: &AggregatorHandle,
+    election: &ElectionHandle,
+    step: u64,
+    name: &str,
+) {
+    let owned = election.current().map(|p| p.owned_by(&worker.me)).unwrap_or_default();
+    info!(%name, step, owned = ?owned, "leaving cleanly: handing off shards");
+    worker.status.record(StatusEvent::Role { role: RoleView::Leaving, owned });
+    worker.membership.set_self(|s| {
+        s.leaving = true;
+        s.step = step;
+        s.announce += 1;
+    });
+    // A transfer is retried within handoff_timeout; allow the election a
+    // few heartbeats on top to move the shards in the first place.
+    let c = &config.cluster;
+    let limit = Duration::from_millis(c.handoff_timeout_ms * 2 + c.heartbeat_ms * 4);
+    let mut held = aggregator.held();
+    let drained = matches!(tokio::time::timeout(limit, held.wait_for(|h| h.is_empty())).await, Ok(Ok(_)));
+    match drained {
+        true => info!(%name, "every shard handed off"),
+        false => {
+            let h = *held.borrow();
+            warn!(%name, shards = h.shards, transfers = h.transfers,
+                  "left before every shard was handed off (no other node may own them, or transfers failed)");
+        }
+    }
+    worker.status.record(StatusEvent::Left { step });
+}
+
+/// Wait (on view changes, not a timer) until the roster is agreed, or
+/// until it is clear that the run started without this node.
+async fn wait_for_start(
     membership: &MembershipHandle,
     min_peers: usize,
     timeout: Duration,
     run: &str,
-) -> anyhow::Result<Roster> {
+    failure_timeout_ms: u64,
+    heartbeat: Duration,
+) -> anyhow::Result<Start> {
     let mut rx = membership.subscribe();
     let deadline = Instant::now() + timeout;
     loop {
         let snap = rx.borrow_and_update().clone();
         if let RosterStatus::Agreed(r) = snap.roster {
-            return Ok(r);
+            return Ok(Start::Roster(r));
+        }
+        if join_point(&snap.view, snap.now_ms, failure_timeout_ms).is_some() {
+            // The run started without us. Every peer heartbeats once per
+            // period: gather heartbeats for two periods so that the whole
+            // run, not the first peer heard, is known and donates.
+            let gather = Instant::now() + heartbeat * 2;
+            while tokio::time::timeout_at(gather, rx.changed()).await.is_ok_and(|r| r.is_ok()) {}
+            let snap = rx.borrow_and_update().clone();
+            if let Some(jp) = join_point(&snap.view, snap.now_ms, failure_timeout_ms) {
+                return Ok(Start::Join(jp));
+            }
+            continue;
         }
         match tokio::time::timeout_at(deadline, rx.changed()).await {
             Ok(Ok(())) => {}
@@ -393,7 +561,7 @@ async fn linger(membership: &MembershipHandle, me: PeerId, steps: u64, failure_t
             snap.view
                 .live(snap.now_ms, failure_timeout_ms)
                 .iter()
-                .filter(|p| p.heartbeat.peer != me)
+                .filter(|p| p.heartbeat.peer != me && p.heartbeat.role != Role::Joining)
                 .all(|p| p.heartbeat.step >= steps || p.heartbeat.role == Role::Leaving)
         };
         if done {

@@ -2,9 +2,11 @@
 //! and tests. Updates are fire-and-forget (`try_send`): a full channel drops
 //! an update rather than slowing a training step.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use serde::Serialize;
+use shoal_protocol::libp2p::PeerId;
 use tokio::sync::{mpsc, oneshot};
 
 /// A node's role as shown to people.
@@ -15,6 +17,10 @@ pub enum RoleView {
     Starting,
     Worker,
     Aggregator,
+    /// Fetching the current model from peers before contributing.
+    Joining,
+    /// Handing its shards off before it stops.
+    Leaving,
     Done,
 }
 
@@ -60,6 +66,14 @@ pub struct StatusSnapshot {
     /// Largest drop of a shard's version seen by this worker (an owner
     /// restored from an older replica).
     pub max_version_regression: u64,
+    /// Pushes this node's shards accepted, per worker (peer id).
+    pub pushes_accepted: BTreeMap<String, u64>,
+    /// Joined mid-run: the step it started at and how many peers it fetched
+    /// the model from.
+    pub joined_at_step: Option<u64>,
+    pub join_donors: usize,
+    /// Left cleanly after this step.
+    pub left_at_step: Option<u64>,
 }
 
 /// One role change of a node.
@@ -88,6 +102,9 @@ pub enum StatusEvent {
     HandoffIn,
     Restored { from_replica: bool },
     VersionRegression(u64),
+    PushAccepted(PeerId),
+    Joined { step: u64, donors: usize },
+    Left { step: u64 },
 }
 
 enum StatusCommand {
@@ -164,6 +181,13 @@ impl StatusActor {
             StatusEvent::Restored { from_replica: true } => s.restored_from_replica += 1,
             StatusEvent::Restored { from_replica: false } => s.restored_from_worker_copy += 1,
             StatusEvent::VersionRegression(v) => s.max_version_regression = s.max_version_regression.max(v),
+            StatusEvent::PushAccepted(w) => *s.pushes_accepted.entry(w.to_string()).or_default() += 1,
+            StatusEvent::Joined { step, donors } => {
+                s.joined_at_step = Some(step);
+                s.join_donors = donors;
+                s.step = step;
+            }
+            StatusEvent::Left { step } => s.left_at_step = Some(step),
             StatusEvent::Step { step, samples, loss, compute_secs, comm_secs } => {
                 let started = *self.started.get_or_insert_with(Instant::now);
                 s.step = step;

@@ -98,12 +98,34 @@ pub struct Worker {
     pub placement: watch::Receiver<Option<Arc<Placement>>>,
     /// Service times of the owners this worker pushes to.
     pub service: std::sync::Mutex<ServiceTracker>,
+    /// Set when the node is asked to leave: the worker stops after the step in hand.
+    pub leave: watch::Receiver<bool>,
 }
 
-/// The roster training started with: it fixes each worker's data partition.
+/// Where this worker starts and which data it trains on.
 #[derive(Debug)]
 pub struct Routing {
+    /// The roster training started with (a joiner: the run's live nodes
+    /// when it joined). Gossip partners come from it.
     pub roster: Roster,
+    /// This node's slice of the training set: `rank` of `world` in the
+    /// start roster. `None` for a node that joined mid-run: it has no slice
+    /// of its own and samples the whole set with a shuffle of its own.
+    pub partition: Option<(usize, usize)>,
+    /// First step to run (0, or the step the run had reached at a join).
+    pub start_step: u64,
+    /// Version of each shard of the initial parameters.
+    pub versions: Vec<u64>,
+}
+
+/// How a worker's run ended.
+#[derive(Debug)]
+pub struct Ran {
+    pub params: Vec<f32>,
+    /// Steps run up to (`total_steps`, or less when it left early).
+    pub steps: u64,
+    /// Stopped early because the node was asked to leave.
+    pub left: bool,
 }
 
 /// Wait for the placement to change, at most `backoff` (which then grows):
@@ -129,18 +151,30 @@ impl Worker {
     }
 
     /// Run all steps. Returns the final flat parameters.
-    pub async fn run(&self, routing: &Routing, mut params: Vec<f32>) -> anyhow::Result<Vec<f32>> {
+    pub async fn run(&self, routing: &Routing, mut params: Vec<f32>) -> anyhow::Result<Ran> {
         let t = &self.config.training;
-        let rank = routing.roster.rank_of(&self.me).context("this node is not in its own roster")?;
-        let world = routing.roster.members.len();
-        let mut batches = WorkerBatches::new(self.train_len, rank, world, t.batch_size, t.seed)?;
-        let mut versions = vec![0u64; self.plan.len()];
+        let mut batches = match routing.partition {
+            Some((rank, world)) => WorkerBatches::new(self.train_len, rank, world, t.batch_size, t.seed)?,
+            None => {
+                let seed = t.seed ^ shoal_models::rng::stable_hash64(&self.me.to_bytes());
+                WorkerBatches::new(self.train_len, 0, 1, t.batch_size, seed)?
+            }
+        };
+        let mut versions = routing.versions.clone();
+        if versions.len() != self.plan.len() {
+            bail!("{} shard versions for {} shards", versions.len(), self.plan.len());
+        }
         let mut local_opt = match self.config.cluster.mode {
             Mode::Gossip => Some(Optimizer::new(t.optimizer_config(), params.len())?),
             Mode::Pull => None,
         };
-        info!(rank, world, steps = t.steps, mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
-        for step in 0..t.steps {
+        info!(partition = ?routing.partition, from = routing.start_step, steps = t.steps,
+              mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
+        for step in routing.start_step..t.steps {
+            if *self.leave.borrow() {
+                info!(step, "leaving: no further steps");
+                return Ok(Ran { params, steps: step, left: true });
+            }
             let indices = batches.for_step(step)?;
             let started = Instant::now();
             let g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
@@ -188,7 +222,7 @@ impl Worker {
                 debug!(step = step + 1, accuracy = e.accuracy, "evaluated");
             }
         }
-        Ok(params)
+        Ok(Ran { params, steps: t.steps, left: false })
     }
 
     /// Exchange every shard (push the gradient, pull the new version)

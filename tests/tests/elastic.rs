@@ -139,3 +139,125 @@ async fn killed_aggregator_shards_are_rehomed_from_replicas_within_the_loss_boun
     assert_eq!(owned, (0..spec.base.cluster.shards).collect::<Vec<_>>(), "every shard re-homed once");
     Ok(())
 }
+
+/// Sum, over every node's shards, of the pushes they accepted from `peer`.
+fn pushes_from(reports: &[NodeReport], peer: &shoal_protocol::libp2p::PeerId) -> anyhow::Result<u64> {
+    let id = peer.to_string();
+    let mut n = 0;
+    for r in reports {
+        n += status(r)?.pushes_accepted.get(&id).copied().unwrap_or(0);
+    }
+    Ok(n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joins_mid_run_fetches_the_model_from_several_peers_and_its_gradients_count() -> anyhow::Result<()> {
+    let mut base = elastic_config("elastic-join");
+    // Only the join moves shards here (see the kill test).
+    base.cluster.elastic = false;
+    let shards = base.cluster.shards as u64;
+    let spec = ClusterSpec::new(4, base);
+    let mut cluster = Cluster::start(&spec).await?;
+    let mut progress = cluster.nodes[0].progress.clone();
+    tokio::time::timeout(Duration::from_secs(300), progress.wait_for(|s| s.step >= 60))
+        .await
+        .map_err(|_| anyhow::anyhow!("node0 never reached step 60"))??;
+    let joiner = cluster.add(&spec, 4).await?;
+    let joiner_id = cluster.nodes[joiner].peer_id;
+    let reports = wait_all(cluster).await?;
+    let j = reports.iter().find(|r| r.peer_id == joiner_id).ok_or_else(|| anyhow::anyhow!("no joiner report"))?;
+    let js = status(j)?;
+    let at = js.joined_at_step.ok_or_else(|| anyhow::anyhow!("the joiner did not record a join"))?;
+    let trained = STEPS - at;
+    let counted = pushes_from(&reports, &joiner_id)?;
+    eprintln!(
+        "joiner {}: joined at step {at} from {} donors, trained {trained} steps, {counted} pushes accepted, \
+         owns {:?}, handoffs in {}, accuracy {:.2}%",
+        j.name,
+        js.join_donors,
+        j.owned_shards,
+        js.handoffs_in,
+        j.accuracy * 100.0
+    );
+    assert!((60..STEPS).contains(&at), "joined at step {at}");
+    assert_eq!(j.steps, STEPS, "the joiner trains to the end");
+    assert!(js.join_donors >= 2, "the model came from {} donor(s); it must be spread", js.join_donors);
+    // Its gradients were taken by the owners: one push per shard per step,
+    // less the few refused while the owners had not yet seen it ready.
+    assert!(counted >= shards * trained * 8 / 10, "{counted} pushes counted for {trained} steps x {shards} shards");
+    assert!(js.handoffs_in >= j.owned_shards.len() as u64, "the joiner's shards came by handoff");
+    for r in &reports {
+        let s = status(r)?;
+        eprintln!(
+            "{}: accuracy {:.2}%, owns {:?}, versions {:?}",
+            r.name,
+            r.accuracy * 100.0,
+            r.owned_shards,
+            r.shard_stats.iter().map(|s| s.version).collect::<Vec<_>>()
+        );
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
+        assert_eq!(s.restored_from_worker_copy, 0, "{}: a shard lost its optimizer state", r.name);
+        assert_eq!(s.max_version_regression, 0, "{}: version went back", r.name);
+    }
+    let mut owned: Vec<u32> = reports.iter().flat_map(|r| r.owned_shards.clone()).collect();
+    owned.sort_unstable();
+    assert_eq!(owned, (0..shards as u32).collect::<Vec<_>>(), "every shard owned once");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_leaves_cleanly_hands_off_its_shards_and_loses_nothing() -> anyhow::Result<()> {
+    let mut base = elastic_config("elastic-leave");
+    base.cluster.elastic = false;
+    let shards = base.cluster.shards;
+    let spec = ClusterSpec::new(4, base);
+    let cluster = Cluster::start(&spec).await?;
+    let leaver = 3;
+    let leaver_id = cluster.nodes[leaver].peer_id;
+    let mut progress = cluster.nodes[leaver].progress.clone();
+    tokio::time::timeout(Duration::from_secs(300), progress.wait_for(|s| s.step >= 60))
+        .await
+        .map_err(|_| anyhow::anyhow!("node3 never reached step 60"))??;
+    let owned_at_leave = cluster.nodes[leaver].placement.current().map(|p| p.owned_by(&leaver_id)).unwrap_or_default();
+    cluster.nodes[leaver].leave();
+    let reports = wait_all(cluster).await?;
+    let l = reports.iter().find(|r| r.peer_id == leaver_id).ok_or_else(|| anyhow::anyhow!("no leaver report"))?;
+    let ls = status(l)?;
+    eprintln!(
+        "leaver {}: left at step {:?} owning {owned_at_leave:?}; handoffs out {}, owns {:?} at the end, {} pushes counted",
+        l.name,
+        ls.left_at_step,
+        ls.handoffs_out,
+        l.owned_shards,
+        pushes_from(&reports, &leaver_id)?
+    );
+    assert!(l.left && l.steps >= 60 && l.steps < STEPS, "left {} at step {}", l.left, l.steps);
+    assert_eq!(ls.left_at_step, Some(l.steps));
+    assert!(!owned_at_leave.is_empty(), "the leaver owned no shard");
+    assert!(l.shard_stats.is_empty(), "the leaver still serves {:?}", l.shard_stats);
+    assert!(ls.handoffs_out >= owned_at_leave.len() as u64, "handed off {} of {owned_at_leave:?}", ls.handoffs_out);
+    let mut handed_in = 0;
+    for r in reports.iter().filter(|r| r.peer_id != leaver_id) {
+        let s = status(r)?;
+        eprintln!(
+            "{}: accuracy {:.2}%, owns {:?}, handoffs in {}, versions {:?}",
+            r.name,
+            r.accuracy * 100.0,
+            r.owned_shards,
+            s.handoffs_in,
+            r.shard_stats.iter().map(|s| s.version).collect::<Vec<_>>()
+        );
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
+        assert_eq!(r.steps, STEPS);
+        // Lost nothing: every moved shard came with its optimizer state and version.
+        assert_eq!(s.restored_from_replica, 0, "{}: restored from a replica", r.name);
+        assert_eq!(s.restored_from_worker_copy, 0, "{}: restored from a worker copy", r.name);
+        assert_eq!(s.max_version_regression, 0, "{}: version went back", r.name);
+        handed_in += s.handoffs_in;
+    }
+    assert!(handed_in >= owned_at_leave.len() as u64, "{handed_in} transfers received for {owned_at_leave:?}");
+    let mut owned: Vec<u32> = reports.iter().flat_map(|r| r.owned_shards.clone()).collect();
+    owned.sort_unstable();
+    assert_eq!(owned, (0..shards).collect::<Vec<_>>(), "every shard owned once, none by the leaver");
+    Ok(())
+}

@@ -75,14 +75,61 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         for a in &node.listen {
             println!("listening on {a}");
         }
-        let report = node.task.await??;
-        println!(
-            "{}: finished {} steps, test accuracy {:.2}%, owned shards {:?}",
-            report.name,
-            report.steps,
-            report.accuracy * 100.0,
-            report.owned_shards
-        );
+        let leave = node.leave_switch();
+        let mut task = node.task;
+        let report = tokio::select! {
+            r = &mut task => r??,
+            _ = shutdown_signal() => {
+                println!("leaving cleanly: finishing the current step and handing off shards (signal again to stop at once)");
+                leave.leave();
+                tokio::select! {
+                    r = &mut task => r??,
+                    _ = shutdown_signal() => {
+                        task.abort();
+                        anyhow::bail!("stopped at once by a second signal; shards were not handed off");
+                    }
+                }
+            }
+        };
+        if report.left {
+            println!(
+                "{}: left after {} steps, test accuracy {:.2}%",
+                report.name,
+                report.steps,
+                report.accuracy * 100.0
+            );
+        } else {
+            println!(
+                "{}: finished {} steps, test accuracy {:.2}%, owned shards {:?}",
+                report.name,
+                report.steps,
+                report.accuracy * 100.0,
+                report.owned_shards
+            );
+        }
         Ok(())
     })
+}
+
+/// Ctrl-C, or SIGTERM on Unix (what `docker stop` and `kill` send).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
