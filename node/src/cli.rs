@@ -41,6 +41,38 @@ pub enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
+    /// Local testnets with scripted faults. See `docs/operations.md`.
+    Testnet {
+        #[command(subcommand)]
+        command: TestnetCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TestnetCommand {
+    /// Spawn `shoal node` processes on loopback, apply the scenario's
+    /// timeline, show a live table and write a report directory.
+    Run(TestnetRunArgs),
+    /// Check a scenario file and print its timeline.
+    Check {
+        /// The scenario (TOML).
+        scenario: PathBuf,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct TestnetRunArgs {
+    /// The scenario (TOML); see testnet/scenarios/.
+    pub scenario: PathBuf,
+    /// Report directory (default: testnet-reports/<scenario>-<unix time>).
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// The `shoal` binary the nodes run (default: this one).
+    #[arg(long)]
+    pub shoal_bin: Option<PathBuf>,
+    /// Print the table every 5 s instead of redrawing it in place.
+    #[arg(long)]
+    pub no_live: bool,
 }
 
 #[derive(Debug, Args)]
@@ -157,6 +189,16 @@ pub struct NodeArgs {
     /// Fault injection: answer pushes and pulls this many ms late.
     #[arg(long)]
     pub fault_delay_ms: Option<u64>,
+    /// Fault injection: stretch each gradient computation this many times.
+    #[arg(long)]
+    pub slowdown: Option<f64>,
+    /// Serve the status page, /status and /metrics on host:port, or `off`
+    /// (default 127.0.0.1:0: loopback, a free port).
+    #[arg(long)]
+    pub http: Option<String>,
+    /// Serve POST /control/... on the HTTP endpoint (testnets only).
+    #[arg(long)]
+    pub control: bool,
 }
 
 /// `shoal demo`.

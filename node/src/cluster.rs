@@ -2,9 +2,7 @@
 //! and its own libp2p `Swarm` on real loopback TCP sockets. `shoal demo`,
 //! the tests and the benchmarks all build clusters with this.
 //!
-//! (It lives in `shoal-node` rather than `shoal-testnet` because the `shoal`
-//! binary's `demo` command needs it and Cargo forbids the dependency cycle
-//! node -> testnet -> node; `shoal-testnet` re-exports it.)
+//! (The multi-process and docker-compose testnets are in `shoal-testnet`.)
 
 use anyhow::Context;
 use shoal_protocol::libp2p::identity::Keypair;

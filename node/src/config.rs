@@ -190,6 +190,9 @@ pub struct ClusterConfig {
     /// Fault injection for tests and benchmarks: answer every push and pull
     /// this node serves as an owner this many ms late. Default 0.
     pub fault_delay_ms: u64,
+    /// Fault injection: stretch every gradient computation to this many
+    /// times its length (a slow machine). Default 1.0 (none).
+    pub slowdown: f64,
 }
 
 impl Default for ClusterConfig {
@@ -218,6 +221,7 @@ impl Default for ClusterConfig {
             replica_every: 4,
             handoff_timeout_ms: 5_000,
             fault_delay_ms: 0,
+            slowdown: 1.0,
         }
     }
 }
@@ -238,6 +242,39 @@ pub struct NodeConfig {
     /// Transports, limits, timeouts, discovery and admission (see `docs/protocol.md`).
     /// Its `run_id` is ignored: the top-level `run_id` is used.
     pub network: ProtocolConfig,
+    /// The status page, `/status`, `/metrics` and the control endpoint.
+    pub http: HttpConfig,
+}
+
+/// The node's HTTP endpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    /// `host:port` to serve on, or `off`. Default `127.0.0.1:0` (loopback,
+    /// a free port; the address is printed at start).
+    pub listen: String,
+    /// Serve `POST /control/...` (fault injection, connection blocks, leave).
+    /// For testnets only: anyone who can reach the port can use it. Default false.
+    pub control: bool,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self { listen: "127.0.0.1:0".into(), control: false }
+    }
+}
+
+impl HttpConfig {
+    /// The address to bind, `None` when turned off.
+    pub fn addr(&self) -> anyhow::Result<Option<std::net::SocketAddr>> {
+        let l = self.listen.trim();
+        if l.eq_ignore_ascii_case("off") || l.is_empty() {
+            return Ok(None);
+        }
+        l.parse()
+            .map(Some)
+            .map_err(|_| anyhow::anyhow!("http.listen `{l}` is not host:port (for example 127.0.0.1:9464) or `off`"))
+    }
 }
 
 impl Default for NodeConfig {
@@ -249,6 +286,7 @@ impl Default for NodeConfig {
             training: TrainingConfig::default(),
             cluster: ClusterConfig::default(),
             network: ProtocolConfig::default(),
+            http: HttpConfig::default(),
         }
     }
 }
@@ -323,6 +361,8 @@ impl NodeConfig {
         if c.handoff_timeout_ms == 0 {
             bail!("cluster.handoff_timeout_ms must be positive");
         }
+        crate::faults::Faults::new(c.fault_delay_ms, c.slowdown).map_err(|e| anyhow::anyhow!("cluster.{e}"))?;
+        self.http.addr()?;
         if c.channel_capacity == 0 {
             bail!("cluster.channel_capacity must be at least 1");
         }

@@ -4,12 +4,16 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use shoal_node::cli::{BenchCommand, Cli, Command, DataCommand};
+use shoal_node::cli::{BenchCommand, Cli, Command, DataCommand, TestnetCommand};
 use shoal_node::{cmd, logging};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let default_level = if matches!(cli.command, Command::Demo(_) | Command::Bench { .. }) { "warn" } else { "info" };
+    let default_level = if matches!(cli.command, Command::Demo(_) | Command::Bench { .. } | Command::Testnet { .. }) {
+        "warn"
+    } else {
+        "info"
+    };
     if let Err(e) = logging::init(cli.log_format, default_level) {
         eprintln!("error: cannot start logging: {e:#}");
         return ExitCode::from(2);
@@ -23,6 +27,8 @@ fn main() -> ExitCode {
         Command::Bench { command: BenchCommand::Wire(args) } => cmd::bench::wire(args),
         Command::Bench { command: BenchCommand::Cluster(args) } => cmd::bench::cluster(args),
         Command::Bench { command: BenchCommand::Straggler(args) } => cmd::bench::straggler(args),
+        Command::Testnet { command: TestnetCommand::Run(args) } => cmd::testnet::run(args),
+        Command::Testnet { command: TestnetCommand::Check { scenario } } => cmd::testnet::check(&scenario),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -103,7 +103,7 @@ pub struct NetworkParts {
     pub optimizer: OptimizerConfig,
     /// Fault injection: answer every push and pull this node serves as an
     /// owner this much later (`cluster.fault_delay_ms`). Zero in production.
-    pub fault_delay: Duration,
+    pub faults: std::sync::Arc<crate::faults::Faults>,
 }
 
 /// Callers waiting for a dial to a peer: the address tried and the reply.
@@ -392,7 +392,7 @@ impl NetworkActor {
                     Err(e) => return self.respond_now(channel, ShardResponse::error(&e)),
                 };
                 let shard = p.shard;
-                let delay = self.parts.fault_delay;
+                let delay = self.parts.faults.serve_delay();
                 match agg.try_push(peer, shard, p.base_version, p.samples, grad) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
@@ -428,7 +428,7 @@ impl NetworkActor {
                 let shard = p.shard;
                 let wait = Duration::from_millis(p.max_wait_ms as u64);
                 let epoch = routes.epoch;
-                let delay = self.parts.fault_delay;
+                let delay = self.parts.faults.serve_delay();
                 match agg.try_pull(peer, shard, p.min_version, wait) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {

@@ -18,6 +18,7 @@ use tracing::{info, warn};
 use crate::aggregator::{AggregatorConfig, AggregatorHandle, ShardStats};
 use crate::config::{Mode, NodeConfig};
 use crate::elect::{ElectPolicy, ElectionConfig, ElectionHandle, Placement};
+use crate::faults::Faults;
 use crate::health::{HealthPolicy, ServiceTracker};
 use crate::join::{donor_count, fetch_model, join_point, JoinPoint};
 use crate::membership::{MembershipConfig, MembershipHandle, Roster, RosterStatus};
@@ -57,6 +58,8 @@ pub struct RunningNode {
     /// The shard placement this node currently follows.
     pub placement: ElectionHandle,
     pub task: JoinHandle<anyhow::Result<NodeReport>>,
+    /// Where the HTTP endpoint listens (`None`: turned off).
+    pub http: Option<std::net::SocketAddr>,
     leave: LeaveSwitch,
 }
 
@@ -160,6 +163,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let swarm = build_swarm(&proto, keypair)?;
     let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
         .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
+    let faults = Arc::new(Faults::new(c.fault_delay_ms, c.slowdown).map_err(|e| anyhow::anyhow!("cluster.{e}"))?);
     let (hb_tx, hb_rx) = mpsc::channel(c.channel_capacity);
     let (routes_tx, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
     let (snap_tx, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(initial.clone()) });
@@ -174,11 +178,11 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             snapshot: snap_rx,
             capacity: c.channel_capacity,
             optimizer: t.optimizer_config(),
-            fault_delay: Duration::from_millis(c.fault_delay_ms),
+            faults: faults.clone(),
         },
     );
-    if c.fault_delay_ms > 0 {
-        warn!(delay_ms = c.fault_delay_ms, "fault injection: pushes and pulls served here are delayed");
+    if c.fault_delay_ms > 0 || c.slowdown > 1.0 {
+        warn!(serve_delay_ms = c.fault_delay_ms, slowdown = c.slowdown, "fault injection is on");
     }
     let status = StatusHandle::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
     let incarnation =
@@ -261,6 +265,27 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         placement: election.subscribe(),
         service: std::sync::Mutex::new(ServiceTracker::default()),
         leave: leave_rx,
+        faults: faults.clone(),
+    };
+    let leave = LeaveSwitch(Arc::new(leave_tx));
+    let http = match config.http.addr()? {
+        None => None,
+        Some(addr) => Some(
+            crate::http::serve(
+                addr,
+                crate::http::HttpState {
+                    status: status.clone(),
+                    membership: membership.clone(),
+                    net: net.clone(),
+                    faults: faults.clone(),
+                    leave: leave.clone(),
+                    listen: listen.clone(),
+                    control: config.http.control,
+                    failure_timeout_ms: c.failure_timeout_ms,
+                },
+            )
+            .await?,
+        ),
     };
     let progress = membership.subscribe_self();
     let placement_view = election.clone();
@@ -275,17 +300,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         report.status = status_for_task.snapshot().await;
         Ok(report)
     });
-    Ok(RunningNode {
-        peer_id: me,
-        name,
-        listen,
-        net,
-        status,
-        progress,
-        placement: placement_view,
-        task,
-        leave: LeaveSwitch(Arc::new(leave_tx)),
-    })
+    Ok(RunningNode { peer_id: me, name, listen, net, status, progress, placement: placement_view, task, leave, http })
 }
 
 async fn drive(

@@ -100,6 +100,8 @@ pub struct Worker {
     pub service: std::sync::Mutex<ServiceTracker>,
     /// Set when the node is asked to leave: the worker stops after the step in hand.
     pub leave: watch::Receiver<bool>,
+    /// Fault injection (a slowdown stretches each gradient computation).
+    pub faults: Arc<crate::faults::Faults>,
 }
 
 /// Where this worker starts and which data it trains on.
@@ -178,6 +180,11 @@ impl Worker {
             let indices = batches.for_step(step)?;
             let started = Instant::now();
             let g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
+            let extra = self.faults.extra_compute(started.elapsed());
+            if !extra.is_zero() {
+                // Fault injection: this node plays a slower machine.
+                tokio::time::sleep(extra).await;
+            }
             let compute = started.elapsed().as_secs_f64();
             let comm_started = Instant::now();
             let version = match local_opt.as_mut() {

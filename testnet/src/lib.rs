@@ -1,11 +1,22 @@
-//! `shoal-testnet`: harnesses for Shoal clusters.
+//! `shoal-testnet`: local testnets for trying Shoal and testing it under faults.
 //!
-//! Today: the in-process cluster builder (defined in `shoal-node`, because
-//! the `shoal demo` command needs it and Cargo forbids the cycle
-//! node -> testnet -> node) and the example node config
-//! (`testnet/node.example.toml`). The multi-process launcher and the
-//! docker-compose testnet are the testnet issue's work.
+//! - [`scenario`]: the TOML scenario format (nodes, per-node overrides, a
+//!   timeline of faults), validated with errors that point at the line;
+//! - [`process`]: the process backend behind `shoal testnet run`: it spawns
+//!   `shoal node` processes on loopback, applies the timeline through each
+//!   node's HTTP control endpoint and real process kills, shows a live table
+//!   and writes a report;
+//! - [`report`]: `summary.json` and the accuracy/loss plot.
+//!
+//! The docker-compose backend lives in `testnet/docker-compose.yml` and
+//! `testnet/docker/`. This crate talks to nodes only over HTTP and the
+//! command line, so it does not depend on `shoal-node` (the `shoal` binary
+//! depends on it instead).
 
-pub use shoal_node::cluster::{Cluster, ClusterSpec, NodeOverride};
-pub use shoal_node::config::NodeConfig;
-pub use shoal_node::node::NodeReport;
+pub mod http;
+pub mod process;
+pub mod report;
+pub mod scenario;
+
+pub use process::{run, RunOptions};
+pub use scenario::{Action, Event, Scenario, ScenarioError};

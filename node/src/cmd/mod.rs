@@ -4,4 +4,5 @@ pub mod bench;
 pub mod data;
 pub mod demo;
 pub mod node;
+pub mod testnet;
 pub mod train;

@@ -60,6 +60,11 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     set!(k.replicas, args.replicas);
     set!(k.replica_every, args.replica_every);
     set!(k.fault_delay_ms, args.fault_delay_ms);
+    set!(k.slowdown, args.slowdown);
+    set!(c.http.listen, args.http);
+    if args.control {
+        c.http.control = true;
+    }
     c.validate()?;
     Ok(c)
 }
@@ -74,6 +79,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         println!("peer id {}", node.peer_id);
         for a in &node.listen {
             println!("listening on {a}");
+        }
+        if let Some(h) = node.http {
+            println!("status on http://{h}/");
         }
         let leave = node.leave_switch();
         let mut task = node.task;

@@ -1,0 +1,28 @@
+//! `shoal testnet`: run and check testnet scenarios (see `shoal-testnet`).
+
+use std::path::Path;
+
+use shoal_testnet::{RunOptions, Scenario};
+
+use crate::cli::TestnetRunArgs;
+
+pub fn run(args: TestnetRunArgs) -> anyhow::Result<()> {
+    let shoal_bin = match args.shoal_bin {
+        Some(b) => b,
+        None => std::env::current_exe()?,
+    };
+    let report_dir = args.report.unwrap_or_else(|| shoal_testnet::process::default_report_dir(&args.scenario));
+    let opts = RunOptions { scenario: args.scenario, report_dir, shoal_bin, live: args.no_live.then_some(false) };
+    shoal_testnet::run(&opts)?;
+    Ok(())
+}
+
+#[allow(clippy::print_stdout)] // The command's own output.
+pub fn check(path: &Path) -> anyhow::Result<()> {
+    let s = Scenario::from_file(path)?;
+    println!("{}: {} nodes, run `{}`, time limit {} s", path.display(), s.nodes, s.run_id, s.time_limit.as_secs());
+    for e in &s.events {
+        println!("  at {:>6.1} s (line {}): {}", e.at_secs, e.line, e.action);
+    }
+    Ok(())
+}

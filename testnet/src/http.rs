@@ -1,0 +1,54 @@
+//! A minimal blocking HTTP/1.1 client for talking to nodes on loopback
+//! (`/status`, `/control/...`); every call is bounded by a timeout.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+/// Send `method path` to `addr`; returns the status code and the body.
+pub fn request(addr: SocketAddr, method: &str, path: &str, timeout: Duration) -> anyhow::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, timeout).with_context(|| format!("connecting to {addr}"))?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).with_context(|| format!("reading the answer from {addr}"))?;
+    let text = String::from_utf8_lossy(&buf);
+    let Some((head, body)) = text.split_once("\r\n\r\n") else { bail!("{addr} sent no HTTP head") };
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("{addr} sent a bad status line"))?;
+    Ok((code, body.to_string()))
+}
+
+/// GET a JSON document.
+pub fn get_json(addr: SocketAddr, path: &str, timeout: Duration) -> anyhow::Result<serde_json::Value> {
+    let (code, body) = request(addr, "GET", path, timeout)?;
+    if code != 200 {
+        bail!("GET {path} on {addr}: {code} {}", body.trim());
+    }
+    serde_json::from_str(&body).with_context(|| format!("GET {path} on {addr}: not JSON"))
+}
+
+/// POST a control command; any answer but 200 is an error with the node's message.
+pub fn post(addr: SocketAddr, path: &str, timeout: Duration) -> anyhow::Result<String> {
+    let (code, body) = request(addr, "POST", path, timeout)?;
+    if code != 200 {
+        bail!("POST {path} on {addr}: {code} {}", body.trim());
+    }
+    Ok(body.trim().to_string())
+}
+
+/// Percent-encode a query value.
+pub fn encode(v: &str) -> String {
+    v.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

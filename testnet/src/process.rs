@@ -1,0 +1,599 @@
+//! The process backend: `shoal testnet run scenario.toml`.
+//!
+//! Node `i` is a `shoal node` process named `node{i}` with its own config
+//! file, identity file and log file in the report directory, listening on
+//! loopback (libp2p on a free TCP port, HTTP with the control endpoint on
+//! another). Node 0 starts first; the others bootstrap from it (added and
+//! restarted nodes from any live node). Each node's data partition is its
+//! rank in the roster.
+//!
+//! The timeline starts when every initial node has trained its first step.
+//! Faults are applied through the nodes' control endpoints (slowdowns,
+//! connection blocks for partitions, clean leave) and real process kills.
+//! Every 500 ms the launcher reads each node's `/status`, redraws the live
+//! table, and records the samples the report is made of. It stops when
+//! every node process has exited, or kills them all at the scenario's time
+//! limit.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::http;
+use crate::report::{FaultRecord, NodeOutcome, RoleRecord, Sample, Summary};
+use crate::scenario::{Action, Scenario};
+
+/// How to run a scenario.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub scenario: PathBuf,
+    /// Where logs, configs and the report go (created).
+    pub report_dir: PathBuf,
+    /// The `shoal` binary to start nodes with.
+    pub shoal_bin: PathBuf,
+    /// Redraw the live table in place (a terminal) or print it every few seconds.
+    pub live: Option<bool>,
+}
+
+/// What a node's stdout told us.
+enum Line {
+    PeerId(String),
+    Listen(String),
+    Http(SocketAddr),
+    Finished { accuracy: f64, steps: u64, left: bool },
+}
+
+/// Parse one line of `shoal node` stdout.
+fn parse_line(line: &str) -> Option<Line> {
+    if let Some(id) = line.strip_prefix("peer id ") {
+        return Some(Line::PeerId(id.trim().to_string()));
+    }
+    if let Some(a) = line.strip_prefix("listening on ") {
+        return Some(Line::Listen(a.trim().to_string()));
+    }
+    if let Some(h) = line.strip_prefix("status on http://") {
+        return h.trim().trim_end_matches('/').parse().ok().map(Line::Http);
+    }
+    // "node1: finished 300 steps, test accuracy 96.38%, owned shards [..]"
+    // "node1: left after 60 steps, test accuracy 95.00%"
+    let left = line.contains(": left after ");
+    if line.contains(": finished ") || left {
+        let steps = line.split_whitespace().find_map(|w| w.parse::<u64>().ok())?;
+        let acc = line.split("test accuracy ").nth(1)?.split('%').next()?.trim().parse::<f64>().ok()?;
+        return Some(Line::Finished { accuracy: acc / 100.0, steps, left });
+    }
+    None
+}
+
+struct NodeProc {
+    index: usize,
+    name: String,
+    child: Option<Child>,
+    lines: Option<mpsc::Receiver<Line>>,
+    peer_id: Option<String>,
+    listen: Option<String>,
+    http: Option<SocketAddr>,
+    killed: bool,
+    exit: Option<String>,
+    finished: Option<(f64, u64, bool)>,
+    last: Option<serde_json::Value>,
+    last_role: Option<(String, Vec<u64>)>,
+}
+
+impl NodeProc {
+    fn alive(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// `/ip4/.../tcp/N/p2p/<id>`: what others bootstrap from.
+    fn p2p_addr(&self) -> Option<String> {
+        Some(format!("{}/p2p/{}", self.listen.as_ref()?, self.peer_id.as_ref()?))
+    }
+
+    fn drain_lines(&mut self) {
+        let Some(rx) = &self.lines else { return };
+        while let Ok(l) = rx.try_recv() {
+            match l {
+                Line::PeerId(p) => self.peer_id = Some(p),
+                Line::Listen(a) => {
+                    if self.listen.is_none() {
+                        self.listen = Some(a);
+                    }
+                }
+                Line::Http(h) => self.http = Some(h),
+                Line::Finished { accuracy, steps, left } => self.finished = Some((accuracy, steps, left)),
+            }
+        }
+    }
+}
+
+struct Launcher<'a> {
+    scenario: &'a Scenario,
+    opts: &'a RunOptions,
+    nodes: Vec<NodeProc>,
+    begun: Instant,
+}
+
+const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+const POLL: Duration = Duration::from_millis(500);
+
+impl Launcher<'_> {
+    fn secs(&self) -> f64 {
+        self.begun.elapsed().as_secs_f64()
+    }
+
+    /// Write node `i`'s config file from the scenario.
+    fn write_config(&self, i: usize) -> anyhow::Result<PathBuf> {
+        let mut cfg = self.scenario.node_config.clone();
+        cfg.insert("run_id".into(), self.scenario.run_id.clone().into());
+        let spec = self.scenario.node_spec(i);
+        let table = |cfg: &mut toml::Table, key: &str| -> anyhow::Result<toml::Table> {
+            match cfg.remove(key) {
+                None => Ok(toml::Table::new()),
+                Some(toml::Value::Table(t)) => Ok(t),
+                Some(_) => bail!("node_config.{key} must be a table"),
+            }
+        };
+        let mut training = table(&mut cfg, "training")?;
+        let mut cluster = table(&mut cfg, "cluster")?;
+        cluster.insert("min_peers".into(), (self.scenario.nodes as i64).into());
+        if let Some(b) = spec.batch_size {
+            training.insert("batch_size".into(), (b as i64).into());
+        }
+        if let Some(s) = spec.slowdown {
+            cluster.insert("slowdown".into(), s.into());
+        }
+        if let Some(a) = spec.can_aggregate {
+            cluster.insert("can_aggregate".into(), a.into());
+        }
+        if let Some(d) = spec.serve_delay_ms {
+            cluster.insert("fault_delay_ms".into(), (d as i64).into());
+        }
+        cfg.insert("training".into(), training.into());
+        cfg.insert("cluster".into(), cluster.into());
+        let dir = self.opts.report_dir.join("configs");
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join(format!("node{i}.toml"));
+        std::fs::write(&path, toml::to_string(&cfg)?).with_context(|| format!("writing {}", path.display()))?;
+        Ok(path)
+    }
+
+    /// Start node `i` (again, for a restart) and wait until it prints its
+    /// addresses.
+    fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
+        let config = self.write_config(i)?;
+        let bootstrap: Option<String> =
+            self.nodes.iter().filter(|n| n.alive() && n.index != i).find_map(|n| n.p2p_addr());
+        let logs = self.opts.report_dir.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        let keys = self.opts.report_dir.join("keys");
+        std::fs::create_dir_all(&keys)?;
+        let name = format!("node{i}");
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(logs.join(format!("{name}.log")))
+            .context("opening the node log")?;
+        let mut cmd = Command::new(&self.opts.shoal_bin);
+        cmd.arg("node")
+            .arg("--config")
+            .arg(&config)
+            .args(["--name", &name, "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--control"])
+            .arg("--no-mdns")
+            .arg("--identity")
+            .arg(keys.join(format!("{name}.key")));
+        if let Some(b) = &bootstrap {
+            cmd.args(["--bootstrap", b]);
+        }
+        cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(stderr));
+        let mut child =
+            cmd.spawn().with_context(|| format!("starting {} for {name}", self.opts.shoal_bin.display()))?;
+        let stdout = child.stdout.take().context("no stdout pipe")?;
+        let (tx, rx) = mpsc::channel();
+        let out_path = logs.join(format!("{name}.out"));
+        std::thread::spawn(move || {
+            let mut out = std::fs::OpenOptions::new().create(true).append(true).open(out_path).ok();
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(f) = out.as_mut() {
+                    let _ = writeln!(f, "{line}");
+                }
+                if let Some(l) = parse_line(&line) {
+                    if tx.send(l).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let proc = NodeProc {
+            index: i,
+            name: name.clone(),
+            child: Some(child),
+            lines: Some(rx),
+            peer_id: None,
+            listen: None,
+            http: None,
+            killed: false,
+            exit: None,
+            finished: None,
+            last: None,
+            last_role: None,
+        };
+        match self.nodes.iter().position(|n| n.index == i) {
+            Some(p) => self.nodes[p] = proc,
+            None => self.nodes.push(proc),
+        }
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let n = self.node_mut(i)?;
+            n.drain_lines();
+            if n.http.is_some() && n.p2p_addr().is_some() {
+                return Ok(());
+            }
+            if let Some(c) = n.child.as_mut() {
+                if let Some(status) = c.try_wait()? {
+                    bail!("{name} exited at start ({status}); see {}", logs.join(format!("{name}.log")).display());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("{name} did not print its addresses within {} s", START_TIMEOUT.as_secs());
+            }
+            // Waiting for a child process's output: nothing to wait on but time.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn node_mut(&mut self, i: usize) -> anyhow::Result<&mut NodeProc> {
+        self.nodes.iter_mut().find(|n| n.index == i).with_context(|| format!("no node{i}"))
+    }
+
+    fn node(&self, i: usize) -> anyhow::Result<&NodeProc> {
+        self.nodes.iter().find(|n| n.index == i).with_context(|| format!("no node{i}"))
+    }
+
+    fn control(&self, i: usize, path: &str) -> anyhow::Result<String> {
+        let addr = self.node(i)?.http.with_context(|| format!("node{i} has no HTTP endpoint"))?;
+        http::post(addr, path, HTTP_TIMEOUT)
+    }
+
+    /// Apply one action; returns a description of what was done.
+    fn apply(&mut self, action: &Action, heals: &mut Vec<(f64, Vec<Vec<usize>>)>) -> anyhow::Result<String> {
+        match action {
+            Action::Slow { node, serve_delay_ms, slowdown } => {
+                let mut q = Vec::new();
+                if let Some(d) = serve_delay_ms {
+                    q.push(format!("serve_delay_ms={d}"));
+                }
+                if let Some(s) = slowdown {
+                    q.push(format!("slowdown={s}"));
+                }
+                self.control(*node, &format!("/control/fault?{}", q.join("&")))
+            }
+            Action::Kill { node } => {
+                let n = self.node_mut(*node)?;
+                if let Some(mut c) = n.child.take() {
+                    c.kill().with_context(|| format!("killing node{node}"))?;
+                    let _ = c.wait();
+                }
+                n.killed = true;
+                n.exit = Some("killed".into());
+                Ok(format!("node{node} killed (SIGKILL)"))
+            }
+            Action::Restart { node } => {
+                self.spawn(*node)?;
+                Ok(format!("node{node} restarted"))
+            }
+            Action::Add => {
+                let i = self.nodes.iter().map(|n| n.index + 1).max().unwrap_or(0);
+                self.spawn(i)?;
+                Ok(format!("node{i} added"))
+            }
+            Action::Leave { node } => self.control(*node, "/control/leave"),
+            Action::Partition { groups, duration } => {
+                self.set_partition(groups, true)?;
+                heals.push((self.secs() + duration.as_secs_f64(), groups.clone()));
+                Ok(format!("partitioned {groups:?}"))
+            }
+        }
+    }
+
+    /// Block (or unblock and redial) every pair across groups, both ways.
+    fn set_partition(&self, groups: &[Vec<usize>], block: bool) -> anyhow::Result<()> {
+        for (gi, g) in groups.iter().enumerate() {
+            for (hi, h) in groups.iter().enumerate() {
+                if gi == hi {
+                    continue;
+                }
+                for &a in g {
+                    for &b in h {
+                        let (na, nb) = (self.node(a)?, self.node(b)?);
+                        if !na.alive() {
+                            continue;
+                        }
+                        let Some(peer) = nb.peer_id.clone() else { continue };
+                        let path = if block {
+                            format!("/control/block?peer={}", http::encode(&peer))
+                        } else {
+                            let addr = nb.p2p_addr().unwrap_or_default();
+                            format!("/control/unblock?peer={}&addr={}", http::encode(&peer), http::encode(&addr))
+                        };
+                        self.control(a, &path)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Read every live node's status; record samples and role changes.
+    fn poll(&mut self, t: f64, samples: &mut Vec<Sample>, roles: &mut Vec<RoleRecord>) {
+        for n in self.nodes.iter_mut() {
+            n.drain_lines();
+            if let Some(c) = n.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    n.exit = Some(if status.success() { "exited".into() } else { format!("failed: {status}") });
+                    n.child = None;
+                }
+            }
+            let (true, Some(addr)) = (n.alive(), n.http) else { continue };
+            let Ok(s) = http::get_json(addr, "/status", HTTP_TIMEOUT) else { continue };
+            let num = |k: &str| s.get(k).and_then(serde_json::Value::as_f64);
+            let role = s.get("role").and_then(|r| r.as_str()).unwrap_or("?").to_string();
+            let owned: Vec<u64> = s
+                .get("owned_shards")
+                .and_then(|o| o.as_array())
+                .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+                .unwrap_or_default();
+            samples.push(Sample {
+                secs: t,
+                node: n.name.clone(),
+                step: num("step").unwrap_or(0.0) as u64,
+                loss: num("last_loss"),
+                accuracy: num("last_accuracy"),
+                samples_per_sec: num("samples_per_sec").unwrap_or(0.0),
+            });
+            if n.last_role.as_ref() != Some(&(role.clone(), owned.clone())) {
+                roles.push(RoleRecord { secs: t, node: n.name.clone(), role: role.clone(), owned: owned.clone() });
+                n.last_role = Some((role, owned));
+            }
+            n.last = Some(s);
+        }
+    }
+
+    fn table(&self, t: f64) -> String {
+        let mut out = format!(
+            "shoal testnet `{}`: {:.0} s\n{:<7} {:<11} {:<14} {:>7} {:>9} {:>8} {:<6}\n",
+            self.scenario.name, t, "node", "role", "owned", "step", "samples/s", "acc", "alive"
+        );
+        for n in &self.nodes {
+            let s = n.last.as_ref();
+            let get = |k: &str| s.and_then(|s| s.get(k));
+            let owned = get("owned_shards")
+                .and_then(|o| o.as_array())
+                .map(|a| a.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(","))
+                .unwrap_or_default();
+            let acc = get("last_accuracy")
+                .and_then(serde_json::Value::as_f64)
+                .map_or("-".to_string(), |a| format!("{:.2}%", a * 100.0));
+            let alive = if n.alive() { "yes".to_string() } else { n.exit.clone().unwrap_or_else(|| "no".into()) };
+            out.push_str(&format!(
+                "{:<7} {:<11} {:<14} {:>7} {:>9.1} {:>8} {:<6}\n",
+                n.name,
+                get("role").and_then(|r| r.as_str()).unwrap_or("-"),
+                if owned.is_empty() { "-".into() } else { owned },
+                get("step").and_then(serde_json::Value::as_u64).unwrap_or(0),
+                get("samples_per_sec").and_then(serde_json::Value::as_f64).unwrap_or(0.0),
+                acc,
+                alive
+            ));
+        }
+        out
+    }
+
+    fn kill_all(&mut self) {
+        for n in self.nodes.iter_mut() {
+            if let Some(mut c) = n.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+                n.exit.get_or_insert_with(|| "killed at the time limit".into());
+            }
+        }
+    }
+}
+
+impl Drop for Launcher<'_> {
+    fn drop(&mut self) {
+        // Never leave node processes behind, whatever happened.
+        self.kill_all();
+    }
+}
+
+/// Run a scenario to the end and write the report. Returns the summary; an
+/// error if the testnet could not run or hit its time limit.
+#[allow(clippy::print_stdout)] // The launcher's own terminal output.
+pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
+    let scenario = Scenario::from_file(&opts.scenario)?;
+    std::fs::create_dir_all(&opts.report_dir)
+        .with_context(|| format!("creating the report directory {}", opts.report_dir.display()))?;
+    let live = opts.live.unwrap_or_else(|| std::io::stdout().is_terminal());
+    let mut l = Launcher { scenario: &scenario, opts, nodes: Vec::new(), begun: Instant::now() };
+    println!(
+        "testnet `{}`: {} nodes, {} events, logs in {}",
+        scenario.name,
+        scenario.nodes,
+        scenario.events.len(),
+        opts.report_dir.join("logs").display()
+    );
+    for i in 0..scenario.nodes {
+        l.spawn(i)?;
+        println!("started node{i}: {}", l.node(i)?.p2p_addr().unwrap_or_default());
+    }
+    let mut samples = Vec::new();
+    let mut roles = Vec::new();
+    let mut faults: Vec<FaultRecord> = Vec::new();
+    let mut heals: Vec<(f64, Vec<Vec<usize>>)> = Vec::new();
+    let mut next_event = 0;
+    let mut t0: Option<f64> = None;
+    let mut last_print = f64::NEG_INFINITY;
+    let mut timed_out = false;
+    loop {
+        let t = l.secs();
+        l.poll(t, &mut samples, &mut roles);
+        if t0.is_none() {
+            let started = (0..scenario.nodes).all(|i| {
+                l.node(i)
+                    .ok()
+                    .and_then(|n| n.last.as_ref())
+                    .and_then(|s| s.get("step"))
+                    .and_then(|s| s.as_u64())
+                    .unwrap_or(0)
+                    >= 1
+            });
+            if started {
+                t0 = Some(t);
+                println!("training started at {t:.1} s; the timeline starts now");
+            }
+        }
+        if let Some(t0) = t0 {
+            while let Some(ev) = scenario.events.get(next_event) {
+                if t - t0 < ev.at_secs {
+                    break;
+                }
+                next_event += 1;
+                let outcome = l.apply(&ev.action, &mut heals);
+                let what = match &outcome {
+                    Ok(m) => m.clone(),
+                    Err(e) => format!("failed: {e:#}"),
+                };
+                println!("[{:>6.1} s] {} (line {}): {what}", t - t0, ev.action, ev.line);
+                faults.push(FaultRecord {
+                    secs: t,
+                    at_secs: ev.at_secs,
+                    line: ev.line,
+                    action: ev.action.to_string(),
+                    outcome: what,
+                    steps_per_sec_before: None,
+                    steps_per_sec_after: None,
+                });
+            }
+            let due: Vec<Vec<Vec<usize>>> = heals.iter().filter(|h| h.0 <= t).map(|h| h.1.clone()).collect();
+            heals.retain(|h| h.0 > t);
+            for groups in due {
+                let what = match l.set_partition(&groups, false) {
+                    Ok(()) => "healed".to_string(),
+                    Err(e) => format!("heal failed: {e:#}"),
+                };
+                println!("[{:>6.1} s] partition {groups:?}: {what}", t - t0);
+                faults.push(FaultRecord {
+                    secs: t,
+                    at_secs: t - t0,
+                    line: 0,
+                    action: format!("heal {groups:?}"),
+                    outcome: what,
+                    steps_per_sec_before: None,
+                    steps_per_sec_after: None,
+                });
+            }
+        }
+        if live {
+            print!("\x1b[H\x1b[2J{}", l.table(t));
+            let _ = std::io::stdout().flush();
+        } else if t - last_print >= 5.0 {
+            print!("{}", l.table(t));
+            last_print = t;
+        }
+        let all_done = l.nodes.iter().all(|n| !n.alive()) && next_event >= scenario.events.len() && heals.is_empty();
+        if all_done || (l.nodes.iter().all(|n| !n.alive()) && t0.is_none()) {
+            break;
+        }
+        if t > scenario.time_limit.as_secs_f64() {
+            println!("time limit of {} s reached: stopping every node", scenario.time_limit.as_secs());
+            timed_out = true;
+            l.kill_all();
+            break;
+        }
+        // The poll interval of the live table and the timeline.
+        std::thread::sleep(POLL);
+    }
+    for n in l.nodes.iter_mut() {
+        n.drain_lines();
+    }
+    print!("{}", l.table(l.secs()));
+    let outcomes: Vec<NodeOutcome> = l
+        .nodes
+        .iter()
+        .map(|n| NodeOutcome {
+            name: n.name.clone(),
+            peer_id: n.peer_id.clone().unwrap_or_default(),
+            exit: n.exit.clone().unwrap_or_else(|| "unknown".into()),
+            killed: n.killed,
+            final_accuracy: n.finished.map(|f| f.0),
+            steps: n.finished.map(|f| f.1),
+            left: n.finished.is_some_and(|f| f.2),
+        })
+        .collect();
+    let summary = Summary::build(&scenario, t0, l.secs(), timed_out, outcomes, roles, faults, samples);
+    summary.write(&opts.report_dir)?;
+    println!("report: {}", opts.report_dir.display());
+    for n in &summary.nodes {
+        println!(
+            "  {}: {} {}",
+            n.name,
+            n.exit,
+            n.final_accuracy.map_or(String::new(), |a| format!("test accuracy {:.2}%", a * 100.0))
+        );
+    }
+    if timed_out {
+        bail!("the testnet hit its time limit of {} s", scenario.time_limit.as_secs());
+    }
+    let failed: Vec<&str> =
+        summary.nodes.iter().filter(|n| !n.killed && n.exit.starts_with("failed")).map(|n| n.name.as_str()).collect();
+    if !failed.is_empty() {
+        bail!("node(s) failed: {}; see {}", failed.join(", "), opts.report_dir.join("logs").display());
+    }
+    Ok(summary)
+}
+
+/// Default report directory: `testnet-reports/<scenario>-<unix time>`.
+pub fn default_report_dir(scenario: &Path) -> PathBuf {
+    let stem = scenario.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "scenario".into());
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    PathBuf::from("testnet-reports").join(format!("{stem}-{secs}"))
+}
+
+/// Group samples by node, for the report.
+pub(crate) fn by_node(samples: &[Sample]) -> BTreeMap<String, Vec<&Sample>> {
+    let mut m: BTreeMap<String, Vec<&Sample>> = BTreeMap::new();
+    for s in samples {
+        m.entry(s.node.clone()).or_default().push(s);
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_stdout_lines_are_understood() {
+        assert!(matches!(parse_line("peer id 12D3KooW"), Some(Line::PeerId(p)) if p == "12D3KooW"));
+        assert!(matches!(parse_line("status on http://127.0.0.1:4000/"), Some(Line::Http(a)) if a.port() == 4000));
+        let f = parse_line("node1: finished 300 steps, test accuracy 96.38%, owned shards [1, 2]");
+        assert!(
+            matches!(f, Some(Line::Finished { steps: 300, left: false, accuracy }) if (accuracy - 0.9638).abs() < 1e-9)
+        );
+        let f = parse_line("node3: left after 60 steps, test accuracy 95.00%");
+        assert!(matches!(f, Some(Line::Finished { steps: 60, left: true, .. })));
+        assert!(parse_line("2026 INFO something").is_none());
+    }
+}

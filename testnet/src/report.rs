@@ -1,0 +1,246 @@
+//! The report a testnet leaves behind: `summary.json` and `plot.png`.
+
+use std::path::Path;
+
+use anyhow::Context;
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::process::by_node;
+use crate::scenario::Scenario;
+
+/// One reading of one node's `/status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    /// Seconds since the testnet started.
+    pub secs: f64,
+    pub node: String,
+    pub step: u64,
+    pub loss: Option<f64>,
+    pub accuracy: Option<f64>,
+    pub samples_per_sec: f64,
+}
+
+/// A role change seen by the launcher.
+#[derive(Debug, Clone, Serialize)]
+pub struct RoleRecord {
+    pub secs: f64,
+    pub node: String,
+    pub role: String,
+    pub owned: Vec<u64>,
+}
+
+/// A fault applied (or a partition healed).
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultRecord {
+    /// Seconds since the testnet started.
+    pub secs: f64,
+    /// Seconds after training started, as the scenario says.
+    pub at_secs: f64,
+    /// Line of the event in the scenario (0: a heal).
+    pub line: usize,
+    pub action: String,
+    pub outcome: String,
+    /// Mean steps/s per live node in the 10 s before and after.
+    pub steps_per_sec_before: Option<f64>,
+    pub steps_per_sec_after: Option<f64>,
+}
+
+/// How a node ended.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeOutcome {
+    pub name: String,
+    pub peer_id: String,
+    /// `exited`, `killed`, `failed: ...`.
+    pub exit: String,
+    pub killed: bool,
+    /// From the node's last line; `None` if killed.
+    pub final_accuracy: Option<f64>,
+    pub steps: Option<u64>,
+    pub left: bool,
+}
+
+/// `summary.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub scenario: String,
+    pub run_id: String,
+    pub timed_out: bool,
+    pub duration_secs: f64,
+    /// When every initial node had trained a step (the timeline's zero).
+    pub training_started_secs: Option<f64>,
+    pub nodes: Vec<NodeOutcome>,
+    pub role_changes: Vec<RoleRecord>,
+    pub faults: Vec<FaultRecord>,
+    /// Every sample, for other tools.
+    pub samples: Vec<Sample>,
+}
+
+/// Window for the steps/s around a fault.
+const RATE_WINDOW_SECS: f64 = 10.0;
+
+/// Mean over nodes of each node's steps/s within `[from, to]`.
+pub fn steps_per_sec(samples: &[Sample], from: f64, to: f64) -> Option<f64> {
+    let rates: Vec<f64> = by_node(samples)
+        .values()
+        .filter_map(|s| {
+            let w: Vec<&&Sample> = s.iter().filter(|x| x.secs >= from && x.secs <= to).collect();
+            let (a, b) = (w.first()?, w.last()?);
+            (b.secs > a.secs).then(|| b.step.saturating_sub(a.step) as f64 / (b.secs - a.secs))
+        })
+        .collect();
+    (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64)
+}
+
+impl Summary {
+    #[allow(clippy::too_many_arguments)]
+    pub fn build(
+        scenario: &Scenario,
+        training_started_secs: Option<f64>,
+        duration_secs: f64,
+        timed_out: bool,
+        nodes: Vec<NodeOutcome>,
+        role_changes: Vec<RoleRecord>,
+        mut faults: Vec<FaultRecord>,
+        samples: Vec<Sample>,
+    ) -> Self {
+        for f in faults.iter_mut() {
+            f.steps_per_sec_before = steps_per_sec(&samples, f.secs - RATE_WINDOW_SECS, f.secs);
+            f.steps_per_sec_after = steps_per_sec(&samples, f.secs, f.secs + RATE_WINDOW_SECS);
+        }
+        Self {
+            scenario: scenario.name.clone(),
+            run_id: scenario.run_id.clone(),
+            timed_out,
+            duration_secs,
+            training_started_secs,
+            nodes,
+            role_changes,
+            faults,
+            samples,
+        }
+    }
+
+    /// Write `summary.json` and `plot.png` into `dir`.
+    pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
+        let path = dir.join("summary.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(self)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        let png = dir.join("plot.png");
+        plot(self, &png).map_err(|e| anyhow::anyhow!("drawing {}: {e}", png.display()))
+    }
+}
+
+/// Register a font for labels, if the system has one (Debian:
+/// fonts-dejavu-core). Without it the plot is drawn without text.
+fn font() -> bool {
+    static FONT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FONT.get_or_init(|| {
+        let candidates = [
+            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+            "/usr/share/fonts/TTF/DejaVuSans.ttf",
+            "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+        ];
+        candidates.iter().find_map(|p| std::fs::read(p).ok()).is_some_and(|bytes| {
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+        })
+    })
+}
+
+/// Accuracy (top) and loss (bottom) over time per node; faults as red
+/// vertical lines, role changes as blue ticks at the top of each panel.
+fn plot(s: &Summary, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let text = font();
+    let root = BitMapBackend::new(path, (1200, 800)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (top, bottom) = root.split_vertically(400);
+    let nodes = by_node(&s.samples);
+    let t_max = s.samples.iter().map(|x| x.secs).fold(1.0f64, f64::max);
+    let loss_max = s.samples.iter().filter_map(|x| x.loss).fold(0.1f64, f64::max);
+    let panels: [(&DrawingArea<BitMapBackend, plotters::coord::Shift>, &str, f64, bool); 2] =
+        [(&top, "test accuracy (%)", 100.0, true), (&bottom, "training loss", loss_max * 1.05, false)];
+    for (area, label, y_max, is_acc) in panels {
+        let mut b = ChartBuilder::on(area);
+        b.margin(10);
+        if text {
+            b.caption(format!("{} — {}", s.scenario, label), ("sans-serif", 20))
+                .x_label_area_size(30)
+                .y_label_area_size(50);
+        }
+        let mut chart = b.build_cartesian_2d(0.0..t_max, 0.0..y_max)?;
+        if text {
+            chart.configure_mesh().x_desc("seconds").y_desc(label).draw()?;
+        }
+        for (i, (name, pts)) in nodes.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let series: Vec<(f64, f64)> = pts
+                .iter()
+                .filter_map(
+                    |p| if is_acc { p.accuracy.map(|a| (p.secs, a * 100.0)) } else { p.loss.map(|l| (p.secs, l)) },
+                )
+                .collect();
+            let drawn = chart.draw_series(LineSeries::new(series, color.stroke_width(2)))?;
+            if text {
+                drawn.label(name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+            }
+        }
+        for f in &s.faults {
+            chart.draw_series(LineSeries::new(vec![(f.secs, 0.0), (f.secs, y_max)], RED.stroke_width(2)))?;
+        }
+        for r in &s.role_changes {
+            chart.draw_series(LineSeries::new(vec![(r.secs, y_max * 0.95), (r.secs, y_max)], BLUE.stroke_width(1)))?;
+        }
+        if text {
+            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        }
+    }
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(secs: f64, node: &str, step: u64) -> Sample {
+        Sample {
+            secs,
+            node: node.into(),
+            step,
+            loss: Some(1.0 / (1.0 + secs)),
+            accuracy: Some(0.5),
+            samples_per_sec: 0.0,
+        }
+    }
+
+    #[test]
+    fn steps_per_sec_is_the_mean_node_rate_in_the_window() {
+        let s = vec![sample(0.0, "a", 0), sample(10.0, "a", 100), sample(0.0, "b", 0), sample(10.0, "b", 50)];
+        assert_eq!(steps_per_sec(&s, 0.0, 10.0), Some(7.5));
+        assert_eq!(steps_per_sec(&s, 20.0, 30.0), None);
+    }
+
+    #[test]
+    fn the_report_is_written_with_a_png() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let sc = Scenario::parse("nodes = 2\n", "t.toml", "t").map_err(|e| anyhow::anyhow!("{e}"))?;
+        let samples: Vec<Sample> = (0..20).map(|i| sample(i as f64, if i % 2 == 0 { "a" } else { "b" }, i)).collect();
+        let fault = FaultRecord {
+            secs: 5.0,
+            at_secs: 1.0,
+            line: 3,
+            action: "kill node1".into(),
+            outcome: "ok".into(),
+            steps_per_sec_before: None,
+            steps_per_sec_after: None,
+        };
+        let summary = Summary::build(&sc, Some(1.0), 20.0, false, vec![], vec![], vec![fault], samples);
+        summary.write(dir.path())?;
+        let png = std::fs::read(dir.path().join("plot.png"))?;
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join("summary.json"))?)?;
+        assert!(json["faults"][0]["steps_per_sec_before"].as_f64().is_some());
+        Ok(())
+    }
+}

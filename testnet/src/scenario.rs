@@ -1,0 +1,480 @@
+//! The scenario format: one TOML file describes a testnet, and the same file
+//! drives the process backend (and documents the docker-compose one).
+//!
+//! ```toml
+//! nodes = 4                 # nodes started at once (indices 0..3)
+//! time_limit_secs = 600     # the whole testnet is stopped after this
+//!
+//! [node_config]             # a node config (see testnet/node.example.toml)
+//! training = { steps = 1200, eval_every = 100 }
+//! cluster = { heartbeat_ms = 100, failure_timeout_ms = 1500 }
+//!
+//! [[node]]                  # per-node overrides
+//! index = 3
+//! batch_size = 16
+//! slowdown = 2.0            # compute takes twice as long
+//! can_aggregate = true
+//! serve_delay_ms = 0        # delay on every push/pull it answers as an owner
+//!
+//! [[event]]                 # seconds after training starts on every node
+//! at_secs = 10
+//! action = "slow"           # slow | kill | restart | partition | add | leave
+//! node = 3
+//! serve_delay_ms = 25       # and/or slowdown = 5.0
+//!
+//! [[event]]
+//! at_secs = 30
+//! action = "partition"
+//! groups = [[0, 1], [2, 3]]
+//! duration_secs = 20
+//! ```
+//!
+//! Errors name the line: `scenario.toml:14: event: node 7 does not exist
+//! (nodes 0..3 at that time)`.
+
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// A scenario error, with the 1-based line it points at (0: the whole file).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScenarioError {
+    pub file: String,
+    pub line: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ScenarioError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: {}", self.file, self.message)
+        } else {
+            write!(f, "{}:{}: {}", self.file, self.line, self.message)
+        }
+    }
+}
+
+impl std::error::Error for ScenarioError {}
+
+/// Per-node differences from `node_config`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeSpec {
+    pub batch_size: Option<u64>,
+    pub slowdown: Option<f64>,
+    pub can_aggregate: Option<bool>,
+    pub serve_delay_ms: Option<u64>,
+}
+
+/// What happens at an event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Set fault injection on a node.
+    Slow { node: usize, serve_delay_ms: Option<u64>, slowdown: Option<f64> },
+    /// Kill the node's process (SIGKILL: no handoff).
+    Kill { node: usize },
+    /// Start a killed node again (same identity; it joins the run).
+    Restart { node: usize },
+    /// Cut the groups off from each other for `duration`.
+    Partition { groups: Vec<Vec<usize>>, duration: Duration },
+    /// Start one more node (the next index); it joins the run.
+    Add,
+    /// Ask a node to leave cleanly.
+    Leave { node: usize },
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Action::Slow { node, serve_delay_ms, slowdown } => {
+                write!(f, "slow node{node}")?;
+                if let Some(d) = serve_delay_ms {
+                    write!(f, " serve delay {d} ms")?;
+                }
+                if let Some(s) = slowdown {
+                    write!(f, " slowdown {s}x")?;
+                }
+                Ok(())
+            }
+            Action::Kill { node } => write!(f, "kill node{node}"),
+            Action::Restart { node } => write!(f, "restart node{node}"),
+            Action::Partition { groups, duration } => {
+                write!(f, "partition {groups:?} for {} s", duration.as_secs_f64())
+            }
+            Action::Add => write!(f, "add a node"),
+            Action::Leave { node } => write!(f, "node{node} leaves"),
+        }
+    }
+}
+
+/// One timed event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    /// Seconds after training started on every initial node.
+    pub at_secs: f64,
+    /// Line in the scenario file.
+    pub line: usize,
+    pub action: Action,
+}
+
+/// A validated scenario.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scenario {
+    pub name: String,
+    pub nodes: usize,
+    pub run_id: String,
+    pub time_limit: Duration,
+    /// Passed to every node as its config file (then overridden per node).
+    pub node_config: toml::Table,
+    /// Overrides by node index (also for nodes added later).
+    pub overrides: Vec<(usize, NodeSpec)>,
+    /// Sorted by time (stable: equal times keep file order).
+    pub events: Vec<Event>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScenario {
+    nodes: Spanned<i64>,
+    run_id: Option<String>,
+    time_limit_secs: Option<Spanned<f64>>,
+    #[serde(default)]
+    node_config: toml::Table,
+    #[serde(default)]
+    node: Vec<Spanned<RawNode>>,
+    #[serde(default)]
+    event: Vec<Spanned<RawEvent>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNode {
+    index: Spanned<i64>,
+    batch_size: Option<Spanned<i64>>,
+    slowdown: Option<Spanned<f64>>,
+    can_aggregate: Option<bool>,
+    serve_delay_ms: Option<Spanned<i64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEvent {
+    at_secs: Spanned<f64>,
+    action: Spanned<String>,
+    node: Option<Spanned<i64>>,
+    serve_delay_ms: Option<Spanned<i64>>,
+    slowdown: Option<Spanned<f64>>,
+    groups: Option<Spanned<Vec<Vec<i64>>>>,
+    duration_secs: Option<Spanned<f64>>,
+}
+
+/// Default bound on a whole testnet.
+pub const DEFAULT_TIME_LIMIT_SECS: f64 = 900.0;
+
+impl Scenario {
+    pub fn from_file(path: &Path) -> Result<Self, ScenarioError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ScenarioError {
+            file: file.clone(),
+            line: 0,
+            message: format!("cannot read it: {e}"),
+        })?;
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "scenario".into());
+        Self::parse(&text, &file, &name)
+    }
+
+    /// Parse and validate `text` (`file` names it in errors).
+    pub fn parse(text: &str, file: &str, name: &str) -> Result<Self, ScenarioError> {
+        let line_of = |span: std::ops::Range<usize>| text[..span.start.min(text.len())].matches('\n').count() + 1;
+        let err = |span: std::ops::Range<usize>, message: String| ScenarioError {
+            file: file.to_string(),
+            line: line_of(span),
+            message,
+        };
+        let raw: RawScenario = toml::from_str(text).map_err(|e| ScenarioError {
+            file: file.to_string(),
+            line: e.span().map(&line_of).unwrap_or(0),
+            message: e.message().to_string(),
+        })?;
+        let nodes = *raw.nodes.get_ref();
+        if !(1..=64).contains(&nodes) {
+            return Err(err(raw.nodes.span(), format!("nodes = {nodes}: a testnet has 1 to 64 nodes")));
+        }
+        let nodes = nodes as usize;
+        let time_limit = match &raw.time_limit_secs {
+            None => DEFAULT_TIME_LIMIT_SECS,
+            Some(t) if t.get_ref().is_finite() && *t.get_ref() > 0.0 => *t.get_ref(),
+            Some(t) => return Err(err(t.span(), format!("time_limit_secs = {} must be positive", t.get_ref()))),
+        };
+        for key in raw.node_config.keys() {
+            if !["training", "cluster", "network", "http"].contains(&key.as_str()) {
+                return Err(ScenarioError {
+                    file: file.to_string(),
+                    line: text.lines().position(|l| l.trim_start().starts_with(key.as_str())).map_or(0, |i| i + 1),
+                    message: format!(
+                        "node_config.{key}: only training, cluster, network and http tables may be set \
+                         here (run_id, name and identity are set by the testnet)"
+                    ),
+                });
+            }
+        }
+
+        // Events first: `add` events create the indices overrides may name.
+        let mut events = Vec::with_capacity(raw.event.len());
+        for ev in &raw.event {
+            let span = ev.span();
+            let e = ev.get_ref();
+            let at = *e.at_secs.get_ref();
+            if !at.is_finite() || at < 0.0 {
+                return Err(err(e.at_secs.span(), format!("at_secs = {at}: an event time cannot be negative")));
+            }
+            let node = |what: &str| -> Result<usize, ScenarioError> {
+                match &e.node {
+                    None => Err(err(span.clone(), format!("`{what}` needs `node = <index>`"))),
+                    Some(n) if *n.get_ref() < 0 => Err(err(n.span(), format!("node {} is negative", n.get_ref()))),
+                    Some(n) => Ok(*n.get_ref() as usize),
+                }
+            };
+            let non_negative = |v: &Option<Spanned<i64>>, key: &str| -> Result<Option<u64>, ScenarioError> {
+                match v {
+                    None => Ok(None),
+                    Some(x) if *x.get_ref() < 0 => Err(err(x.span(), format!("{key} = {} is negative", x.get_ref()))),
+                    Some(x) => Ok(Some(*x.get_ref() as u64)),
+                }
+            };
+            let action = match e.action.get_ref().as_str() {
+                "slow" => {
+                    let serve_delay_ms = non_negative(&e.serve_delay_ms, "serve_delay_ms")?;
+                    let slowdown = check_slowdown(&e.slowdown).map_err(|(s, m)| err(s, m))?;
+                    if serve_delay_ms.is_none() && slowdown.is_none() {
+                        return Err(err(span, "`slow` needs serve_delay_ms and/or slowdown".into()));
+                    }
+                    Action::Slow { node: node("slow")?, serve_delay_ms, slowdown }
+                }
+                "kill" => Action::Kill { node: node("kill")? },
+                "restart" => Action::Restart { node: node("restart")? },
+                "leave" => Action::Leave { node: node("leave")? },
+                "add" => Action::Add,
+                "partition" => {
+                    let Some(g) = &e.groups else {
+                        return Err(err(span, "`partition` needs groups = [[..], [..]]".into()));
+                    };
+                    let groups: Vec<Vec<usize>> = g
+                        .get_ref()
+                        .iter()
+                        .map(|grp| grp.iter().map(|&i| if i < 0 { usize::MAX } else { i as usize }).collect())
+                        .collect();
+                    let duration = match &e.duration_secs {
+                        Some(d) if d.get_ref().is_finite() && *d.get_ref() > 0.0 => *d.get_ref(),
+                        Some(d) => {
+                            return Err(err(d.span(), format!("duration_secs = {} must be positive", d.get_ref())))
+                        }
+                        None => return Err(err(span, "`partition` needs duration_secs".into())),
+                    };
+                    if groups.len() < 2 || groups.iter().any(Vec::is_empty) {
+                        return Err(err(g.span(), "a partition needs at least two non-empty groups".into()));
+                    }
+                    Action::Partition { groups, duration: Duration::from_secs_f64(duration) }
+                }
+                other => {
+                    return Err(err(
+                        e.action.span(),
+                        format!("unknown action `{other}`: slow, kill, restart, partition, add or leave"),
+                    ))
+                }
+            };
+            events.push((at, line_of(span.clone()), span, action));
+        }
+        events.sort_by(|a, b| a.0.total_cmp(&b.0));
+
+        // Replay the timeline to check every index against the nodes that
+        // exist at that moment, and restarts against kills.
+        let mut count = nodes;
+        let mut dead = std::collections::BTreeSet::new();
+        for (_, _, span, action) in &events {
+            let exists = |n: usize, count: usize| -> Result<(), ScenarioError> {
+                if n >= count {
+                    Err(err(
+                        span.clone(),
+                        format!("node {n} does not exist (nodes 0..{} at that time)", count.saturating_sub(1)),
+                    ))
+                } else {
+                    Ok(())
+                }
+            };
+            match action {
+                Action::Slow { node, .. } | Action::Leave { node } => {
+                    exists(*node, count)?;
+                    if dead.contains(node) {
+                        return Err(err(span.clone(), format!("node {node} is dead at that time")));
+                    }
+                }
+                Action::Kill { node } => {
+                    exists(*node, count)?;
+                    if !dead.insert(*node) {
+                        return Err(err(span.clone(), format!("node {node} is already dead")));
+                    }
+                }
+                Action::Restart { node } => {
+                    exists(*node, count)?;
+                    if !dead.remove(node) {
+                        return Err(err(span.clone(), format!("node {node} is not dead: kill it before a restart")));
+                    }
+                }
+                Action::Partition { groups, .. } => {
+                    let mut seen = std::collections::BTreeSet::new();
+                    for &n in groups.iter().flatten() {
+                        if n == usize::MAX {
+                            return Err(err(span.clone(), "a partition group holds a negative index".into()));
+                        }
+                        exists(n, count)?;
+                        if !seen.insert(n) {
+                            return Err(err(span.clone(), format!("node {n} is in two partition groups")));
+                        }
+                    }
+                }
+                Action::Add => count += 1,
+            }
+        }
+
+        let mut overrides = Vec::new();
+        for n in &raw.node {
+            let r = n.get_ref();
+            let idx = *r.index.get_ref();
+            if idx < 0 || idx as usize >= count {
+                return Err(err(
+                    r.index.span(),
+                    format!("node index {idx} does not exist (nodes 0..{} including added ones)", count - 1),
+                ));
+            }
+            if overrides.iter().any(|(i, _)| *i == idx as usize) {
+                return Err(err(r.index.span(), format!("node {idx} has two [[node]] tables")));
+            }
+            let batch_size = match &r.batch_size {
+                None => None,
+                Some(b) if *b.get_ref() >= 1 => Some(*b.get_ref() as u64),
+                Some(b) => return Err(err(b.span(), format!("batch_size = {} must be at least 1", b.get_ref()))),
+            };
+            let serve_delay_ms = match &r.serve_delay_ms {
+                None => None,
+                Some(d) if *d.get_ref() >= 0 => Some(*d.get_ref() as u64),
+                Some(d) => return Err(err(d.span(), format!("serve_delay_ms = {} is negative", d.get_ref()))),
+            };
+            let slowdown = check_slowdown(&r.slowdown).map_err(|(s, m)| err(s, m))?;
+            overrides.push((
+                idx as usize,
+                NodeSpec { batch_size, slowdown, can_aggregate: r.can_aggregate, serve_delay_ms },
+            ));
+        }
+        Ok(Scenario {
+            name: name.to_string(),
+            nodes,
+            run_id: raw.run_id.unwrap_or_else(|| format!("testnet-{name}")),
+            time_limit: Duration::from_secs_f64(time_limit),
+            node_config: raw.node_config,
+            overrides,
+            events: events.into_iter().map(|(at_secs, line, _, action)| Event { at_secs, line, action }).collect(),
+        })
+    }
+
+    pub fn node_spec(&self, index: usize) -> NodeSpec {
+        self.overrides.iter().find(|(i, _)| *i == index).map(|(_, s)| s.clone()).unwrap_or_default()
+    }
+}
+
+fn check_slowdown(v: &Option<Spanned<f64>>) -> Result<Option<f64>, (std::ops::Range<usize>, String)> {
+    match v {
+        None => Ok(None),
+        Some(s) if s.get_ref().is_finite() && (1.0..=1000.0).contains(s.get_ref()) => Ok(Some(*s.get_ref())),
+        Some(s) => Err((s.span(), format!("slowdown = {} must be between 1 and 1000", s.get_ref()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"nodes = 4
+time_limit_secs = 300
+
+[node_config]
+training = { steps = 100 }
+
+[[node]]
+index = 3
+batch_size = 16
+slowdown = 2.0
+
+[[event]]
+at_secs = 30
+action = "kill"
+node = 2
+
+[[event]]
+at_secs = 10
+action = "slow"
+node = 3
+serve_delay_ms = 25
+
+[[event]]
+at_secs = 45
+action = "restart"
+node = 2
+
+[[event]]
+at_secs = 50
+action = "partition"
+groups = [[0, 1], [2, 3]]
+duration_secs = 20
+
+[[event]]
+at_secs = 60
+action = "add"
+"#;
+
+    fn parse(text: &str) -> Result<Scenario, ScenarioError> {
+        Scenario::parse(text, "s.toml", "s")
+    }
+
+    #[test]
+    fn a_full_scenario_parses_in_time_order() {
+        let s = match parse(GOOD) {
+            Ok(s) => s,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(s.nodes, 4);
+        assert_eq!(s.time_limit, Duration::from_secs(300));
+        let times: Vec<f64> = s.events.iter().map(|e| e.at_secs).collect();
+        assert_eq!(times, vec![10.0, 30.0, 45.0, 50.0, 60.0]);
+        assert_eq!(s.events[0].action, Action::Slow { node: 3, serve_delay_ms: Some(25), slowdown: None });
+        assert_eq!(s.events[0].line, 17, "the slow event's table starts on line 17");
+        assert_eq!(s.node_spec(3).batch_size, Some(16));
+        assert_eq!(s.node_spec(1), NodeSpec::default());
+        assert_eq!(s.run_id, "testnet-s");
+    }
+
+    #[test]
+    fn errors_point_at_the_line() {
+        let bad_node = GOOD.replace("node = 2\n\n[[event]]\nat_secs = 10", "node = 7\n\n[[event]]\nat_secs = 10");
+        let e = parse(&bad_node).err().map(|e| e.to_string());
+        assert_eq!(e.as_deref(), Some("s.toml:12: node 7 does not exist (nodes 0..3 at that time)"));
+        let negative = GOOD.replace("at_secs = 45", "at_secs = -5");
+        let e = parse(&negative).err().map(|e| (e.line, e.message));
+        assert_eq!(e, Some((24, "at_secs = -5: an event time cannot be negative".into())));
+        let e = parse(&GOOD.replace("action = \"add\"", "action = \"explode\"")).err().map(|e| e.line);
+        assert_eq!(e, Some(36));
+        let e = parse(&GOOD.replace("batch_size = 16", "batch_size = 0")).err().map(|e| e.line);
+        assert_eq!(e, Some(9));
+        let e = parse("nodes = 4\n[[event]]\nat_secs = 1\naction = \"kill\"\nnode = 1\nbogus = 3\n").err();
+        assert!(e.as_ref().is_some_and(|e| e.message.contains("bogus")), "{e:?}");
+        let e = parse("nodes = 4\n[[event]]\nat_secs = 1\naction = \"restart\"\nnode = 1\n").err().map(|e| e.line);
+        assert_eq!(e, Some(2), "a restart needs a kill first");
+        let e = parse("nodes = 0\n").err().map(|e| e.line);
+        assert_eq!(e, Some(1));
+        // Added nodes exist after their `add`.
+        assert!(parse("nodes = 2\n[[event]]\nat_secs = 1\naction = \"add\"\n[[event]]\nat_secs = 2\naction = \"kill\"\nnode = 2\n").is_ok());
+        assert!(parse("nodes = 2\n[[event]]\nat_secs = 1\naction = \"kill\"\nnode = 2\n").is_err());
+    }
+}
