@@ -158,14 +158,16 @@ pub fn inputs_from_view(
     now_ms: u64,
     timeout_ms: u64,
 ) -> (Vec<Member>, BTreeMap<PeerId, f64>) {
-    // A peer still joining (fetching the model; its heartbeat proposes a
-    // roster of its own) takes no part until it announces itself ready.
-    // At the start of a run a peer may still say `Joining` while it already
-    // proposes the agreed roster: it is in.
+    // A peer still joining (fetching the model) takes no part until it
+    // announces itself ready. Only at the very start of a run (this node has
+    // not finished a step) may a peer that still says `Joining` but already
+    // proposes the agreed roster count: it is a member a heartbeat late. Later
+    // such a peer is a member restarted with the same identity, now joining.
+    let starting = me.step == 0;
     let live: Vec<_> = view
         .live(now_ms, timeout_ms)
         .into_iter()
-        .filter(|p| p.heartbeat.role != Role::Joining || me.frozen_epoch == Some(p.heartbeat.epoch))
+        .filter(|p| p.heartbeat.role != Role::Joining || (starting && me.frozen_epoch == Some(p.heartbeat.epoch)))
         .collect();
     let mut members: Vec<Member> = live
         .iter()

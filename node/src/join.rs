@@ -38,8 +38,9 @@ pub struct JoinPoint {
 }
 
 /// Has the run started without this node? `None` while no peer trains, or
-/// while every training peer's roster is the one this node proposes (it is
-/// a member that is merely late to see the agreement).
+/// while no peer has finished a step and every training peer's roster is
+/// the one this node proposes (it is a member merely late to see the
+/// agreement; under BSP the others cannot finish a step without it).
 pub fn join_point(view: &View, now_ms: u64, timeout_ms: u64) -> Option<JoinPoint> {
     let started: Vec<_> = view
         .live(now_ms, timeout_ms)
@@ -47,7 +48,11 @@ pub fn join_point(view: &View, now_ms: u64, timeout_ms: u64) -> Option<JoinPoint
         .filter(|p| matches!(p.heartbeat.role, Role::Worker | Role::Aggregator | Role::Leaving))
         .collect();
     let mine = view.proposal(now_ms, timeout_ms).hash();
-    if started.is_empty() || started.iter().all(|p| p.heartbeat.epoch == mine) {
+    // Once a peer has finished a step, a node that has not started is late
+    // for the roster: a new node, or a member restarted with its old identity
+    // (whose proposal can equal the run's epoch). It joins.
+    let progressed = started.iter().any(|p| p.heartbeat.step > 0);
+    if started.is_empty() || (!progressed && started.iter().all(|p| p.heartbeat.epoch == mine)) {
         return None;
     }
     // The epoch most training peers announce (ties: the smaller hash, so
@@ -183,6 +188,10 @@ mod tests {
         let mine = v.proposal(0, 1000).hash();
         v.observe(hb(a, Role::Worker, mine, 0), 0);
         assert_eq!(join_point(&v, 0, 1000), None);
+        // Once that peer has trained a step, the same node is a restarted
+        // member and joins, even though its proposal is the run's epoch.
+        v.observe(Heartbeat { seq: 2, ..hb(a, Role::Worker, mine, 3) }, 1);
+        assert_eq!(join_point(&v, 1, 1000).map(|j| (j.epoch, j.step)), Some((mine, 3)));
 
         // A run of a and b under another roster, at steps 40 and 42.
         let mut late = View::new(me, false, 7);

@@ -526,9 +526,8 @@ async fn wait_for_start(
     let deadline = Instant::now() + timeout;
     loop {
         let snap = rx.borrow_and_update().clone();
-        if let RosterStatus::Agreed(r) = snap.roster {
-            return Ok(Start::Roster(r));
-        }
+        // Joining first: a member restarted with its old identity proposes
+        // the run's own roster and would otherwise see it "agreed".
         if join_point(&snap.view, snap.now_ms, failure_timeout_ms).is_some() {
             // The run started without us. Every peer heartbeats once per
             // period: gather heartbeats for two periods so that the whole
@@ -540,6 +539,9 @@ async fn wait_for_start(
                 return Ok(Start::Join(jp));
             }
             continue;
+        }
+        if let RosterStatus::Agreed(r) = snap.roster {
+            return Ok(Start::Roster(r));
         }
         match tokio::time::timeout_at(deadline, rx.changed()).await {
             Ok(Ok(())) => {}

@@ -93,7 +93,9 @@ impl NodeProc {
 
     /// `/ip4/.../tcp/N/p2p/<id>`: what others bootstrap from.
     fn p2p_addr(&self) -> Option<String> {
-        Some(format!("{}/p2p/{}", self.listen.as_ref()?, self.peer_id.as_ref()?))
+        let (listen, id) = (self.listen.as_ref()?, self.peer_id.as_ref()?);
+        // `shoal node` prints its listen addresses with the /p2p part already.
+        Some(if listen.contains("/p2p/") { listen.clone() } else { format!("{listen}/p2p/{id}") })
     }
 
     fn drain_lines(&mut self) {

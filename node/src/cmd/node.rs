@@ -69,26 +69,34 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     Ok(c)
 }
 
-#[allow(clippy::print_stdout)] // The CLI's own output.
+/// Print a line of the command's own output. A closed stdout (the reader
+/// went away) must not bring the node down, so errors are ignored.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     let config = resolve(&args)?;
     let keypair = load_identity(config.identity.as_deref())?;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let node = start(config, keypair).await?;
-        println!("peer id {}", node.peer_id);
+        say!("peer id {}", node.peer_id);
         for a in &node.listen {
-            println!("listening on {a}");
+            say!("listening on {a}");
         }
         if let Some(h) = node.http {
-            println!("status on http://{h}/");
+            say!("status on http://{h}/");
         }
         let leave = node.leave_switch();
         let mut task = node.task;
         let report = tokio::select! {
             r = &mut task => r??,
             _ = shutdown_signal() => {
-                println!("leaving cleanly: finishing the current step and handing off shards (signal again to stop at once)");
+                say!("leaving cleanly: finishing the current step and handing off shards (signal again to stop at once)");
                 leave.leave();
                 tokio::select! {
                     r = &mut task => r??,
@@ -100,14 +108,14 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             }
         };
         if report.left {
-            println!(
+            say!(
                 "{}: left after {} steps, test accuracy {:.2}%",
                 report.name,
                 report.steps,
                 report.accuracy * 100.0
             );
         } else {
-            println!(
+            say!(
                 "{}: finished {} steps, test accuracy {:.2}%, owned shards {:?}",
                 report.name,
                 report.steps,
