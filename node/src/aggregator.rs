@@ -133,6 +133,8 @@ pub struct AggregatorConfig {
     pub max_wait: Duration,
     /// Send a replica to the backup every this many versions (0: never).
     pub replica_every: u64,
+    /// BSP: longest a round waits for its last gradients (ms).
+    pub round_timeout_ms: u64,
     /// How long a new owner waits for a live old owner's transfer.
     pub handoff_timeout: Duration,
     pub capacity: usize,
@@ -355,7 +357,14 @@ impl AggregatorActor {
         // at once: keep serving (stats, refusals) rather than stop.
         let mut placements_open = true;
         loop {
-            let next_deadline = self.parked.iter().map(|p| p.deadline).chain(self.pending.values().copied()).min();
+            let rounds = self
+                .cores
+                .values()
+                .filter_map(|c| c.round_deadline_ms(self.cfg.round_timeout_ms))
+                .min()
+                .map(|ms| self.started + Duration::from_millis(ms));
+            let next_deadline =
+                self.parked.iter().map(|p| p.deadline).chain(self.pending.values().copied()).chain(rounds).min();
             tokio::select! {
                 cmd = self.receiver.recv() => match cmd {
                     Some(cmd) => self.handle(cmd),
@@ -703,6 +712,24 @@ impl AggregatorActor {
     }
 
     fn expire(&mut self) {
+        let now_ms = self.now_ms();
+        let mut closed = Vec::new();
+        for (&shard, core) in self.cores.iter_mut() {
+            if let Some(missing) = core.close_overdue_round(now_ms, self.cfg.round_timeout_ms) {
+                warn!(
+                    shard,
+                    version = core.version(),
+                    missing,
+                    timeout_ms = self.cfg.round_timeout_ms,
+                    "BSP round closed without every worker's gradient"
+                );
+                self.status.record(StatusEvent::RoundForced);
+                closed.push(shard);
+            }
+        }
+        for shard in closed {
+            self.maybe_replicate(shard);
+        }
         let now = Instant::now();
         let overdue: Vec<u32> = self.pending.iter().filter(|(_, d)| **d <= now).map(|(s, _)| *s).collect();
         for shard in overdue {

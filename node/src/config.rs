@@ -187,6 +187,10 @@ pub struct ClusterConfig {
     /// How long a new owner waits for a live old owner's transfer before it
     /// restores the shard from a replica. Default 5000 ms.
     pub handoff_timeout_ms: u64,
+    /// BSP: a round that has waited this long for its last gradients is
+    /// applied with the ones it has; the missing workers catch up. Must be
+    /// below `request_timeout_ms`. Default 10000 ms.
+    pub round_timeout_ms: u64,
     /// Fault injection for tests and benchmarks: answer every push and pull
     /// this node serves as an owner this many ms late. Default 0.
     pub fault_delay_ms: u64,
@@ -220,6 +224,7 @@ impl Default for ClusterConfig {
             replicas: 2,
             replica_every: 4,
             handoff_timeout_ms: 5_000,
+            round_timeout_ms: 10_000,
             fault_delay_ms: 0,
             slowdown: 1.0,
         }
@@ -357,6 +362,13 @@ impl NodeConfig {
         }
         if c.replicas == 2 && c.replica_every == 0 {
             bail!("cluster.replica_every must be at least 1 when cluster.replicas = 2");
+        }
+        if c.round_timeout_ms == 0 || c.round_timeout_ms >= c.request_timeout_ms {
+            bail!(
+                "cluster.round_timeout_ms ({}) must be positive and below cluster.request_timeout_ms ({})",
+                c.round_timeout_ms,
+                c.request_timeout_ms
+            );
         }
         if c.handoff_timeout_ms == 0 {
             bail!("cluster.handoff_timeout_ms must be positive");

@@ -366,6 +366,7 @@ pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
     counter(&mut reg, "role_changes", "Role changes of this node", s.role_changes.len() as u64);
     counter(&mut reg, "handoffs_out", "Shards handed to a new owner", s.handoffs_out);
     counter(&mut reg, "handoffs_in", "Shards received from an old owner", s.handoffs_in);
+    counter(&mut reg, "rounds_forced", "BSP rounds closed at the round timeout", s.rounds_forced);
     let restored = Family::<Vec<(String, String)>, Counter>::default();
     restored.get_or_create(&vec![("from".into(), "replica".into())]).inc_by(s.restored_from_replica);
     restored.get_or_create(&vec![("from".into(), "worker_copy".into())]).inc_by(s.restored_from_worker_copy);

@@ -74,6 +74,9 @@ pub struct StatusSnapshot {
     pub join_donors: usize,
     /// Left cleanly after this step.
     pub left_at_step: Option<u64>,
+    /// BSP rounds this node's shards closed at the round timeout, without
+    /// every worker's gradient.
+    pub rounds_forced: u64,
 }
 
 /// One role change of a node.
@@ -105,6 +108,7 @@ pub enum StatusEvent {
     PushAccepted(PeerId),
     Joined { step: u64, donors: usize },
     Left { step: u64 },
+    RoundForced,
 }
 
 enum StatusCommand {
@@ -188,6 +192,7 @@ impl StatusActor {
                 s.step = step;
             }
             StatusEvent::Left { step } => s.left_at_step = Some(step),
+            StatusEvent::RoundForced => s.rounds_forced += 1,
             StatusEvent::Step { step, samples, loss, compute_secs, comm_secs } => {
                 let started = *self.started.get_or_insert_with(Instant::now);
                 s.step = step;

@@ -9,9 +9,11 @@
 //! Clocks: a worker's clock is the number of its pushes this shard accepted.
 //! A worker that has pushed step `c` pulls before computing step `c + 1`; the
 //! pull is held until `clock(w) - min_clock <= bound(w)`:
-//! - BSP: bound 0, and all pushes of one round are averaged (weighted by
-//!   samples) into ONE optimizer step, so N workers equal one node on the
-//!   concatenated batch.
+//! - BSP: all pushes of one round are averaged (weighted by samples) into
+//!   ONE optimizer step, so N workers equal one node on the concatenated
+//!   batch; a pull waits for the version after its round (no clock bound),
+//!   and a round open longer than the round timeout is applied with what
+//!   it has.
 //! - SSP(s): bound `s`; each push is applied on arrival as its own step.
 //! - DSSP([lo, hi]): bound `lo + r`, where `r <= hi - lo` is predicted from the
 //!   measured iteration times so that the fast worker syncs just as the
@@ -132,6 +134,8 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     workers: BTreeMap<K, WorkerClock>,
     /// BSP round in progress: (samples, gradient) per worker.
     round: BTreeMap<K, (u32, Vec<f32>)>,
+    /// When the BSP round in progress got its first gradient (ms).
+    round_opened_ms: Option<u64>,
     max_staleness: u64,
 }
 
@@ -150,6 +154,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             policy,
             workers: roster.into_iter().map(|k| (k, WorkerClock::default())).collect(),
             round: BTreeMap::new(),
+            round_opened_ms: None,
             max_staleness: 0,
         }
     }
@@ -211,6 +216,9 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                 // A retry of a push we already hold: idempotent.
                 return PushOutcome::Accepted { version: self.version, staleness: lead };
             }
+            if self.round.is_empty() {
+                self.round_opened_ms = Some(now_ms);
+            }
             self.round.insert(worker.clone(), (samples.max(1), std::mem::take(&mut grad)));
         }
         if let Some(w) = self.workers.get_mut(worker) {
@@ -259,12 +267,38 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let min = self.min_clock();
         self.workers.retain(|k, _| live.contains(k));
         self.round.retain(|k, _| live.contains(k));
+        if self.round.is_empty() {
+            self.round_opened_ms = None;
+        }
         for k in live {
             self.workers.entry(k).or_insert_with(|| WorkerClock { clock: min, ..WorkerClock::default() });
         }
         if self.policy == SyncPolicy::Bsp && !self.round.is_empty() && self.round.len() == self.workers.len() {
             self.apply_round();
         }
+    }
+
+    /// BSP: when the round in progress must be closed, given the round
+    /// timeout (`None`: no round open).
+    pub fn round_deadline_ms(&self, timeout_ms: u64) -> Option<u64> {
+        self.round_opened_ms.map(|t| t.saturating_add(timeout_ms))
+    }
+
+    /// BSP: apply the round in progress with the gradients it has if it has
+    /// been open `timeout_ms` or longer. Returns how many workers it went
+    /// without. The missing workers' pushes are then `Stale`: they pull the
+    /// new version and join the next round. This bounds how long a round can
+    /// wait for a worker that will not push into it (after a partition heals,
+    /// workers can be a round apart on different shards and wait on each
+    /// other in a cycle).
+    pub fn close_overdue_round(&mut self, now_ms: u64, timeout_ms: u64) -> Option<usize> {
+        let opened = self.round_opened_ms?;
+        if self.policy != SyncPolicy::Bsp || self.round.is_empty() || now_ms.saturating_sub(opened) < timeout_ms {
+            return None;
+        }
+        let missing = self.workers.len().saturating_sub(self.round.len());
+        self.apply_round();
+        Some(missing)
     }
 
     /// The workers this shard waits for.
@@ -291,6 +325,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             }
         }
         self.round.clear();
+        self.round_opened_ms = None;
         if self.optimizer.step(&mut self.params, &mean).is_ok() {
             self.version += 1;
         }
@@ -301,6 +336,13 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     pub fn pull_ready(&self, worker: &K, min_version: u64, now_ms: u64) -> bool {
         if self.version < min_version {
             return false;
+        }
+        if self.policy == SyncPolicy::Bsp {
+            // The version is the round: a worker asks for the version after
+            // the round it pushed into, and that is all it must wait for.
+            // Gating on clocks as well would make a worker that missed a
+            // round hold up every other worker's pull until it catches up.
+            return true;
         }
         let Some(w) = self.workers.get(worker) else {
             // Not a worker of ours (a reader, a joiner): serve what we have.
@@ -450,6 +492,28 @@ mod tests {
         assert_eq!(core.version(), 2);
         let (params, state, version) = core.export();
         assert_eq!((params.as_slice(), version, state.step), (core.params(), 2, 2));
+    }
+
+    #[test]
+    fn an_overdue_bsp_round_is_closed_without_the_missing_worker() {
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ["a", "b", "c"]);
+        assert_eq!(core.round_deadline_ms(100), None, "no round open");
+        assert!(matches!(core.push(&"a", 0, 1, vec![2.0, 2.0], 10), PushOutcome::Accepted { .. }));
+        assert!(matches!(core.push(&"b", 0, 1, vec![4.0, 4.0], 50), PushOutcome::Accepted { .. }));
+        assert_eq!(core.round_deadline_ms(100), Some(110), "from the first gradient");
+        assert_eq!(core.close_overdue_round(109, 100), None, "not yet");
+        assert_eq!(core.version(), 0);
+        assert_eq!(core.close_overdue_round(110, 100), Some(1), "closed without c");
+        assert_eq!(core.version(), 1);
+        assert_eq!(core.params(), &[-3.0, -3.0], "the mean of what it had");
+        assert_eq!(core.round_deadline_ms(100), None);
+        // c's late push for round 0 is stale; it pulls version 1 and joins
+        // round 1. a and b are not held back by c missing a round.
+        assert!(core.pull_ready(&"a", 1, 110));
+        assert_eq!(core.push(&"c", 0, 1, vec![9.0, 9.0], 120), PushOutcome::Stale { current_version: 1 });
+        assert!(core.pull_ready(&"c", 1, 120));
+        assert!(matches!(core.push(&"c", 1, 1, vec![0.0, 0.0], 130), PushOutcome::Accepted { .. }));
+        assert_eq!(core.close_overdue_round(10_000, 100), Some(2), "round 1 has only c so far");
     }
 
     #[test]

@@ -289,6 +289,9 @@ impl Worker {
         let mut holder: Option<PeerId> = None;
         let mut min_version = if bsp { base + 1 } else { 0 };
         let mut hint: Option<PeerId> = None;
+        // Some owner has taken this gradient (it may be applied already).
+        let mut ever_taken = false;
+        let mut push_base = base;
         let mut backoff = Duration::from_millis(10);
         let mut last = String::from("no attempt");
         loop {
@@ -309,15 +312,29 @@ impl Worker {
             };
             let need_push = if bsp { holder != Some(owner) } else { holder.is_none() };
             if need_push {
-                match self.push_to(owner, shard, base, step, samples, grad).await {
+                match self.push_to(owner, shard, push_base, step, samples, grad).await {
                     Ok(PushReply::Accepted { version, .. }) => {
                         holder = Some(owner);
+                        ever_taken = true;
                         if bsp {
                             min_version = version + 1;
                         }
                     }
+                    Ok(PushReply::Stale { current_version, .. }) if bsp && !ever_taken => {
+                        // BSP: the round we computed for was applied without
+                        // us (a fault put this worker a round behind), and no
+                        // owner ever took this gradient. Give it to the round
+                        // in progress instead: skipping a round on one shard
+                        // while in step on the others would leave this worker
+                        // a round apart on different shards, and rounds that
+                        // wait on each other in a cycle.
+                        debug!(shard, base, current_version, "push missed its round; joining the current one");
+                        push_base = current_version;
+                        continue;
+                    }
                     Ok(PushReply::Stale { current_version, .. }) => {
-                        // BSP: the round we computed for was applied without us.
+                        // BSP: a re-pushed gradient whose round was applied
+                        // (and handed over) before the move: it counted already.
                         debug!(shard, base, current_version, "push was stale; pulling the current version");
                         holder = Some(owner);
                         min_version = current_version;
@@ -325,6 +342,7 @@ impl Worker {
                     Ok(PushReply::UnknownWorker) => {
                         warn!(shard, %owner, "the owner does not count this node as a worker; gradient dropped");
                         holder = Some(owner);
+                        ever_taken = true;
                         min_version = 0;
                     }
                     Ok(PushReply::NotOwner { hint: h, .. }) => {

@@ -86,3 +86,35 @@ fn a_scenario_with_an_error_is_refused_with_its_line() -> anyhow::Result<()> {
     assert!(stderr.contains("bad.toml:3: node 9 does not exist (nodes 0..3 at that time)"), "{stderr}");
     Ok(())
 }
+
+#[test]
+fn process_testnet_trains_on_through_a_partition_and_its_heal() -> anyhow::Result<()> {
+    let report = tempfile::tempdir()?;
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["testnet", "run", "--no-live", "--report"])
+        .arg(report.path())
+        .arg(repo().join("testnet/scenarios/partition.toml"))
+        .output()?;
+    eprintln!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "shoal testnet run failed: {}", out.status);
+    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(report.path().join("summary.json"))?)?;
+    let faults = summary["faults"].as_array().cloned().unwrap_or_default();
+    let outcome = |prefix: &str| {
+        faults
+            .iter()
+            .find(|f| f["action"].as_str().is_some_and(|a| a.starts_with(prefix)))
+            .and_then(|f| f["outcome"].as_str().map(str::to_string))
+    };
+    assert!(outcome("partition").is_some_and(|o| o.starts_with("partitioned")), "{faults:?}");
+    assert_eq!(outcome("heal").as_deref(), Some("healed"), "{faults:?}");
+    let nodes = summary["nodes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(nodes.len(), 4);
+    for n in &nodes {
+        let name = n["name"].as_str().unwrap_or("?");
+        assert_eq!(n["exit"], "exited", "{name}: {n}");
+        assert_eq!(n["steps"], 2000, "{name} trained to the end");
+        let acc = n["final_accuracy"].as_f64().unwrap_or(0.0);
+        assert!(acc >= 0.93, "{name}: accuracy {acc} below 93%");
+    }
+    Ok(())
+}
