@@ -73,6 +73,13 @@ pub struct TestnetRunArgs {
     /// Print the table every 5 s instead of redrawing it in place.
     #[arg(long)]
     pub no_live: bool,
+    /// `processes` (on loopback) or `docker` (one container per node from
+    /// --image, on a private network).
+    #[arg(long, default_value = "processes")]
+    pub backend: String,
+    /// Docker backend: the image (build it with testnet/docker/build-image.sh).
+    #[arg(long, default_value = "shoal:testnet")]
+    pub image: String,
 }
 
 #[derive(Debug, Args)]

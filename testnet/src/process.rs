@@ -39,7 +39,23 @@ pub struct RunOptions {
     pub shoal_bin: PathBuf,
     /// Redraw the live table in place (a terminal) or print it every few seconds.
     pub live: Option<bool>,
+    pub backend: Backend,
 }
+
+/// Where the nodes run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// `shoal node` processes on loopback.
+    Processes,
+    /// One container per node from `image` (see `testnet/docker/build-image.sh`)
+    /// on a private network of its own (`docker network create --internal`).
+    Docker { image: String },
+}
+
+/// Port every node listens on inside its container.
+const DOCKER_P2P_PORT: u16 = 7000;
+/// Port of every node's HTTP endpoint inside its container.
+const DOCKER_HTTP_PORT: u16 = 8080;
 
 /// What a node's stdout told us.
 enum Line {
@@ -118,6 +134,9 @@ impl NodeProc {
 struct Launcher<'a> {
     scenario: &'a Scenario,
     opts: &'a RunOptions,
+    /// Docker backend: the network and the containers made (removed on drop).
+    docker_net: Option<String>,
+    containers: Vec<String>,
     nodes: Vec<NodeProc>,
     begun: Instant,
 }
@@ -183,22 +202,50 @@ impl Launcher<'_> {
             .append(true)
             .open(logs.join(format!("{name}.log")))
             .context("opening the node log")?;
-        let mut cmd = Command::new(&self.opts.shoal_bin);
-        cmd.arg("node")
-            .arg("--config")
-            .arg(&config)
-            .args(["--name", &name, "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--control"])
-            .arg("--no-mdns")
-            .arg("--identity")
-            .arg(keys.join(format!("{name}.key")));
-        if let Some(b) = &bootstrap {
-            cmd.args(["--bootstrap", b]);
-        }
-        cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(stderr));
+        let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+        let container = self.container_name(i);
+        let mut cmd = match &self.opts.backend {
+            Backend::Processes => {
+                let mut cmd = Command::new(&self.opts.shoal_bin);
+                cmd.arg("node")
+                    .arg("--config")
+                    .arg(&config)
+                    .args(["--name", &name, "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--control"])
+                    .arg("--no-mdns")
+                    .arg("--identity")
+                    .arg(keys.join(format!("{name}.key")));
+                if let Some(b) = &bootstrap {
+                    cmd.args(["--bootstrap", b]);
+                }
+                cmd.env("RUST_LOG", &log_filter).env("NO_COLOR", "1");
+                cmd
+            }
+            Backend::Docker { image } => {
+                let net = self.docker_net.clone().context("no docker network")?;
+                // A restart reuses the container: same identity, new incarnation.
+                let _ = docker(&["rm", "-f", &container]);
+                let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+                let mut cmd = Command::new("docker");
+                cmd.args(["run", "--name", &container, "--network", &net, "--user", "0:0"])
+                    .arg("-v")
+                    .arg(format!("{}:/configs:ro", abs(&self.opts.report_dir.join("configs")).display()))
+                    .arg("-v")
+                    .arg(format!("{}:/keys", abs(&keys).display()))
+                    .args(["-e", &format!("RUST_LOG={log_filter}"), "-e", "NO_COLOR=1", image, "node"])
+                    .args(["--config", &format!("/configs/{name}.toml"), "--name", &name])
+                    .args(["--listen", &format!("/ip4/0.0.0.0/tcp/{DOCKER_P2P_PORT}")])
+                    .args(["--http", &format!("0.0.0.0:{DOCKER_HTTP_PORT}"), "--control", "--no-mdns"])
+                    .args(["--identity", &format!("/keys/{name}.key")]);
+                if let Some(b) = &bootstrap {
+                    cmd.args(["--bootstrap", b]);
+                }
+                if !self.containers.contains(&container) {
+                    self.containers.push(container.clone());
+                }
+                cmd
+            }
+        };
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(stderr));
         let mut child =
             cmd.spawn().with_context(|| format!("starting {} for {name}", self.opts.shoal_bin.display()))?;
         let stdout = child.stdout.take().context("no stdout pipe")?;
@@ -236,10 +283,22 @@ impl Launcher<'_> {
             None => self.nodes.push(proc),
         }
         let deadline = Instant::now() + START_TIMEOUT;
+        let docker = matches!(self.opts.backend, Backend::Docker { .. });
         loop {
             let n = self.node_mut(i)?;
             n.drain_lines();
-            if n.http.is_some() && n.p2p_addr().is_some() {
+            if docker && n.http.is_some() && n.peer_id.is_some() {
+                // Inside a container the node reports 0.0.0.0 and loopback:
+                // peers and the launcher use the container's address.
+                if let Some(ip) = container_ip(&container) {
+                    let n = self.node_mut(i)?;
+                    n.listen = Some(format!("/ip4/{ip}/tcp/{DOCKER_P2P_PORT}"));
+                    n.http = Some(SocketAddr::new(ip, DOCKER_HTTP_PORT));
+                    return Ok(());
+                }
+            }
+            let n = self.node_mut(i)?;
+            if !docker && n.http.is_some() && n.p2p_addr().is_some() {
                 return Ok(());
             }
             if let Some(c) = n.child.as_mut() {
@@ -282,6 +341,10 @@ impl Launcher<'_> {
                 self.control(*node, &format!("/control/fault?{}", q.join("&")))
             }
             Action::Kill { node } => {
+                if matches!(self.opts.backend, Backend::Docker { .. }) {
+                    docker(&["kill", &self.container_name(*node)])
+                        .with_context(|| format!("docker kill node{node}"))?;
+                }
                 let n = self.node_mut(*node)?;
                 if let Some(mut c) = n.child.take() {
                     c.kill().with_context(|| format!("killing node{node}"))?;
@@ -402,7 +465,14 @@ impl Launcher<'_> {
         out
     }
 
+    fn container_name(&self, i: usize) -> String {
+        format!("shoal-{}-{}-node{i}", self.scenario.name, std::process::id())
+    }
+
     fn kill_all(&mut self) {
+        for c in &self.containers {
+            let _ = docker(&["kill", c]);
+        }
         for n in self.nodes.iter_mut() {
             if let Some(mut c) = n.child.take() {
                 let _ = c.kill();
@@ -417,6 +487,12 @@ impl Drop for Launcher<'_> {
     fn drop(&mut self) {
         // Never leave node processes behind, whatever happened.
         self.kill_all();
+        for c in &self.containers {
+            let _ = docker(&["rm", "-f", c]);
+        }
+        if let Some(net) = &self.docker_net {
+            let _ = docker(&["network", "rm", net]);
+        }
     }
 }
 
@@ -428,7 +504,25 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
     std::fs::create_dir_all(&opts.report_dir)
         .with_context(|| format!("creating the report directory {}", opts.report_dir.display()))?;
     let live = opts.live.unwrap_or_else(|| std::io::stdout().is_terminal());
-    let mut l = Launcher { scenario: &scenario, opts, nodes: Vec::new(), begun: Instant::now() };
+    let docker_net = match &opts.backend {
+        Backend::Processes => None,
+        Backend::Docker { image } => {
+            docker(&["info"]).context("the docker backend needs a docker engine (`docker info` failed)")?;
+            docker(&["image", "inspect", image])
+                .with_context(|| format!("no image {image}: build it with testnet/docker/build-image.sh"))?;
+            let net = format!("shoal-{}-{}", scenario.name, std::process::id());
+            docker(&["network", "create", "--internal", &net]).context("creating the docker network")?;
+            Some(net)
+        }
+    };
+    let mut l = Launcher {
+        scenario: &scenario,
+        opts,
+        docker_net,
+        containers: Vec::new(),
+        nodes: Vec::new(),
+        begun: Instant::now(),
+    };
     println!(
         "testnet `{}`: {} nodes, {} events, logs in {}",
         scenario.name,
@@ -564,6 +658,20 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
         bail!("node(s) failed: {}; see {}", failed.join(", "), opts.report_dir.join("logs").display());
     }
     Ok(summary)
+}
+
+/// Run a docker command; its stderr becomes the error.
+fn docker(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("docker").args(args).stdin(Stdio::null()).output().context("running docker")?;
+    if !out.status.success() {
+        bail!("docker {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The container's address on its network, once it has one.
+fn container_ip(container: &str) -> Option<std::net::IpAddr> {
+    docker(&["inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", container]).ok()?.parse().ok()
 }
 
 /// Default report directory: `testnet-reports/<scenario>-<unix time>`.

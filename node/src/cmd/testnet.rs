@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use shoal_testnet::process::Backend;
 use shoal_testnet::{RunOptions, Scenario};
 
 use crate::cli::TestnetRunArgs;
@@ -12,7 +13,13 @@ pub fn run(args: TestnetRunArgs) -> anyhow::Result<()> {
         None => std::env::current_exe()?,
     };
     let report_dir = args.report.unwrap_or_else(|| shoal_testnet::process::default_report_dir(&args.scenario));
-    let opts = RunOptions { scenario: args.scenario, report_dir, shoal_bin, live: args.no_live.then_some(false) };
+    let backend = match args.backend.as_str() {
+        "processes" => Backend::Processes,
+        "docker" => Backend::Docker { image: args.image },
+        other => anyhow::bail!("unknown backend `{other}`: processes or docker"),
+    };
+    let opts =
+        RunOptions { scenario: args.scenario, report_dir, shoal_bin, live: args.no_live.then_some(false), backend };
     shoal_testnet::run(&opts)?;
     Ok(())
 }
