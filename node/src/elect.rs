@@ -250,13 +250,18 @@ async fn run(
     let mut view = membership.subscribe();
     let mut me = membership.subscribe_self();
     let my_id = membership.snapshot().view.me;
+    // The view and this node's heartbeat fields change every step (step
+    // counters, model versions); the election's inputs rarely do.
+    let mut last_inputs = None;
     loop {
-        let (members, service) = {
+        let inputs = {
             let snap = view.borrow_and_update();
             let mine = me.borrow_and_update();
             inputs_from_view(&snap.view, &mine, cfg.can_aggregate, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms)
         };
-        match elect(&members, &service, cfg.shards, cfg.policy) {
+        let unchanged = last_inputs.as_ref() == Some(&inputs);
+        let (members, service) = last_inputs.insert(inputs);
+        match (!unchanged).then(|| elect(members, service, cfg.shards, cfg.policy)).flatten() {
             Some(p) => {
                 let changed = out.borrow().as_ref().map(|old| old.epoch) != Some(p.epoch);
                 if changed {
@@ -265,7 +270,8 @@ async fn run(
                     out.send_replace(Some(Arc::new(p)));
                 }
             }
-            None => warn!("no live node may own shards; keeping the last placement"),
+            None if !unchanged => warn!("no live node may own shards; keeping the last placement"),
+            None => {}
         }
         tokio::select! {
             r = view.changed() => if r.is_err() { break },

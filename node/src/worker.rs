@@ -172,6 +172,8 @@ impl Worker {
         };
         info!(partition = ?routing.partition, from = routing.start_step, steps = t.steps,
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
+        let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
+        let mut last_report: Option<Instant> = None;
         for step in routing.start_step..t.steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");
@@ -190,7 +192,10 @@ impl Worker {
             let version = match local_opt.as_mut() {
                 None => {
                     let v = self.exchange_all(step, &mut versions, g.samples as u32, &g.grads, &mut params).await?;
-                    if self.config.cluster.elastic {
+                    // Peers read the report once per heartbeat: refresh it no
+                    // more often (each refresh wakes this node's election).
+                    if self.config.cluster.elastic && last_report.is_none_or(|t| t.elapsed() >= heartbeat) {
+                        last_report = Some(Instant::now());
                         let forget = self.config.cluster.service_forget_steps;
                         let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
                         self.membership.set_self(|me| me.service = report);
