@@ -574,10 +574,9 @@ impl AggregatorActor {
     fn place(&mut self, new: Arc<Placement>) {
         let old = self.placement.replace(new.clone());
         let me = self.cfg.me;
-        if !new.workers.is_empty() {
-            for core in self.cores.values_mut() {
-                core.set_workers(new.workers.iter().copied());
-            }
+        for core in self.cores.values_mut() {
+            // An empty worker set is ignored there.
+            core.set_workers(new.workers.iter().copied());
         }
         let lost: Vec<u32> = self.cores.keys().copied().filter(|&s| new.owner(s) != Some(me)).collect();
         for shard in lost {
@@ -599,12 +598,12 @@ impl AggregatorActor {
         }
         self.pending.retain(|s, _| new.owner(*s) == Some(me));
         let deadline = Instant::now() + self.cfg.handoff_timeout;
+        let starting = self.snapshot.borrow().version == 0;
         for shard in new.owned_by(&me) {
             if self.cores.contains_key(&shard) || self.pending.contains_key(&shard) {
                 continue;
             }
             let previous = old.as_ref().and_then(|o| o.owner(shard));
-            let starting = self.snapshot.borrow().version == 0;
             match previous {
                 _ if self.stored.get(&shard).is_some_and(|s| s.transfer) => self.restore(shard),
                 // Training starts: every node holds the same initial model.
@@ -630,7 +629,8 @@ impl AggregatorActor {
         }
         let Some(core) = self.cores.get(&shard) else { return };
         let last = self.replicated.get(&shard).copied().unwrap_or(0);
-        if core.version() < last + self.cfg.replica_every {
+        // `last` can come from a peer's handoff: no overflow on a huge version.
+        if core.version().saturating_sub(last) < self.cfg.replica_every {
             return;
         }
         self.maybe_replicate_now(shard);

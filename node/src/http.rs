@@ -39,8 +39,10 @@ use crate::status::{StatusHandle, StatusSnapshot};
 
 /// Largest request head accepted.
 const MAX_REQUEST: usize = 16 * 1024;
-/// Longest a client may take to send its request.
+/// Longest a client may take to send its request, and to take the answer.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 64;
 
 /// What the endpoint reads and controls.
 #[derive(Debug, Clone)]
@@ -88,8 +90,11 @@ pub async fn serve(addr: SocketAddr, state: HttpState) -> anyhow::Result<SocketA
         warn!(%local, "control endpoint enabled: anyone who reaches it can inject faults");
     }
     info!(%local, "status on http://{local}/");
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::spawn(async move {
         loop {
+            // Take a slot before accepting: at most MAX_CONNECTIONS at once.
+            let Ok(slot) = slots.clone().acquire_owned().await else { break };
             match listener.accept().await {
                 Ok((stream, _)) => {
                     let state = state.clone();
@@ -97,6 +102,7 @@ pub async fn serve(addr: SocketAddr, state: HttpState) -> anyhow::Result<SocketA
                         if let Err(e) = handle(stream, &state).await {
                             debug!(error = %format!("{e:#}"), "http request failed");
                         }
+                        drop(slot);
                     });
                 }
                 Err(e) => {
@@ -216,9 +222,13 @@ async fn handle(mut stream: TcpStream, state: &HttpState) -> anyhow::Result<()> 
         resp.content_type,
         resp.body.len()
     );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(&resp.body).await?;
-    stream.shutdown().await?;
+    tokio::time::timeout(READ_TIMEOUT, async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(&resp.body).await?;
+        stream.shutdown().await
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("client did not take the answer within {} s", READ_TIMEOUT.as_secs()))??;
     Ok(())
 }
 

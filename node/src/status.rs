@@ -126,7 +126,9 @@ impl StatusHandle {
     pub fn spawn(name: String, peer_id: String, total_steps: u64, capacity: usize) -> Self {
         let (sender, receiver) = mpsc::channel(capacity.max(1));
         let snap = StatusSnapshot { name, peer_id, total_steps, ..Default::default() };
-        tokio::spawn(StatusActor { snap, receiver, started: None, born: Instant::now() }.run());
+        tokio::spawn(
+            StatusActor { snap, receiver, started: None, born: Instant::now(), pushes: BTreeMap::new() }.run(),
+        );
         Self { sender }
     }
 
@@ -147,6 +149,7 @@ struct StatusActor {
     receiver: mpsc::Receiver<StatusCommand>,
     started: Option<Instant>,
     born: Instant,
+    pushes: BTreeMap<PeerId, u64>,
 }
 
 fn ema(old: Option<f64>, new: f64) -> Option<f64> {
@@ -158,6 +161,7 @@ impl StatusActor {
         while let Some(cmd) = self.receiver.recv().await {
             match cmd {
                 StatusCommand::Snapshot(reply) => {
+                    self.snap.pushes_accepted = self.pushes.iter().map(|(p, n)| (p.to_string(), *n)).collect();
                     let _ = reply.send(self.snap.clone());
                 }
                 StatusCommand::Event(e) => self.apply(e),
@@ -185,7 +189,8 @@ impl StatusActor {
             StatusEvent::Restored { from_replica: true } => s.restored_from_replica += 1,
             StatusEvent::Restored { from_replica: false } => s.restored_from_worker_copy += 1,
             StatusEvent::VersionRegression(v) => s.max_version_regression = s.max_version_regression.max(v),
-            StatusEvent::PushAccepted(w) => *s.pushes_accepted.entry(w.to_string()).or_default() += 1,
+            // Counted by peer id; named as text only when a snapshot is taken.
+            StatusEvent::PushAccepted(w) => *self.pushes.entry(w).or_default() += 1,
             StatusEvent::Joined { step, donors } => {
                 s.joined_at_step = Some(step);
                 s.join_donors = donors;

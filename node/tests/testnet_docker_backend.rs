@@ -6,8 +6,11 @@
 //! `cargo test -p shoal-node --test testnet_docker_backend -- --ignored --nocapture`.
 //! Without an engine it prints `skipped: no docker engine` and passes.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::{Command, Stdio};
+
+use common::{assert_demoted, assert_survivors, fault, repo, run_testnet};
 
 fn docker_ok(args: &[&str]) -> bool {
     Command::new("docker")
@@ -26,35 +29,16 @@ fn docker_testnet_runs_the_same_scenario_file() -> anyhow::Result<()> {
         eprintln!("skipped: no docker engine");
         return Ok(());
     }
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     if !docker_ok(&["image", "inspect", "shoal:testnet"]) {
-        let built = Command::new(repo.join("testnet/docker/build-image.sh")).status()?;
+        let built = Command::new(repo().join("testnet/docker/build-image.sh")).status()?;
         assert!(built.success(), "building the image failed");
     }
-    let report = tempfile::tempdir()?;
-    // Bounded by the scenario's time limit (600 s).
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-        .args(["testnet", "run", "--backend", "docker", "--no-live", "--report"])
-        .arg(report.path())
-        .arg(repo.join("testnet/scenarios/slow-then-kill.toml"))
-        .output()?;
-    eprintln!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "shoal testnet run --backend docker failed: {}", out.status);
-    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(report.path().join("summary.json"))?)?;
-    let nodes = summary["nodes"].as_array().cloned().unwrap_or_default();
-    assert_eq!(nodes.len(), 4);
-    for n in &nodes {
-        let name = n["name"].as_str().unwrap_or("?");
-        if name == "node3" {
-            assert_eq!(n["exit"], "killed");
-            continue;
-        }
-        assert_eq!(n["exit"], "exited", "{name}: {n}");
-        let acc = n["final_accuracy"].as_f64().unwrap_or(0.0);
-        assert!(acc >= 0.93, "{name}: accuracy {acc} below 93%");
-    }
-    let roles = summary["role_changes"].as_array().cloned().unwrap_or_default();
-    assert!(roles.iter().any(|r| r["node"] == "node3" && r["role"] == "worker"), "node3 was never demoted: {roles:?}");
+    let (_report, summary) =
+        run_testnet(&["--backend", "docker"], &repo().join("testnet/scenarios/slow-then-kill.toml"))?;
+    assert_survivors(&summary, 4, Some("node3"), 1500);
+    let (slowed, _) = fault(&summary, "slow node3");
+    let (killed, _) = fault(&summary, "kill node3");
+    assert_demoted(&summary, "node3", slowed, killed);
     // Nothing is left behind: the launcher removes its containers and network.
     let left = Command::new("docker").args(["ps", "-a", "--filter", "name=shoal-slow-then-kill-", "-q"]).output()?;
     assert!(String::from_utf8_lossy(&left.stdout).trim().is_empty(), "containers left behind");

@@ -3,18 +3,37 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-/// Send `method path` to `addr`; returns the status code and the body.
+/// Largest answer read (a node's `/status` is a few KiB).
+const MAX_ANSWER: usize = 1 << 20;
+
+/// Send `method path` to `addr`; returns the status code and the body. The
+/// whole exchange must finish within `timeout`.
 pub fn request(addr: SocketAddr, method: &str, path: &str, timeout: Duration) -> anyhow::Result<(u16, String)> {
+    let deadline = Instant::now() + timeout;
     let mut s = TcpStream::connect_timeout(&addr, timeout).with_context(|| format!("connecting to {addr}"))?;
-    s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf).with_context(|| format!("reading the answer from {addr}"))?;
+    let mut chunk = [0u8; 8192];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            bail!("{addr} did not answer within {} ms", timeout.as_millis());
+        }
+        s.set_read_timeout(Some(left))?;
+        let n = s.read(&mut chunk).with_context(|| format!("reading the answer from {addr}"))?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.len() > MAX_ANSWER {
+            bail!("{addr} sent more than {MAX_ANSWER} bytes");
+        }
+    }
     let text = String::from_utf8_lossy(&buf);
     let Some((head, body)) = text.split_once("\r\n\r\n") else { bail!("{addr} sent no HTTP head") };
     let code = head

@@ -15,7 +15,6 @@
 //! every node process has exited, or kills them all at the scenario's time
 //! limit.
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -91,11 +90,10 @@ struct NodeProc {
     index: usize,
     name: String,
     child: Option<Child>,
-    lines: Option<mpsc::Receiver<Line>>,
+    lines: mpsc::Receiver<Line>,
     peer_id: Option<String>,
     listen: Option<String>,
     http: Option<SocketAddr>,
-    killed: bool,
     exit: Option<String>,
     finished: Option<(f64, u64, bool)>,
     last: Option<serde_json::Value>,
@@ -115,8 +113,7 @@ impl NodeProc {
     }
 
     fn drain_lines(&mut self) {
-        let Some(rx) = &self.lines else { return };
-        while let Ok(l) = rx.try_recv() {
+        while let Ok(l) = self.lines.try_recv() {
             match l {
                 Line::PeerId(p) => self.peer_id = Some(p),
                 Line::Listen(a) => {
@@ -268,11 +265,10 @@ impl Launcher<'_> {
             index: i,
             name: name.clone(),
             child: Some(child),
-            lines: Some(rx),
+            lines: rx,
             peer_id: None,
             listen: None,
             http: None,
-            killed: false,
             exit: None,
             finished: None,
             last: None,
@@ -350,7 +346,6 @@ impl Launcher<'_> {
                     c.kill().with_context(|| format!("killing node{node}"))?;
                     let _ = c.wait();
                 }
-                n.killed = true;
                 n.exit = Some("killed".into());
                 Ok(format!("node{node} killed (SIGKILL)"))
             }
@@ -373,7 +368,10 @@ impl Launcher<'_> {
     }
 
     /// Block (or unblock and redial) every pair across groups, both ways.
+    /// Every pair is tried even if one fails (a node may have exited), so
+    /// a heal never leaves part of a partition in place.
     fn set_partition(&self, groups: &[Vec<usize>], block: bool) -> anyhow::Result<()> {
+        let mut failed = Vec::new();
         for (gi, g) in groups.iter().enumerate() {
             for (hi, h) in groups.iter().enumerate() {
                 if gi == hi {
@@ -392,11 +390,14 @@ impl Launcher<'_> {
                             let addr = nb.p2p_addr().unwrap_or_default();
                             format!("/control/unblock?peer={}&addr={}", http::encode(&peer), http::encode(&addr))
                         };
-                        self.control(a, &path)?;
+                        if let Err(e) = self.control(a, &path) {
+                            failed.push(format!("node{a} -> node{b}: {e:#}"));
+                        }
                     }
                 }
             }
         }
+        anyhow::ensure!(failed.is_empty(), "{}", failed.join("; "));
         Ok(())
     }
 
@@ -558,6 +559,12 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
             if started {
                 t0 = Some(t);
                 println!("training started at {t:.1} s; the timeline starts now");
+            } else if l.nodes.iter().any(|n| !n.alive()) {
+                // A node died before training started: report that now
+                // rather than wait out the time limit.
+                println!("a node exited before training started; stopping");
+                l.kill_all();
+                break;
             }
         }
         if let Some(t0) = t0 {
@@ -609,7 +616,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
             last_print = t;
         }
         let all_done = l.nodes.iter().all(|n| !n.alive()) && next_event >= scenario.events.len() && heals.is_empty();
-        if all_done || (l.nodes.iter().all(|n| !n.alive()) && t0.is_none()) {
+        if all_done {
             break;
         }
         if t > scenario.time_limit.as_secs_f64() {
@@ -632,7 +639,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
             name: n.name.clone(),
             peer_id: n.peer_id.clone().unwrap_or_default(),
             exit: n.exit.clone().unwrap_or_else(|| "unknown".into()),
-            killed: n.killed,
+            killed: n.exit.as_deref() == Some("killed"),
             final_accuracy: n.finished.map(|f| f.0),
             steps: n.finished.map(|f| f.1),
             left: n.finished.is_some_and(|f| f.2),
@@ -653,7 +660,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
         bail!("the testnet hit its time limit of {} s", scenario.time_limit.as_secs());
     }
     let failed: Vec<&str> =
-        summary.nodes.iter().filter(|n| !n.killed && n.exit.starts_with("failed")).map(|n| n.name.as_str()).collect();
+        summary.nodes.iter().filter(|n| n.exit.starts_with("failed")).map(|n| n.name.as_str()).collect();
     if !failed.is_empty() {
         bail!("node(s) failed: {}; see {}", failed.join(", "), opts.report_dir.join("logs").display());
     }
@@ -679,15 +686,6 @@ pub fn default_report_dir(scenario: &Path) -> PathBuf {
     let stem = scenario.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "scenario".into());
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     PathBuf::from("testnet-reports").join(format!("{stem}-{secs}"))
-}
-
-/// Group samples by node, for the report.
-pub(crate) fn by_node(samples: &[Sample]) -> BTreeMap<String, Vec<&Sample>> {
-    let mut m: BTreeMap<String, Vec<&Sample>> = BTreeMap::new();
-    for s in samples {
-        m.entry(s.node.clone()).or_default().push(s);
-    }
-    m
 }
 
 #[cfg(test)]

@@ -1,13 +1,24 @@
 //! The report a testnet leaves behind: `summary.json` and `plot.png`.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::Context;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::process::by_node;
 use crate::scenario::Scenario;
+
+/// Samples grouped by node, in time order.
+type ByNode<'a> = BTreeMap<&'a str, Vec<&'a Sample>>;
+
+fn by_node(samples: &[Sample]) -> ByNode<'_> {
+    let mut m = ByNode::new();
+    for s in samples {
+        m.entry(s.node.as_str()).or_default().push(s);
+    }
+    m
+}
 
 /// One reading of one node's `/status`.
 #[derive(Debug, Clone, Serialize)]
@@ -80,8 +91,8 @@ pub struct Summary {
 const RATE_WINDOW_SECS: f64 = 10.0;
 
 /// Mean over nodes of each node's steps/s within `[from, to]`.
-pub fn steps_per_sec(samples: &[Sample], from: f64, to: f64) -> Option<f64> {
-    let rates: Vec<f64> = by_node(samples)
+fn steps_per_sec(nodes: &ByNode<'_>, from: f64, to: f64) -> Option<f64> {
+    let rates: Vec<f64> = nodes
         .values()
         .filter_map(|s| {
             let w: Vec<&&Sample> = s.iter().filter(|x| x.secs >= from && x.secs <= to).collect();
@@ -104,9 +115,10 @@ impl Summary {
         mut faults: Vec<FaultRecord>,
         samples: Vec<Sample>,
     ) -> Self {
+        let grouped = by_node(&samples);
         for f in faults.iter_mut() {
-            f.steps_per_sec_before = steps_per_sec(&samples, f.secs - RATE_WINDOW_SECS, f.secs);
-            f.steps_per_sec_after = steps_per_sec(&samples, f.secs, f.secs + RATE_WINDOW_SECS);
+            f.steps_per_sec_before = steps_per_sec(&grouped, f.secs - RATE_WINDOW_SECS, f.secs);
+            f.steps_per_sec_after = steps_per_sec(&grouped, f.secs, f.secs + RATE_WINDOW_SECS);
         }
         Self {
             scenario: scenario.name.clone(),
@@ -182,7 +194,7 @@ fn plot(s: &Summary, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
                 .collect();
             let drawn = chart.draw_series(LineSeries::new(series, color.stroke_width(2)))?;
             if text {
-                drawn.label(name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+                drawn.label(*name).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
             }
         }
         for f in &s.faults {
@@ -217,8 +229,8 @@ mod tests {
     #[test]
     fn steps_per_sec_is_the_mean_node_rate_in_the_window() {
         let s = vec![sample(0.0, "a", 0), sample(10.0, "a", 100), sample(0.0, "b", 0), sample(10.0, "b", 50)];
-        assert_eq!(steps_per_sec(&s, 0.0, 10.0), Some(7.5));
-        assert_eq!(steps_per_sec(&s, 20.0, 30.0), None);
+        assert_eq!(steps_per_sec(&by_node(&s), 0.0, 10.0), Some(7.5));
+        assert_eq!(steps_per_sec(&by_node(&s), 20.0, 30.0), None);
     }
 
     #[test]

@@ -172,6 +172,13 @@ struct RawEvent {
 
 /// Default bound on a whole testnet.
 pub const DEFAULT_TIME_LIMIT_SECS: f64 = 900.0;
+/// Longest time limit or partition a scenario may ask for (a week).
+pub const MAX_SECS: f64 = 7.0 * 86_400.0;
+
+/// A duration in seconds that `Duration::from_secs_f64` takes and a testnet can use.
+fn in_range(secs: f64) -> bool {
+    secs.is_finite() && secs > 0.0 && secs <= MAX_SECS
+}
 
 impl Scenario {
     pub fn from_file(path: &Path) -> Result<Self, ScenarioError> {
@@ -205,8 +212,13 @@ impl Scenario {
         let nodes = nodes as usize;
         let time_limit = match &raw.time_limit_secs {
             None => DEFAULT_TIME_LIMIT_SECS,
-            Some(t) if t.get_ref().is_finite() && *t.get_ref() > 0.0 => *t.get_ref(),
-            Some(t) => return Err(err(t.span(), format!("time_limit_secs = {} must be positive", t.get_ref()))),
+            Some(t) if in_range(*t.get_ref()) => *t.get_ref(),
+            Some(t) => {
+                return Err(err(
+                    t.span(),
+                    format!("time_limit_secs = {} must be positive and at most {MAX_SECS}", t.get_ref()),
+                ))
+            }
         };
         for key in raw.node_config.keys() {
             if !["training", "cluster", "network", "http"].contains(&key.as_str()) {
@@ -267,9 +279,12 @@ impl Scenario {
                         .map(|grp| grp.iter().map(|&i| if i < 0 { usize::MAX } else { i as usize }).collect())
                         .collect();
                     let duration = match &e.duration_secs {
-                        Some(d) if d.get_ref().is_finite() && *d.get_ref() > 0.0 => *d.get_ref(),
+                        Some(d) if in_range(*d.get_ref()) => *d.get_ref(),
                         Some(d) => {
-                            return Err(err(d.span(), format!("duration_secs = {} must be positive", d.get_ref())))
+                            return Err(err(
+                                d.span(),
+                                format!("duration_secs = {} must be positive and at most {MAX_SECS}", d.get_ref()),
+                            ))
                         }
                         None => return Err(err(span, "`partition` needs duration_secs".into())),
                     };
@@ -473,6 +488,8 @@ action = "add"
         assert_eq!(e, Some(2), "a restart needs a kill first");
         let e = parse("nodes = 0\n").err().map(|e| e.line);
         assert_eq!(e, Some(1));
+        let e = parse("nodes = 2\ntime_limit_secs = 1e20\n").err().map(|e| e.line);
+        assert_eq!(e, Some(2), "a huge time is refused, not a panic");
         // Added nodes exist after their `add`.
         assert!(parse("nodes = 2\n[[event]]\nat_secs = 1\naction = \"add\"\n[[event]]\nat_secs = 2\naction = \"kill\"\nnode = 2\n").is_ok());
         assert!(parse("nodes = 2\n[[event]]\nat_secs = 1\naction = \"kill\"\nnode = 2\n").is_err());

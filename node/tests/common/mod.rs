@@ -1,0 +1,77 @@
+//! Shared by the testnet tests: run `shoal testnet run` and check its report.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Run a scenario (`extra` flags before it) to the end; returns the report
+/// directory and its `summary.json`. The scenario's own time limit bounds
+/// the run: the launcher kills every node and fails when it is reached.
+pub fn run_testnet(extra: &[&str], scenario: &Path) -> anyhow::Result<(tempfile::TempDir, Value)> {
+    let report = tempfile::tempdir()?;
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["testnet", "run", "--no-live"])
+        .args(extra)
+        .arg("--report")
+        .arg(report.path())
+        .arg(scenario)
+        .output()?;
+    eprintln!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    anyhow::ensure!(out.status.success(), "shoal testnet run failed: {}", out.status);
+    let summary = serde_json::from_slice(&std::fs::read(report.path().join("summary.json"))?)?;
+    Ok((report, summary))
+}
+
+/// Every node but `killed` exited cleanly after `steps` steps at 93% or more;
+/// `killed` was killed.
+pub fn assert_survivors(summary: &Value, nodes: usize, killed: Option<&str>, steps: u64) {
+    let all = summary["nodes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(all.len(), nodes, "{all:?}");
+    for n in &all {
+        let name = n["name"].as_str().unwrap_or("?");
+        if Some(name) == killed {
+            assert_eq!(n["exit"], "killed", "{name}: {n}");
+            continue;
+        }
+        assert_eq!(n["exit"], "exited", "{name}: {n}");
+        assert_eq!(n["steps"], steps, "{name} trained to the end");
+        let acc = n["final_accuracy"].as_f64().unwrap_or(0.0);
+        assert!(acc >= 0.93, "{name}: accuracy {acc} below 93%");
+    }
+}
+
+/// The time and outcome of the first fault whose action starts with `prefix`;
+/// the fault must have been applied (its outcome is not `failed: ...`).
+pub fn fault(summary: &Value, prefix: &str) -> (f64, String) {
+    let faults = summary["faults"].as_array().cloned().unwrap_or_default();
+    let f = faults
+        .iter()
+        .find(|f| f["action"].as_str().is_some_and(|a| a.starts_with(prefix)))
+        .unwrap_or_else(|| panic!("no `{prefix}` fault in {faults:?}"));
+    let outcome = f["outcome"].as_str().unwrap_or("").to_string();
+    assert!(!outcome.starts_with("failed"), "`{prefix}` was not applied: {outcome}");
+    (f["secs"].as_f64().unwrap_or(-1.0), outcome)
+}
+
+/// `node` owned shards before `from` and owned none, as a worker, between
+/// `from` and `to`.
+pub fn assert_demoted(summary: &Value, node: &str, from: f64, to: f64) {
+    let roles = summary["role_changes"].as_array().cloned().unwrap_or_default();
+    let mine: Vec<&Value> = roles.iter().filter(|r| r["node"] == node).collect();
+    let at = |r: &Value| r["secs"].as_f64().unwrap_or(f64::NAN);
+    assert!(
+        mine.iter().any(|r| r["role"] == "aggregator" && at(r) < from),
+        "{node} never owned shards before {from} s: {mine:?}"
+    );
+    assert!(
+        mine.iter().any(|r| {
+            r["role"] == "worker" && r["owned"].as_array().is_some_and(Vec::is_empty) && at(r) >= from && at(r) <= to
+        }),
+        "{node} was not demoted between {from} s and {to} s: {mine:?}"
+    );
+}
