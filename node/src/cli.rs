@@ -187,6 +187,12 @@ pub struct NodeArgs {
     /// Elastic roles: demote slow owners and move their shards (true/false).
     #[arg(long)]
     pub elastic: Option<bool>,
+    /// Shard owners: auto (explore the number, as in PSLD), all, or a count.
+    #[arg(long)]
+    pub aggregators: Option<crate::config::Aggregators>,
+    /// With --aggregators auto: how many to start from (0: every capable node).
+    #[arg(long)]
+    pub start_aggregators: Option<u16>,
     /// Copies of each shard: 1 or 2.
     #[arg(long)]
     pub replicas: Option<u32>,
@@ -199,6 +205,9 @@ pub struct NodeArgs {
     /// Fault injection: stretch each gradient computation this many times.
     #[arg(long)]
     pub slowdown: Option<f64>,
+    /// Fault injection: serve shard states over an emulated link of this many Mbit/s.
+    #[arg(long)]
+    pub fault_serve_mbps: Option<f64>,
     /// Serve the status page, /status and /metrics on host:port, or `off`
     /// (default 127.0.0.1:0: loopback, a free port).
     #[arg(long)]
@@ -280,6 +289,28 @@ pub enum BenchCommand {
     Cluster(BenchClusterArgs),
     /// One aggregator slowed 5x: no straggler vs. static roles vs. elastic roles (4 nodes, digits).
     Straggler(BenchStragglerArgs),
+    /// Number of aggregators: one fixed owner vs. exploring from one (PSLD) vs. every node (4 nodes, digits).
+    Aggregators(BenchAggregatorsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchAggregatorsArgs {
+    /// Steps per node in each case.
+    #[arg(long, default_value_t = 600)]
+    pub steps: u64,
+    /// Samples per step per node.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Hidden layer widths of the MLP (a large model makes aggregation costly).
+    #[arg(long, value_delimiter = ',', default_value = "256,256")]
+    pub hidden: Vec<usize>,
+    /// Steps per measurement window of the explorer.
+    #[arg(long, default_value_t = 40)]
+    pub window: u64,
+    /// Every owner serves shard states over an emulated uplink of this many
+    /// Mbit/s (0: loopback as it is); a slow uplink makes a single owner the bottleneck.
+    #[arg(long, default_value_t = 100.0)]
+    pub serve_mbps: f64,
 }
 
 #[derive(Debug, Args)]

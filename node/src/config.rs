@@ -36,6 +36,72 @@ impl std::str::FromStr for Mode {
     }
 }
 
+/// How many nodes own shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(into = "AggregatorsRepr", try_from = "AggregatorsRepr")]
+pub enum Aggregators {
+    /// Explore the number (PSLD): start from `cluster.start_aggregators`,
+    /// add an owner while communication dominates step time, remove an idle
+    /// one, keep a change only if step time improves.
+    #[default]
+    Auto,
+    /// Every capable node owns shards.
+    All,
+    /// At most this many (at least 1).
+    Fixed(u16),
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum AggregatorsRepr {
+    Count(i64),
+    Word(String),
+}
+
+impl From<Aggregators> for AggregatorsRepr {
+    fn from(a: Aggregators) -> Self {
+        match a {
+            Aggregators::Auto => AggregatorsRepr::Word("auto".into()),
+            Aggregators::All => AggregatorsRepr::Word("all".into()),
+            Aggregators::Fixed(n) => AggregatorsRepr::Count(n as i64),
+        }
+    }
+}
+
+impl TryFrom<AggregatorsRepr> for Aggregators {
+    type Error = String;
+    fn try_from(r: AggregatorsRepr) -> Result<Self, String> {
+        match r {
+            AggregatorsRepr::Count(n) => n.to_string().parse(),
+            AggregatorsRepr::Word(w) => w.parse(),
+        }
+    }
+}
+
+impl std::str::FromStr for Aggregators {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Aggregators::Auto),
+            "all" => Ok(Aggregators::All),
+            n => match n.parse::<u16>() {
+                Ok(k) if k >= 1 => Ok(Aggregators::Fixed(k)),
+                _ => Err(format!("aggregators `{n}`: expected auto, all or a count from 1 to {}", u16::MAX)),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Aggregators {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Aggregators::Auto => write!(f, "auto"),
+            Aggregators::All => write!(f, "all"),
+            Aggregators::Fixed(n) => write!(f, "{n}"),
+        }
+    }
+}
+
 /// Learning-rate schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -175,6 +241,15 @@ pub struct ClusterConfig {
     /// ... and is also slower than the norm by at least this many ms per
     /// push (a floor against scheduling noise on fast links). Default 5.
     pub straggler_min_excess_ms: f64,
+    /// How many nodes own shards: `"auto"` (explore, as in PSLD), `"all"`
+    /// (every capable node) or a count. Default `"auto"`.
+    pub aggregators: Aggregators,
+    /// With `aggregators = "auto"`: how many to start from; 0 starts from
+    /// every capable node. Default 0.
+    pub start_aggregators: u16,
+    /// With `aggregators = "auto"`: steps per measurement window; a change
+    /// of the number of aggregators is judged one settled window later. Default 60.
+    pub explore_window_steps: u64,
     /// Workers forget an owner's service time after this many steps without
     /// pushing to it, so a demoted owner gets another try. Default 100.
     pub service_forget_steps: u64,
@@ -197,6 +272,10 @@ pub struct ClusterConfig {
     /// Fault injection: stretch every gradient computation to this many
     /// times its length (a slow machine). Default 1.0 (none).
     pub slowdown: f64,
+    /// Fault injection: send the shard states this node serves as an owner
+    /// over an emulated link of this many Mbit/s, one after another (a slow
+    /// uplink). Default 0 (none).
+    pub fault_serve_mbps: f64,
 }
 
 impl Default for ClusterConfig {
@@ -220,6 +299,9 @@ impl Default for ClusterConfig {
             demote_ratio: 3.0,
             restore_ratio: 1.5,
             straggler_min_excess_ms: 5.0,
+            aggregators: Aggregators::Auto,
+            start_aggregators: 0,
+            explore_window_steps: 60,
             service_forget_steps: 100,
             replicas: 2,
             replica_every: 4,
@@ -227,6 +309,7 @@ impl Default for ClusterConfig {
             round_timeout_ms: 10_000,
             fault_delay_ms: 0,
             slowdown: 1.0,
+            fault_serve_mbps: 0.0,
         }
     }
 }
@@ -357,6 +440,15 @@ impl NodeConfig {
         if !(c.straggler_min_excess_ms.is_finite() && c.straggler_min_excess_ms >= 0.0) {
             bail!("cluster.straggler_min_excess_ms must be a non-negative number");
         }
+        if c.explore_window_steps == 0 {
+            bail!("cluster.explore_window_steps must be at least 1");
+        }
+        if c.start_aggregators > 0 && c.aggregators != Aggregators::Auto {
+            bail!(
+                "cluster.start_aggregators applies only with cluster.aggregators = \"auto\" (it is {})",
+                c.aggregators
+            );
+        }
         if !(1..=2).contains(&c.replicas) {
             bail!("cluster.replicas must be 1 (no replica) or 2 (one backup), got {}", c.replicas);
         }
@@ -373,7 +465,9 @@ impl NodeConfig {
         if c.handoff_timeout_ms == 0 {
             bail!("cluster.handoff_timeout_ms must be positive");
         }
-        crate::faults::Faults::new(c.fault_delay_ms, c.slowdown).map_err(|e| anyhow::anyhow!("cluster.{e}"))?;
+        crate::faults::Faults::new(c.fault_delay_ms, c.slowdown)
+            .and_then(|f| f.set_serve_mbps(c.fault_serve_mbps))
+            .map_err(|e| anyhow::anyhow!("cluster.{e}"))?;
         self.http.addr()?;
         if c.channel_capacity == 0 {
             bail!("cluster.channel_capacity must be at least 1");
@@ -418,6 +512,20 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(e.contains("raft"), "{e}");
+        for (text, want) in [
+            ("auto", Some(Aggregators::Auto)),
+            ("\"all\"", Some(Aggregators::All)),
+            ("3", Some(Aggregators::Fixed(3))),
+            ("0", None),
+            ("-2", None),
+            ("\"many\"", None),
+        ] {
+            let text = if text == "auto" { "\"auto\"" } else { text };
+            let got = toml::from_str::<NodeConfig>(&format!("[cluster]\naggregators = {text}\n"));
+            assert_eq!(got.as_ref().ok().map(|c| c.cluster.aggregators), want, "{text}: {got:?}");
+        }
+        let e = toml::from_str::<NodeConfig>("[cluster]\naggregators = 0\n").err().map(|e| e.to_string());
+        assert!(e.unwrap_or_default().contains("expected auto, all or a count"));
         let mut c = NodeConfig::default();
         c.cluster.failure_timeout_ms = 100;
         assert!(c.validate().is_err());

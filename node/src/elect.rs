@@ -3,7 +3,10 @@
 //!
 //! [`elect`] is pure (no clock, no RNG, no I/O): the members of the view and
 //! the median service times in go, a [`Placement`] comes out. Stragglers (see
-//! [`crate::health`]) are excluded, the rest share the shards by weighted
+//! [`crate::health`]) are excluded; the rest, weighted by measured capacity
+//! ([`crate::health::capacity_levels`]) and limited to the number of
+//! aggregators the members agree on ([`crate::explore::agreed_limit`]),
+//! share the shards by weighted
 //! rendezvous with bounded loads ([`crate::assign`]), and each shard gets a
 //! backup: the owner it would have if its owner vanished, which is where the
 //! owner sends replicas and, by the same rendezvous, who takes over when the
@@ -13,6 +16,8 @@
 //! The [`ElectionHandle`] actor recomputes the placement whenever the view
 //! or this node's own measurements change and publishes it on a `watch`
 //! channel; the worker routes by it and the aggregator moves shards by it.
+//! With `cluster.aggregators = "auto"` it also runs this node's
+//! [`crate::explore::Explorer`] and gossips its proposed number of aggregators.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,7 +29,8 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::assign::{assign, AssignPolicy, Candidate};
-use crate::health::{medians, stragglers, HealthPolicy};
+use crate::explore::{agreed_limit, lower_median, Decision, ExplorePolicy, Explorer, Observation};
+use crate::health::{capacity_levels, medians, stragglers, weight_of, HealthPolicy};
 use crate::membership::{MembershipHandle, SelfState, View};
 use crate::status::{RoleView, StatusEvent, StatusHandle};
 
@@ -40,18 +46,21 @@ pub struct Member {
     pub active: bool,
     /// Leaving cleanly: hands its shards off and owns nothing new.
     pub leaving: bool,
+    /// The number of aggregators it proposes (0: every capable node).
+    pub aggregators: u16,
+    /// Its capacity level in its own latest placement (hysteresis state of
+    /// [`crate::health::capacity_levels`]).
+    pub capacity_level: i8,
 }
 
 /// Knobs of the election.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ElectPolicy {
     pub health: HealthPolicy,
-    /// At most this many aggregators (0: no limit).
-    pub max_aggregators: usize,
 }
 
 /// Who owns, backs up and trains what, under one epoch.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Placement {
     pub epoch: u64,
     /// `owners[shard]`.
@@ -64,6 +73,13 @@ pub struct Placement {
     pub workers: Vec<PeerId>,
     /// Owners excluded as too slow, sorted.
     pub stragglers: Vec<PeerId>,
+    /// The agreed number of aggregators (`None`: every eligible node).
+    pub limit: Option<usize>,
+    /// Members that could own shards (capable, not leaving, not straggling).
+    pub eligible: usize,
+    /// Capacity level of each eligible member, sorted by peer: its weight
+    /// in the rendezvous is 2^level (all 0 without measurements).
+    pub levels: Vec<(PeerId, i8)>,
 }
 
 impl Placement {
@@ -81,6 +97,16 @@ impl Placement {
 
     pub fn is_live(&self, peer: &PeerId) -> bool {
         self.live.binary_search_by_key(&peer.to_bytes(), |p| p.to_bytes()).is_ok()
+    }
+
+    /// Number of distinct owners.
+    pub fn aggregators(&self) -> usize {
+        sorted(self.owners.clone()).len()
+    }
+
+    /// `peer`'s capacity level (0 if it is not eligible).
+    pub fn level_of(&self, peer: &PeerId) -> i8 {
+        self.levels.iter().find(|(p, _)| p == peer).map_or(0, |(_, l)| *l)
     }
 }
 
@@ -117,16 +143,23 @@ pub fn elect(
         eligible = capable.clone();
         slow.clear();
     }
+    let prior = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.capacity_level);
+    let measured = capacity_levels(&capable_service, prior, policy.health);
+    let levels: Vec<(PeerId, i8)> =
+        eligible.iter().map(|m| (m.peer, measured.get(&m.peer).copied().unwrap_or(0))).collect();
+    let weight = |p: &PeerId| levels.iter().find(|(q, _)| q == p).map_or(1.0, |(_, l)| weight_of(*l));
     let candidates: Vec<Candidate<Vec<u8>>> =
-        eligible.iter().map(|m| Candidate { peer: m.peer.to_bytes(), weight: 1.0 }).collect();
-    let (assign_epoch, owners) = owners_of(&candidates, shards, policy.max_aggregators)?;
+        eligible.iter().map(|m| Candidate { peer: m.peer.to_bytes(), weight: weight(&m.peer) }).collect();
+    let limit = agreed_limit(members.iter().map(|m| m.aggregators));
+    let max = limit.unwrap_or(0);
+    let (assign_epoch, owners) = owners_of(&candidates, shards, max)?;
     let mut backups: Vec<Option<PeerId>> = vec![None; shards as usize];
     let mut distinct = owners.clone();
     distinct.sort_by_key(|p| p.to_bytes());
     distinct.dedup();
     for o in &distinct {
         let without: Vec<Candidate<Vec<u8>>> = candidates.iter().filter(|c| c.peer != o.to_bytes()).cloned().collect();
-        if let Some((_, next)) = owners_of(&without, shards, policy.max_aggregators) {
+        if let Some((_, next)) = owners_of(&without, shards, max) {
             for (s, owner) in owners.iter().enumerate() {
                 if owner == o {
                     backups[s] = Some(next[s]);
@@ -144,7 +177,18 @@ pub fn elect(
             digest.extend_from_slice(&p.to_bytes());
         }
     }
-    Some(Placement { epoch: stable_hash64(&digest), owners, backups, live, workers, stragglers })
+    digest.extend_from_slice(&(max as u64).to_le_bytes());
+    Some(Placement {
+        epoch: stable_hash64(&digest),
+        owners,
+        backups,
+        live,
+        workers,
+        stragglers,
+        limit,
+        eligible: eligible.len(),
+        levels,
+    })
 }
 
 /// The election's inputs from this node's view: live peers that take part
@@ -179,6 +223,8 @@ pub fn inputs_from_view(
                 serving: hb.role == Role::Aggregator,
                 active: hb.step < total_steps && hb.role != Role::Leaving,
                 leaving: hb.role == Role::Leaving,
+                aggregators: hb.pace.aggregators,
+                capacity_level: hb.pace.capacity_level,
             }
         })
         .collect();
@@ -188,6 +234,8 @@ pub fn inputs_from_view(
         serving: me.role == Role::Aggregator,
         active: me.step < total_steps && !me.leaving,
         leaving: me.leaving,
+        aggregators: me.pace.aggregators,
+        capacity_level: me.pace.capacity_level,
     });
     let reports = live
         .iter()
@@ -196,11 +244,48 @@ pub fn inputs_from_view(
     (members, medians(reports))
 }
 
+/// What this node's explorer sees: the cluster's step and pace over the
+/// members still training (this node included), and the current placement.
+/// `None` before anyone has timed a step.
+pub fn observation(
+    view: &View,
+    me: &SelfState,
+    placement: &Placement,
+    total_steps: u64,
+    now_ms: u64,
+    timeout_ms: u64,
+) -> Option<Observation> {
+    let training = |role: Role, step: u64| role != Role::Joining && role != Role::Leaving && step < total_steps;
+    let mut paces: Vec<(u64, shoal_protocol::Pace)> = view
+        .live(now_ms, timeout_ms)
+        .into_iter()
+        .filter(|p| training(p.heartbeat.role, p.heartbeat.step))
+        .map(|p| (p.heartbeat.step, p.heartbeat.pace))
+        .collect();
+    if !me.leaving && me.step < total_steps {
+        paces.push((me.step, me.pace));
+    }
+    let step = lower_median(paces.iter().map(|p| p.0).collect())?;
+    let timed: Vec<_> = paces.iter().map(|p| p.1).filter(|p| p.step_micros > 0).collect();
+    let step_micros = lower_median(timed.iter().map(|p| p.step_micros as f64).collect())?;
+    let comm_share = lower_median(timed.iter().map(|p| p.comm_micros as f64 / p.step_micros as f64).collect())?;
+    Some(Observation {
+        step,
+        aggregators: placement.aggregators(),
+        candidates: placement.eligible,
+        step_micros,
+        comm_share: comm_share.clamp(0.0, 1.0),
+    })
+}
+
 /// Settings of the election actor.
 #[derive(Debug, Clone)]
 pub struct ElectionConfig {
     pub shards: u32,
     pub policy: ElectPolicy,
+    /// Explore the number of aggregators from this start (`None`: every
+    /// capable node); `None` here: no exploration.
+    pub explore: Option<(ExplorePolicy, Option<usize>)>,
     pub can_aggregate: bool,
     pub total_steps: u64,
     pub failure_timeout_ms: u64,
@@ -253,6 +338,7 @@ async fn run(
     // The view and this node's heartbeat fields change every step (step
     // counters, model versions); the election's inputs rarely do.
     let mut last_inputs = None;
+    let mut explorer = cfg.explore.map(|(policy, start)| Explorer::new(policy, start));
     loop {
         let inputs = {
             let snap = view.borrow_and_update();
@@ -273,11 +359,68 @@ async fn run(
             None if !unchanged => warn!("no live node may own shards; keeping the last placement"),
             None => {}
         }
+        if let (Some(ex), Some(p)) = (explorer.as_mut(), out.borrow().clone()) {
+            explore(ex, &p, &cfg, &view, &me, &membership, &status);
+        }
         tokio::select! {
             r = view.changed() => if r.is_err() { break },
             r = me.changed() => if r.is_err() { break },
             _ = out.closed() => break,
         }
+    }
+}
+
+/// Feed this node's explorer and gossip its proposal.
+fn explore(
+    ex: &mut Explorer,
+    placement: &Placement,
+    cfg: &ElectionConfig,
+    view: &watch::Receiver<crate::membership::ViewSnapshot>,
+    me: &watch::Receiver<SelfState>,
+    membership: &MembershipHandle,
+    status: &StatusHandle,
+) {
+    let o = {
+        let snap = view.borrow();
+        observation(&snap.view, &me.borrow(), placement, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms)
+    };
+    let Some(o) = o else { return };
+    if let Some(d) = ex.observe(&o, placement.limit) {
+        match d {
+            Decision::Try { from, to, baseline_micros } => info!(
+                node = cfg.name,
+                step = o.step,
+                from,
+                to,
+                comm_share = o.comm_share,
+                step_ms = baseline_micros / 1e3,
+                "trying another number of aggregators"
+            ),
+            Decision::Keep { from, k, before_micros, after_micros } => info!(
+                node = cfg.name,
+                step = o.step,
+                from,
+                k,
+                before_ms = before_micros / 1e3,
+                after_ms = after_micros / 1e3,
+                "keeping the number of aggregators: steps got faster"
+            ),
+            Decision::Revert { tried, k, before_micros, after_micros, backoff_windows } => info!(
+                node = cfg.name,
+                step = o.step,
+                tried,
+                k,
+                before_ms = before_micros / 1e3,
+                after_ms = after_micros / 1e3,
+                backoff_windows,
+                "going back to the previous number of aggregators: steps did not get faster"
+            ),
+        }
+        status.record(StatusEvent::Explore { step: o.step, decision: d });
+    }
+    let proposal = ex.proposal();
+    if me.borrow().pace.aggregators != proposal {
+        membership.set_self(|s| s.pace.aggregators = proposal);
     }
 }
 
@@ -292,14 +435,23 @@ fn announce(
 ) {
     let owned = new.owned_by(me);
     let before = old.map(|o| o.owned_by(me));
+    status.record(StatusEvent::Aggregators(new.aggregators()));
     if old.is_none_or(|o| o.owners != new.owners || o.stragglers != new.stragglers) {
         info!(
             node = name,
             epoch = new.epoch,
             owners = ?new.owners.iter().map(crate::node::short).collect::<Vec<_>>(),
             stragglers = ?new.stragglers.iter().map(crate::node::short).collect::<Vec<_>>(),
+            limit = ?new.limit,
             "placement"
         );
+    }
+    let level = new.level_of(me);
+    if old.is_none_or(|o| o.level_of(me) != level) {
+        membership.set_self(|s| {
+            s.pace.capacity_level = level;
+            s.announce += 1;
+        });
     }
     if before.as_ref() != Some(&owned) {
         let role = if owned.is_empty() { Role::Worker } else { Role::Aggregator };
@@ -329,6 +481,8 @@ mod tests {
                 serving: true,
                 active: true,
                 leaving: false,
+                aggregators: 0,
+                capacity_level: 0,
             })
             .collect()
     }
@@ -364,6 +518,44 @@ mod tests {
         for s in before.owned_by(&slow) {
             assert_eq!(before.backup(s), gone.owner(s), "shard {s}");
         }
+    }
+
+    #[test]
+    fn a_slower_owner_gets_a_smaller_share_and_the_agreed_limit_caps_the_owners() {
+        let mut m = members(4);
+        let service: BTreeMap<PeerId, f64> =
+            m.iter().enumerate().map(|(i, x)| (x.peer, if i == 3 { 250.0 } else { 100.0 })).collect();
+        let Some(p) = elect(&m, &service, 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert!(p.stragglers.is_empty(), "2.5x is below the demotion ratio");
+        // Weights 1, 1, 1, 0.5: caps ceil(64/3.5) = 19 and ceil(32/3.5) = 10, so the
+        // slow owner has 64 - 3 * 19 = 7 to 10 shards and each other one at least 64 - 10 - 2 * 19 = 16.
+        let slow = p.owned_by(&m[3].peer).len();
+        assert!((7..=10).contains(&slow), "the half-weight owner has {slow} of 64 shards");
+        for x in &m[..3] {
+            assert!(p.owned_by(&x.peer).len() >= 16, "{:?}", p.levels);
+        }
+        assert_eq!(p.level_of(&m[3].peer), -1, "{:?}", p.levels);
+        // Gossiped hysteresis: an owner that already holds level -1 keeps it
+        // at 1.9x slower; one still at level 0 does not get it.
+        let near: BTreeMap<PeerId, f64> =
+            service.iter().map(|(p, v)| (*p, if *p == m[3].peer { 190.0 } else { *v })).collect();
+        let Some(p0) = elect(&m, &near, 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!(p0.level_of(&m[3].peer), 0);
+        m[3].capacity_level = -1;
+        let Some(p1) = elect(&m, &near, 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!(p1.level_of(&m[3].peer), -1);
+        assert_ne!(p0.owners, p1.owners);
+        m[3].capacity_level = 0;
+        // Two of four propose 2 aggregators, the others every node: the lower median is 2.
+        m[0].aggregators = 2;
+        m[1].aggregators = 2;
+        let Some(q) = elect(&m, &service, 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!((q.limit, q.aggregators(), q.eligible), (Some(2), 2, 4));
+        assert!(q.owned_by(&m[3].peer).is_empty(), "the lightest candidate is dropped first");
+        m[1].aggregators = 0;
+        let Some(r) = elect(&m, &service, 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!((r.limit, r.aggregators()), (None, 4), "one proposal alone does not cap k");
+        assert_ne!(q.epoch, r.epoch);
     }
 
     #[test]

@@ -91,6 +91,95 @@ pub fn stragglers(
         .collect()
 }
 
+/// Most and least capacity level: weights 4 and 0.25 relative to the norm.
+pub const MAX_LEVEL: i8 = 2;
+pub const MIN_LEVEL: i8 = -2;
+
+/// How far (in powers of two) an owner's speed must pass the edge of its
+/// current level's band before its level moves: 2^0.25, about 1.19x.
+pub const LEVEL_HYSTERESIS: f64 = 0.25;
+
+/// Capacity levels ignore differences from the norm smaller than this many
+/// times the straggler floor (`min_excess_micros_per_mib`): moving shards
+/// between healthy owners is an optimisation and needs a clear signal.
+pub const LEVEL_FLOOR_FACTOR: f64 = 2.0;
+
+/// The capacity weight of a level: 2^level.
+pub fn weight_of(level: i8) -> f64 {
+    f64::from(level.clamp(MIN_LEVEL, MAX_LEVEL)).exp2()
+}
+
+/// Capacity level of each measured owner for the weighted rendezvous: its
+/// weight is [`weight_of`] the level, the owner's speed relative to the norm
+/// rounded towards 1 to a power of two. Within 2x of the norm (or within
+/// [`LEVEL_FLOOR_FACTOR`] times the noise floor `min_excess_micros_per_mib`
+/// of it) the level is 0 (weight 1);
+/// an owner 2 to 4 times faster gets 1 (weight 2), 4 or more times faster 2;
+/// one 2 to 4 times slower gets -1 (past `demote_ratio` it is a straggler and
+/// gets nothing).
+///
+/// Hysteresis, as for stragglers, comes from gossiped state so that every
+/// node decides the same: `prior(owner)` is the level the owner holds in its
+/// own latest placement (from its heartbeat). An owner keeps its prior level
+/// until its speed leaves that level's band by [`LEVEL_HYSTERESIS`]. Without
+/// it, measurement noise around a band edge moved shards back and forth
+/// every heartbeat, and each move itself slowed the pushes that measure the
+/// owners. Unmeasured owners are not in the map (weight 1).
+pub fn capacity_levels(
+    medians: &BTreeMap<PeerId, f64>,
+    prior: impl Fn(&PeerId) -> i8,
+    policy: HealthPolicy,
+) -> BTreeMap<PeerId, i8> {
+    let Some(norm) = lower_median(medians.values().copied().collect()) else { return BTreeMap::new() };
+    if !(norm > 0.0 && norm.is_finite()) {
+        return BTreeMap::new();
+    }
+    medians
+        .iter()
+        .map(|(peer, &m)| {
+            let raw =
+                if (m - norm).abs() < LEVEL_FLOOR_FACTOR * policy.min_excess_micros_per_mib || m.is_nan() || m <= 0.0 {
+                    0.0
+                } else {
+                    (norm / m).log2()
+                };
+            (*peer, level_with_hysteresis(raw, prior(peer).clamp(MIN_LEVEL, MAX_LEVEL)))
+        })
+        .collect()
+}
+
+/// The level for a speed of `2^raw` times the norm, given the current level.
+fn level_with_hysteresis(raw: f64, current: i8) -> i8 {
+    // The band of raw speeds that truncates to each level.
+    let band = |l: i8| -> (f64, f64) {
+        let l = f64::from(l);
+        match l {
+            l if l > 0.0 => (l, l + 1.0),
+            l if l < 0.0 => (l - 1.0, l),
+            _ => (-1.0, 1.0),
+        }
+    };
+    let (mut lo, mut hi) = band(current);
+    if current == MAX_LEVEL {
+        hi = f64::INFINITY;
+    }
+    if current == MIN_LEVEL {
+        lo = f64::NEG_INFINITY;
+    }
+    if raw > lo - LEVEL_HYSTERESIS && raw < hi + LEVEL_HYSTERESIS {
+        return current;
+    }
+    (raw.trunc().clamp(f64::from(MIN_LEVEL), f64::from(MAX_LEVEL))) as i8
+}
+
+/// Weight of the newest push in a worker's moving average of an owner's
+/// service time. 0.1 averages over about ten pushes: on a loaded machine
+/// single pushes wait tens of milliseconds for a CPU, and a faster average
+/// (0.3 before) let that noise demote healthy owners and flip capacity
+/// levels, and every flip moved shards. A 5x slowdown still crosses the 3x
+/// demotion ratio within about seven pushes.
+pub const SERVICE_ALPHA: f64 = 0.1;
+
 #[derive(Debug, Clone, Copy)]
 struct Tracked {
     micros_per_mib: f64,
@@ -112,7 +201,8 @@ impl ServiceTracker {
         }
         let per_mib = micros * (1024.0 * 1024.0) / bytes as f64;
         let t = self.owners.entry(owner).or_insert(Tracked { micros_per_mib: per_mib, samples: 0, last_step: step });
-        t.micros_per_mib = if t.samples == 0 { per_mib } else { 0.7 * t.micros_per_mib + 0.3 * per_mib };
+        t.micros_per_mib =
+            if t.samples == 0 { per_mib } else { t.micros_per_mib + SERVICE_ALPHA * (per_mib - t.micros_per_mib) };
         t.samples = t.samples.saturating_add(1);
         t.last_step = step;
     }
@@ -203,6 +293,49 @@ mod tests {
     }
 
     #[test]
+    fn capacity_levels_follow_speed_in_powers_of_two_with_a_dead_zone_and_hysteresis() {
+        let owners: Vec<PeerId> = (0..6).map(|_| PeerId::random()).collect();
+        let r = PeerId::random();
+        let speeds = [100.0, 100.0, 100.0, 190.0, 250.0, 30.0];
+        let seen: Vec<ServiceObservation> = owners.iter().zip(speeds).map(|(&o, v)| obs(o, v)).collect();
+        let m = medians([(r, seen.as_slice())]);
+        let levels = |prior: &dyn Fn(&PeerId) -> i8, policy| {
+            let l = capacity_levels(&m, prior, policy);
+            owners.iter().map(|o| l[o]).collect::<Vec<i8>>()
+        };
+        // 1.9x slower is noise; 2.5x slower gets half; 3.3x faster gets double.
+        assert_eq!(levels(&|_| 0, HealthPolicy::default()), vec![0, 0, 0, 0, -1, 1]);
+        assert_eq!(weight_of(-1), 0.5);
+        assert_eq!(weight_of(1), 2.0);
+        // Hysteresis: a level is kept until the speed leaves its band by 2^0.25.
+        // 1.9x slower stays at -1 (the band ends at 2x, the margin at 1.68x);
+        // 2.5x slower and 3.3x faster also keep a level they already hold.
+        let held = |p: &PeerId| {
+            if *p == owners[3] || *p == owners[4] {
+                -1
+            } else if *p == owners[5] {
+                1
+            } else {
+                0
+            }
+        };
+        assert_eq!(levels(&held, HealthPolicy::default()), vec![0, 0, 0, -1, -1, 1]);
+        // Owners at the norm drop a stale level at once.
+        let stale = |p: &PeerId| if *p == owners[0] { 2 } else { 0 };
+        assert_eq!(levels(&stale, HealthPolicy::default())[0], 0);
+        assert_eq!(level_with_hysteresis(1.1, 0), 0, "2.1x faster is inside the margin of level 0");
+        assert_eq!(level_with_hysteresis(1.3, 0), 1);
+        assert_eq!(level_with_hysteresis(0.8, 1), 1, "1.74x faster keeps level 1");
+        assert_eq!(level_with_hysteresis(0.7, 1), 0);
+        assert_eq!(level_with_hysteresis(9.0, 2), 2);
+        assert_eq!(level_with_hysteresis(-9.0, 0), MIN_LEVEL);
+        // Under the absolute floor every owner weighs the same.
+        let floor = HealthPolicy { min_excess_micros_per_mib: 500.0, ..HealthPolicy::default() };
+        assert!(levels(&|_| 0, floor).iter().all(|&x| x == 0));
+        assert!(capacity_levels(&BTreeMap::new(), |_| 0, HealthPolicy::default()).is_empty());
+    }
+
+    #[test]
     fn tracker_averages_and_forgets() {
         let o = PeerId::random();
         let mut t = ServiceTracker::default();
@@ -210,7 +343,7 @@ mod tests {
         t.observe(o, 1024 * 1024, 200.0, 2);
         let r = t.report(2, 10);
         assert_eq!(r.len(), 1);
-        assert!((r[0].micros_per_mib - 130.0).abs() < 1e-3, "{}", r[0].micros_per_mib);
+        assert!((r[0].micros_per_mib - 110.0).abs() < 1e-3, "{}", r[0].micros_per_mib);
         assert_eq!(r[0].samples, 2);
         assert!(t.report(13, 10).is_empty(), "not pushed to for 11 steps: forgotten");
     }

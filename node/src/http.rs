@@ -377,6 +377,12 @@ pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
     counter(&mut reg, "handoffs_out", "Shards handed to a new owner", s.handoffs_out);
     counter(&mut reg, "handoffs_in", "Shards received from an old owner", s.handoffs_in);
     counter(&mut reg, "rounds_forced", "BSP rounds closed at the round timeout", s.rounds_forced);
+    gauge(&mut reg, "aggregators", "Shard owners in this node's placement", s.aggregators as f64);
+    let explored = Family::<Vec<(String, String)>, Counter>::default();
+    for e in &s.exploration {
+        explored.get_or_create(&vec![("action".into(), e.action.into())]).inc();
+    }
+    reg.register("exploration_decisions", "Decisions on the number of aggregators (try, keep, revert)", explored);
     let restored = Family::<Vec<(String, String)>, Counter>::default();
     restored.get_or_create(&vec![("from".into(), "replica".into())]).inc_by(s.restored_from_replica);
     restored.get_or_create(&vec![("from".into(), "worker_copy".into())]).inc_by(s.restored_from_worker_copy);
@@ -388,6 +394,7 @@ pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
     reg.register("role", "Current role (the labelled series is 1)", role);
     gauge(&mut reg, "fault_serve_delay_ms", "Injected serve delay", faults.serve_delay().as_millis() as f64);
     gauge(&mut reg, "fault_slowdown", "Injected compute slowdown factor", faults.slowdown());
+    gauge(&mut reg, "fault_serve_mbps", "Injected serving uplink (0: none)", faults.serve_mbps());
     let mut out = String::new();
     if encode(&mut out, &reg).is_err() {
         out.clear();
@@ -425,6 +432,7 @@ async function tick(){
    row('push / pull latency (ms)',fmt(s.push_latency_ms,2)+' / '+fmt(s.pull_latency_ms,2))+
    row('bytes out / in',s.bytes_out+' / '+s.bytes_in)+
    row('handoffs out / in',s.handoffs_out+' / '+s.handoffs_in)+
+   row('aggregators in the placement',s.aggregators)+
    row('faults','serve delay '+s.serve_delay_ms+' ms, slowdown '+s.slowdown+'x')+
    row('listen',s.listen.join('<br>'));
   document.getElementById('peers').innerHTML='<tr><th>peer</th><th>role</th><th>step</th><th>shards</th><th>last seen</th></tr>'+

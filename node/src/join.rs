@@ -172,6 +172,7 @@ mod tests {
             step,
             model_version: step,
             service: vec![],
+            pace: Default::default(),
         }
     }
 

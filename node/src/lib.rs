@@ -21,6 +21,7 @@ pub mod cluster;
 pub mod cmd;
 pub mod config;
 pub mod elect;
+pub mod explore;
 pub mod faults;
 pub mod handoff;
 pub mod health;

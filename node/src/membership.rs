@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use shoal_models::rng::stable_hash64;
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{Capabilities, GossipMessage, Heartbeat, Role, RunId, ServiceObservation, WIRE_VERSION};
+use shoal_protocol::{Capabilities, GossipMessage, Heartbeat, Pace, Role, RunId, ServiceObservation, WIRE_VERSION};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -203,6 +203,9 @@ pub struct SelfState {
     /// Leaving cleanly: the heartbeat says `Leaving` so owners stop waiting
     /// for this node and the election moves its shards away.
     pub leaving: bool,
+    /// Recent step and communication time (set by the worker) and the number
+    /// of aggregators this node proposes (set by the election).
+    pub pace: Pace,
 }
 
 /// Membership settings.
@@ -239,6 +242,7 @@ impl MembershipHandle {
             announce: 0,
             service: Vec::new(),
             leaving: false,
+            pace: Pace::default(),
         };
         let (self_tx, self_rx) = watch::channel(initial_self);
         let view = View::new(cfg.me, cfg.capabilities.can_aggregate, cfg.config_hash);
@@ -366,6 +370,7 @@ impl MembershipActor {
             step: me.step,
             model_version: me.model_version,
             service: me.service.iter().take(shoal_protocol::MAX_SERVICE_OBSERVATIONS).cloned().collect(),
+            pace: me.pace,
         };
         self.net.publish(GossipMessage::Heartbeat(hb)).await.map_err(|_| ())
     }
@@ -397,6 +402,7 @@ mod tests {
             step: 0,
             model_version: 0,
             service: vec![],
+            pace: Default::default(),
         }
     }
 

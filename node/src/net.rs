@@ -429,6 +429,7 @@ impl NetworkActor {
                 let wait = Duration::from_millis(p.max_wait_ms as u64);
                 let epoch = routes.epoch;
                 let delay = self.parts.faults.serve_delay();
+                let faults = self.parts.faults.clone();
                 match agg.try_pull(peer, shard, p.min_version, wait) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
@@ -445,7 +446,11 @@ impl NetworkActor {
                             Ok(PullReply::NotOwner { epoch, hint }) => ShardResponse::NotOwner { shard, epoch, hint },
                             Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
                         };
-                        fault_delay(delay).await;
+                        let sent = match &resp {
+                            ShardResponse::ShardState(s) => s.params.byte_len(),
+                            _ => 0,
+                        };
+                        fault_delay(delay + faults.link_delay(sent)).await;
                         (channel, resp)
                     })),
                 }

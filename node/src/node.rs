@@ -16,8 +16,9 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::aggregator::{AggregatorConfig, AggregatorHandle, ShardStats};
-use crate::config::{Mode, NodeConfig};
+use crate::config::{Aggregators, Mode, NodeConfig};
 use crate::elect::{ElectPolicy, ElectionConfig, ElectionHandle, Placement};
+use crate::explore::ExplorePolicy;
 use crate::faults::Faults;
 use crate::health::{HealthPolicy, ServiceTracker};
 use crate::join::{donor_count, fetch_model, join_point, JoinPoint};
@@ -113,7 +114,10 @@ pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
         c.demote_ratio,
         c.restore_ratio,
         c.replicas,
-    ) + &format!("|{}", c.straggler_min_excess_ms);
+    ) + &format!(
+        "|{}|{}|{}|{}",
+        c.straggler_min_excess_ms, c.aggregators, c.start_aggregators, c.explore_window_steps
+    );
     stable_hash64(key.as_bytes())
 }
 
@@ -163,7 +167,11 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let swarm = build_swarm(&proto, keypair)?;
     let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
         .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
-    let faults = Arc::new(Faults::new(c.fault_delay_ms, c.slowdown).map_err(|e| anyhow::anyhow!("cluster.{e}"))?);
+    let faults = Arc::new(
+        Faults::new(c.fault_delay_ms, c.slowdown)
+            .and_then(|f| f.set_serve_mbps(c.fault_serve_mbps).map(|()| f))
+            .map_err(|e| anyhow::anyhow!("cluster.{e}"))?,
+    );
     let (hb_tx, hb_rx) = mpsc::channel(c.channel_capacity);
     let (routes_tx, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
     let (snap_tx, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(initial.clone()) });
@@ -181,8 +189,13 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             faults: faults.clone(),
         },
     );
-    if c.fault_delay_ms > 0 || c.slowdown > 1.0 {
-        warn!(serve_delay_ms = c.fault_delay_ms, slowdown = c.slowdown, "fault injection is on");
+    if c.fault_delay_ms > 0 || c.slowdown > 1.0 || c.fault_serve_mbps > 0.0 {
+        warn!(
+            serve_delay_ms = c.fault_delay_ms,
+            slowdown = c.slowdown,
+            serve_mbps = c.fault_serve_mbps,
+            "fault injection is on"
+        );
     }
     let status = StatusHandle::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
     let incarnation =
@@ -211,6 +224,13 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         net.clone(),
         hb_rx,
     );
+    // Gossip the configured number of aggregators from the first heartbeat on.
+    let initial_aggregators = match c.aggregators {
+        Aggregators::Auto => c.start_aggregators,
+        Aggregators::All => 0,
+        Aggregators::Fixed(k) => k,
+    };
+    membership.set_self(|s| s.pace.aggregators = initial_aggregators);
     let listen = if proto.listen.is_empty() {
         Vec::new()
     } else {
@@ -373,7 +393,11 @@ async fn drive(
             placement_tx,
             ElectionConfig {
                 shards: worker.plan.len() as u32,
-                policy: ElectPolicy { health, max_aggregators: 0 },
+                policy: ElectPolicy { health },
+                explore: (c.elastic && c.aggregators == Aggregators::Auto).then(|| {
+                    let policy = ExplorePolicy { window_steps: c.explore_window_steps, ..ExplorePolicy::default() };
+                    (policy, (c.start_aggregators > 0).then_some(c.start_aggregators as usize))
+                }),
                 can_aggregate: c.can_aggregate,
                 total_steps: config.training.steps,
                 failure_timeout_ms: c.failure_timeout_ms,

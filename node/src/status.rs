@@ -77,6 +77,28 @@ pub struct StatusSnapshot {
     /// BSP rounds this node's shards closed at the round timeout, without
     /// every worker's gradient.
     pub rounds_forced: u64,
+    /// Aggregators in this node's current placement.
+    pub aggregators: usize,
+    /// Exploration of the number of aggregators: every trial, keep and
+    /// revert this node decided (at most 1000 kept).
+    pub exploration: Vec<ExploreRecord>,
+}
+
+/// One decision of this node's explorer (see [`crate::explore`]).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ExploreRecord {
+    pub secs: f64,
+    /// The cluster's step when it was decided.
+    pub step: u64,
+    /// `try`, `keep` or `revert`.
+    pub action: &'static str,
+    /// Aggregators before and after: for `try` the trial's start and target,
+    /// for `keep` the same pair, for `revert` the target given up and the k returned to.
+    pub from: usize,
+    pub to: usize,
+    /// Median step time before the trial and (for keep and revert) with it, ms.
+    pub before_ms: f64,
+    pub after_ms: Option<f64>,
 }
 
 /// One role change of a node.
@@ -109,6 +131,8 @@ pub enum StatusEvent {
     Joined { step: u64, donors: usize },
     Left { step: u64 },
     RoundForced,
+    Aggregators(usize),
+    Explore { step: u64, decision: crate::explore::Decision },
 }
 
 enum StatusCommand {
@@ -198,6 +222,30 @@ impl StatusActor {
             }
             StatusEvent::Left { step } => s.left_at_step = Some(step),
             StatusEvent::RoundForced => s.rounds_forced += 1,
+            StatusEvent::Aggregators(k) => s.aggregators = k,
+            StatusEvent::Explore { step, decision } => {
+                use crate::explore::Decision;
+                let (action, from, to, before, after) = match decision {
+                    Decision::Try { from, to, baseline_micros } => ("try", from, to, baseline_micros, None),
+                    Decision::Keep { from, k, before_micros, after_micros } => {
+                        ("keep", from, k, before_micros, Some(after_micros))
+                    }
+                    Decision::Revert { tried, k, before_micros, after_micros, .. } => {
+                        ("revert", tried, k, before_micros, Some(after_micros))
+                    }
+                };
+                if s.exploration.len() < 1000 {
+                    s.exploration.push(ExploreRecord {
+                        secs: self.born.elapsed().as_secs_f64(),
+                        step,
+                        action,
+                        from,
+                        to,
+                        before_ms: before / 1e3,
+                        after_ms: after.map(|a| a / 1e3),
+                    });
+                }
+            }
             StatusEvent::Step { step, samples, loss, compute_secs, comm_secs } => {
                 let started = *self.started.get_or_insert_with(Instant::now);
                 s.step = step;

@@ -174,6 +174,7 @@ impl Worker {
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
         let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
         let mut last_report: Option<Instant> = None;
+        let mut pace = crate::explore::PaceMeter::default();
         for step in routing.start_step..t.steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");
@@ -224,9 +225,12 @@ impl Worker {
                 comm_secs: comm,
             });
             self.status.record(StatusEvent::Version(version));
+            let p = pace.observe(started.elapsed().as_secs_f64(), comm);
             self.membership.set_self(|me| {
                 me.step = step + 1;
                 me.model_version = version;
+                me.pace.step_micros = p.step_micros;
+                me.pace.comm_micros = p.comm_micros;
             });
             if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
                 let e = self.trainer.evaluate().await?;

@@ -12,7 +12,9 @@
 //! - no shard goes without a live owner (in the owner's own view) for longer
 //!   than the failure-detection timeout plus the network's delay;
 //! - a slow owner reported by most workers is kept out of ownership except
-//!   for short re-admissions when the reports about it age out.
+//!   for short re-admissions when the reports about it age out;
+//! - capacity levels (gossiped hysteresis) settle with the placement: a node
+//!   3.3x faster than the norm ends with weight 2, the rest with 1.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -20,6 +22,7 @@ use shoal_models::rng::DetRng;
 use shoal_node::elect::{elect, inputs_from_view, ElectPolicy, Placement};
 use shoal_node::health::ServiceTracker;
 use shoal_node::membership::{SelfState, View};
+use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::{Capabilities, Device, Heartbeat, Role, RunId, WIRE_VERSION};
 
@@ -40,6 +43,8 @@ struct SimNode {
     me: SelfState,
     placement: Option<Placement>,
     slow: bool,
+    /// Serves 3.3x faster than the norm (capacity level 1, weight 2).
+    fast: bool,
     tracker: ServiceTracker,
 }
 
@@ -71,9 +76,17 @@ fn caps() -> Capabilities {
 
 impl Sim {
     fn new(seed: u64) -> Self {
+        // Peer ids come from the seed too: rendezvous ranks by them, so a
+        // seed replays the same run.
+        let mut ids = DetRng::derive(seed, "peer ids");
         let nodes = (0..NODES)
             .map(|_| {
-                let id = PeerId::random();
+                let mut secret = [0u8; 32];
+                for chunk in secret.chunks_mut(8) {
+                    chunk.copy_from_slice(&ids.next_u64().to_le_bytes());
+                }
+                let id =
+                    Keypair::ed25519_from_bytes(secret).map(|k| k.public().to_peer_id()).unwrap_or(PeerId::random());
                 SimNode {
                     id,
                     up: true,
@@ -89,9 +102,11 @@ impl Sim {
                         announce: 0,
                         service: vec![],
                         leaving: false,
+                        pace: Default::default(),
                     },
                     placement: None,
                     slow: false,
+                    fast: false,
                     tracker: ServiceTracker::default(),
                 }
             })
@@ -116,6 +131,7 @@ impl Sim {
             step: n.me.step,
             model_version: 0,
             service: n.me.service.clone(),
+            pace: n.me.pace,
         }
     }
 
@@ -136,6 +152,7 @@ impl Sim {
             }
         }
         let slow: Vec<PeerId> = self.nodes.iter().filter(|n| n.up && n.slow).map(|n| n.id).collect();
+        let fast: Vec<PeerId> = self.nodes.iter().filter(|n| n.up && n.fast && !n.slow).map(|n| n.id).collect();
         for i in 0..NODES {
             if !self.nodes[i].up {
                 continue;
@@ -143,13 +160,20 @@ impl Sim {
             let n = &mut self.nodes[i];
             n.view.expire(now, TIMEOUT_MS);
             n.me.step += 1;
-            // Workers time a push to each owner of their placement: slow ones take 10x.
+            // Workers time a push to each owner of their placement: slow ones
+            // take 10x, fast ones 0.3x.
             if let Some(p) = n.placement.as_ref() {
                 let mut owners: Vec<PeerId> = p.owners.clone();
                 owners.sort_by_key(|o| o.to_bytes());
                 owners.dedup();
                 for o in owners.into_iter().filter(|o| *o != n.id) {
-                    let micros = if slow.contains(&o) { 10_000.0 } else { 1_000.0 };
+                    let micros = if slow.contains(&o) {
+                        10_000.0
+                    } else if fast.contains(&o) {
+                        300.0
+                    } else {
+                        1_000.0
+                    };
                     n.tracker.observe(o, 1 << 20, micros, n.me.step);
                 }
             }
@@ -159,6 +183,7 @@ impl Sim {
             let owned = n.placement.as_ref().map(|p| p.owned_by(&n.id)).unwrap_or_default();
             n.me.role = if owned.is_empty() { Role::Worker } else { Role::Aggregator };
             n.me.owned_shards = owned;
+            n.me.pace.capacity_level = n.placement.as_ref().map_or(0, |p| p.level_of(&n.id));
         }
         for i in 0..NODES {
             if !self.nodes[i].up {
@@ -228,11 +253,15 @@ fn run(seed: u64) {
                     n.placement = None;
                     n.me.role = Role::Worker;
                     n.me.owned_shards.clear();
+                    n.me.pace.capacity_level = 0;
                     n.tracker = ServiceTracker::default();
                 }
             } else if r < 0.07 {
                 let v = sim.rng.below(NODES as u64) as usize;
                 sim.nodes[v].slow = !sim.nodes[v].slow;
+            } else if r < 0.09 {
+                let v = sim.rng.below(NODES as u64) as usize;
+                sim.nodes[v].fast = !sim.nodes[v].fast;
             }
             if t == 200 {
                 let side: BTreeSet<usize> = (0..NODES / 3).collect();
@@ -254,10 +283,17 @@ fn run(seed: u64) {
         worst_unowned <= unowned_limit,
         "seed {seed}: a shard had no live owner for {worst_unowned} heartbeats (limit {unowned_limit})"
     );
-    // Churn stops: one slow node stays slow, the rest recover.
+    // Churn stops: one slow node stays slow, one fast node stays fast, the
+    // rest serve at the norm.
+    // The fast one owns shards (only owners are measured).
     let slow_one = sim.live()[0];
+    let owns = |i: usize| sim.nodes[i].placement.as_ref().is_some_and(|p| !p.owned_by(&sim.nodes[i].id).is_empty());
+    let Some(fast_one) = sim.live().into_iter().find(|&i| i != slow_one && owns(i)) else {
+        panic!("seed {seed}: no live owner")
+    };
     for (i, n) in sim.nodes.iter_mut().enumerate() {
         n.slow = i == slow_one;
+        n.fast = i == fast_one;
     }
     // Inputs keep changing for a while after churn (recovered nodes' slow
     // reports age out after FORGET_STEPS): every disagreement must end within
@@ -292,26 +328,42 @@ fn run(seed: u64) {
     assert_eq!(epochs.len(), 1, "seed {seed}: live nodes disagree after churn: {epochs:?}");
     let Some(p) = sim.nodes[slow_one].placement.clone() else { panic!("seed {seed}: no placement") };
     assert_eq!(p.live.len(), sim.live().len(), "seed {seed}: every live node is in the placement");
+    let fast_id = sim.nodes[fast_one].id;
+    // Capacity levels settled too: only the fast node may hold a level other
+    // than 0, and while it is measured (it owns shards) it holds 1 (weight 2).
+    let n = &sim.nodes[slow_one];
+    let (mut members, service) = inputs_from_view(&n.view, &n.me, true, TOTAL_STEPS, sim.now, TIMEOUT_MS);
+    let raised: Vec<(PeerId, i8)> = p.levels.iter().copied().filter(|(_, l)| *l != 0).collect();
+    let fast_measured = service.contains_key(&fast_id);
+    let want = if fast_measured { vec![(fast_id, 1)] } else { vec![] };
+    assert_eq!(raised, want, "seed {seed}: capacity levels other than 0 (fast node {fast_id})");
     for s in 0..SHARDS {
         let owner = p.owner(s).unwrap_or(sim.nodes[slow_one].id);
         assert!(sim.nodes.iter().any(|n| n.up && n.id == owner), "seed {seed}: shard {s} owned by a dead node");
     }
     // The same view in another order gives the same placement.
-    let n = &sim.nodes[slow_one];
-    let (mut members, service) = inputs_from_view(&n.view, &n.me, true, TOTAL_STEPS, sim.now, TIMEOUT_MS);
     members.reverse();
     assert_eq!(elect(&members, &service, SHARDS, ElectPolicy::default()).as_ref(), Some(&p), "seed {seed}");
     eprintln!(
         "seed {seed}: {} live nodes agree; longest disagreement after churn {worst_run} heartbeats; \
          longest a shard had no live owner {worst_unowned} heartbeats; slow node owned shards \
-         {slow_owned_ticks} of {window} heartbeats",
+         {slow_owned_ticks} of {window} heartbeats; fast node measured {fast_measured}",
         p.live.len()
     );
 }
 
 #[test]
 fn views_and_placements_converge_after_churn_partitions_and_slow_nodes() {
-    for seed in [1u64, 2] {
+    // More seeds: SHOAL_SIM_SEEDS=1-40 (a range) or 5,9 (a list).
+    let seeds: Vec<u64> = match std::env::var("SHOAL_SIM_SEEDS") {
+        Ok(v) => match v.split_once('-') {
+            Some((a, b)) => (a.trim().parse().unwrap_or(1)..=b.trim().parse().unwrap_or(2)).collect(),
+            None => v.split(',').filter_map(|x| x.trim().parse().ok()).collect(),
+        },
+        Err(_) => vec![1, 2],
+    };
+    assert!(!seeds.is_empty(), "SHOAL_SIM_SEEDS names no seed");
+    for seed in seeds {
         run(seed);
     }
 }

@@ -40,9 +40,15 @@ pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/kad/1.0.0")
 /// Identify protocol version string.
 pub const IDENTIFY_PROTOCOL_VERSION: &str = "/shoal/1.0.0";
 
-/// The gossip topic of a run: `/shoal/<run-id>/membership`.
+/// Major version of the gossip messages, part of the topic: an
+/// incompatible change to `GossipMessage` (a new field in `Heartbeat`)
+/// moves it, so nodes of different majors do not hear each other at all
+/// rather than rejecting each other's messages. 2: `Heartbeat::pace`.
+pub const GOSSIP_MAJOR: u16 = 2;
+
+/// The gossip topic of a run: `/shoal/<run-id>/membership/<major>`.
 pub fn membership_topic(run: &RunId) -> IdentTopic {
-    IdentTopic::new(format!("/shoal/{run}/membership"))
+    IdentTopic::new(format!("/shoal/{run}/membership/{GOSSIP_MAJOR}"))
 }
 
 /// Gossipsub message id: xxh3-128 over the topic and the data. A stable
@@ -445,7 +451,7 @@ mod tests {
     #[test]
     fn topic_name_follows_the_run() {
         let t = membership_topic(&RunId::new("exp-1").unwrap());
-        assert_eq!(t.to_string(), "/shoal/exp-1/membership");
+        assert_eq!(t.to_string(), "/shoal/exp-1/membership/2");
     }
 
     #[tokio::test]

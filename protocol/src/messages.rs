@@ -548,6 +548,24 @@ pub struct ServiceObservation {
     pub samples: u32,
 }
 
+/// A node's recent pace, gossiped so that every node can judge whether
+/// aggregation dominates step time (the exploration of the number of
+/// aggregators, see the node crate's `explore` module).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pace {
+    /// Recent wall time of one training step (moving average), µs; 0 before the first step.
+    pub step_micros: u32,
+    /// The part of it spent exchanging shards with their owners (push, wait, pull), µs.
+    pub comm_micros: u32,
+    /// Number of aggregators the sender proposes; 0: every capable node.
+    pub aggregators: u16,
+    /// The sender's capacity level as a shard owner in its own latest
+    /// placement: its rendezvous weight is 2^level, -2..=2; 0 when it owns
+    /// nothing. Elections keep it until the measurements leave its band
+    /// (hysteresis from gossiped state, as for stragglers).
+    pub capacity_level: i8,
+}
+
 /// Periodic membership heartbeat; encodes to at most 4 KiB.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
@@ -579,6 +597,8 @@ pub struct Heartbeat {
     pub model_version: Version,
     /// Service times of owners the sender pushes to, at most 32.
     pub service: Vec<ServiceObservation>,
+    /// The sender's pace and its proposed number of aggregators (gossip major 2).
+    pub pace: Pace,
 }
 
 /// Small events worth telling everyone.

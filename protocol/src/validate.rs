@@ -216,6 +216,18 @@ pub fn validate_heartbeat(hb: &Heartbeat, source: Option<&PeerId>, ctx: &Validat
     }
     check_measure("capabilities.compute_samples_per_sec", 0, hb.capabilities.compute_samples_per_sec)?;
     check_measure("capabilities.net_bytes_per_sec", 1, hb.capabilities.net_bytes_per_sec)?;
+    if !(-2..=2).contains(&hb.pace.capacity_level) {
+        return Err(ProtocolError::InvalidField {
+            field: "pace.capacity_level",
+            reason: format!("{} is outside -2..=2", hb.pace.capacity_level),
+        });
+    }
+    if hb.pace.comm_micros > hb.pace.step_micros {
+        return Err(ProtocolError::InvalidField {
+            field: "pace.comm_micros",
+            reason: format!("{} µs of communication in a {} µs step", hb.pace.comm_micros, hb.pace.step_micros),
+        });
+    }
     Ok(())
 }
 
@@ -353,6 +365,7 @@ mod tests {
             step: 0,
             model_version: 0,
             service: vec![],
+            pace: Pace { step_micros: 1000, comm_micros: 400, aggregators: 2, capacity_level: -1 },
         };
         validate_heartbeat(&hb, Some(&me), &ctx()).unwrap();
         assert!(validate_heartbeat(&hb, Some(&PeerId::random()), &ctx()).is_err());
@@ -360,6 +373,12 @@ mod tests {
         let mut bad = hb.clone();
         bad.owned_shards.push(9);
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::ShardOutOfRange { .. })));
+        let mut bad = hb.clone();
+        bad.pace.comm_micros = 1001;
+        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
+        let mut bad = hb.clone();
+        bad.pace.capacity_level = 3;
+        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
         let mut bad = hb;
         bad.capabilities.net_bytes_per_sec = f32::NAN;
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::NonFinite { .. })));

@@ -40,6 +40,7 @@ fn heartbeat(peer: PeerId, seq: u64) -> GossipMessage {
         step: seq,
         model_version: 0,
         service: vec![],
+        pace: Pace::default(),
     })
 }
 

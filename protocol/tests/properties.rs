@@ -158,6 +158,14 @@ fn gossip() -> impl Strategy<Value = GossipMessage> {
         any::<u64>(),
         any::<u64>(),
         proptest::collection::vec(obs, 0..5),
+        (any::<u32>(), any::<u32>(), any::<u16>(), any::<i8>()).prop_map(
+            |(step_micros, comm_micros, aggregators, capacity_level)| Pace {
+                step_micros,
+                comm_micros,
+                aggregators,
+                capacity_level,
+            },
+        ),
     )
         .prop_map(
             |(
@@ -168,6 +176,7 @@ fn gossip() -> impl Strategy<Value = GossipMessage> {
                 step,
                 model_version,
                 service,
+                pace,
             )| {
                 GossipMessage::Heartbeat(Heartbeat {
                     run,
@@ -189,6 +198,7 @@ fn gossip() -> impl Strategy<Value = GossipMessage> {
                     step,
                     model_version,
                     service,
+                    pace,
                 })
             },
         );
@@ -328,6 +338,7 @@ fn largest_heartbeat_fits_in_4_kib() {
         service: (0..MAX_SERVICE_OBSERVATIONS)
             .map(|_| ServiceObservation { owner: peer(), micros_per_mib: f32::MAX, samples: u32::MAX })
             .collect(),
+        pace: Pace { step_micros: u32::MAX, comm_micros: u32::MAX, aggregators: u16::MAX, capacity_level: i8::MIN },
     };
     let bytes = frame::encode_gossip(&GossipMessage::Heartbeat(hb), &limits()).unwrap();
     assert!(bytes.len() <= 4096, "maximal heartbeat is {} bytes", bytes.len());

@@ -335,3 +335,82 @@ pub fn straggler(args: crate::cli::BenchStragglerArgs) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+/// One case of `shoal bench aggregators`.
+struct AggregatorsCase {
+    steps_per_sec: f64,
+    accuracy: f32,
+    /// Aggregators at the end, and the explorer's decisions (of node0).
+    final_k: usize,
+    decisions: Vec<crate::status::ExploreRecord>,
+}
+
+async fn aggregators_case(
+    args: &crate::cli::BenchAggregatorsArgs,
+    run: &str,
+    aggregators: crate::config::Aggregators,
+    start: u16,
+) -> anyhow::Result<AggregatorsCase> {
+    use crate::cluster::{Cluster, ClusterSpec};
+    use crate::config::NodeConfig;
+
+    let mut cfg = NodeConfig { run_id: run.into(), ..NodeConfig::default() };
+    cfg.training.steps = args.steps;
+    cfg.training.batch_size = args.batch_size;
+    cfg.training.lr = Some(0.1);
+    cfg.training.mlp_hidden = Some(args.hidden.clone());
+    cfg.cluster.heartbeat_ms = 100;
+    cfg.cluster.aggregators = aggregators;
+    cfg.cluster.start_aggregators = start;
+    cfg.cluster.explore_window_steps = args.window;
+    cfg.cluster.fault_serve_mbps = args.serve_mbps;
+    let reports = Cluster::start(&ClusterSpec::new(4, cfg)).await?.wait().await?;
+    let secs =
+        reports.iter().filter_map(|r| r.status.as_ref().map(|s| s.compute_secs + s.comm_secs)).fold(0.0f64, f64::max);
+    let status = reports.first().and_then(|r| r.status.clone()).unwrap_or_default();
+    Ok(AggregatorsCase {
+        steps_per_sec: args.steps as f64 / secs.max(1e-9),
+        accuracy: reports.iter().map(|r| r.accuracy).fold(f32::INFINITY, f32::min),
+        final_k: status.aggregators,
+        decisions: status.exploration,
+    })
+}
+
+/// `shoal bench aggregators`: PSLD's exploration of the number of
+/// aggregators against a fixed single owner and against every node owning.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+pub fn aggregators(args: crate::cli::BenchAggregatorsArgs) -> anyhow::Result<()> {
+    use crate::config::Aggregators;
+    if args.steps == 0 || args.batch_size == 0 || args.window == 0 || args.hidden.contains(&0) {
+        anyhow::bail!("--steps, --batch-size, --window and every --hidden width must be at least 1");
+    }
+    crate::faults::Faults::default()
+        .set_serve_mbps(args.serve_mbps)
+        .map_err(|e| anyhow::anyhow!("--serve-mbps: {e}"))?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        println!(
+            "shoal bench aggregators: 4 nodes on loopback TCP, digits MLP {:?}, BSP, batch {} per node, {} steps, \
+             explorer window {} steps, each owner serving over an emulated {} Mbit/s uplink",
+            args.hidden, args.batch_size, args.steps, args.window, args.serve_mbps
+        );
+        let one = aggregators_case(&args, "aggregators-one", Aggregators::Fixed(1), 0).await?;
+        let auto = aggregators_case(&args, "aggregators-auto", Aggregators::Auto, 1).await?;
+        let all = aggregators_case(&args, "aggregators-all", Aggregators::All, 0).await?;
+        println!("{:<36} {:>9} {:>10} {:>12}", "case", "steps/s", "accuracy", "aggregators");
+        for (name, c) in [("one aggregator, fixed", &one), ("explored from one (auto)", &auto), ("every node", &all)] {
+            println!("{name:<36} {:>9.1} {:>9.2}% {:>12}", c.steps_per_sec, c.accuracy * 100.0, c.final_k);
+        }
+        println!("explored / one fixed: {:.2}x", auto.steps_per_sec / one.steps_per_sec);
+        println!("explored / every node: {:.2}x", auto.steps_per_sec / all.steps_per_sec);
+        println!("decisions of node0's explorer:");
+        for d in &auto.decisions {
+            let after = d.after_ms.map_or(String::new(), |a| format!(" -> {a:.1} ms"));
+            println!(
+                "  {:>6.1} s, step {:>5}: {:<6} {} -> {} aggregators (step {:.1} ms{after})",
+                d.secs, d.step, d.action, d.from, d.to, d.before_ms
+            );
+        }
+        Ok(())
+    })
+}

@@ -57,10 +57,13 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     set!(k.failure_timeout_ms, args.failure_timeout_ms);
     set!(k.start_timeout_ms, args.start_timeout_ms);
     set!(k.elastic, args.elastic);
+    set!(k.aggregators, args.aggregators);
+    set!(k.start_aggregators, args.start_aggregators);
     set!(k.replicas, args.replicas);
     set!(k.replica_every, args.replica_every);
     set!(k.fault_delay_ms, args.fault_delay_ms);
     set!(k.slowdown, args.slowdown);
+    set!(k.fault_serve_mbps, args.fault_serve_mbps);
     set!(c.http.listen, args.http);
     if args.control {
         c.http.control = true;

@@ -1,0 +1,363 @@
+//! Exploration of the number of aggregators k, as in PSLD.
+//!
+//! Exploitation (who owns what) is the election's job; this module decides
+//! how many owners there should be. Every node runs the same [`Explorer`] on
+//! the same gossiped measurements ([`Pace`] in every heartbeat: recent step
+//! time and the part of it spent exchanging shards) and gossips the k it
+//! proposes. The election uses the lower median of the proposals of the live
+//! members ([`agreed_limit`]), so a node that decided a moment late, or a
+//! confused one, does not change k alone.
+//!
+//! The rules, evaluated once per window of `window_steps` steps of the
+//! cluster (the lower median of the members' step counters, so every node
+//! evaluates at the same step boundaries), and only once k has held for a
+//! whole window (the moving averages then describe the current k):
+//! - **add** an aggregator when communication dominates step time
+//!   (median share at least `dominate_share`) and a capable node is spare;
+//! - **remove** one when aggregation is idle (median share at most
+//!   `idle_share`) and more than one owns shards;
+//! - each change is a **trial**: one settled window later it is kept only if
+//!   the median step time improved by at least `min_gain`; otherwise k goes
+//!   back and that direction is not tried again for a back-off that doubles
+//!   with each failed trial (up to `max_backoff_windows` windows).
+//!
+//! [`Explorer::observe`] has no clock, no RNG and no I/O: its time is the
+//! cluster's step counter.
+
+use shoal_protocol::Pace;
+
+/// Knobs of the exploration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExplorePolicy {
+    /// Steps per measurement window.
+    pub window_steps: u64,
+    /// Communication share of step time at or above which an aggregator is added.
+    pub dominate_share: f64,
+    /// Communication share at or below which an aggregator is removed.
+    pub idle_share: f64,
+    /// A trial is kept only if it cuts step time by at least this fraction.
+    pub min_gain: f64,
+    /// Longest back-off after failed trials, in windows.
+    pub max_backoff_windows: u64,
+}
+
+impl Default for ExplorePolicy {
+    fn default() -> Self {
+        Self { window_steps: 60, dominate_share: 0.5, idle_share: 0.05, min_gain: 0.1, max_backoff_windows: 32 }
+    }
+}
+
+/// What the cluster looks like at one observation (all from the gossiped view).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observation {
+    /// The cluster's step: lower median of the active members' step counters.
+    pub step: u64,
+    /// Aggregators in the current placement.
+    pub aggregators: usize,
+    /// Members that may own shards now (capable, not leaving, not straggling).
+    pub candidates: usize,
+    /// Median recent step time of the active members, µs.
+    pub step_micros: f64,
+    /// Median share of step time spent exchanging shards, in `0..=1`.
+    pub comm_share: f64,
+}
+
+/// A decision worth logging.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Decision {
+    /// Start a trial: propose `to` aggregators instead of `from`.
+    Try { from: usize, to: usize, baseline_micros: f64 },
+    /// The trial from `from` to `k` improved step time: keep `k`.
+    Keep { from: usize, k: usize, before_micros: f64, after_micros: f64 },
+    /// The trial of `tried` did not improve step time: back to `k`.
+    Revert { tried: usize, k: usize, before_micros: f64, after_micros: f64, backoff_windows: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Trial {
+    from: usize,
+    to: usize,
+    /// The proposal before the trial, restored if it fails.
+    prior: Option<usize>,
+    baseline_micros: f64,
+    started: u64,
+}
+
+/// One node's explorer. Its proposal is gossiped in [`Pace::aggregators`].
+#[derive(Debug, Clone)]
+pub struct Explorer {
+    policy: ExplorePolicy,
+    /// The k this node proposes; `None`: every candidate.
+    proposal: Option<usize>,
+    trial: Option<Trial>,
+    /// Step at which the placement last changed its number of aggregators.
+    changed_at: u64,
+    last_k: Option<usize>,
+    /// Last window evaluated.
+    window: u64,
+    next_add: u64,
+    next_remove: u64,
+    add_backoff: u64,
+    remove_backoff: u64,
+}
+
+impl Explorer {
+    /// Start proposing `start` aggregators (`None`: every capable node).
+    pub fn new(policy: ExplorePolicy, start: Option<usize>) -> Self {
+        Self {
+            policy: ExplorePolicy { window_steps: policy.window_steps.max(1), ..policy },
+            proposal: start.map(|k| k.max(1)),
+            trial: None,
+            changed_at: 0,
+            last_k: None,
+            window: 0,
+            next_add: 0,
+            next_remove: 0,
+            add_backoff: 1,
+            remove_backoff: 1,
+        }
+    }
+
+    /// The proposal for the heartbeat: 0 means every capable node.
+    pub fn proposal(&self) -> u16 {
+        self.proposal.map_or(0, |k| k.clamp(1, u16::MAX as usize) as u16)
+    }
+
+    /// Feed one observation; `agreed` is the limit the election currently
+    /// uses (the median of all proposals). Returns a decision when one is made.
+    pub fn observe(&mut self, o: &Observation, agreed: Option<usize>) -> Option<Decision> {
+        let w = self.policy.window_steps;
+        if self.last_k != Some(o.aggregators) {
+            if self.last_k.is_some() {
+                self.changed_at = o.step;
+            }
+            self.last_k = Some(o.aggregators);
+            if let Some(t) = self.trial {
+                if o.aggregators != t.to && o.aggregators != t.from {
+                    // Something else moved k (a failure, a straggler): the
+                    // trial no longer measures what it meant to.
+                    self.trial = None;
+                    self.proposal = t.prior;
+                }
+            }
+        }
+        let window = o.step / w;
+        if window <= self.window || o.step < self.changed_at.saturating_add(w) || o.step_micros <= 0.0 {
+            return None;
+        }
+        self.window = window;
+        if let Some(t) = self.trial {
+            if o.aggregators != t.to {
+                // The others have not taken the change up within a window: drop it.
+                if o.step >= t.started.saturating_add(2 * w) {
+                    self.trial = None;
+                    self.proposal = t.prior;
+                }
+                return None;
+            }
+            self.trial = None;
+            let adding = t.to > t.from;
+            if o.step_micros <= t.baseline_micros * (1.0 - self.policy.min_gain) {
+                if adding {
+                    self.add_backoff = 1;
+                } else {
+                    self.remove_backoff = 1;
+                }
+                return Some(Decision::Keep {
+                    from: t.from,
+                    k: t.to,
+                    before_micros: t.baseline_micros,
+                    after_micros: o.step_micros,
+                });
+            }
+            let max = self.policy.max_backoff_windows.max(1);
+            let backoff = if adding { &mut self.add_backoff } else { &mut self.remove_backoff };
+            let windows = *backoff;
+            *backoff = (*backoff * 2).min(max);
+            let until = o.step.saturating_add(windows * w);
+            if adding {
+                self.next_add = until;
+            } else {
+                self.next_remove = until;
+            }
+            self.proposal = t.prior;
+            return Some(Decision::Revert {
+                tried: t.to,
+                k: t.from,
+                before_micros: t.baseline_micros,
+                after_micros: o.step_micros,
+                backoff_windows: windows,
+            });
+        }
+        // No trial: follow the cluster's agreed k, then consider a change.
+        self.proposal = agreed;
+        let k = o.aggregators;
+        let to = if o.comm_share >= self.policy.dominate_share && k < o.candidates && o.step >= self.next_add {
+            k + 1
+        } else if o.comm_share <= self.policy.idle_share && k > 1 && o.step >= self.next_remove {
+            k - 1
+        } else {
+            return None;
+        };
+        self.trial = Some(Trial { from: k, to, prior: self.proposal, baseline_micros: o.step_micros, started: o.step });
+        self.proposal = Some(to);
+        Some(Decision::Try { from: k, to, baseline_micros: o.step_micros })
+    }
+}
+
+/// The limit the election uses: the lower median of the members' proposals
+/// (0 counts as "every capable node", the largest). `None`: no limit.
+pub fn agreed_limit(proposals: impl IntoIterator<Item = u16>) -> Option<usize> {
+    let mut v: Vec<usize> = proposals.into_iter().map(|p| if p == 0 { usize::MAX } else { p as usize }).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_unstable();
+    let m = v[(v.len() - 1) / 2];
+    (m != usize::MAX).then_some(m)
+}
+
+/// A worker's moving averages of its step time and communication time.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PaceMeter {
+    step: f64,
+    comm: f64,
+    steps: u64,
+}
+
+impl PaceMeter {
+    /// Weight of the newest step in the moving averages.
+    const ALPHA: f64 = 0.1;
+
+    /// Record one step; returns the step and communication times to gossip
+    /// (the other fields of the returned pace are left 0).
+    pub fn observe(&mut self, step_secs: f64, comm_secs: f64) -> Pace {
+        let (s, c) = (step_secs.max(0.0) * 1e6, comm_secs.clamp(0.0, step_secs.max(0.0)) * 1e6);
+        if self.steps == 0 {
+            (self.step, self.comm) = (s, c);
+        } else {
+            self.step += Self::ALPHA * (s - self.step);
+            self.comm += Self::ALPHA * (c - self.comm);
+        }
+        self.steps += 1;
+        let step_micros = self.step.min(u32::MAX as f64) as u32;
+        Pace { step_micros, comm_micros: (self.comm.min(u32::MAX as f64) as u32).min(step_micros), ..Pace::default() }
+    }
+}
+
+/// The median of a list (lower median for an even count); `None` if empty.
+pub fn lower_median<T: Copy + PartialOrd>(mut v: Vec<T>) -> Option<T> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    Some(v[(v.len() - 1) / 2])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obs(step: u64, k: usize, micros: f64, share: f64) -> Observation {
+        Observation { step, aggregators: k, candidates: 4, step_micros: micros, comm_share: share }
+    }
+
+    fn policy() -> ExplorePolicy {
+        ExplorePolicy { window_steps: 10, ..ExplorePolicy::default() }
+    }
+
+    #[test]
+    fn adds_an_aggregator_when_communication_dominates_and_keeps_it_if_faster() {
+        let mut e = Explorer::new(policy(), Some(1));
+        assert_eq!(e.proposal(), 1);
+        // Not before a whole window has passed with this k.
+        assert_eq!(e.observe(&obs(5, 1, 1000.0, 0.8), Some(1)), None);
+        assert_eq!(
+            e.observe(&obs(10, 1, 1000.0, 0.8), Some(1)),
+            Some(Decision::Try { from: 1, to: 2, baseline_micros: 1000.0 })
+        );
+        assert_eq!(e.proposal(), 2);
+        // The cluster takes it up at step 12; judged a whole window later.
+        assert_eq!(e.observe(&obs(12, 2, 900.0, 0.6), Some(2)), None);
+        assert_eq!(e.observe(&obs(20, 2, 700.0, 0.6), Some(2)), None, "settling");
+        assert_eq!(
+            e.observe(&obs(22, 2, 700.0, 0.6), Some(2)),
+            Some(Decision::Keep { from: 1, k: 2, before_micros: 1000.0, after_micros: 700.0 })
+        );
+        assert_eq!(e.proposal(), 2);
+        // Still dominated: the next window tries 3.
+        assert_eq!(
+            e.observe(&obs(30, 2, 700.0, 0.6), Some(2)),
+            Some(Decision::Try { from: 2, to: 3, baseline_micros: 700.0 })
+        );
+    }
+
+    #[test]
+    fn a_trial_that_does_not_help_is_reverted_and_backs_off() {
+        let mut e = Explorer::new(policy(), Some(2));
+        assert!(matches!(e.observe(&obs(10, 2, 1000.0, 0.9), Some(2)), Some(Decision::Try { to: 3, .. })));
+        e.observe(&obs(11, 3, 990.0, 0.9), Some(3));
+        assert_eq!(
+            e.observe(&obs(21, 3, 950.0, 0.9), Some(3)),
+            Some(Decision::Revert { tried: 3, k: 2, before_micros: 1000.0, after_micros: 950.0, backoff_windows: 1 })
+        );
+        assert_eq!(e.proposal(), 2);
+        e.observe(&obs(23, 2, 1000.0, 0.9), Some(2));
+        // Back-off: no new trial before step 31, and the next failure doubles it.
+        assert_eq!(e.observe(&obs(33, 2, 1000.0, 0.9), Some(2)).map(|d| matches!(d, Decision::Try { .. })), Some(true));
+        e.observe(&obs(34, 3, 1000.0, 0.9), Some(3));
+        assert!(matches!(
+            e.observe(&obs(44, 3, 1000.0, 0.9), Some(3)),
+            Some(Decision::Revert { backoff_windows: 2, .. })
+        ));
+        e.observe(&obs(45, 2, 1000.0, 0.9), Some(2));
+        assert_eq!(e.observe(&obs(55, 2, 1000.0, 0.9), Some(2)), None, "backing off until step 64");
+        assert!(matches!(e.observe(&obs(65, 2, 1000.0, 0.9), Some(2)), Some(Decision::Try { to: 3, .. })));
+    }
+
+    #[test]
+    fn removes_an_idle_aggregator_and_never_goes_below_one_or_above_the_candidates() {
+        let mut e = Explorer::new(policy(), None);
+        assert_eq!(e.proposal(), 0, "every capable node");
+        assert!(matches!(e.observe(&obs(10, 4, 1000.0, 0.01), None), Some(Decision::Try { from: 4, to: 3, .. })));
+        assert_eq!(e.proposal(), 3);
+        let mut one = Explorer::new(policy(), Some(1));
+        assert_eq!(one.observe(&obs(10, 1, 1000.0, 0.01), Some(1)), None);
+        let mut full = Explorer::new(policy(), None);
+        assert_eq!(full.observe(&obs(10, 4, 1000.0, 0.99), None), None, "no spare candidate");
+    }
+
+    #[test]
+    fn an_outside_change_cancels_a_trial_and_the_agreed_k_is_followed() {
+        let mut e = Explorer::new(policy(), Some(2));
+        assert!(matches!(e.observe(&obs(10, 2, 1000.0, 0.9), Some(2)), Some(Decision::Try { to: 3, .. })));
+        // A node failed: 1 aggregator left, not the trial's 3.
+        e.observe(&obs(11, 1, 1000.0, 0.9), Some(2));
+        assert_eq!(e.proposal(), 2);
+        // With no trial running, the node adopts whatever the cluster agreed.
+        let mut f = Explorer::new(policy(), None);
+        f.observe(&obs(5, 3, 1000.0, 0.3), Some(3));
+        assert_eq!(f.proposal(), 0, "only at a window boundary");
+        f.observe(&obs(10, 3, 1000.0, 0.3), Some(3));
+        assert_eq!(f.proposal(), 3);
+    }
+
+    #[test]
+    fn the_agreed_limit_is_the_lower_median_of_proposals() {
+        assert_eq!(agreed_limit([]), None);
+        assert_eq!(agreed_limit([0, 0, 0]), None);
+        assert_eq!(agreed_limit([2, 3, 3, 3]), Some(3));
+        assert_eq!(agreed_limit([2, 2, 3, 3]), Some(2), "lower median");
+        assert_eq!(agreed_limit([1, 0, 0]), None, "one node cannot cap k alone");
+        assert_eq!(agreed_limit([2, 2, 0]), Some(2));
+    }
+
+    #[test]
+    fn pace_meter_averages() {
+        let mut m = PaceMeter::default();
+        let p = m.observe(0.010, 0.004);
+        assert_eq!((p.step_micros, p.comm_micros), (10_000, 4_000));
+        let p = m.observe(0.020, 0.030);
+        assert_eq!((p.step_micros, p.comm_micros), (11_000, 5_600), "comm clamped to the step");
+    }
+}
