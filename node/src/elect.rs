@@ -359,7 +359,9 @@ async fn run(
             None if !unchanged => warn!("no live node may own shards; keeping the last placement"),
             None => {}
         }
-        if let (Some(ex), Some(p)) = (explorer.as_mut(), out.borrow().clone()) {
+        // Clone first: the watch guard must not be held while exploring.
+        let current = out.borrow().clone();
+        if let (Some(ex), Some(p)) = (explorer.as_mut(), current) {
             explore(ex, &p, &cfg, &view, &me, &membership, &status);
         }
         tokio::select! {

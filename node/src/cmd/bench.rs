@@ -255,6 +255,17 @@ struct StragglerCase {
     slow_step_ms: f64,
 }
 
+/// The settings the in-process cluster benchmarks share: SGD lr 0.1 and a
+/// 100 ms heartbeat, `steps` steps of `batch_size` per node.
+fn cluster_bench_config(run: &str, steps: u64, batch_size: usize) -> crate::config::NodeConfig {
+    let mut cfg = crate::config::NodeConfig { run_id: run.into(), ..Default::default() };
+    cfg.training.steps = steps;
+    cfg.training.batch_size = batch_size;
+    cfg.training.lr = Some(0.1);
+    cfg.cluster.heartbeat_ms = 100;
+    cfg
+}
+
 async fn straggler_case(
     args: &crate::cli::BenchStragglerArgs,
     run: &str,
@@ -262,14 +273,9 @@ async fn straggler_case(
     elastic: bool,
 ) -> anyhow::Result<StragglerCase> {
     use crate::cluster::{Cluster, ClusterSpec, NodeOverride};
-    use crate::config::NodeConfig;
     use crate::status::RoleView;
 
-    let mut cfg = NodeConfig { run_id: run.into(), ..NodeConfig::default() };
-    cfg.training.steps = args.steps;
-    cfg.training.batch_size = args.batch_size;
-    cfg.training.lr = Some(0.1);
-    cfg.cluster.heartbeat_ms = 100;
+    let mut cfg = cluster_bench_config(run, args.steps, args.batch_size);
     cfg.cluster.elastic = elastic;
     let mut spec = ClusterSpec::new(4, cfg);
     spec.overrides = vec![NodeOverride::default(); 4];
@@ -352,14 +358,9 @@ async fn aggregators_case(
     start: u16,
 ) -> anyhow::Result<AggregatorsCase> {
     use crate::cluster::{Cluster, ClusterSpec};
-    use crate::config::NodeConfig;
 
-    let mut cfg = NodeConfig { run_id: run.into(), ..NodeConfig::default() };
-    cfg.training.steps = args.steps;
-    cfg.training.batch_size = args.batch_size;
-    cfg.training.lr = Some(0.1);
+    let mut cfg = cluster_bench_config(run, args.steps, args.batch_size);
     cfg.training.mlp_hidden = Some(args.hidden.clone());
-    cfg.cluster.heartbeat_ms = 100;
     cfg.cluster.aggregators = aggregators;
     cfg.cluster.start_aggregators = start;
     cfg.cluster.explore_window_steps = args.window;
