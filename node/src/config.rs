@@ -12,7 +12,7 @@ use shoal_models::{ArchKind, DatasetKind, DeviceKind, ModelConfig, OptimizerConf
 use shoal_protocol::libp2p::Multiaddr;
 use shoal_protocol::{ProtocolConfig, RunId};
 
-use crate::sync::SyncPolicy;
+use crate::policy::sync::SyncPolicy;
 
 /// How a cluster shares what it learns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -465,7 +465,7 @@ impl NodeConfig {
         if c.handoff_timeout_ms == 0 {
             bail!("cluster.handoff_timeout_ms must be positive");
         }
-        crate::faults::Faults::new(c.fault_delay_ms, c.slowdown)
+        crate::ops::faults::Faults::new(c.fault_delay_ms, c.slowdown)
             .and_then(|f| f.set_serve_mbps(c.fault_serve_mbps))
             .map_err(|e| anyhow::anyhow!("cluster.{e}"))?;
         self.http.addr()?;

@@ -4,8 +4,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use shoal_node::cli::{BenchCommand, Cli, Command, DataCommand, TestnetCommand};
-use shoal_node::{cmd, logging};
+use shoal_node::cmd::cli::{BenchCommand, Cli, Command, DataCommand, TestnetCommand};
+use shoal_node::cmd;
+use shoal_node::ops::logging;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

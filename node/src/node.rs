@@ -15,18 +15,18 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::aggregator::{AggregatorConfig, AggregatorHandle, ShardStats};
+use crate::actors::aggregator::{AggregatorConfig, AggregatorHandle, ShardStats};
 use crate::config::{Aggregators, Mode, NodeConfig};
-use crate::elect::{ElectPolicy, ElectionConfig, ElectionHandle, Placement};
-use crate::explore::ExplorePolicy;
-use crate::faults::Faults;
-use crate::health::{HealthPolicy, ServiceTracker};
-use crate::join::{donor_count, fetch_model, join_point, JoinPoint};
-use crate::membership::{MembershipConfig, MembershipHandle, Roster, RosterStatus};
-use crate::net::{ModelSnapshot, NetworkHandle, NetworkParts, Routes};
-use crate::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
-use crate::trainer::TrainerHandle;
-use crate::worker::{Routing, Worker};
+use crate::policy::placement::{ElectPolicy, ElectionConfig, ElectionHandle, Placement};
+use crate::policy::explore::ExplorePolicy;
+use crate::ops::faults::Faults;
+use crate::policy::health::{HealthPolicy, ServiceTracker};
+use crate::actors::join::{donor_count, fetch_model, join_point, JoinPoint};
+use crate::actors::membership::{MembershipConfig, MembershipHandle, Roster, RosterStatus};
+use crate::actors::net::{ModelSnapshot, NetworkHandle, NetworkParts, Routes};
+use crate::actors::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
+use crate::actors::trainer::TrainerHandle;
+use crate::actors::worker::{Routing, Worker};
 
 /// What a finished node reports.
 #[derive(Debug, Clone)]
@@ -55,7 +55,7 @@ pub struct RunningNode {
     pub net: NetworkHandle,
     pub status: StatusHandle,
     /// This node's own heartbeat fields (step, role, shards) as they change.
-    pub progress: watch::Receiver<crate::membership::SelfState>,
+    pub progress: watch::Receiver<crate::actors::membership::SelfState>,
     /// The shard placement this node currently follows.
     pub placement: ElectionHandle,
     pub task: JoinHandle<anyhow::Result<NodeReport>>,
@@ -292,9 +292,9 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let http = match config.http.addr()? {
         None => None,
         Some(addr) => Some(
-            crate::http::serve(
+            crate::ops::http::serve(
                 addr,
-                crate::http::HttpState {
+                crate::ops::http::HttpState {
                     status: status.clone(),
                     membership: membership.clone(),
                     net: net.clone(),

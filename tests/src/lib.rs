@@ -5,7 +5,7 @@ use shoal_models::OptimizerKind;
 use shoal_node::cluster::{Cluster, ClusterSpec};
 use shoal_node::config::NodeConfig;
 use shoal_node::node::NodeReport;
-use shoal_node::sync::SyncPolicy;
+use shoal_node::policy::sync::SyncPolicy;
 
 /// A digits/MLP config with the given policy; timeouts generous enough for
 /// a loaded CI machine but bounded, so a broken cluster fails instead of hanging.

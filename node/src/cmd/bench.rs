@@ -13,7 +13,7 @@ use anyhow::Context;
 use candle_core::{Device, Tensor};
 use shoal_models::{data, ArchKind, DatasetKind, LocalTrainer, ModelConfig, OptimizerConfig, OptimizerKind, Split};
 
-use crate::cli::{BenchTrainArgs, BenchWireArgs};
+use crate::cmd::cli::{BenchTrainArgs, BenchWireArgs};
 
 /// `shoal bench wire`: the protocol crate's wire benchmark.
 #[allow(clippy::print_stdout)] // The CLI's own output.
@@ -144,7 +144,7 @@ fn bench_matmul(n: usize, device: &Device) -> anyhow::Result<(f64, f64)> {
 /// `shoal bench cluster`: scaling with 1, 2 and 4 in-process nodes on real
 /// loopback TCP, and an aggregation-bound case measured against raw TCP.
 #[allow(clippy::print_stdout)] // The CLI's own output.
-pub fn cluster(args: crate::cli::BenchClusterArgs) -> anyhow::Result<()> {
+pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
     use crate::cluster::{Cluster, ClusterSpec};
     use crate::config::NodeConfig;
 
@@ -267,13 +267,13 @@ fn cluster_bench_config(run: &str, steps: u64, batch_size: usize) -> crate::conf
 }
 
 async fn straggler_case(
-    args: &crate::cli::BenchStragglerArgs,
+    args: &crate::cmd::cli::BenchStragglerArgs,
     run: &str,
     delay_ms: u64,
     elastic: bool,
 ) -> anyhow::Result<StragglerCase> {
     use crate::cluster::{Cluster, ClusterSpec, NodeOverride};
-    use crate::status::RoleView;
+    use crate::actors::status::RoleView;
 
     let mut cfg = cluster_bench_config(run, args.steps, args.batch_size);
     cfg.cluster.elastic = elastic;
@@ -304,7 +304,7 @@ async fn straggler_case(
 
 /// `shoal bench straggler`: the PSLD comparison on one machine.
 #[allow(clippy::print_stdout)] // The CLI's own output.
-pub fn straggler(args: crate::cli::BenchStragglerArgs) -> anyhow::Result<()> {
+pub fn straggler(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()> {
     if args.steps == 0 || args.batch_size == 0 || !(args.slowdown > 1.0 && args.slowdown.is_finite()) {
         anyhow::bail!("--steps and --batch-size must be at least 1 and --slowdown above 1");
     }
@@ -348,11 +348,11 @@ struct AggregatorsCase {
     accuracy: f32,
     /// Aggregators at the end, and the explorer's decisions (of node0).
     final_k: usize,
-    decisions: Vec<crate::status::ExploreRecord>,
+    decisions: Vec<crate::actors::status::ExploreRecord>,
 }
 
 async fn aggregators_case(
-    args: &crate::cli::BenchAggregatorsArgs,
+    args: &crate::cmd::cli::BenchAggregatorsArgs,
     run: &str,
     aggregators: crate::config::Aggregators,
     start: u16,
@@ -380,12 +380,12 @@ async fn aggregators_case(
 /// `shoal bench aggregators`: PSLD's exploration of the number of
 /// aggregators against a fixed single owner and against every node owning.
 #[allow(clippy::print_stdout)] // The CLI's own output.
-pub fn aggregators(args: crate::cli::BenchAggregatorsArgs) -> anyhow::Result<()> {
+pub fn aggregators(args: crate::cmd::cli::BenchAggregatorsArgs) -> anyhow::Result<()> {
     use crate::config::Aggregators;
     if args.steps == 0 || args.batch_size == 0 || args.window == 0 || args.hidden.contains(&0) {
         anyhow::bail!("--steps, --batch-size, --window and every --hidden width must be at least 1");
     }
-    crate::faults::Faults::default()
+    crate::ops::faults::Faults::default()
         .set_serve_mbps(args.serve_mbps)
         .map_err(|e| anyhow::anyhow!("--serve-mbps: {e}"))?;
     let rt = tokio::runtime::Runtime::new()?;

@@ -13,7 +13,7 @@ use flate2::read::GzDecoder;
 use shoal_models::data::{fashion_mnist_dir, FASHION_MNIST_FILES, SYSTEM_FASHION_MNIST_DIR};
 use tracing::info;
 
-use crate::cli::{FetchArgs, FetchMethod, FetchableDataset};
+use crate::cmd::cli::{FetchArgs, FetchMethod, FetchableDataset};
 
 const PACKAGE: &str = "dataset-fashion-mnist";
 

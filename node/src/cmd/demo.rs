@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
-use crate::cli::DemoArgs;
+use crate::cmd::cli::DemoArgs;
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::config::NodeConfig;
 
@@ -35,7 +35,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         let multi = MultiProgress::new();
         let style = ProgressStyle::with_template("{prefix:>6} [{bar:30.cyan/blue}] {pos:>4}/{len:4} {msg}")?
             .progress_chars("=> ");
-        let bars: Vec<(ProgressBar, crate::status::StatusHandle)> = cluster
+        let bars: Vec<(ProgressBar, crate::actors::status::StatusHandle)> = cluster
             .nodes
             .iter()
             .map(|n| {

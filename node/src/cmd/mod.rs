@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod bench;
+pub mod cli;
 pub mod data;
 pub mod demo;
 pub mod node;

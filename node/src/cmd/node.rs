@@ -1,6 +1,6 @@
 //! `shoal node`: one node of a real deployment.
 
-use crate::cli::NodeArgs;
+use crate::cmd::cli::NodeArgs;
 use crate::config::NodeConfig;
 use crate::node::{load_identity, start};
 

@@ -5,7 +5,7 @@ use std::path::Path;
 use shoal_testnet::process::Backend;
 use shoal_testnet::{RunOptions, Scenario};
 
-use crate::cli::TestnetRunArgs;
+use crate::cmd::cli::TestnetRunArgs;
 
 pub fn run(args: TestnetRunArgs) -> anyhow::Result<()> {
     let shoal_bin = match args.shoal_bin {

@@ -7,7 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use shoal_models::{data, Checkpoint, LocalTrainer, ModelConfig, OptimizerConfig};
 use tracing::{debug, info};
 
-use crate::cli::TrainArgs;
+use crate::cmd::cli::TrainArgs;
 
 #[allow(clippy::print_stdout)] // The CLI's own output.
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {

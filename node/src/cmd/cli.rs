@@ -168,7 +168,7 @@ pub struct NodeArgs {
     pub mode: Option<crate::config::Mode>,
     /// bsp, ssp:N, dssp:LO-HI or asp.
     #[arg(long)]
-    pub sync: Option<crate::sync::SyncPolicy>,
+    pub sync: Option<crate::policy::sync::SyncPolicy>,
     /// Start training once this many nodes agree on the roster.
     #[arg(long)]
     pub min_peers: Option<usize>,
@@ -228,7 +228,7 @@ pub struct DemoArgs {
     pub steps: u64,
     /// bsp, ssp:N, dssp:LO-HI or asp.
     #[arg(long, default_value = "bsp")]
-    pub sync: crate::sync::SyncPolicy,
+    pub sync: crate::policy::sync::SyncPolicy,
     /// pull (shard owners) or gossip.
     #[arg(long, default_value = "pull")]
     pub mode: crate::config::Mode,

@@ -3,7 +3,7 @@
 
 use tracing_subscriber::EnvFilter;
 
-use crate::cli::LogFormat;
+use crate::cmd::cli::LogFormat;
 
 /// `default_level` applies when RUST_LOG is unset (`shoal demo` uses `warn`
 /// so that its progress display stays readable).

@@ -21,8 +21,8 @@ use shoal_protocol::{Role, RunId, ShardRequest, ShardResponse, StateSync};
 use tokio::time::Instant;
 use tracing::debug;
 
-use crate::membership::{Roster, View};
-use crate::net::NetworkHandle;
+use crate::actors::membership::{Roster, View};
+use crate::actors::net::NetworkHandle;
 
 /// Where a late node joins the run.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -84,7 +84,7 @@ pub struct StatusSnapshot {
     pub exploration: Vec<ExploreRecord>,
 }
 
-/// One decision of this node's explorer (see [`crate::explore`]).
+/// One decision of this node's explorer (see [`crate::policy::explore`]).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct ExploreRecord {
     pub secs: f64,
@@ -132,7 +132,7 @@ pub enum StatusEvent {
     Left { step: u64 },
     RoundForced,
     Aggregators(usize),
-    Explore { step: u64, decision: crate::explore::Decision },
+    Explore { step: u64, decision: crate::policy::explore::Decision },
 }
 
 enum StatusCommand {
@@ -224,7 +224,7 @@ impl StatusActor {
             StatusEvent::RoundForced => s.rounds_forced += 1,
             StatusEvent::Aggregators(k) => s.aggregators = k,
             StatusEvent::Explore { step, decision } => {
-                use crate::explore::Decision;
+                use crate::policy::explore::Decision;
                 let (action, from, to, before, after) = match decision {
                     Decision::Try { from, to, baseline_micros } => ("try", from, to, baseline_micros, None),
                     Decision::Keep { from, k, before_micros, after_micros } => {

@@ -35,11 +35,11 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::elect::Placement;
-use crate::handoff;
-use crate::net::{ModelSnapshot, NetworkHandle};
-use crate::status::{StatusEvent, StatusHandle};
-use crate::sync::{PushOutcome, ShardCore, SyncPolicy};
+use crate::policy::placement::Placement;
+use crate::actors::handoff;
+use crate::actors::net::{ModelSnapshot, NetworkHandle};
+use crate::actors::status::{StatusEvent, StatusHandle};
+use crate::policy::sync::{PushOutcome, ShardCore, SyncPolicy};
 
 /// Answer to a push.
 #[derive(Debug, Clone, PartialEq)]

@@ -23,15 +23,15 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::aggregator::{AggregatorHandle, PullReply, PushReply};
+use crate::actors::aggregator::{AggregatorHandle, PullReply, PushReply};
 use crate::config::{Mode, NodeConfig};
-use crate::elect::Placement;
-use crate::health::ServiceTracker;
-use crate::membership::{MembershipHandle, Roster};
-use crate::net::{ModelSnapshot, NetError, NetworkHandle};
-use crate::status::{StatusEvent, StatusHandle};
-use crate::sync::SyncPolicy;
-use crate::trainer::TrainerHandle;
+use crate::policy::placement::Placement;
+use crate::policy::health::ServiceTracker;
+use crate::actors::membership::{MembershipHandle, Roster};
+use crate::actors::net::{ModelSnapshot, NetError, NetworkHandle};
+use crate::actors::status::{StatusEvent, StatusHandle};
+use crate::policy::sync::SyncPolicy;
+use crate::actors::trainer::TrainerHandle;
 
 /// The batch a worker of rank `rank` among `world` trains on at `step`:
 /// its rank-strided partition of the training set, reshuffled each epoch.
@@ -101,7 +101,7 @@ pub struct Worker {
     /// Set when the node is asked to leave: the worker stops after the step in hand.
     pub leave: watch::Receiver<bool>,
     /// Fault injection (a slowdown stretches each gradient computation).
-    pub faults: Arc<crate::faults::Faults>,
+    pub faults: Arc<crate::ops::faults::Faults>,
 }
 
 /// Where this worker starts and which data it trains on.
@@ -174,7 +174,7 @@ impl Worker {
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
         let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
         let mut last_report: Option<Instant> = None;
-        let mut pace = crate::explore::PaceMeter::default();
+        let mut pace = crate::policy::explore::PaceMeter::default();
         for step in routing.start_step..t.steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");

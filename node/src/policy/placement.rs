@@ -3,11 +3,11 @@
 //!
 //! [`elect`] is pure (no clock, no RNG, no I/O): the members of the view and
 //! the median service times in go, a [`Placement`] comes out. Stragglers (see
-//! [`crate::health`]) are excluded; the rest, weighted by measured capacity
-//! ([`crate::health::capacity_levels`]) and limited to the number of
-//! aggregators the members agree on ([`crate::explore::agreed_limit`]),
+//! [`crate::policy::health`]) are excluded; the rest, weighted by measured capacity
+//! ([`crate::policy::health::capacity_levels`]) and limited to the number of
+//! aggregators the members agree on ([`crate::policy::explore::agreed_limit`]),
 //! share the shards by weighted
-//! rendezvous with bounded loads ([`crate::assign`]), and each shard gets a
+//! rendezvous with bounded loads ([`crate::policy::assign`]), and each shard gets a
 //! backup: the owner it would have if its owner vanished, which is where the
 //! owner sends replicas and, by the same rendezvous, who takes over when the
 //! owner dies. The placement's epoch is a hash of everything it was computed
@@ -17,7 +17,7 @@
 //! or this node's own measurements change and publishes it on a `watch`
 //! channel; the worker routes by it and the aggregator moves shards by it.
 //! With `cluster.aggregators = "auto"` it also runs this node's
-//! [`crate::explore::Explorer`] and gossips its proposed number of aggregators.
+//! [`crate::policy::explore::Explorer`] and gossips its proposed number of aggregators.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -28,11 +28,11 @@ use shoal_protocol::Role;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::assign::{assign, AssignPolicy, Candidate};
-use crate::explore::{agreed_limit, lower_median, Decision, ExplorePolicy, Explorer, Observation};
-use crate::health::{capacity_levels, medians, stragglers, weight_of, HealthPolicy};
-use crate::membership::{MembershipHandle, SelfState, View};
-use crate::status::{RoleView, StatusEvent, StatusHandle};
+use crate::policy::assign::{assign, AssignPolicy, Candidate};
+use crate::policy::explore::{agreed_limit, lower_median, Decision, ExplorePolicy, Explorer, Observation};
+use crate::policy::health::{capacity_levels, medians, stragglers, weight_of, HealthPolicy};
+use crate::actors::membership::{MembershipHandle, SelfState, View};
+use crate::actors::status::{RoleView, StatusEvent, StatusHandle};
 
 /// A live member of the view, as the election sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,7 +49,7 @@ pub struct Member {
     /// The number of aggregators it proposes (0: every capable node).
     pub aggregators: u16,
     /// Its capacity level in its own latest placement (hysteresis state of
-    /// [`crate::health::capacity_levels`]).
+    /// [`crate::policy::health::capacity_levels`]).
     pub capacity_level: i8,
 }
 
@@ -377,7 +377,7 @@ fn explore(
     ex: &mut Explorer,
     placement: &Placement,
     cfg: &ElectionConfig,
-    view: &watch::Receiver<crate::membership::ViewSnapshot>,
+    view: &watch::Receiver<crate::actors::membership::ViewSnapshot>,
     me: &watch::Receiver<SelfState>,
     membership: &MembershipHandle,
     status: &StatusHandle,

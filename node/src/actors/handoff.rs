@@ -12,8 +12,8 @@ use shoal_protocol::{
 };
 use tokio::time::Instant;
 
-use crate::aggregator::ShardState;
-use crate::net::NetworkHandle;
+use crate::actors::aggregator::ShardState;
+use crate::actors::net::NetworkHandle;
 
 /// Encode a shard's state as a handoff message (F32: nothing is lost in a move).
 pub fn to_wire(

@@ -30,7 +30,7 @@ use tracing::{debug, info, warn};
 
 use shoal_models::OptimizerConfig;
 
-use crate::aggregator::{AggregatorHandle, HandoffReply, PullReply, PushReply};
+use crate::actors::aggregator::{AggregatorHandle, HandoffReply, PullReply, PushReply};
 
 /// A copy of this node's current model, served to peers that sync state
 /// (`StateSync`) or gossip-average with us.
@@ -103,7 +103,7 @@ pub struct NetworkParts {
     pub optimizer: OptimizerConfig,
     /// Fault injection: answer every push and pull this node serves as an
     /// owner this much later (`cluster.fault_delay_ms`). Zero in production.
-    pub faults: std::sync::Arc<crate::faults::Faults>,
+    pub faults: std::sync::Arc<crate::ops::faults::Faults>,
 }
 
 /// Callers waiting for a dial to a peer: the address tried and the reply.
@@ -489,7 +489,7 @@ impl NetworkActor {
                         wire_error(ErrorCode::InvalidRequest, "handoff `from` is not the sender"),
                     );
                 }
-                let state = match crate::handoff::from_wire(&h, self.parts.optimizer) {
+                let state = match crate::actors::handoff::from_wire(&h, self.parts.optimizer) {
                     Ok(s) => s,
                     Err(e) => {
                         return self.respond_now(channel, wire_error(ErrorCode::InvalidRequest, format!("{e:#}")))

@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use crate::net::NetworkHandle;
+use crate::actors::net::NetworkHandle;
 
 /// The agreed set of nodes of a run, sorted by peer id bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]

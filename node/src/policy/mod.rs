@@ -1,0 +1,9 @@
+//! Pure policy: decisions computed from plain data, free of tokio and
+//! libp2p (peer ids come as plain ids). Every rule here is tested without a
+//! runtime.
+
+pub mod assign;
+pub mod explore;
+pub mod health;
+pub mod placement;
+pub mod sync;
