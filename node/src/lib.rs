@@ -17,6 +17,7 @@ pub mod actors;
 pub mod cluster;
 pub mod cmd;
 pub mod config;
+pub mod handles;
 pub mod node;
 pub mod ops;
 pub mod policy;

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use shoal_node::cmd::cli::{BenchCommand, Cli, Command, DataCommand, TestnetCommand};
 use shoal_node::cmd;
+use shoal_node::cmd::cli::{BenchCommand, Cli, Command, DataCommand, TestnetCommand};
 use shoal_node::ops::logging;
 
 fn main() -> ExitCode {

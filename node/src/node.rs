@@ -15,18 +15,26 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::actors::aggregator::{AggregatorConfig, AggregatorHandle, ShardStats};
-use crate::config::{Aggregators, Mode, NodeConfig};
-use crate::policy::placement::{ElectPolicy, ElectionConfig, ElectionHandle, Placement};
-use crate::policy::explore::ExplorePolicy;
-use crate::ops::faults::Faults;
-use crate::policy::health::{HealthPolicy, ServiceTracker};
+use crate::actors::aggregator::{self, AggregatorConfig};
+use crate::actors::election::{self, ElectionConfig};
 use crate::actors::join::{donor_count, fetch_model, join_point, JoinPoint};
-use crate::actors::membership::{MembershipConfig, MembershipHandle, Roster, RosterStatus};
-use crate::actors::net::{ModelSnapshot, NetworkHandle, NetworkParts, Routes};
-use crate::actors::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
-use crate::actors::trainer::TrainerHandle;
+use crate::actors::membership::{self, MembershipConfig};
+use crate::actors::net::{self, NetworkParts};
 use crate::actors::worker::{Routing, Worker};
+use crate::actors::{status, trainer};
+use crate::config::{Aggregators, Mode, NodeConfig};
+use crate::handles::aggregator::{AggregatorHandle, ShardStats};
+use crate::handles::election::ElectionHandle;
+use crate::handles::leave::LeaveSwitch;
+use crate::handles::membership::MembershipHandle;
+use crate::handles::net::{ModelSnapshot, NetworkHandle, Routes};
+use crate::handles::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
+use crate::ops::faults::Faults;
+use crate::ops::logging::short;
+use crate::policy::explore::ExplorePolicy;
+use crate::policy::health::{HealthPolicy, ServiceTracker};
+use crate::policy::placement::{ElectPolicy, Placement};
+use crate::policy::view::{Roster, RosterStatus, SelfState};
 
 /// What a finished node reports.
 #[derive(Debug, Clone)]
@@ -55,23 +63,13 @@ pub struct RunningNode {
     pub net: NetworkHandle,
     pub status: StatusHandle,
     /// This node's own heartbeat fields (step, role, shards) as they change.
-    pub progress: watch::Receiver<crate::actors::membership::SelfState>,
+    pub progress: watch::Receiver<SelfState>,
     /// The shard placement this node currently follows.
     pub placement: ElectionHandle,
     pub task: JoinHandle<anyhow::Result<NodeReport>>,
     /// Where the HTTP endpoint listens (`None`: turned off).
     pub http: Option<std::net::SocketAddr>,
     leave: LeaveSwitch,
-}
-
-/// Asks a node to leave cleanly; cloneable, so it can outlive borrowing the node.
-#[derive(Debug, Clone)]
-pub struct LeaveSwitch(Arc<watch::Sender<bool>>);
-
-impl LeaveSwitch {
-    pub fn leave(&self) {
-        self.0.send_replace(true);
-    }
 }
 
 impl RunningNode {
@@ -158,7 +156,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let name = config.name.clone().unwrap_or_else(|| short(&me));
     let train_len = split.train.len();
     let (trainer, _thread, initial) =
-        TrainerHandle::spawn(model_cfg.clone(), t.seed, device, split.train, split.test, c.channel_capacity, &name)?;
+        trainer::spawn(model_cfg.clone(), t.seed, device, split.train, split.test, c.channel_capacity, &name)?;
     let plan = ShardPlan::new(initial.len(), c.shards as usize)?;
     let hash = config_hash(&config, &model_cfg);
 
@@ -175,7 +173,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let (hb_tx, hb_rx) = mpsc::channel(c.channel_capacity);
     let (routes_tx, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
     let (snap_tx, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(initial.clone()) });
-    let net = NetworkHandle::spawn(
+    let net = net::spawn(
         swarm,
         NetworkParts {
             config: proto.clone(),
@@ -197,10 +195,10 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             "fault injection is on"
         );
     }
-    let status = StatusHandle::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
+    let status = status::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
     let incarnation =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-    let membership = MembershipHandle::spawn(
+    let membership = membership::spawn(
         MembershipConfig {
             run: run.clone(),
             me,
@@ -248,7 +246,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         net.kad_bootstrap().await?;
     }
     let (placement_tx, election) = ElectionHandle::channel();
-    let aggregator = AggregatorHandle::spawn(
+    let aggregator = aggregator::spawn(
         AggregatorConfig {
             me,
             incarnation,
@@ -288,7 +286,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         leave: leave_rx,
         faults: faults.clone(),
     };
-    let leave = LeaveSwitch(Arc::new(leave_tx));
+    let leave = LeaveSwitch::new(leave_tx);
     let http = match config.http.addr()? {
         None => None,
         Some(addr) => Some(
@@ -389,7 +387,7 @@ async fn drive(
                 min_excess_micros_per_mib: f64::INFINITY,
             }
         };
-        ElectionHandle::start(
+        election::start(
             placement_tx,
             ElectionConfig {
                 shards: worker.plan.len() as u32,
@@ -617,9 +615,4 @@ async fn linger(membership: &MembershipHandle, me: PeerId, steps: u64, failure_t
             }
         }
     }
-}
-
-pub fn short(p: &PeerId) -> String {
-    let s = p.to_string();
-    s[s.len().saturating_sub(6)..].to_string()
 }

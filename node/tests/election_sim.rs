@@ -19,9 +19,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use shoal_models::rng::DetRng;
-use shoal_node::policy::placement::{elect, inputs_from_view, ElectPolicy, Placement};
 use shoal_node::policy::health::ServiceTracker;
-use shoal_node::actors::membership::{SelfState, View};
+use shoal_node::policy::placement::{elect, inputs_from_view, ElectPolicy, Placement};
+use shoal_node::policy::view::{SelfState, View};
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::{Capabilities, Device, Heartbeat, Role, RunId, WIRE_VERSION};

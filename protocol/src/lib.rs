@@ -35,3 +35,6 @@ pub use validate::{validate_gossip, validate_heartbeat, validate_request, valida
 
 /// Re-export so the node uses exactly our libp2p.
 pub use libp2p;
+/// A node's identity on the wire, for code that needs only the id (the
+/// node's pure policy) and none of libp2p.
+pub use libp2p::PeerId;

@@ -3,10 +3,10 @@
 
 use candle_core::Device;
 use shoal_models::{data, DatasetKind, LocalTrainer, ModelConfig, OptimizerConfig, OptimizerKind};
+use shoal_node::actors::worker::batch_for_step;
 use shoal_node::cluster::{ClusterSpec, NodeOverride};
 use shoal_node::node::NodeReport;
 use shoal_node::policy::sync::SyncPolicy;
-use shoal_node::actors::worker::batch_for_step;
 use shoal_tests::{digits_config, rel_diff, run_cluster};
 
 const STEPS: u64 = 5;

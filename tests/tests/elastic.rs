@@ -7,8 +7,8 @@ use std::time::Duration;
 use shoal_models::OptimizerKind;
 use shoal_node::cluster::{Cluster, ClusterSpec, NodeOverride};
 use shoal_node::config::NodeConfig;
+use shoal_node::handles::status::{RoleView, StatusSnapshot};
 use shoal_node::node::NodeReport;
-use shoal_node::actors::status::{RoleView, StatusSnapshot};
 use shoal_node::policy::sync::SyncPolicy;
 use shoal_tests::digits_config;
 

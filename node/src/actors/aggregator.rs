@@ -28,96 +28,21 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shoal_models::{Optimizer, OptimizerConfig, OptimizerState};
+use anyhow::bail;
+use shoal_models::{Optimizer, OptimizerConfig};
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{HandoffKind, RunId};
+use shoal_protocol::{ErrorCode, HandoffKind, RunId, ShardRequest, ShardResponse};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use crate::handles::aggregator::{AggCommand, AggregatorHandle, HandoffReply, Held, PullReply, PushReply, ShardStats};
+use crate::handles::handoff::{to_wire, ShardState};
+use crate::handles::net::{ModelSnapshot, NetworkHandle};
+use crate::handles::status::{StatusEvent, StatusHandle};
+use crate::ops::logging::short;
 use crate::policy::placement::Placement;
-use crate::actors::handoff;
-use crate::actors::net::{ModelSnapshot, NetworkHandle};
-use crate::actors::status::{StatusEvent, StatusHandle};
 use crate::policy::sync::{PushOutcome, ShardCore, SyncPolicy};
-
-/// Answer to a push.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PushReply {
-    Accepted {
-        version: u64,
-        staleness: u64,
-    },
-    Stale {
-        current_version: u64,
-        max_staleness: u64,
-    },
-    NotOwner {
-        epoch: u64,
-        hint: Option<PeerId>,
-    },
-    /// The shard is assigned here but its state has not arrived: retry.
-    Pending,
-    /// The pusher is not a worker of this shard (the owner's view lost it).
-    UnknownWorker,
-    Invalid(String),
-}
-
-/// Answer to a pull.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PullReply {
-    State { version: u64, params: Arc<Vec<f32>> },
-    NotReady { current_version: u64 },
-    NotOwner { epoch: u64, hint: Option<PeerId> },
-}
-
-/// Answer to a handoff.
-#[derive(Debug, Clone, PartialEq)]
-pub enum HandoffReply {
-    Ack {
-        version: u64,
-    },
-    /// A copy at least as new is already installed here.
-    Fenced {
-        epoch: u64,
-    },
-    Invalid(String),
-}
-
-/// One shard's state in flight or at rest: what a handoff carries.
-#[derive(Debug, Clone)]
-pub struct ShardState {
-    pub shard: u32,
-    pub version: u64,
-    pub params: Vec<f32>,
-    pub optimizer: OptimizerState,
-}
-
-/// What this node holds as an owner: a node leaving cleanly waits for
-/// all of it to reach zero before it stops.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Held {
-    /// Shards served here.
-    pub shards: usize,
-    /// Shards assigned here whose transfer is awaited.
-    pub pending: usize,
-    /// Transfers sent and not yet acknowledged.
-    pub transfers: usize,
-}
-
-impl Held {
-    pub fn is_empty(&self) -> bool {
-        self.shards == 0 && self.pending == 0 && self.transfers == 0
-    }
-}
-
-/// Per-shard counters for tests and status.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ShardStats {
-    pub shard: u32,
-    pub version: u64,
-    pub max_staleness: u64,
-}
 
 /// What the aggregator needs besides its channels.
 #[derive(Debug, Clone)]
@@ -140,40 +65,6 @@ pub struct AggregatorConfig {
     pub capacity: usize,
 }
 
-enum AggCommand {
-    Push {
-        worker: PeerId,
-        shard: u32,
-        base_version: u64,
-        samples: u32,
-        grad: Vec<f32>,
-        reply: oneshot::Sender<PushReply>,
-    },
-    Pull {
-        worker: PeerId,
-        shard: u32,
-        min_version: u64,
-        wait: Duration,
-        reply: oneshot::Sender<PullReply>,
-    },
-    Handoff {
-        from: PeerId,
-        kind: HandoffKind,
-        state: ShardState,
-        reply: oneshot::Sender<HandoffReply>,
-    },
-    /// A spawned transfer was acknowledged.
-    TransferDone,
-    /// A spawned transfer could not be delivered: keep the state as a replica.
-    TransferFailed(ShardState),
-    ReplicaDone {
-        shard: u32,
-    },
-    Stats {
-        reply: oneshot::Sender<Vec<ShardStats>>,
-    },
-}
-
 struct ParkedPull {
     worker: PeerId,
     shard: u32,
@@ -189,123 +80,37 @@ struct Stored {
     transfer: bool,
 }
 
-/// Cloneable handle to the aggregator.
-#[derive(Debug, Clone)]
-pub struct AggregatorHandle {
-    sender: mpsc::Sender<AggCommand>,
-    held: watch::Receiver<Held>,
-}
-
-/// Returned by [`AggregatorHandle::try_push`] / `try_pull` when the actor is
-/// saturated or gone; the caller answers the peer with an error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Busy;
-
-impl AggregatorHandle {
-    pub fn spawn(
-        cfg: AggregatorConfig,
-        status: StatusHandle,
-        net: NetworkHandle,
-        placement: watch::Receiver<Option<Arc<Placement>>>,
-        snapshot: watch::Receiver<ModelSnapshot>,
-    ) -> Self {
-        let (sender, receiver) = mpsc::channel(cfg.capacity.max(1));
-        let (held_tx, held) = watch::channel(Held::default());
-        let actor = AggregatorActor {
-            held: held_tx,
-            transfers: 0,
-            me_tx: sender.downgrade(),
-            receiver,
-            cores: BTreeMap::new(),
-            pending: BTreeMap::new(),
-            stored: BTreeMap::new(),
-            placement_rx: placement,
-            placement: None,
-            parked: Vec::new(),
-            replicating: BTreeSet::new(),
-            replicated: BTreeMap::new(),
-            status,
-            net,
-            snapshot,
-            started: Instant::now(),
-            cfg,
-        };
-        tokio::spawn(actor.run());
-        Self { sender, held }
-    }
-
-    /// What this node holds as an owner, as it changes.
-    pub fn held(&self) -> watch::Receiver<Held> {
-        self.held.clone()
-    }
-
-    async fn ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> anyhow::Result<T> {
-        let (reply, rx) = oneshot::channel();
-        self.sender.send(cmd(reply)).await.map_err(|_| anyhow::anyhow!("aggregator has stopped"))?;
-        rx.await.map_err(|_| anyhow::anyhow!("aggregator dropped a request"))
-    }
-
-    pub async fn push(
-        &self,
-        worker: PeerId,
-        shard: u32,
-        base_version: u64,
-        samples: u32,
-        grad: Vec<f32>,
-    ) -> anyhow::Result<PushReply> {
-        self.ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply }).await
-    }
-
-    pub async fn pull(
-        &self,
-        worker: PeerId,
-        shard: u32,
-        min_version: u64,
-        wait: Duration,
-    ) -> anyhow::Result<PullReply> {
-        self.ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, reply }).await
-    }
-
-    fn try_ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> Result<oneshot::Receiver<T>, Busy> {
-        let (reply, rx) = oneshot::channel();
-        self.sender.try_send(cmd(reply)).map_err(|_| Busy)?;
-        Ok(rx)
-    }
-
-    /// Non-blocking forms for the network actor.
-    pub fn try_push(
-        &self,
-        worker: PeerId,
-        shard: u32,
-        base_version: u64,
-        samples: u32,
-        grad: Vec<f32>,
-    ) -> Result<oneshot::Receiver<PushReply>, Busy> {
-        self.try_ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply })
-    }
-
-    pub fn try_pull(
-        &self,
-        worker: PeerId,
-        shard: u32,
-        min_version: u64,
-        wait: Duration,
-    ) -> Result<oneshot::Receiver<PullReply>, Busy> {
-        self.try_ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, reply })
-    }
-
-    pub fn try_handoff(
-        &self,
-        from: PeerId,
-        kind: HandoffKind,
-        state: ShardState,
-    ) -> Result<oneshot::Receiver<HandoffReply>, Busy> {
-        self.try_ask(|reply| AggCommand::Handoff { from, kind, state, reply })
-    }
-
-    pub async fn stats(&self) -> Vec<ShardStats> {
-        self.ask(|reply| AggCommand::Stats { reply }).await.unwrap_or_default()
-    }
+/// Start the aggregator actor. It stops when every handle has been dropped.
+pub fn spawn(
+    cfg: AggregatorConfig,
+    status: StatusHandle,
+    net: NetworkHandle,
+    placement: watch::Receiver<Option<Arc<Placement>>>,
+    snapshot: watch::Receiver<ModelSnapshot>,
+) -> AggregatorHandle {
+    let (sender, receiver) = mpsc::channel(cfg.capacity.max(1));
+    let (held_tx, held) = watch::channel(Held::default());
+    let actor = AggregatorActor {
+        held: held_tx,
+        transfers: 0,
+        me_tx: sender.downgrade(),
+        receiver,
+        cores: BTreeMap::new(),
+        pending: BTreeMap::new(),
+        stored: BTreeMap::new(),
+        placement_rx: placement,
+        placement: None,
+        parked: Vec::new(),
+        replicating: BTreeSet::new(),
+        replicated: BTreeMap::new(),
+        status,
+        net,
+        snapshot,
+        started: Instant::now(),
+        cfg,
+    };
+    tokio::spawn(actor.run());
+    AggregatorHandle::new(sender, held)
 }
 
 struct AggregatorActor {
@@ -502,7 +307,7 @@ impl AggregatorActor {
                 } else if let Some(to) = owner.filter(|o| *o != self.cfg.me) {
                     // The shard moved on while it was on the wire (possibly back
                     // to the sender, which now waits for it): pass it along.
-                    info!(shard, version, to = %crate::node::short(&to), "forwarding a transfer to the current owner");
+                    info!(shard, version, to = %short(&to), "forwarding a transfer to the current owner");
                     self.spawn_send(to, HandoffKind::Transfer, state);
                 } else {
                     // Our view has not made us the owner yet: keep it until it does.
@@ -583,7 +388,7 @@ impl AggregatorActor {
             let Some(core) = self.cores.remove(&shard) else { continue };
             let Some(to) = new.owner(shard) else { continue };
             let (params, optimizer, version) = core.export();
-            info!(shard, version, to = %crate::node::short(&to), "handing the shard over");
+            info!(shard, version, to = %short(&to), "handing the shard over");
             self.status.record(StatusEvent::HandoffOut);
             self.spawn_send(to, HandoffKind::Transfer, ShardState { shard, version, params, optimizer });
         }
@@ -660,7 +465,7 @@ impl AggregatorActor {
         let deadline = Instant::now() + self.cfg.handoff_timeout;
         tokio::spawn(async move {
             let shard = state.shard;
-            let result = handoff::send(&net, to, &run, me, incarnation, kind, &state, deadline).await;
+            let result = send_handoff(&net, to, &run, me, incarnation, kind, &state, deadline).await;
             let msg = match (kind, result) {
                 (HandoffKind::Replica, r) => {
                     if let Err(e) = r {
@@ -747,6 +552,38 @@ impl AggregatorActor {
             }
         }
         self.release_ready();
+    }
+}
+
+/// Send a handoff to `to`, retrying transport failures and `Busy` until
+/// `deadline`. `Fenced` (the receiver holds a copy at least as new) counts
+/// as delivered: there is nothing more to move.
+#[allow(clippy::too_many_arguments)]
+async fn send_handoff(
+    net: &NetworkHandle,
+    to: PeerId,
+    run: &RunId,
+    me: PeerId,
+    incarnation: u64,
+    kind: HandoffKind,
+    state: &ShardState,
+    deadline: Instant,
+) -> anyhow::Result<()> {
+    let req = ShardRequest::Handoff(to_wire(run, me, incarnation, kind, state)?);
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let err = match net.request(to, req.clone()).await {
+            Ok(ShardResponse::HandoffAck { .. }) | Ok(ShardResponse::Fenced { .. }) => return Ok(()),
+            Ok(ShardResponse::Error(e)) if e.code == ErrorCode::Busy => format!("busy: {}", e.message),
+            Ok(other) => bail!("{to} answered a handoff with {}", other.kind()),
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() + backoff >= deadline {
+            bail!("handoff of shard {} to {to} kept failing: {err}", state.shard);
+        }
+        // Back-off between retries of a failed request, not synchronisation.
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_millis(500));
     }
 }
 

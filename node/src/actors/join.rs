@@ -21,8 +21,8 @@ use shoal_protocol::{Role, RunId, ShardRequest, ShardResponse, StateSync};
 use tokio::time::Instant;
 use tracing::debug;
 
-use crate::actors::membership::{Roster, View};
-use crate::actors::net::NetworkHandle;
+use crate::handles::net::NetworkHandle;
+use crate::policy::view::{Roster, View};
 
 /// Where a late node joins the run.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,7 +1,8 @@
-//! The node's tokio actors, each with one job, and the step loop.
+//! The node's tokio actors, each with one job, and the step loop. Each one
+//! reaches the others only through their handles ([`crate::handles`]).
 
 pub mod aggregator;
-pub mod handoff;
+pub mod election;
 pub mod join;
 pub mod membership;
 pub mod net;

@@ -11,7 +11,6 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
@@ -30,63 +29,9 @@ use tracing::{debug, info, warn};
 
 use shoal_models::OptimizerConfig;
 
-use crate::actors::aggregator::{AggregatorHandle, HandoffReply, PullReply, PushReply};
-
-/// A copy of this node's current model, served to peers that sync state
-/// (`StateSync`) or gossip-average with us.
-#[derive(Debug, Clone, Default)]
-pub struct ModelSnapshot {
-    pub version: u64,
-    pub params: Arc<Vec<f32>>,
-}
-
-/// Why an outbound request failed.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum NetError {
-    #[error("request to {peer} failed: {reason}")]
-    Request { peer: PeerId, reason: String },
-    #[error("dial {addr} failed: {reason}")]
-    Dial { addr: Multiaddr, reason: String },
-    #[error("network actor has stopped")]
-    Stopped,
-}
-
-enum NetCommand {
-    Request {
-        peer: PeerId,
-        req: ShardRequest,
-        reply: oneshot::Sender<Result<ShardResponse, NetError>>,
-    },
-    Publish {
-        msg: GossipMessage,
-    },
-    Dial {
-        addr: Multiaddr,
-        reply: oneshot::Sender<Result<PeerId, NetError>>,
-    },
-    ListenAddrs {
-        reply: oneshot::Sender<Vec<Multiaddr>>,
-    },
-    Block(PeerId),
-    Unblock(PeerId),
-    KadBootstrap,
-    /// Drop the swarm now: every connection closes, as when the process dies.
-    Shutdown,
-}
-
-/// Where inbound shard requests go; set once training starts.
-#[derive(Debug, Clone)]
-pub struct Routes {
-    pub aggregator: Option<AggregatorHandle>,
-    pub epoch: u64,
-}
-
-/// Cloneable handle to the network actor.
-#[derive(Debug, Clone)]
-pub struct NetworkHandle {
-    sender: mpsc::Sender<NetCommand>,
-    local_peer: PeerId,
-}
+use crate::handles::aggregator::{HandoffReply, PullReply, PushReply};
+use crate::handles::handoff::from_wire;
+use crate::handles::net::{ModelSnapshot, NetCommand, NetError, NetworkHandle, Routes};
 
 /// Everything the network actor needs besides the swarm.
 #[derive(Debug)]
@@ -111,72 +56,21 @@ type DialWaiters = Vec<(Multiaddr, oneshot::Sender<Result<PeerId, NetError>>)>;
 
 type PendingResponse = Pin<Box<dyn Future<Output = (ResponseChannel<ShardResponse>, ShardResponse)> + Send>>;
 
-impl NetworkHandle {
-    /// Start the actor on an already built swarm.
-    pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> Self {
-        let local_peer = *swarm.local_peer_id();
-        let (sender, receiver) = mpsc::channel(parts.capacity.max(1));
-        let actor = NetworkActor {
-            topic: membership_topic(&parts.config.run_id),
-            swarm,
-            receiver,
-            parts,
-            outbound: HashMap::new(),
-            dials: HashMap::new(),
-            responses: FuturesUnordered::new(),
-        };
-        tokio::spawn(actor.run());
-        Self { sender, local_peer }
-    }
-
-    pub fn local_peer(&self) -> PeerId {
-        self.local_peer
-    }
-
-    pub async fn request(&self, peer: PeerId, req: ShardRequest) -> Result<ShardResponse, NetError> {
-        let (reply, rx) = oneshot::channel();
-        self.sender.send(NetCommand::Request { peer, req, reply }).await.map_err(|_| NetError::Stopped)?;
-        rx.await.map_err(|_| NetError::Stopped)?
-    }
-
-    pub async fn publish(&self, msg: GossipMessage) -> Result<(), NetError> {
-        self.sender.send(NetCommand::Publish { msg }).await.map_err(|_| NetError::Stopped)
-    }
-
-    /// Dial and wait until the connection is up (or failed).
-    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId, NetError> {
-        let (reply, rx) = oneshot::channel();
-        self.sender.send(NetCommand::Dial { addr, reply }).await.map_err(|_| NetError::Stopped)?;
-        rx.await.map_err(|_| NetError::Stopped)?
-    }
-
-    /// The addresses we listen on, with `/p2p/<id>`. Waits for at least one.
-    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NetError> {
-        let (reply, rx) = oneshot::channel();
-        self.sender.send(NetCommand::ListenAddrs { reply }).await.map_err(|_| NetError::Stopped)?;
-        rx.await.map_err(|_| NetError::Stopped)
-    }
-
-    /// Refuse (and drop) connections with a peer: fault injection for
-    /// partitions, and the hook for banning misbehaving peers.
-    pub async fn block(&self, peer: PeerId) -> Result<(), NetError> {
-        self.sender.send(NetCommand::Block(peer)).await.map_err(|_| NetError::Stopped)
-    }
-
-    /// Stop the network actor, dropping the swarm and all its connections.
-    pub async fn shutdown(&self) {
-        let _ = self.sender.send(NetCommand::Shutdown).await;
-    }
-
-    /// Ask Kademlia (if on) to look up the network from the peers we know,
-    /// so that peers we never dialled become reachable by id.
-    pub async fn kad_bootstrap(&self) -> Result<(), NetError> {
-        self.sender.send(NetCommand::KadBootstrap).await.map_err(|_| NetError::Stopped)
-    }
-
-    pub async fn unblock(&self, peer: PeerId) -> Result<(), NetError> {
-        self.sender.send(NetCommand::Unblock(peer)).await.map_err(|_| NetError::Stopped)
-    }
+/// Start the actor on an already built swarm.
+pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle {
+    let local_peer = *swarm.local_peer_id();
+    let (sender, receiver) = mpsc::channel(parts.capacity.max(1));
+    let actor = NetworkActor {
+        topic: membership_topic(&parts.config.run_id),
+        swarm,
+        receiver,
+        parts,
+        outbound: HashMap::new(),
+        dials: HashMap::new(),
+        responses: FuturesUnordered::new(),
+    };
+    tokio::spawn(actor.run());
+    NetworkHandle::new(sender, local_peer)
 }
 
 struct NetworkActor {
@@ -489,7 +383,7 @@ impl NetworkActor {
                         wire_error(ErrorCode::InvalidRequest, "handoff `from` is not the sender"),
                     );
                 }
-                let state = match crate::actors::handoff::from_wire(&h, self.parts.optimizer) {
+                let state = match from_wire(&h, self.parts.optimizer) {
                     Ok(s) => s,
                     Err(e) => {
                         return self.respond_now(channel, wire_error(ErrorCode::InvalidRequest, format!("{e:#}")))

@@ -5,34 +5,15 @@
 //! [`TrainerHandle`] holding a bounded sender, and gets replies on oneshots.
 //! The thread ends when every handle has been dropped.
 
-use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::Context;
 use candle_core::Device;
-use shoal_models::{Dataset, Evaluation, Model, ModelConfig, TrainableModel};
-use tokio::sync::{mpsc, oneshot};
+use shoal_models::{Dataset, Model, ModelConfig, TrainableModel};
+use tokio::sync::mpsc;
 use tracing::debug;
 
-/// Gradients of one batch.
-#[derive(Debug, Clone)]
-pub struct Gradients {
-    pub loss: f32,
-    pub samples: usize,
-    pub grads: Vec<f32>,
-}
-
-enum TrainerCommand {
-    Gradients { indices: Vec<usize>, reply: oneshot::Sender<anyhow::Result<Gradients>> },
-    SetParams { params: Arc<Vec<f32>>, reply: oneshot::Sender<anyhow::Result<()>> },
-    Evaluate { reply: oneshot::Sender<anyhow::Result<Evaluation>> },
-}
-
-/// Cloneable handle to the trainer thread.
-#[derive(Debug, Clone)]
-pub struct TrainerHandle {
-    sender: mpsc::Sender<TrainerCommand>,
-}
+use crate::handles::trainer::{Gradients, TrainerCommand, TrainerHandle};
 
 struct TrainerActor {
     model: Model,
@@ -41,52 +22,26 @@ struct TrainerActor {
     receiver: mpsc::Receiver<TrainerCommand>,
 }
 
-impl TrainerHandle {
-    /// Build the model (deterministic from `seed`) on `device` and start the thread.
-    /// Returns the handle, the thread, and the initial flat parameters.
-    pub fn spawn(
-        config: ModelConfig,
-        seed: u64,
-        device: Device,
-        train: Dataset,
-        test: Dataset,
-        capacity: usize,
-        name: &str,
-    ) -> anyhow::Result<(Self, JoinHandle<()>, Vec<f32>)> {
-        let model = Model::new(config, seed, &device)?;
-        let initial = model.parameters()?;
-        let (sender, receiver) = mpsc::channel(capacity.max(1));
-        let actor = TrainerActor { model, train, test, receiver };
-        let thread = std::thread::Builder::new()
-            .name(format!("trainer-{name}"))
-            .spawn(move || actor.run())
-            .context("spawning the trainer thread")?;
-        Ok((Self { sender }, thread, initial))
-    }
-
-    async fn call<T>(
-        &self,
-        make: impl FnOnce(oneshot::Sender<anyhow::Result<T>>) -> TrainerCommand,
-    ) -> anyhow::Result<T> {
-        let (tx, rx) = oneshot::channel();
-        self.sender.send(make(tx)).await.map_err(|_| anyhow::anyhow!("trainer thread has stopped"))?;
-        rx.await.map_err(|_| anyhow::anyhow!("trainer thread dropped the request"))?
-    }
-
-    /// Forward and backward on the given samples of this node's training set.
-    pub async fn gradients(&self, indices: Vec<usize>) -> anyhow::Result<Gradients> {
-        self.call(|reply| TrainerCommand::Gradients { indices, reply }).await
-    }
-
-    /// Load new parameters (flat, `ParamLayout` order) into the model.
-    pub async fn set_params(&self, params: Arc<Vec<f32>>) -> anyhow::Result<()> {
-        self.call(|reply| TrainerCommand::SetParams { params, reply }).await
-    }
-
-    /// Loss and accuracy on the test set.
-    pub async fn evaluate(&self) -> anyhow::Result<Evaluation> {
-        self.call(|reply| TrainerCommand::Evaluate { reply }).await
-    }
+/// Build the model (deterministic from `seed`) on `device` and start the thread.
+/// Returns the handle, the thread, and the initial flat parameters.
+pub fn spawn(
+    config: ModelConfig,
+    seed: u64,
+    device: Device,
+    train: Dataset,
+    test: Dataset,
+    capacity: usize,
+    name: &str,
+) -> anyhow::Result<(TrainerHandle, JoinHandle<()>, Vec<f32>)> {
+    let model = Model::new(config, seed, &device)?;
+    let initial = model.parameters()?;
+    let (sender, receiver) = mpsc::channel(capacity.max(1));
+    let actor = TrainerActor { model, train, test, receiver };
+    let thread = std::thread::Builder::new()
+        .name(format!("trainer-{name}"))
+        .spawn(move || actor.run())
+        .context("spawning the trainer thread")?;
+    Ok((TrainerHandle::new(sender), thread, initial))
 }
 
 impl TrainerActor {

@@ -23,15 +23,16 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::actors::aggregator::{AggregatorHandle, PullReply, PushReply};
 use crate::config::{Mode, NodeConfig};
-use crate::policy::placement::Placement;
+use crate::handles::aggregator::{AggregatorHandle, PullReply, PushReply};
+use crate::handles::membership::MembershipHandle;
+use crate::handles::net::{ModelSnapshot, NetError, NetworkHandle};
+use crate::handles::status::{StatusEvent, StatusHandle};
+use crate::handles::trainer::TrainerHandle;
 use crate::policy::health::ServiceTracker;
-use crate::actors::membership::{MembershipHandle, Roster};
-use crate::actors::net::{ModelSnapshot, NetError, NetworkHandle};
-use crate::actors::status::{StatusEvent, StatusHandle};
+use crate::policy::placement::Placement;
 use crate::policy::sync::SyncPolicy;
-use crate::actors::trainer::TrainerHandle;
+use crate::policy::view::Roster;
 
 /// The batch a worker of rank `rank` among `world` trains on at `step`:
 /// its rank-strided partition of the training set, reshuffled each epoch.

@@ -273,7 +273,7 @@ async fn straggler_case(
     elastic: bool,
 ) -> anyhow::Result<StragglerCase> {
     use crate::cluster::{Cluster, ClusterSpec, NodeOverride};
-    use crate::actors::status::RoleView;
+    use crate::handles::status::RoleView;
 
     let mut cfg = cluster_bench_config(run, args.steps, args.batch_size);
     cfg.cluster.elastic = elastic;
@@ -348,7 +348,7 @@ struct AggregatorsCase {
     accuracy: f32,
     /// Aggregators at the end, and the explorer's decisions (of node0).
     final_k: usize,
-    decisions: Vec<crate::actors::status::ExploreRecord>,
+    decisions: Vec<crate::handles::status::ExploreRecord>,
 }
 
 async fn aggregators_case(

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
-use crate::cmd::cli::DemoArgs;
 use crate::cluster::{Cluster, ClusterSpec};
+use crate::cmd::cli::DemoArgs;
 use crate::config::NodeConfig;
 
 #[allow(clippy::print_stdout)] // The CLI's own output.
@@ -35,7 +35,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         let multi = MultiProgress::new();
         let style = ProgressStyle::with_template("{prefix:>6} [{bar:30.cyan/blue}] {pos:>4}/{len:4} {msg}")?
             .progress_chars("=> ");
-        let bars: Vec<(ProgressBar, crate::actors::status::StatusHandle)> = cluster
+        let bars: Vec<(ProgressBar, crate::handles::status::StatusHandle)> = cluster
             .nodes
             .iter()
             .map(|n| {

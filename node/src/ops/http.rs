@@ -31,11 +31,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
+use crate::handles::leave::LeaveSwitch;
+use crate::handles::membership::MembershipHandle;
+use crate::handles::net::NetworkHandle;
+use crate::handles::status::{StatusHandle, StatusSnapshot};
 use crate::ops::faults::Faults;
-use crate::actors::membership::MembershipHandle;
-use crate::actors::net::NetworkHandle;
-use crate::node::LeaveSwitch;
-use crate::actors::status::{StatusHandle, StatusSnapshot};
 
 /// Largest request head accepted.
 const MAX_REQUEST: usize = 16 * 1024;

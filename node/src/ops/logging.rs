@@ -1,6 +1,7 @@
 //! tracing-subscriber set-up: `RUST_LOG` filters, `--log-format` picks the format.
 //! Logs go to stderr so that stdout carries only the command's own output.
 
+use shoal_protocol::PeerId;
 use tracing_subscriber::EnvFilter;
 
 use crate::cmd::cli::LogFormat;
@@ -15,4 +16,10 @@ pub fn init(format: LogFormat, default_level: &str) -> anyhow::Result<()> {
         LogFormat::Json => builder.json().try_init(),
     };
     res.map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// The last six characters of a peer id, as logs and node names show it.
+pub fn short(p: &PeerId) -> String {
+    let s = p.to_string();
+    s[s.len().saturating_sub(6)..].to_string()
 }

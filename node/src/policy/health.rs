@@ -17,8 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{ServiceObservation, MAX_SERVICE_OBSERVATIONS};
+use shoal_protocol::{PeerId, ServiceObservation, MAX_SERVICE_OBSERVATIONS};
 
 /// Thresholds of the straggler detector.
 #[derive(Debug, Clone, Copy, PartialEq)]

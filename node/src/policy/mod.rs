@@ -7,3 +7,4 @@ pub mod explore;
 pub mod health;
 pub mod placement;
 pub mod sync;
+pub mod view;

@@ -13,26 +13,19 @@
 //! owner dies. The placement's epoch is a hash of everything it was computed
 //! from, so equal views give equal epochs and any difference shows.
 //!
-//! The [`ElectionHandle`] actor recomputes the placement whenever the view
-//! or this node's own measurements change and publishes it on a `watch`
-//! channel; the worker routes by it and the aggregator moves shards by it.
-//! With `cluster.aggregators = "auto"` it also runs this node's
-//! [`crate::policy::explore::Explorer`] and gossips its proposed number of aggregators.
+//! The election actor ([`crate::actors::election`]) recomputes the placement
+//! whenever the view or this node's own measurements change and publishes
+//! it; the worker routes by it and the aggregator moves shards by it.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use shoal_models::rng::stable_hash64;
-use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::Role;
-use tokio::sync::watch;
-use tracing::{info, warn};
+use shoal_protocol::{PeerId, Role};
 
 use crate::policy::assign::{assign, AssignPolicy, Candidate};
-use crate::policy::explore::{agreed_limit, lower_median, Decision, ExplorePolicy, Explorer, Observation};
+use crate::policy::explore::{agreed_limit, lower_median, Observation};
 use crate::policy::health::{capacity_levels, medians, stragglers, weight_of, HealthPolicy};
-use crate::actors::membership::{MembershipHandle, SelfState, View};
-use crate::actors::status::{RoleView, StatusEvent, StatusHandle};
+use crate::policy::view::{SelfState, View};
 
 /// A live member of the view, as the election sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -276,199 +269,6 @@ pub fn observation(
         step_micros,
         comm_share: comm_share.clamp(0.0, 1.0),
     })
-}
-
-/// Settings of the election actor.
-#[derive(Debug, Clone)]
-pub struct ElectionConfig {
-    pub shards: u32,
-    pub policy: ElectPolicy,
-    /// Explore the number of aggregators from this start (`None`: every
-    /// capable node); `None` here: no exploration.
-    pub explore: Option<(ExplorePolicy, Option<usize>)>,
-    pub can_aggregate: bool,
-    pub total_steps: u64,
-    pub failure_timeout_ms: u64,
-    pub name: String,
-}
-
-/// The election actor: publishes the current placement.
-#[derive(Debug, Clone)]
-pub struct ElectionHandle {
-    placement: watch::Receiver<Option<Arc<Placement>>>,
-}
-
-impl ElectionHandle {
-    /// The channel the placement is published on, before the actor starts
-    /// (the worker and the aggregator subscribe at build time).
-    pub fn channel() -> (watch::Sender<Option<Arc<Placement>>>, Self) {
-        let (tx, rx) = watch::channel(None);
-        (tx, Self { placement: rx })
-    }
-
-    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<Placement>>> {
-        self.placement.clone()
-    }
-
-    pub fn current(&self) -> Option<Arc<Placement>> {
-        self.placement.borrow().clone()
-    }
-
-    /// Start electing (once the roster is agreed). Stops when the membership
-    /// actor stops or every receiver is gone.
-    pub fn start(
-        out: watch::Sender<Option<Arc<Placement>>>,
-        cfg: ElectionConfig,
-        membership: MembershipHandle,
-        status: StatusHandle,
-    ) {
-        tokio::spawn(run(out, cfg, membership, status));
-    }
-}
-
-async fn run(
-    out: watch::Sender<Option<Arc<Placement>>>,
-    cfg: ElectionConfig,
-    membership: MembershipHandle,
-    status: StatusHandle,
-) {
-    let mut view = membership.subscribe();
-    let mut me = membership.subscribe_self();
-    let my_id = membership.snapshot().view.me;
-    // The view and this node's heartbeat fields change every step (step
-    // counters, model versions); the election's inputs rarely do.
-    let mut last_inputs = None;
-    let mut explorer = cfg.explore.map(|(policy, start)| Explorer::new(policy, start));
-    loop {
-        let inputs = {
-            let snap = view.borrow_and_update();
-            let mine = me.borrow_and_update();
-            inputs_from_view(&snap.view, &mine, cfg.can_aggregate, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms)
-        };
-        let unchanged = last_inputs.as_ref() == Some(&inputs);
-        let (members, service) = last_inputs.insert(inputs);
-        match (!unchanged).then(|| elect(members, service, cfg.shards, cfg.policy)).flatten() {
-            Some(p) => {
-                let changed = out.borrow().as_ref().map(|old| old.epoch) != Some(p.epoch);
-                if changed {
-                    let old = out.borrow().clone();
-                    announce(&cfg.name, &my_id, old.as_deref(), &p, &membership, &status);
-                    out.send_replace(Some(Arc::new(p)));
-                }
-            }
-            None if !unchanged => warn!("no live node may own shards; keeping the last placement"),
-            None => {}
-        }
-        // Clone first: the watch guard must not be held while exploring.
-        let current = out.borrow().clone();
-        if let (Some(ex), Some(p)) = (explorer.as_mut(), current) {
-            explore(ex, &p, &cfg, &view, &me, &membership, &status);
-        }
-        tokio::select! {
-            r = view.changed() => if r.is_err() { break },
-            r = me.changed() => if r.is_err() { break },
-            _ = out.closed() => break,
-        }
-    }
-}
-
-/// Feed this node's explorer and gossip its proposal.
-fn explore(
-    ex: &mut Explorer,
-    placement: &Placement,
-    cfg: &ElectionConfig,
-    view: &watch::Receiver<crate::actors::membership::ViewSnapshot>,
-    me: &watch::Receiver<SelfState>,
-    membership: &MembershipHandle,
-    status: &StatusHandle,
-) {
-    let o = {
-        let snap = view.borrow();
-        observation(&snap.view, &me.borrow(), placement, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms)
-    };
-    let Some(o) = o else { return };
-    if let Some(d) = ex.observe(&o, placement.limit) {
-        match d {
-            Decision::Try { from, to, baseline_micros } => info!(
-                node = cfg.name,
-                step = o.step,
-                from,
-                to,
-                comm_share = o.comm_share,
-                step_ms = baseline_micros / 1e3,
-                "trying another number of aggregators"
-            ),
-            Decision::Keep { from, k, before_micros, after_micros } => info!(
-                node = cfg.name,
-                step = o.step,
-                from,
-                k,
-                before_ms = before_micros / 1e3,
-                after_ms = after_micros / 1e3,
-                "keeping the number of aggregators: steps got faster"
-            ),
-            Decision::Revert { tried, k, before_micros, after_micros, backoff_windows } => info!(
-                node = cfg.name,
-                step = o.step,
-                tried,
-                k,
-                before_ms = before_micros / 1e3,
-                after_ms = after_micros / 1e3,
-                backoff_windows,
-                "going back to the previous number of aggregators: steps did not get faster"
-            ),
-        }
-        status.record(StatusEvent::Explore { step: o.step, decision: d });
-    }
-    let proposal = ex.proposal();
-    if me.borrow().pace.aggregators != proposal {
-        membership.set_self(|s| s.pace.aggregators = proposal);
-    }
-}
-
-/// Log a new placement, and tell membership and status about this node's new role.
-fn announce(
-    name: &str,
-    me: &PeerId,
-    old: Option<&Placement>,
-    new: &Placement,
-    membership: &MembershipHandle,
-    status: &StatusHandle,
-) {
-    let owned = new.owned_by(me);
-    let before = old.map(|o| o.owned_by(me));
-    status.record(StatusEvent::Aggregators(new.aggregators()));
-    if old.is_none_or(|o| o.owners != new.owners || o.stragglers != new.stragglers) {
-        info!(
-            node = name,
-            epoch = new.epoch,
-            owners = ?new.owners.iter().map(crate::node::short).collect::<Vec<_>>(),
-            stragglers = ?new.stragglers.iter().map(crate::node::short).collect::<Vec<_>>(),
-            limit = ?new.limit,
-            "placement"
-        );
-    }
-    let level = new.level_of(me);
-    if old.is_none_or(|o| o.level_of(me) != level) {
-        membership.set_self(|s| {
-            s.pace.capacity_level = level;
-            s.announce += 1;
-        });
-    }
-    if before.as_ref() != Some(&owned) {
-        let role = if owned.is_empty() { Role::Worker } else { Role::Aggregator };
-        membership.set_self(|s| {
-            if !s.leaving {
-                s.role = role;
-            }
-            s.owned_shards = owned.clone();
-            s.announce += 1;
-        });
-        status.record(StatusEvent::Role {
-            role: if owned.is_empty() { RoleView::Worker } else { RoleView::Aggregator },
-            owned,
-        });
-    }
 }
 
 #[cfg(test)]

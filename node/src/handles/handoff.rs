@@ -1,19 +1,21 @@
-//! Shard handoff on the wire: converting a shard's state (parameters,
-//! optimizer state, version) to and from [`shoal_protocol::Handoff`], and
-//! delivering one with retries.
-
-use std::time::Duration;
+//! What a shard handoff carries: a shard's state (parameters, optimizer
+//! state, version), and its conversion to and from
+//! [`shoal_protocol::Handoff`]. The aggregator actor sends handoffs; the
+//! network actor decodes the ones it receives.
 
 use anyhow::{bail, Context};
 use shoal_models::{OptimizerConfig, OptimizerState};
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{
-    Encoding, ErrorCode, Handoff, HandoffKind, OptimizerSlot, Payload, RunId, ShardRequest, ShardResponse,
-};
-use tokio::time::Instant;
+use shoal_protocol::{Encoding, Handoff, HandoffKind, OptimizerSlot, Payload, RunId};
 
-use crate::actors::aggregator::ShardState;
-use crate::actors::net::NetworkHandle;
+/// One shard's state in flight or at rest: what a handoff carries.
+#[derive(Debug, Clone)]
+pub struct ShardState {
+    pub shard: u32,
+    pub version: u64,
+    pub params: Vec<f32>,
+    pub optimizer: OptimizerState,
+}
 
 /// Encode a shard's state as a handoff message (F32: nothing is lost in a move).
 pub fn to_wire(
@@ -66,38 +68,6 @@ pub fn from_wire(h: &Handoff, config: OptimizerConfig) -> anyhow::Result<ShardSt
         params: h.params.decode().context("handoff parameters")?,
         optimizer: OptimizerState { config, step: h.optimizer.step, slots },
     })
-}
-
-/// Send a handoff to `to`, retrying transport failures and `Busy` until
-/// `deadline`. `Fenced` (the receiver holds a copy at least as new) counts
-/// as delivered: there is nothing more to move.
-#[allow(clippy::too_many_arguments)]
-pub async fn send(
-    net: &NetworkHandle,
-    to: PeerId,
-    run: &RunId,
-    me: PeerId,
-    incarnation: u64,
-    kind: HandoffKind,
-    state: &ShardState,
-    deadline: Instant,
-) -> anyhow::Result<()> {
-    let req = ShardRequest::Handoff(to_wire(run, me, incarnation, kind, state)?);
-    let mut backoff = Duration::from_millis(20);
-    loop {
-        let err = match net.request(to, req.clone()).await {
-            Ok(ShardResponse::HandoffAck { .. }) | Ok(ShardResponse::Fenced { .. }) => return Ok(()),
-            Ok(ShardResponse::Error(e)) if e.code == ErrorCode::Busy => format!("busy: {}", e.message),
-            Ok(other) => bail!("{to} answered a handoff with {}", other.kind()),
-            Err(e) => e.to_string(),
-        };
-        if Instant::now() + backoff >= deadline {
-            bail!("handoff of shard {} to {to} kept failing: {err}", state.shard);
-        }
-        // Back-off between retries of a failed request, not synchronisation.
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_millis(500));
-    }
 }
 
 #[cfg(test)]

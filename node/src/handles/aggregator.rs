@@ -1,0 +1,209 @@
+//! The aggregator's handle and messages: pushes and pulls from the local
+//! worker and (forwarded by the network actor, without waiting) from peers,
+//! and handoffs of shards between owners. The actor is
+//! [`crate::actors::aggregator`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use shoal_protocol::libp2p::PeerId;
+use shoal_protocol::HandoffKind;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::handles::handoff::ShardState;
+
+/// Answer to a push.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PushReply {
+    Accepted {
+        version: u64,
+        staleness: u64,
+    },
+    Stale {
+        current_version: u64,
+        max_staleness: u64,
+    },
+    NotOwner {
+        epoch: u64,
+        hint: Option<PeerId>,
+    },
+    /// The shard is assigned here but its state has not arrived: retry.
+    Pending,
+    /// The pusher is not a worker of this shard (the owner's view lost it).
+    UnknownWorker,
+    Invalid(String),
+}
+
+/// Answer to a pull.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PullReply {
+    State { version: u64, params: Arc<Vec<f32>> },
+    NotReady { current_version: u64 },
+    NotOwner { epoch: u64, hint: Option<PeerId> },
+}
+
+/// Answer to a handoff.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HandoffReply {
+    Ack {
+        version: u64,
+    },
+    /// A copy at least as new is already installed here.
+    Fenced {
+        epoch: u64,
+    },
+    Invalid(String),
+}
+
+/// What this node holds as an owner: a node leaving cleanly waits for
+/// all of it to reach zero before it stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Held {
+    /// Shards served here.
+    pub shards: usize,
+    /// Shards assigned here whose transfer is awaited.
+    pub pending: usize,
+    /// Transfers sent and not yet acknowledged.
+    pub transfers: usize,
+}
+
+impl Held {
+    pub fn is_empty(&self) -> bool {
+        self.shards == 0 && self.pending == 0 && self.transfers == 0
+    }
+}
+
+/// Per-shard counters for tests and status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardStats {
+    pub shard: u32,
+    pub version: u64,
+    pub max_staleness: u64,
+}
+
+/// The aggregator's mailbox. The last three are the actor's own spawned
+/// transfers and replicas reporting back.
+pub(crate) enum AggCommand {
+    Push {
+        worker: PeerId,
+        shard: u32,
+        base_version: u64,
+        samples: u32,
+        grad: Vec<f32>,
+        reply: oneshot::Sender<PushReply>,
+    },
+    Pull {
+        worker: PeerId,
+        shard: u32,
+        min_version: u64,
+        wait: Duration,
+        reply: oneshot::Sender<PullReply>,
+    },
+    Handoff {
+        from: PeerId,
+        kind: HandoffKind,
+        state: ShardState,
+        reply: oneshot::Sender<HandoffReply>,
+    },
+    /// A spawned transfer was acknowledged.
+    TransferDone,
+    /// A spawned transfer could not be delivered: keep the state as a replica.
+    TransferFailed(ShardState),
+    ReplicaDone {
+        shard: u32,
+    },
+    Stats {
+        reply: oneshot::Sender<Vec<ShardStats>>,
+    },
+}
+
+/// Cloneable handle to the aggregator.
+#[derive(Debug, Clone)]
+pub struct AggregatorHandle {
+    sender: mpsc::Sender<AggCommand>,
+    held: watch::Receiver<Held>,
+}
+
+/// Returned by [`AggregatorHandle::try_push`] / `try_pull` when the actor is
+/// saturated or gone; the caller answers the peer with an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy;
+
+impl AggregatorHandle {
+    pub(crate) fn new(sender: mpsc::Sender<AggCommand>, held: watch::Receiver<Held>) -> Self {
+        Self { sender, held }
+    }
+
+    /// What this node holds as an owner, as it changes.
+    pub fn held(&self) -> watch::Receiver<Held> {
+        self.held.clone()
+    }
+
+    async fn ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> anyhow::Result<T> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.send(cmd(reply)).await.map_err(|_| anyhow::anyhow!("aggregator has stopped"))?;
+        rx.await.map_err(|_| anyhow::anyhow!("aggregator dropped a request"))
+    }
+
+    pub async fn push(
+        &self,
+        worker: PeerId,
+        shard: u32,
+        base_version: u64,
+        samples: u32,
+        grad: Vec<f32>,
+    ) -> anyhow::Result<PushReply> {
+        self.ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply }).await
+    }
+
+    pub async fn pull(
+        &self,
+        worker: PeerId,
+        shard: u32,
+        min_version: u64,
+        wait: Duration,
+    ) -> anyhow::Result<PullReply> {
+        self.ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, reply }).await
+    }
+
+    fn try_ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> Result<oneshot::Receiver<T>, Busy> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.try_send(cmd(reply)).map_err(|_| Busy)?;
+        Ok(rx)
+    }
+
+    /// Non-blocking forms for the network actor.
+    pub fn try_push(
+        &self,
+        worker: PeerId,
+        shard: u32,
+        base_version: u64,
+        samples: u32,
+        grad: Vec<f32>,
+    ) -> Result<oneshot::Receiver<PushReply>, Busy> {
+        self.try_ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply })
+    }
+
+    pub fn try_pull(
+        &self,
+        worker: PeerId,
+        shard: u32,
+        min_version: u64,
+        wait: Duration,
+    ) -> Result<oneshot::Receiver<PullReply>, Busy> {
+        self.try_ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, reply })
+    }
+
+    pub fn try_handoff(
+        &self,
+        from: PeerId,
+        kind: HandoffKind,
+        state: ShardState,
+    ) -> Result<oneshot::Receiver<HandoffReply>, Busy> {
+        self.try_ask(|reply| AggCommand::Handoff { from, kind, state, reply })
+    }
+
+    pub async fn stats(&self) -> Vec<ShardStats> {
+        self.ask(|reply| AggCommand::Stats { reply }).await.unwrap_or_default()
+    }
+}

@@ -1,0 +1,123 @@
+//! The network actor's handle and messages: requests to peers, gossip,
+//! dials, and the routes inbound requests take. The actor, the only task
+//! that polls the libp2p swarm, is [`crate::actors::net`].
+
+use std::sync::Arc;
+
+use shoal_protocol::libp2p::{Multiaddr, PeerId};
+use shoal_protocol::{GossipMessage, ShardRequest, ShardResponse};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::handles::aggregator::AggregatorHandle;
+
+/// A copy of this node's current model, served to peers that sync state
+/// (`StateSync`) or gossip-average with us.
+#[derive(Debug, Clone, Default)]
+pub struct ModelSnapshot {
+    pub version: u64,
+    pub params: Arc<Vec<f32>>,
+}
+
+/// Why an outbound request failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NetError {
+    #[error("request to {peer} failed: {reason}")]
+    Request { peer: PeerId, reason: String },
+    #[error("dial {addr} failed: {reason}")]
+    Dial { addr: Multiaddr, reason: String },
+    #[error("network actor has stopped")]
+    Stopped,
+}
+
+/// The network actor's mailbox.
+pub(crate) enum NetCommand {
+    Request {
+        peer: PeerId,
+        req: ShardRequest,
+        reply: oneshot::Sender<Result<ShardResponse, NetError>>,
+    },
+    Publish {
+        msg: GossipMessage,
+    },
+    Dial {
+        addr: Multiaddr,
+        reply: oneshot::Sender<Result<PeerId, NetError>>,
+    },
+    ListenAddrs {
+        reply: oneshot::Sender<Vec<Multiaddr>>,
+    },
+    Block(PeerId),
+    Unblock(PeerId),
+    KadBootstrap,
+    /// Drop the swarm now: every connection closes, as when the process dies.
+    Shutdown,
+}
+
+/// Where inbound shard requests go; set once training starts.
+#[derive(Debug, Clone)]
+pub struct Routes {
+    pub aggregator: Option<AggregatorHandle>,
+    pub epoch: u64,
+}
+
+/// Cloneable handle to the network actor.
+#[derive(Debug, Clone)]
+pub struct NetworkHandle {
+    sender: mpsc::Sender<NetCommand>,
+    local_peer: PeerId,
+}
+
+impl NetworkHandle {
+    pub(crate) fn new(sender: mpsc::Sender<NetCommand>, local_peer: PeerId) -> Self {
+        Self { sender, local_peer }
+    }
+
+    pub fn local_peer(&self) -> PeerId {
+        self.local_peer
+    }
+
+    pub async fn request(&self, peer: PeerId, req: ShardRequest) -> Result<ShardResponse, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.send(NetCommand::Request { peer, req, reply }).await.map_err(|_| NetError::Stopped)?;
+        rx.await.map_err(|_| NetError::Stopped)?
+    }
+
+    pub async fn publish(&self, msg: GossipMessage) -> Result<(), NetError> {
+        self.sender.send(NetCommand::Publish { msg }).await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Dial and wait until the connection is up (or failed).
+    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.send(NetCommand::Dial { addr, reply }).await.map_err(|_| NetError::Stopped)?;
+        rx.await.map_err(|_| NetError::Stopped)?
+    }
+
+    /// The addresses we listen on, with `/p2p/<id>`. Waits for at least one.
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.sender.send(NetCommand::ListenAddrs { reply }).await.map_err(|_| NetError::Stopped)?;
+        rx.await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Refuse (and drop) connections with a peer: fault injection for
+    /// partitions, and the hook for banning misbehaving peers.
+    pub async fn block(&self, peer: PeerId) -> Result<(), NetError> {
+        self.sender.send(NetCommand::Block(peer)).await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Stop the network actor, dropping the swarm and all its connections.
+    pub async fn shutdown(&self) {
+        let _ = self.sender.send(NetCommand::Shutdown).await;
+    }
+
+    /// Ask Kademlia (if on) to look up the network from the peers we know,
+    /// so that peers we never dialled become reachable by id.
+    pub async fn kad_bootstrap(&self) -> Result<(), NetError> {
+        self.sender.send(NetCommand::KadBootstrap).await.map_err(|_| NetError::Stopped)
+    }
+
+    pub async fn unblock(&self, peer: PeerId) -> Result<(), NetError> {
+        self.sender.send(NetCommand::Unblock(peer)).await.map_err(|_| NetError::Stopped)
+    }
+}

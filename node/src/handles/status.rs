@@ -1,0 +1,165 @@
+//! The status actor's handle and messages: counters about this node, for
+//! progress bars, reports and tests. Updates are fire-and-forget
+//! (`try_send`): a full channel drops an update rather than slowing a
+//! training step. The actor is [`crate::actors::status`].
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use shoal_protocol::libp2p::PeerId;
+use tokio::sync::{mpsc, oneshot};
+
+/// A node's role as shown to people.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RoleView {
+    #[default]
+    Starting,
+    Worker,
+    Aggregator,
+    /// Fetching the current model from peers before contributing.
+    Joining,
+    /// Handing its shards off before it stops.
+    Leaving,
+    Done,
+}
+
+/// A point-in-time copy of the counters.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct StatusSnapshot {
+    pub name: String,
+    pub peer_id: String,
+    pub role: RoleView,
+    pub owned_shards: Vec<u32>,
+    pub step: u64,
+    pub total_steps: u64,
+    pub model_version: u64,
+    pub samples: u64,
+    pub samples_per_sec: f64,
+    pub last_loss: Option<f32>,
+    pub last_accuracy: Option<f32>,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    pub push_latency_ms: Option<f64>,
+    pub pull_latency_ms: Option<f64>,
+    /// Seconds of step time spent computing gradients vs. communicating.
+    pub compute_secs: f64,
+    pub comm_secs: f64,
+    pub known_peers: usize,
+    /// Largest staleness this node's shards accepted.
+    pub max_staleness: u64,
+    /// Gossip mode: relative parameter distance `||mine - theirs|| / ||mine||`
+    /// to the peer copies averaged in, at the first and the latest exchange.
+    pub gossip_first_distance: Option<f32>,
+    pub gossip_last_distance: Option<f32>,
+    /// `(step, seconds since the first step, test accuracy)` at each evaluation (at most 1000 kept).
+    pub accuracy_history: Vec<(u64, f64, f32)>,
+    /// Every role change: when (seconds since the node started), at which
+    /// step, to which role and shards (at most 1000 kept).
+    pub role_changes: Vec<RoleChange>,
+    /// Shards handed to a new owner / taken over from an old one.
+    pub handoffs_out: u64,
+    pub handoffs_in: u64,
+    /// Shards taken over from a replica / from a worker copy (no optimizer state).
+    pub restored_from_replica: u64,
+    pub restored_from_worker_copy: u64,
+    /// Largest drop of a shard's version seen by this worker (an owner
+    /// restored from an older replica).
+    pub max_version_regression: u64,
+    /// Pushes this node's shards accepted, per worker (peer id).
+    pub pushes_accepted: BTreeMap<String, u64>,
+    /// Joined mid-run: the step it started at and how many peers it fetched
+    /// the model from.
+    pub joined_at_step: Option<u64>,
+    pub join_donors: usize,
+    /// Left cleanly after this step.
+    pub left_at_step: Option<u64>,
+    /// BSP rounds this node's shards closed at the round timeout, without
+    /// every worker's gradient.
+    pub rounds_forced: u64,
+    /// Aggregators in this node's current placement.
+    pub aggregators: usize,
+    /// Exploration of the number of aggregators: every trial, keep and
+    /// revert this node decided (at most 1000 kept).
+    pub exploration: Vec<ExploreRecord>,
+}
+
+/// One decision of this node's explorer (see [`crate::policy::explore`]).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ExploreRecord {
+    pub secs: f64,
+    /// The cluster's step when it was decided.
+    pub step: u64,
+    /// `try`, `keep` or `revert`.
+    pub action: &'static str,
+    /// Aggregators before and after: for `try` the trial's start and target,
+    /// for `keep` the same pair, for `revert` the target given up and the k returned to.
+    pub from: usize,
+    pub to: usize,
+    /// Median step time before the trial and (for keep and revert) with it, ms.
+    pub before_ms: f64,
+    pub after_ms: Option<f64>,
+}
+
+/// One role change of a node.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RoleChange {
+    pub secs: f64,
+    pub step: u64,
+    pub role: RoleView,
+    pub owned: Vec<u32>,
+}
+
+/// Something that happened.
+#[derive(Debug, Clone)]
+pub enum StatusEvent {
+    Role { role: RoleView, owned: Vec<u32> },
+    Step { step: u64, samples: usize, loss: f32, compute_secs: f64, comm_secs: f64 },
+    Version(u64),
+    Bytes { out: u64, r#in: u64 },
+    PushLatency(f64),
+    PullLatency(f64),
+    Accuracy(f32),
+    Peers(usize),
+    Staleness(u64),
+    GossipDistance(f32),
+    HandoffOut,
+    HandoffIn,
+    Restored { from_replica: bool },
+    VersionRegression(u64),
+    PushAccepted(PeerId),
+    Joined { step: u64, donors: usize },
+    Left { step: u64 },
+    RoundForced,
+    Aggregators(usize),
+    Explore { step: u64, decision: crate::policy::explore::Decision },
+}
+
+/// The status actor's mailbox.
+pub(crate) enum StatusCommand {
+    Event(StatusEvent),
+    Snapshot(oneshot::Sender<StatusSnapshot>),
+}
+
+/// Cloneable handle to the status actor.
+#[derive(Debug, Clone)]
+pub struct StatusHandle {
+    sender: mpsc::Sender<StatusCommand>,
+}
+
+impl StatusHandle {
+    pub(crate) fn new(sender: mpsc::Sender<StatusCommand>) -> Self {
+        Self { sender }
+    }
+
+    /// Record an event; dropped if the actor is behind.
+    pub fn record(&self, event: StatusEvent) {
+        let _ = self.sender.try_send(StatusCommand::Event(event));
+    }
+
+    pub async fn snapshot(&self) -> Option<StatusSnapshot> {
+        let (tx, rx) = oneshot::channel();
+        self.sender.send(StatusCommand::Snapshot(tx)).await.ok()?;
+        rx.await.ok()
+    }
+}

@@ -1,0 +1,58 @@
+//! The trainer's handle and messages; the thread itself is
+//! [`crate::actors::trainer`].
+
+use std::sync::Arc;
+
+use shoal_models::Evaluation;
+use tokio::sync::{mpsc, oneshot};
+
+/// Gradients of one batch.
+#[derive(Debug, Clone)]
+pub struct Gradients {
+    pub loss: f32,
+    pub samples: usize,
+    pub grads: Vec<f32>,
+}
+
+/// The trainer thread's mailbox.
+pub(crate) enum TrainerCommand {
+    Gradients { indices: Vec<usize>, reply: oneshot::Sender<anyhow::Result<Gradients>> },
+    SetParams { params: Arc<Vec<f32>>, reply: oneshot::Sender<anyhow::Result<()>> },
+    Evaluate { reply: oneshot::Sender<anyhow::Result<Evaluation>> },
+}
+
+/// Cloneable handle to the trainer thread.
+#[derive(Debug, Clone)]
+pub struct TrainerHandle {
+    sender: mpsc::Sender<TrainerCommand>,
+}
+
+impl TrainerHandle {
+    pub(crate) fn new(sender: mpsc::Sender<TrainerCommand>) -> Self {
+        Self { sender }
+    }
+
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<anyhow::Result<T>>) -> TrainerCommand,
+    ) -> anyhow::Result<T> {
+        let (tx, rx) = oneshot::channel();
+        self.sender.send(make(tx)).await.map_err(|_| anyhow::anyhow!("trainer thread has stopped"))?;
+        rx.await.map_err(|_| anyhow::anyhow!("trainer thread dropped the request"))?
+    }
+
+    /// Forward and backward on the given samples of this node's training set.
+    pub async fn gradients(&self, indices: Vec<usize>) -> anyhow::Result<Gradients> {
+        self.call(|reply| TrainerCommand::Gradients { indices, reply }).await
+    }
+
+    /// Load new parameters (flat, `ParamLayout` order) into the model.
+    pub async fn set_params(&self, params: Arc<Vec<f32>>) -> anyhow::Result<()> {
+        self.call(|reply| TrainerCommand::SetParams { params, reply }).await
+    }
+
+    /// Loss and accuracy on the test set.
+    pub async fn evaluate(&self) -> anyhow::Result<Evaluation> {
+        self.call(|reply| TrainerCommand::Evaluate { reply }).await
+    }
+}

@@ -1,0 +1,261 @@
+//! The gossiped view of the cluster, pure: heartbeats and the current time
+//! go in, the set of live peers and the roster proposal come out. The
+//! membership actor ([`crate::actors::membership`]) feeds it.
+//!
+//! Roster agreement without consensus: while a node waits to start, its
+//! heartbeat's `epoch` is the hash of the roster it proposes (all live peers
+//! with the same config). Training starts when at least `min_peers` are live
+//! and every one of them proposes the same roster hash. Views that stop
+//! changing converge, so all nodes start with the same roster.
+
+use std::collections::BTreeMap;
+
+use shoal_models::rng::stable_hash64;
+use shoal_protocol::{Heartbeat, Pace, PeerId, Role, ServiceObservation};
+use tracing::warn;
+
+/// The agreed set of nodes of a run, sorted by peer id bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Roster {
+    pub members: Vec<(PeerId, bool)>,
+}
+
+impl Roster {
+    pub fn new(mut members: Vec<(PeerId, bool)>) -> Self {
+        members.sort_by_key(|a| a.0.to_bytes());
+        members.dedup_by(|a, b| a.0 == b.0);
+        Self { members }
+    }
+
+    pub fn peers(&self) -> Vec<PeerId> {
+        self.members.iter().map(|m| m.0).collect()
+    }
+
+    pub fn aggregators(&self) -> Vec<PeerId> {
+        self.members.iter().filter(|m| m.1).map(|m| m.0).collect()
+    }
+
+    pub fn hash(&self) -> u64 {
+        let mut bytes = Vec::new();
+        for (p, agg) in &self.members {
+            bytes.extend_from_slice(&p.to_bytes());
+            bytes.push(u8::from(*agg));
+        }
+        stable_hash64(&bytes)
+    }
+
+    pub fn rank_of(&self, peer: &PeerId) -> Option<usize> {
+        self.members.iter().position(|m| m.0 == *peer)
+    }
+}
+
+/// What this node knows of one peer.
+#[derive(Debug, Clone)]
+pub struct PeerState {
+    pub heartbeat: Heartbeat,
+    pub last_seen_ms: u64,
+}
+
+/// Roster formation progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RosterStatus {
+    /// Fewer than `min_peers` live nodes with our config.
+    Waiting { live: usize },
+    /// Enough nodes, but not all propose this roster yet.
+    Proposed(Roster),
+    /// Every member proposes this roster.
+    Agreed(Roster),
+}
+
+/// The pure view.
+#[derive(Debug, Clone)]
+pub struct View {
+    pub me: PeerId,
+    pub my_can_aggregate: bool,
+    pub config_hash: u64,
+    pub peers: BTreeMap<PeerId, PeerState>,
+    /// Peers seen with another config: peer -> their config hash.
+    pub mismatched: BTreeMap<PeerId, u64>,
+}
+
+impl View {
+    pub fn new(me: PeerId, my_can_aggregate: bool, config_hash: u64) -> Self {
+        Self { me, my_can_aggregate, config_hash, peers: BTreeMap::new(), mismatched: BTreeMap::new() }
+    }
+
+    /// Take in a heartbeat. Returns whether the view changed in a way that
+    /// matters (a new peer, a new proposal, a new step).
+    pub fn observe(&mut self, hb: Heartbeat, now_ms: u64) -> bool {
+        if hb.peer == self.me {
+            return false;
+        }
+        if hb.config_hash != self.config_hash {
+            let new = self.mismatched.insert(hb.peer, hb.config_hash).is_none();
+            if new {
+                warn!(peer = %hb.peer, theirs = hb.config_hash, ours = self.config_hash,
+                      "peer runs a different model/training config; ignoring it");
+            }
+            return new;
+        }
+        match self.peers.get_mut(&hb.peer) {
+            Some(s) if hb.incarnation < s.heartbeat.incarnation => false,
+            Some(s) if hb.incarnation == s.heartbeat.incarnation && hb.seq <= s.heartbeat.seq => false,
+            Some(s) => {
+                let changed = s.heartbeat.epoch != hb.epoch
+                    || s.heartbeat.step != hb.step
+                    || s.heartbeat.role != hb.role
+                    || s.heartbeat.owned_shards != hb.owned_shards
+                    || s.heartbeat.service != hb.service
+                    || s.heartbeat.incarnation != hb.incarnation;
+                s.heartbeat = hb;
+                s.last_seen_ms = now_ms;
+                changed
+            }
+            None => {
+                self.peers.insert(hb.peer, PeerState { heartbeat: hb, last_seen_ms: now_ms });
+                true
+            }
+        }
+    }
+
+    /// Peers heard from within `timeout_ms` (not including this node).
+    pub fn live(&self, now_ms: u64, timeout_ms: u64) -> Vec<&PeerState> {
+        self.peers.values().filter(|p| now_ms.saturating_sub(p.last_seen_ms) <= timeout_ms).collect()
+    }
+
+    /// Drop peers silent for longer than `timeout_ms`; returns them.
+    pub fn expire(&mut self, now_ms: u64, timeout_ms: u64) -> Vec<PeerId> {
+        let dead: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| now_ms.saturating_sub(p.last_seen_ms) > timeout_ms)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &dead {
+            self.peers.remove(id);
+        }
+        dead
+    }
+
+    /// The roster this node would propose now.
+    pub fn proposal(&self, now_ms: u64, timeout_ms: u64) -> Roster {
+        let mut members: Vec<(PeerId, bool)> = self
+            .live(now_ms, timeout_ms)
+            .iter()
+            .map(|p| (p.heartbeat.peer, p.heartbeat.capabilities.can_aggregate))
+            .collect();
+        members.push((self.me, self.my_can_aggregate));
+        Roster::new(members)
+    }
+
+    pub fn roster_status(&self, min_peers: usize, now_ms: u64, timeout_ms: u64) -> RosterStatus {
+        let roster = self.proposal(now_ms, timeout_ms);
+        if roster.members.len() < min_peers {
+            return RosterStatus::Waiting { live: roster.members.len() };
+        }
+        let h = roster.hash();
+        let all_agree = roster
+            .members
+            .iter()
+            .filter(|m| m.0 != self.me)
+            .all(|m| self.peers.get(&m.0).is_some_and(|p| p.heartbeat.epoch == h));
+        if all_agree {
+            RosterStatus::Agreed(roster)
+        } else {
+            RosterStatus::Proposed(roster)
+        }
+    }
+}
+
+/// This node's fields in its own heartbeat, set by the worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SelfState {
+    pub role: Role,
+    pub owned_shards: Vec<u32>,
+    pub step: u64,
+    pub model_version: u64,
+    /// Once training has started: the frozen roster's hash.
+    pub frozen_epoch: Option<u64>,
+    /// Bump to publish a heartbeat now instead of at the next tick (roster
+    /// frozen, training finished): peers learn of it without waiting a period.
+    pub announce: u64,
+    /// This node's measurements of the owners it pushes to.
+    pub service: Vec<ServiceObservation>,
+    /// Leaving cleanly: the heartbeat says `Leaving` so owners stop waiting
+    /// for this node and the election moves its shards away.
+    pub leaving: bool,
+    /// Recent step and communication time (set by the worker) and the number
+    /// of aggregators this node proposes (set by the election).
+    pub pace: Pace,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_protocol::{Capabilities, Device, RunId, WIRE_VERSION};
+
+    fn hb(peer: PeerId, seq: u64, epoch: u64) -> Heartbeat {
+        Heartbeat {
+            run: RunId::new("t").unwrap_or_default(),
+            peer,
+            incarnation: 1,
+            seq,
+            epoch,
+            config_hash: 7,
+            protocol_minor: WIRE_VERSION,
+            capabilities: Capabilities {
+                device: Device::Cpu,
+                memory_bytes: 0,
+                compute_samples_per_sec: 0.0,
+                net_bytes_per_sec: 0.0,
+                can_aggregate: true,
+            },
+            role: Role::Joining,
+            owned_shards: vec![],
+            step: 0,
+            model_version: 0,
+            service: vec![],
+            pace: Default::default(),
+        }
+    }
+
+    #[test]
+    fn roster_agrees_only_when_everyone_proposes_it() {
+        let ids: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
+        let mut views: Vec<View> = ids.iter().map(|&me| View::new(me, true, 7)).collect();
+        // Round 1: everyone hears everyone's initial (empty) proposal.
+        for v in views.iter_mut() {
+            for &p in &ids {
+                v.observe(hb(p, 1, 0), 0);
+            }
+        }
+        assert!(matches!(views[0].roster_status(3, 0, 1000), RosterStatus::Proposed(_)));
+        assert!(matches!(views[0].roster_status(4, 0, 1000), RosterStatus::Waiting { live: 3 }));
+        // Round 2: each now proposes the full roster.
+        let proposals: Vec<u64> = views.iter().map(|v| v.proposal(0, 1000).hash()).collect();
+        assert!(proposals.windows(2).all(|w| w[0] == w[1]), "same view, same proposal");
+        for v in views.iter_mut() {
+            for (i, &p) in ids.iter().enumerate() {
+                v.observe(hb(p, 2, proposals[i]), 10);
+            }
+        }
+        for v in &views {
+            assert!(matches!(v.roster_status(3, 10, 1000), RosterStatus::Agreed(ref r) if r.members.len() == 3));
+        }
+    }
+
+    #[test]
+    fn mismatched_config_and_old_heartbeats_are_ignored() {
+        let me = PeerId::random();
+        let other = PeerId::random();
+        let mut v = View::new(me, true, 7);
+        let mut bad = hb(other, 1, 0);
+        bad.config_hash = 8;
+        assert!(v.observe(bad, 0));
+        assert!(v.peers.is_empty());
+        assert_eq!(v.mismatched.get(&other), Some(&8));
+        assert!(v.observe(hb(other, 5, 0), 0));
+        assert!(!v.observe(hb(other, 4, 0), 1), "an older heartbeat changes nothing");
+        assert_eq!(v.expire(10_000, 1000), vec![other]);
+    }
+}
