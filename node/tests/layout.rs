@@ -35,19 +35,45 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
 }
 
 /// The code of a file without comments and without its `#[cfg(test)]`
-/// module (tests may use what they like).
+/// items (tests may use what they like).
 fn code_of(text: &str) -> String {
-    let body = match text.find("#[cfg(test)]") {
-        Some(i) => &text[..i],
-        None => text,
-    };
-    body.lines()
+    let code: String = text
+        .lines()
         .map(|l| match l.find("//") {
             Some(i) => &l[..i],
             None => l,
         })
         .collect::<Vec<_>>()
-        .join("\n")
+        .join("\n");
+    let mut out = String::new();
+    let mut rest = code.as_str();
+    while let Some(i) = rest.find("#[cfg(test)]") {
+        out.push_str(&rest[..i]);
+        rest = &rest[i + "#[cfg(test)]".len()..];
+        // Skip the item: up to its `;`, or its matching closing brace.
+        let mut depth = 0usize;
+        let mut end = rest.len();
+        for (j, c) in rest.char_indices() {
+            match c {
+                ';' if depth == 0 => {
+                    end = j + 1;
+                    break;
+                }
+                '{' => depth += 1,
+                '}' => {
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        end = j + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Every module of this crate that `code` names through `crate::`, resolved
@@ -223,7 +249,7 @@ fn the_checks_see_imports_and_cycles() {
         ["actors::net", "handles::net", "policy::sync", "policy"].iter().map(|s| s.to_string()).collect();
     let code = code_of(
         "use crate::handles::net::{NetworkHandle, Routes};\nuse crate::{policy::sync::SyncPolicy, actors::net};\n\
-         // use crate::nothing::here;\nfn f() { crate::actors::net::spawn(); }\n#[cfg(test)]\nmod tests { use crate::x; }",
+         // use crate::nothing::here;\n#[cfg(test)]\nmod tests { use crate::x; fn g() {} }\nfn f() { crate::actors::net::spawn(); }",
     );
     let found = imports(&code, &modules);
     let want: BTreeSet<String> =
