@@ -36,8 +36,8 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Write atomically: a temporary file in the same folder, then rename, so
-    /// a crash never leaves a half-written checkpoint under the real name.
+    /// Write atomically ([`write_atomic`]): a crash never leaves a
+    /// half-written checkpoint under the real name.
     pub fn save(&self, path: &Path) -> Result<()> {
         let layout = layout_for(&self.model)?;
         if self.params.len() != layout.total_len() {
@@ -64,19 +64,8 @@ impl Checkpoint {
                 blobs.push((format!("optim.{name}"), vec![v.len()], le_bytes(v)));
             }
         }
-        let views = blobs
-            .iter()
-            .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
-            .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()
-            .map_err(|e| ckpt_err(path, format!("cannot build tensors: {e}")))?;
-        let bytes =
-            safetensors::serialize(views, Some(meta)).map_err(|e| ckpt_err(path, format!("cannot serialise: {e}")))?;
-        let tmp = path.with_extension("safetensors.tmp");
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-        }
-        std::fs::write(&tmp, &bytes).map_err(|e| ModelError::io(&tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))?;
+        let bytes = serialize_f32(path, &blobs, meta)?;
+        write_atomic(path, &bytes)?;
         Ok(())
     }
 
@@ -84,11 +73,7 @@ impl Checkpoint {
     /// must equal it.
     pub fn load(path: &Path, expect: Option<&ModelConfig>) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| ckpt_err(path, format!("not a valid safetensors file: {e}")))?;
-        let (_, header) =
-            SafeTensors::read_metadata(&bytes).map_err(|e| ckpt_err(path, format!("unreadable header: {e}")))?;
-        let meta = header.metadata().clone().unwrap_or_default();
+        let (st, meta) = parse(path, &bytes)?;
         let get = |k: &str| {
             meta.get(k).ok_or_else(|| ckpt_err(path, format!("metadata has no `{k}`; not a Shoal checkpoint?")))
         };
@@ -96,16 +81,7 @@ impl Checkpoint {
         if format != FORMAT {
             return Err(ckpt_err(path, format!("format `{format}`, this shoal reads `{FORMAT}`")));
         }
-        let model: ModelConfig =
-            serde_json::from_str(get("shoal.model")?).map_err(|e| ckpt_err(path, format!("bad model config: {e}")))?;
-        if let Some(want) = expect {
-            if *want != model {
-                return Err(ckpt_err(
-                    path,
-                    format!("saved for model {}, but {} was requested", model.describe(), want.describe()),
-                ));
-            }
-        }
+        let model = model_from_meta(path, &meta, expect)?;
         let num = |k: &str| -> Result<u64> {
             get(k)?.parse::<u64>().map_err(|_| ckpt_err(path, format!("`{k}` is not a number")))
         };
@@ -153,13 +129,83 @@ impl Checkpoint {
     }
 }
 
-fn layout_for(config: &ModelConfig) -> Result<ParamLayout> {
+pub(crate) fn layout_for(config: &ModelConfig) -> Result<ParamLayout> {
     // Building the model is cheap (small layers, zero-cost init on CPU) and keeps
     // one source of truth for parameter names and shapes.
     Ok(Model::new(config.clone(), 0, &Device::Cpu)?.layout().clone())
 }
 
-fn read_f32(path: &Path, st: &SafeTensors<'_>, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+/// Write `bytes` to `path` so that a crash at any point leaves either the old
+/// file or the new one under that name, never a mix: write a temporary file
+/// in the same folder, fsync it, rename it over `path`, and fsync the folder
+/// (so the rename itself survives a power cut). Folders are created.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".tmp");
+    let tmp = dir.join(name);
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(ModelError::io(&tmp, e));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))?;
+    // Persist the directory entry; not every platform can open a folder.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Serialise named f32 tensors `(name, shape, little-endian bytes)` with
+/// string metadata as one safetensors file image.
+pub(crate) fn serialize_f32(
+    path: &Path,
+    blobs: &[(String, Vec<usize>, Vec<u8>)],
+    meta: HashMap<String, String>,
+) -> Result<Vec<u8>> {
+    let views = blobs
+        .iter()
+        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()
+        .map_err(|e| ckpt_err(path, format!("cannot build tensors: {e}")))?;
+    safetensors::serialize(views, Some(meta)).map_err(|e| ckpt_err(path, format!("cannot serialise: {e}")))
+}
+
+/// Parse a safetensors file image: its tensors and its metadata.
+pub(crate) fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTensors<'a>, HashMap<String, String>)> {
+    let st =
+        SafeTensors::deserialize(bytes).map_err(|e| ckpt_err(path, format!("not a valid safetensors file: {e}")))?;
+    let (_, header) =
+        SafeTensors::read_metadata(bytes).map_err(|e| ckpt_err(path, format!("unreadable header: {e}")))?;
+    Ok((st, header.metadata().clone().unwrap_or_default()))
+}
+
+/// The model config stored in a file's metadata; with `expect`, it must
+/// equal that one.
+pub(crate) fn model_from_meta(
+    path: &Path,
+    meta: &HashMap<String, String>,
+    expect: Option<&ModelConfig>,
+) -> Result<ModelConfig> {
+    let json = meta.get("shoal.model").ok_or_else(|| ckpt_err(path, "metadata has no `shoal.model`"))?;
+    let model: ModelConfig =
+        serde_json::from_str(json).map_err(|e| ckpt_err(path, format!("bad model config: {e}")))?;
+    match expect {
+        Some(want) if *want != model => {
+            Err(ckpt_err(path, format!("holds model {}, but {} was requested", model.describe(), want.describe())))
+        }
+        _ => Ok(model),
+    }
+}
+
+pub(crate) fn read_f32(path: &Path, st: &SafeTensors<'_>, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
     let t = st.tensor(name).map_err(|_| ckpt_err(path, format!("missing tensor `{name}`")))?;
     if t.dtype() != Dtype::F32 {
         return Err(ckpt_err(path, format!("tensor `{name}` is {:?}, expected F32", t.dtype())));
@@ -170,15 +216,15 @@ fn read_f32(path: &Path, st: &SafeTensors<'_>, name: &str, shape: &[usize]) -> R
     Ok(t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
 }
 
-fn le_bytes(v: &[f32]) -> Vec<u8> {
+pub(crate) fn le_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|f| f.to_le_bytes()).collect()
 }
 
-fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
+pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
     serde_json::to_string(v).map_err(|e| ModelError::Invalid(format!("cannot encode metadata: {e}")))
 }
 
-fn ckpt_err(path: &Path, reason: impl Into<String>) -> ModelError {
+pub(crate) fn ckpt_err(path: &Path, reason: impl Into<String>) -> ModelError {
     ModelError::Checkpoint { path: path.to_path_buf(), reason: reason.into() }
 }
 

@@ -6,7 +6,10 @@
 //!   [`ShardPlan`] (that vector cut into shards).
 //! - [`optim`]: SGD (momentum, Nesterov) and AdamW over flat slices, with
 //!   their state exposed so shard owners can hold and hand it off.
-//! - [`checkpoint`]: safetensors checkpoints with metadata.
+//! - [`checkpoint`]: safetensors checkpoints with metadata (resumable
+//!   training state).
+//! - [`modelfile`]: the trained model as one safetensors file under its
+//!   layers' own names, for people and other software.
 //! - [`data`]: embedded UCI digits, Fashion-MNIST IDX files, splits,
 //!   partitions and seeded batching.
 //! - [`train`]: the single-node training loop.
@@ -19,6 +22,7 @@ pub mod device;
 pub mod error;
 pub mod layout;
 pub mod model;
+pub mod modelfile;
 pub mod optim;
 pub mod rng;
 pub mod train;
@@ -29,5 +33,6 @@ pub use device::DeviceKind;
 pub use error::{ModelError, Result};
 pub use layout::{ParamEntry, ParamLayout, Shard, ShardPlan};
 pub use model::{Arch, ArchKind, Evaluation, GradOutput, Model, ModelConfig, TrainableModel};
+pub use modelfile::{ModelFile, ModelMeta, MODEL_FORMAT};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind, OptimizerState};
 pub use train::{BatchProgress, EpochStats, LocalTrainer};

@@ -65,6 +65,22 @@ impl LocalTrainer {
         Self::assemble(model, optimizer, params, 0, seed, batch_size)
     }
 
+    /// Start from given weights (fine-tuning a saved model): a fresh
+    /// optimizer and step 0; `seed` still fixes the data order.
+    pub fn from_params(
+        config: ModelConfig,
+        params: Vec<f32>,
+        optimizer: OptimizerConfig,
+        seed: u64,
+        batch_size: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let model = Model::boxed(config, seed, device)?;
+        model.set_parameters(&params)?;
+        let optimizer = Optimizer::new(optimizer, params.len())?;
+        Self::assemble(model, optimizer, params, 0, seed, batch_size)
+    }
+
     /// Continue from a checkpoint. The optimizer config in the checkpoint wins
     /// unless `optimizer` overrides it (for example to change the learning rate).
     pub fn resume(

@@ -332,6 +332,10 @@ pub struct NodeConfig {
     pub network: ProtocolConfig,
     /// The status page, `/status`, `/metrics` and the control endpoint.
     pub http: HttpConfig,
+    /// Write the trained model here when the node finishes or leaves: one
+    /// safetensors file under the model's own layer names (see
+    /// `docs/operations.md`). Default: none.
+    pub output: Option<PathBuf>,
 }
 
 /// The node's HTTP endpoint.
@@ -375,6 +379,7 @@ impl Default for NodeConfig {
             cluster: ClusterConfig::default(),
             network: ProtocolConfig::default(),
             http: HttpConfig::default(),
+            output: None,
         }
     }
 }

@@ -23,6 +23,7 @@ fn main() -> ExitCode {
         Command::Train(args) => cmd::train::run(args),
         Command::Node(args) => cmd::node::run(*args),
         Command::Demo(args) => cmd::demo::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
         Command::Data { command: DataCommand::Fetch(args) } => cmd::data::fetch(args),
         Command::Bench { command: BenchCommand::Train(args) } => cmd::bench::train(args),
         Command::Bench { command: BenchCommand::Wire(args) } => cmd::bench::wire(args),

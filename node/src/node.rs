@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use shoal_models::rng::stable_hash64;
-use shoal_models::{data, ShardPlan};
+use shoal_models::{data, ModelConfig, ModelFile, ModelMeta, ShardPlan};
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
 use shoal_protocol::{build_swarm, Capabilities, Device, Role, RunId, ValidationContext};
@@ -52,6 +52,37 @@ pub struct NodeReport {
     pub shard_stats: Vec<ShardStats>,
     pub roster: Vec<PeerId>,
     pub status: Option<StatusSnapshot>,
+    /// The model the run trains (its config rebuilds the layer shapes).
+    pub model: ModelConfig,
+}
+
+impl NodeReport {
+    /// This node's final model as a model file, with where it came from.
+    pub fn model_file(&self, config: &NodeConfig) -> ModelFile {
+        ModelFile {
+            model: self.model.clone(),
+            params: self.params.clone(),
+            meta: ModelMeta {
+                run_id: config.run_id.clone(),
+                step: self.steps,
+                seed: config.training.seed,
+                dataset: config.training.dataset.to_string(),
+                accuracy: Some(self.accuracy),
+                loss: Some(self.loss),
+            },
+        }
+    }
+
+    /// Write this node's final model to `path` (atomically), off the async
+    /// runtime's threads.
+    pub async fn write_model(&self, config: &NodeConfig, path: &std::path::Path) -> anyhow::Result<()> {
+        let file = self.model_file(config);
+        let at = path.to_path_buf();
+        tokio::task::spawn_blocking(move || file.save(&at))
+            .await
+            .context("model writer panicked")?
+            .with_context(|| format!("writing the model to {}", path.display()))
+    }
 }
 
 /// A started node.
@@ -311,7 +342,9 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let status_for_task = status.clone();
     let task_name = name.clone();
     let task = tokio::spawn(async move {
-        let out = drive(&config, worker, &routes_tx, &aggregator, (placement_tx, election), initial, &task_name).await;
+        let out =
+            drive(&config, worker, &routes_tx, &aggregator, (placement_tx, election), (initial, model_cfg), &task_name)
+                .await;
         if let Err(e) = &out {
             warn!(error = %format!("{e:#}"), "node failed");
         }
@@ -328,7 +361,7 @@ async fn drive(
     routes: &watch::Sender<Routes>,
     aggregator: &AggregatorHandle,
     (placement_tx, election): (watch::Sender<Option<Arc<Placement>>>, ElectionHandle),
-    initial: Vec<f32>,
+    (initial, model): (Vec<f32>, ModelConfig),
     name: &str,
 ) -> anyhow::Result<NodeReport> {
     let c = &config.cluster;
@@ -427,13 +460,7 @@ async fn drive(
     worker.status.record(StatusEvent::Accuracy(eval.accuracy));
     let owned_ids = election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
     worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
-    if ran.left {
-        info!(%name, accuracy = eval.accuracy, loss = eval.loss, step = ran.steps, "left the run");
-    } else {
-        info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
-        linger(membership, me, ran.steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
-    }
-    Ok(NodeReport {
+    let report = NodeReport {
         peer_id: me,
         name: name.to_string(),
         accuracy: eval.accuracy,
@@ -441,10 +468,28 @@ async fn drive(
         steps: ran.steps,
         left: ran.left,
         params: ran.params,
-        owned_shards: election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
-        shard_stats: aggregator.stats().await,
+        owned_shards: owned_ids,
+        shard_stats: Vec::new(),
         roster: roster.peers(),
         status: None,
+        model,
+    };
+    // Written before lingering: a node stopped while it waits for its peers
+    // keeps its model.
+    if let Some(path) = &config.output {
+        report.write_model(config, path).await?;
+        info!(%name, path = %path.display(), "model written");
+    }
+    if ran.left {
+        info!(%name, accuracy = eval.accuracy, loss = eval.loss, step = ran.steps, "left the run");
+    } else {
+        info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
+        linger(membership, me, ran.steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
+    }
+    Ok(NodeReport {
+        owned_shards: election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
+        shard_stats: aggregator.stats().await,
+        ..report
     })
 }
 

@@ -54,6 +54,84 @@ fn resume_with_another_model_or_garbage_is_refused() {
     assert!(err.contains("checkpoint") && !err.contains("panicked"), "{err}");
 }
 
+/// `shoal eval --json`'s accuracy for a model file.
+fn eval_accuracy(model: &str) -> f64 {
+    let o = shoal(&["eval", "--json", "--model", model]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    v["accuracy"].as_f64().unwrap_or(-1.0)
+}
+
+#[test]
+fn train_output_is_read_back_by_eval_and_fine_tuned_with_init() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let model = dir.path().join("m.safetensors");
+    let model = model.to_str().unwrap_or_default();
+    let first = shoal(&["train", "--epochs", "1", "--output", model]);
+    let (out, err) = text(&first);
+    assert!(first.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("model written to"), "{out}");
+    // The accuracy train printed (two decimals of a percentage) is what eval finds.
+    let printed: f64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("final test accuracy "))
+        .and_then(|l| l.split('%').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no final accuracy in {out}"));
+    let evaluated = eval_accuracy(model);
+    assert!((evaluated * 100.0 - printed).abs() <= 0.01, "eval {evaluated}, train printed {printed}%");
+    assert!(evaluated > 0.85, "one epoch on digits reaches 85%: {evaluated}");
+
+    // Fine-tuning starts from the file's weights, not from scratch: one
+    // step at a tiny learning rate keeps the accuracy the file had.
+    let tuned = dir.path().join("tuned.safetensors");
+    let tuned = tuned.to_str().unwrap_or_default();
+    let again = shoal(&["train", "--epochs", "1", "--lr", "1e-9", "--init", model, "--output", tuned]);
+    let (out, err) = text(&again);
+    assert!(again.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!((eval_accuracy(tuned) - evaluated).abs() < 0.02, "{out}");
+
+    // A model that does not fit is refused with both names, never a panic.
+    let wrong = shoal(&["train", "--model", "cnn", "--init", model]);
+    let (_, err) = text(&wrong);
+    assert!(!wrong.status.success());
+    assert!(err.contains("was requested") && err.contains("m.safetensors") && !err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn eval_refuses_missing_truncated_and_checkpoint_files_clearly() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let missing = shoal(&["eval", "--model", "/nonexistent/model.safetensors"]);
+    let (_, err) = text(&missing);
+    assert!(!missing.status.success());
+    assert!(err.contains("/nonexistent/model.safetensors") && !err.contains("panicked"), "{err}");
+
+    let model = dir.path().join("m.safetensors");
+    let ckpt = dir.path().join("c.safetensors");
+    let o = shoal(&[
+        "train",
+        "--epochs",
+        "1",
+        "--output",
+        model.to_str().unwrap_or_default(),
+        "--checkpoint",
+        ckpt.to_str().unwrap_or_default(),
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let bytes = std::fs::read(&model).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap_or_else(|e| panic!("{e}"));
+    let cut = shoal(&["eval", "--model", model.to_str().unwrap_or_default()]);
+    let (_, err) = text(&cut);
+    assert!(!cut.status.success());
+    assert!(err.contains("m.safetensors") && err.contains("safetensors file") && !err.contains("panicked"), "{err}");
+
+    let wrong = shoal(&["eval", "--model", ckpt.to_str().unwrap_or_default()]);
+    let (_, err) = text(&wrong);
+    assert!(!wrong.status.success());
+    assert!(err.contains("shoal train --resume"), "a checkpoint is named as one: {err}");
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_without_the_feature_names_the_feature() {

@@ -10,7 +10,7 @@ mod common;
 
 use std::process::{Command, Stdio};
 
-use common::{assert_demoted, assert_survivors, fault, repo, run_testnet};
+use common::{assert_demoted, assert_models, assert_survivors, fault, repo, run_testnet};
 
 fn docker_ok(args: &[&str]) -> bool {
     Command::new("docker")
@@ -33,12 +33,14 @@ fn docker_testnet_runs_the_same_scenario_file() -> anyhow::Result<()> {
         let built = Command::new(repo().join("testnet/docker/build-image.sh")).status()?;
         assert!(built.success(), "building the image failed");
     }
-    let (_report, summary) =
+    let (report, summary) =
         run_testnet(&["--backend", "docker"], &repo().join("testnet/scenarios/slow-then-kill.toml"))?;
     assert_survivors(&summary, 4, Some("node3"), 1500);
     let (slowed, _) = fault(&summary, "slow node3");
     let (killed, _) = fault(&summary, "kill node3");
     assert_demoted(&summary, "node3", slowed, killed);
+    // The containers wrote their models into the report's mounted folder.
+    assert_models(report.path(), &summary)?;
     // Nothing is left behind: the launcher removes its containers and network.
     let left = Command::new("docker").args(["ps", "-a", "--filter", "name=shoal-slow-then-kill-", "-q"]).output()?;
     assert!(String::from_utf8_lossy(&left.stdout).trim().is_empty(), "containers left behind");

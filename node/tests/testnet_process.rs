@@ -1,13 +1,14 @@
 //! The process backend of the testnet, for real: `shoal testnet run` spawns
 //! four `shoal node` processes on loopback and applies a scenario's faults.
 //! Training completes, the survivors reach the accuracy target, and the
-//! report records the faults and the role changes.
+//! report records the faults and the role changes, and holds each
+//! survivor's trained model.
 
 mod common;
 
 use std::process::Command;
 
-use common::{assert_demoted, assert_survivors, fault, repo, run_testnet};
+use common::{assert_demoted, assert_models, assert_survivors, fault, repo, run_testnet};
 
 #[test]
 fn process_testnet_survives_a_slowed_then_killed_aggregator() -> anyhow::Result<()> {
@@ -20,6 +21,8 @@ fn process_testnet_survives_a_slowed_then_killed_aggregator() -> anyhow::Result<
     assert!(outcome.contains("killed"), "{outcome}");
     // node3 owned shards before the slowdown and none after it, before the kill.
     assert_demoted(&summary, "node3", slowed, killed);
+    // Each survivor's trained model is in the report, and reads back.
+    assert_models(report.path(), &summary)?;
     Ok(())
 }
 

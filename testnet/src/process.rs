@@ -193,6 +193,8 @@ impl Launcher<'_> {
         std::fs::create_dir_all(&logs)?;
         let keys = self.opts.report_dir.join("keys");
         std::fs::create_dir_all(&keys)?;
+        let models = self.opts.report_dir.join("models");
+        std::fs::create_dir_all(&models)?;
         let name = format!("node{i}");
         let stderr = std::fs::OpenOptions::new()
             .create(true)
@@ -210,7 +212,9 @@ impl Launcher<'_> {
                     .args(["--name", &name, "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--control"])
                     .arg("--no-mdns")
                     .arg("--identity")
-                    .arg(keys.join(format!("{name}.key")));
+                    .arg(keys.join(format!("{name}.key")))
+                    .arg("--output")
+                    .arg(models.join(format!("{name}.safetensors")));
                 if let Some(b) = &bootstrap {
                     cmd.args(["--bootstrap", b]);
                 }
@@ -228,11 +232,14 @@ impl Launcher<'_> {
                     .arg(format!("{}:/configs:ro", abs(&self.opts.report_dir.join("configs")).display()))
                     .arg("-v")
                     .arg(format!("{}:/keys", abs(&keys).display()))
+                    .arg("-v")
+                    .arg(format!("{}:/models", abs(&models).display()))
                     .args(["-e", &format!("RUST_LOG={log_filter}"), "-e", "NO_COLOR=1", image, "node"])
                     .args(["--config", &format!("/configs/{name}.toml"), "--name", &name])
                     .args(["--listen", &format!("/ip4/0.0.0.0/tcp/{DOCKER_P2P_PORT}")])
                     .args(["--http", &format!("0.0.0.0:{DOCKER_HTTP_PORT}"), "--control", "--no-mdns"])
-                    .args(["--identity", &format!("/keys/{name}.key")]);
+                    .args(["--identity", &format!("/keys/{name}.key")])
+                    .args(["--output", &format!("/models/{name}.safetensors")]);
                 if let Some(b) = &bootstrap {
                     cmd.args(["--bootstrap", b]);
                 }
@@ -643,6 +650,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
             final_accuracy: n.finished.map(|f| f.0),
             steps: n.finished.map(|f| f.1),
             left: n.finished.is_some_and(|f| f.2),
+            model: Some(format!("models/{}.safetensors", n.name)).filter(|m| opts.report_dir.join(m).is_file()),
         })
         .collect();
     let summary = Summary::build(&scenario, t0, l.secs(), timed_out, outcomes, roles, faults, samples);

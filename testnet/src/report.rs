@@ -69,6 +69,9 @@ pub struct NodeOutcome {
     pub final_accuracy: Option<f64>,
     pub steps: Option<u64>,
     pub left: bool,
+    /// The node's trained model, relative to the report directory
+    /// (`models/<name>.safetensors`), if it wrote one.
+    pub model: Option<String>,
 }
 
 /// `summary.json`.

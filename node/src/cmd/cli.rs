@@ -31,6 +31,8 @@ pub enum Command {
     Node(Box<NodeArgs>),
     /// Start a 4-node cluster in this process on loopback TCP and train on the embedded digits.
     Demo(DemoArgs),
+    /// Evaluate a model file on a data set's test split: loss and accuracy.
+    Eval(EvalArgs),
     /// Manage training data.
     Data {
         #[command(subcommand)]
@@ -117,6 +119,33 @@ pub struct TrainArgs {
     /// Resume from this checkpoint (model, optimizer state and data position).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Start from the weights of this model file (fine-tuning): fresh
+    /// optimizer, step 0. Its model must match --model and the data set.
+    #[arg(long, conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
+    /// Write the trained model here at the end (safetensors, the model's own
+    /// layer names; `shoal eval` and other software read it).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+}
+
+/// `shoal eval`.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The model file (written by `--output` of train, node, demo or testnet run).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Data set to evaluate on (default: the one the model was trained on).
+    #[arg(long, value_parser = parse_dataset)]
+    pub dataset: Option<DatasetKind>,
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Compute device.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceKind,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `shoal node`: the commonly changed fields of the config file can be overridden here
@@ -215,6 +244,9 @@ pub struct NodeArgs {
     /// Serve POST /control/... on the HTTP endpoint (testnets only).
     #[arg(long)]
     pub control: bool,
+    /// Write the trained model here (safetensors) when the node finishes or leaves.
+    #[arg(long)]
+    pub output: Option<PathBuf>,
 }
 
 /// `shoal demo`.
@@ -244,6 +276,9 @@ pub struct DemoArgs {
     /// Shards the model is cut into.
     #[arg(long, default_value_t = 8)]
     pub shards: u32,
+    /// Write the first node's trained model here (safetensors).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -83,6 +83,16 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                     .unwrap_or_default()
             );
         }
+        if let (Some(path), Some(first)) = (&args.output, reports.first()) {
+            first.write_model(&spec.base, path).await?;
+            println!(
+                "model of {} written to {} (test accuracy {:.2}%; check it with `shoal eval --model {}`)",
+                first.name,
+                path.display(),
+                first.accuracy * 100.0,
+                path.display()
+            );
+        }
         Ok(())
     })
 }

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod cli;
 pub mod data;
 pub mod demo;
+pub mod eval;
 pub mod node;
 pub mod testnet;
 pub mod train;

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use shoal_models::{data, Checkpoint, LocalTrainer, ModelConfig, OptimizerConfig};
+use shoal_models::{data, Checkpoint, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig};
 use tracing::{debug, info};
 
 use crate::cmd::cli::TrainArgs;
@@ -26,15 +26,26 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .map(|lr| OptimizerConfig::new(args.optimizer, lr))
         .unwrap_or_else(|| OptimizerConfig::new(args.optimizer, OptimizerConfig::default_lr(args.optimizer)));
 
-    let mut trainer = match &args.resume {
-        Some(path) => {
+    let mut trainer = match (&args.resume, &args.init) {
+        (Some(path), _) => {
             let ckpt = Checkpoint::load(path, Some(&config))?;
             // Keep the checkpoint's optimizer unless the user named a learning rate.
             let opt = args.lr.map(|_| opt_cfg);
             info!(path = %path.display(), step = ckpt.step, "resuming");
             LocalTrainer::resume(ckpt, opt, args.batch_size, &device)?
         }
-        None => LocalTrainer::new(config.clone(), opt_cfg, args.seed, args.batch_size, &device)?,
+        (None, Some(path)) => {
+            let init = ModelFile::load(path, Some(&config)).with_context(|| {
+                format!(
+                    "--init must hold a {} model for {} (the model and data set given)",
+                    config.describe(),
+                    args.dataset
+                )
+            })?;
+            info!(path = %path.display(), from_run = %init.meta.run_id, from_step = init.meta.step, "starting from a model file");
+            LocalTrainer::from_params(config.clone(), init.params, opt_cfg, args.seed, args.batch_size, &device)?
+        }
+        (None, None) => LocalTrainer::new(config.clone(), opt_cfg, args.seed, args.batch_size, &device)?,
     };
 
     println!(
@@ -85,6 +96,22 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     println!("final test accuracy {:.2}% after {} steps", eval.accuracy * 100.0, trainer.step());
     if let Some(path) = &args.checkpoint {
         println!("checkpoint saved to {}", path.display());
+    }
+    if let Some(path) = &args.output {
+        let file = ModelFile {
+            model: config.clone(),
+            params: trainer.params().to_vec(),
+            meta: ModelMeta {
+                run_id: "train".into(),
+                step: trainer.step(),
+                seed: args.seed,
+                dataset: args.dataset.to_string(),
+                accuracy: Some(eval.accuracy),
+                loss: Some(eval.loss),
+            },
+        };
+        file.save(path).with_context(|| format!("writing the model to {}", path.display()))?;
+        println!("model written to {}", path.display());
     }
     Ok(())
 }

@@ -75,3 +75,26 @@ pub fn assert_demoted(summary: &Value, node: &str, from: f64, to: f64) {
         "{node} was not demoted between {from} s and {to} s: {mine:?}"
     );
 }
+
+/// Every node that finished wrote its model into the report, and
+/// `shoal eval` on that file gives the accuracy the node printed (within
+/// 0.1 points: the node prints two decimals of a percentage).
+pub fn assert_models(report: &Path, summary: &Value) -> anyhow::Result<()> {
+    let all = summary["nodes"].as_array().cloned().unwrap_or_default();
+    let mut checked = 0;
+    for n in all.iter().filter(|n| n["exit"] == "exited") {
+        let name = n["name"].as_str().unwrap_or("?");
+        let model = n["model"].as_str().unwrap_or_else(|| panic!("{name} has no model in the report: {n}"));
+        let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(["eval", "--json", "--model"])
+            .arg(report.join(model))
+            .output()?;
+        anyhow::ensure!(out.status.success(), "shoal eval failed: {}", String::from_utf8_lossy(&out.stderr));
+        let eval: Value = serde_json::from_slice(&out.stdout)?;
+        let (got, printed) = (eval["accuracy"].as_f64().unwrap_or(-1.0), n["final_accuracy"].as_f64().unwrap_or(-2.0));
+        assert!((got - printed).abs() <= 0.001, "{name}: eval gives {got}, the node printed {printed}");
+        checked += 1;
+    }
+    assert!(checked > 0, "no node finished");
+    Ok(())
+}
