@@ -10,6 +10,8 @@
 //!   training state).
 //! - [`modelfile`]: the trained model as one safetensors file under its
 //!   layers' own names, for people and other software.
+//! - [`shardfile`]: shard checkpoints that owners write while a cluster
+//!   trains, for resuming after a full stop.
 //! - [`data`]: embedded UCI digits, Fashion-MNIST IDX files, splits,
 //!   partitions and seeded batching.
 //! - [`train`]: the single-node training loop.
@@ -25,6 +27,7 @@ pub mod model;
 pub mod modelfile;
 pub mod optim;
 pub mod rng;
+pub mod shardfile;
 pub mod train;
 
 pub use checkpoint::Checkpoint;
@@ -35,4 +38,5 @@ pub use layout::{ParamEntry, ParamLayout, Shard, ShardPlan};
 pub use model::{Arch, ArchKind, Evaluation, GradOutput, Model, ModelConfig, TrainableModel};
 pub use modelfile::{ModelFile, ModelMeta, MODEL_FORMAT};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind, OptimizerState};
+pub use shardfile::{Scan, ShardCheckpoint, ShardDir, ShardOf, SHARD_FORMAT};
 pub use train::{BatchProgress, EpochStats, LocalTrainer};

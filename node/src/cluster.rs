@@ -25,7 +25,8 @@ pub struct NodeOverride {
 pub struct ClusterSpec {
     pub nodes: usize,
     /// Shared config; `listen` is forced to loopback TCP on an ephemeral port
-    /// and `min_peers` to `nodes`.
+    /// and `min_peers` to `nodes`. A `checkpoint.dir` is the parent of one
+    /// folder per node (`node0`, `node1`, ...).
     pub base: NodeConfig,
     pub overrides: Vec<NodeOverride>,
 }
@@ -43,6 +44,10 @@ impl ClusterSpec {
         c.network.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().context("loopback address")?];
         c.network.quic = false;
         c.network.discovery.mdns = false;
+        // One checkpoint folder per node, as on separate machines.
+        if let Some(dir) = &self.base.checkpoint.dir {
+            c.checkpoint.dir = Some(dir.join(format!("node{i}")));
+        }
         if let Some(o) = self.overrides.get(i) {
             if let Some(b) = o.batch_size {
                 c.training.batch_size = b;

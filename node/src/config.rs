@@ -332,10 +332,35 @@ pub struct NodeConfig {
     pub network: ProtocolConfig,
     /// The status page, `/status`, `/metrics` and the control endpoint.
     pub http: HttpConfig,
+    /// Shard checkpoints while training, for resuming after a full stop.
+    pub checkpoint: CheckpointConfig,
     /// Write the trained model here when the node finishes or leaves: one
     /// safetensors file under the model's own layer names (see
     /// `docs/operations.md`). Default: none.
     pub output: Option<PathBuf>,
+}
+
+/// Shard checkpoints (see `docs/operations.md`, "Checkpoints, model files
+/// and resume").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// This node's checkpoint folder; none: no checkpoints. Default none.
+    pub dir: Option<PathBuf>,
+    /// Write an owned shard at every version that is a multiple of this.
+    /// Default 50.
+    pub every_steps: u64,
+    /// Also write an owned shard that changed when this many seconds passed
+    /// since its last write (0: never). Default 300.
+    pub every_secs: u64,
+    /// Files kept per shard (the newest). Default 2.
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { dir: None, every_steps: 50, every_secs: 300, keep: 2 }
+    }
 }
 
 /// The node's HTTP endpoint.
@@ -380,6 +405,7 @@ impl Default for NodeConfig {
             network: ProtocolConfig::default(),
             http: HttpConfig::default(),
             output: None,
+            checkpoint: CheckpointConfig::default(),
         }
     }
 }
@@ -402,6 +428,12 @@ impl NodeConfig {
             bail!("training.steps must be at least 1");
         }
         t.optimizer_config().validate()?;
+        if self.checkpoint.every_steps == 0 {
+            bail!("checkpoint.every_steps must be at least 1");
+        }
+        if self.checkpoint.keep == 0 {
+            bail!("checkpoint.keep must be at least 1");
+        }
         let c = &self.cluster;
         if c.min_peers == 0 {
             bail!("cluster.min_peers must be at least 1");

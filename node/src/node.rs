@@ -1,12 +1,13 @@
 //! One Shoal node: builds the actors, forms the roster, trains, lingers
 //! until its peers are done, and reports.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use shoal_models::rng::stable_hash64;
-use shoal_models::{data, ModelConfig, ModelFile, ModelMeta, ShardPlan};
+use shoal_models::{data, ModelConfig, ModelFile, ModelMeta, ShardCheckpoint, ShardDir, ShardOf, ShardPlan};
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
 use shoal_protocol::{build_swarm, Capabilities, Device, Role, RunId, ValidationContext};
@@ -15,7 +16,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::actors::aggregator::{self, AggregatorConfig};
+use crate::actors::aggregator::{self, AggregatorConfig, CheckpointPolicy};
 use crate::actors::election::{self, ElectionConfig};
 use crate::actors::join::{donor_count, fetch_model, join_point, JoinPoint};
 use crate::actors::membership::{self, MembershipConfig};
@@ -25,6 +26,7 @@ use crate::actors::{status, trainer};
 use crate::config::{Aggregators, Mode, NodeConfig};
 use crate::handles::aggregator::{AggregatorHandle, ShardStats};
 use crate::handles::election::ElectionHandle;
+use crate::handles::handoff::ShardState;
 use crate::handles::leave::LeaveSwitch;
 use crate::handles::membership::MembershipHandle;
 use crate::handles::net::{ModelSnapshot, NetworkHandle, Routes};
@@ -34,6 +36,8 @@ use crate::ops::logging::short;
 use crate::policy::explore::ExplorePolicy;
 use crate::policy::health::{HealthPolicy, ServiceTracker};
 use crate::policy::placement::{ElectPolicy, Placement};
+use crate::policy::resume::{offers_of, resume_point, ResumePoint};
+use crate::policy::sync::SyncPolicy;
 use crate::policy::view::{Roster, RosterStatus, SelfState};
 
 /// What a finished node reports.
@@ -227,6 +231,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         );
     }
     let status = status::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
+    let disk = open_checkpoints(&config, &model_cfg, plan.len() as u32, &status, &name).await?;
     let incarnation =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let membership = membership::spawn(
@@ -249,6 +254,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             min_peers: c.min_peers,
             heartbeat: Duration::from_millis(c.heartbeat_ms),
             failure_timeout: Duration::from_millis(c.failure_timeout_ms),
+            checkpoints: disk.as_ref().map(|d| d.offers.clone()).unwrap_or_default(),
         },
         net.clone(),
         hb_rx,
@@ -290,6 +296,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             handoff_timeout: Duration::from_millis(c.handoff_timeout_ms),
             round_timeout_ms: c.round_timeout_ms,
             capacity: c.channel_capacity,
+            checkpoint: disk.as_ref().map(|d| d.policy.clone()),
         },
         status.clone(),
         net.clone(),
@@ -342,9 +349,16 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let status_for_task = status.clone();
     let task_name = name.clone();
     let task = tokio::spawn(async move {
-        let out =
-            drive(&config, worker, &routes_tx, &aggregator, (placement_tx, election), (initial, model_cfg), &task_name)
-                .await;
+        let out = drive(
+            &config,
+            worker,
+            &routes_tx,
+            &aggregator,
+            (placement_tx, election),
+            (initial, model_cfg, disk.map(|d| d.found)),
+            &task_name,
+        )
+        .await;
         if let Err(e) = &out {
             warn!(error = %format!("{e:#}"), "node failed");
         }
@@ -361,7 +375,7 @@ async fn drive(
     routes: &watch::Sender<Routes>,
     aggregator: &AggregatorHandle,
     (placement_tx, election): (watch::Sender<Option<Arc<Placement>>>, ElectionHandle),
-    (initial, model): (Vec<f32>, ModelConfig),
+    (initial, model, on_disk): (Vec<f32>, ModelConfig, Option<OnDisk>),
     name: &str,
 ) -> anyhow::Result<NodeReport> {
     let c = &config.cluster;
@@ -377,7 +391,8 @@ async fn drive(
         Duration::from_millis(c.heartbeat_ms),
     )
     .await?;
-    let (roster, routing, params) = match begin {
+    let mut resumed = None;
+    let (roster, mut routing, params) = match begin {
         Start::Roster(roster) => {
             let epoch = roster.hash();
             membership.set_self(|s| {
@@ -394,6 +409,9 @@ async fn drive(
                 versions: vec![0; worker.plan.len()],
             };
             info!(%name, epoch, members = roster.members.len(), "roster agreed; training starts");
+            if let Some(on_disk) = &on_disk {
+                resumed = resume_from(config, &worker, aggregator, &roster, on_disk).await?;
+            }
             (roster, routing, initial)
         }
         Start::Join(jp) => {
@@ -446,8 +464,26 @@ async fn drive(
         worker.status.record(StatusEvent::Role { role: RoleView::Worker, owned: Vec::new() });
     }
     worker.status.record(StatusEvent::Peers(roster.members.len()));
+    let params = match &resumed {
+        Some(rp) => {
+            let fetched =
+                worker.fetch_model(&rp.versions, start_timeout).await.context("resuming: fetching the model")?;
+            routing.start_step = rp.step;
+            routing.versions = rp.versions.clone();
+            worker.status.record(StatusEvent::Resumed { step: rp.step });
+            membership.set_self(|s| {
+                s.step = rp.step;
+                s.announce += 1;
+            });
+            info!(%name, step = rp.step, "resumed from checkpoints");
+            fetched
+        }
+        None => params,
+    };
 
     let ran = worker.run(&routing, params).await?;
+    // The final state of every shard this node still owns goes to disk.
+    aggregator.flush_checkpoints().await;
     if ran.left {
         leave_run(config, &worker, aggregator, &election, ran.steps, name).await;
     } else {
@@ -660,4 +696,101 @@ async fn linger(membership: &MembershipHandle, me: PeerId, steps: u64, failure_t
             }
         }
     }
+}
+
+/// Every readable checkpoint in a node's folder, per shard, newest first.
+type OnDisk = BTreeMap<u32, Vec<ShardCheckpoint>>;
+
+/// A node's checkpoint folder as found at start, and how it writes more.
+struct Disk {
+    /// What it holds, gossiped for the resume point.
+    offers: Vec<shoal_protocol::CheckpointOffer>,
+    /// Every readable checkpoint per shard, newest first.
+    found: OnDisk,
+    policy: CheckpointPolicy,
+}
+
+/// Read the checkpoint folder (unreadable files are named in a warning and
+/// skipped; older ones of the same shard still count) and start the writer.
+/// `None` when checkpoints are off.
+async fn open_checkpoints(
+    config: &NodeConfig,
+    model: &ModelConfig,
+    shards: u32,
+    status: &StatusHandle,
+    name: &str,
+) -> anyhow::Result<Option<Disk>> {
+    let k = &config.checkpoint;
+    let Some(dir) = k.dir.clone() else { return Ok(None) };
+    let of = ShardOf { run_id: config.run_id.clone(), model: model.clone(), shards };
+    let shard_dir = ShardDir::new(dir.clone(), of.clone(), k.keep);
+    let scanning = shard_dir.clone();
+    let scan = tokio::task::spawn_blocking(move || scanning.scan())
+        .await
+        .context("checkpoint scan panicked")?
+        .with_context(|| format!("reading the checkpoint folder {}", dir.display()))?;
+    for skipped in &scan.skipped {
+        warn!(%name, "skipping an unusable checkpoint: {skipped}");
+    }
+    let held: Vec<(u32, u64, u64)> = scan.shards.values().flatten().map(|c| (c.shard, c.version, c.step)).collect();
+    if !held.is_empty() {
+        info!(%name, dir = %dir.display(), files = held.len(), "found shard checkpoints");
+    }
+    let writer = crate::actors::checkpoint::spawn(shard_dir, status.clone(), name)?;
+    Ok(Some(Disk {
+        offers: offers_of(&held, shoal_protocol::MAX_CHECKPOINT_OFFERS),
+        found: scan.shards,
+        policy: CheckpointPolicy {
+            writer,
+            every_steps: k.every_steps,
+            every: (k.every_secs > 0).then(|| Duration::from_secs(k.every_secs)),
+            of,
+        },
+    }))
+}
+
+/// The roster is agreed: from every member's checkpoint offers, decide
+/// where the run resumes (the same on every member), hand this node's
+/// checkpoints at those versions to its aggregator, and set the worker
+/// copy's version so that owners wait for checkpointed shards rather than
+/// start them afresh. `None`: no member holds a checkpoint, a fresh start.
+async fn resume_from(
+    config: &NodeConfig,
+    worker: &Worker,
+    aggregator: &AggregatorHandle,
+    roster: &Roster,
+    on_disk: &OnDisk,
+) -> anyhow::Result<Option<ResumePoint>> {
+    if config.cluster.mode != Mode::Pull {
+        return Ok(None);
+    }
+    let snap = worker.membership.snapshot();
+    let mine = worker.membership.subscribe_self().borrow().checkpoints.clone();
+    let mut offers = mine;
+    for peer in roster.peers().iter().filter(|p| **p != worker.me) {
+        let p = snap.view.peers.get(peer).context("a roster member is missing from the view")?;
+        offers.extend(p.heartbeat.checkpoints.iter().cloned());
+    }
+    let shards = worker.plan.len() as u32;
+    let Some(rp) = resume_point(&offers, shards, config.cluster.sync == SyncPolicy::Bsp)? else { return Ok(None) };
+    if rp.step >= config.training.steps {
+        bail!(
+            "the checkpoints are at step {}, and training.steps is {}: this run is finished \
+             (raise training.steps to train on, or start a new run)",
+            rp.step,
+            config.training.steps
+        );
+    }
+    let states: Vec<ShardState> = on_disk
+        .iter()
+        .filter_map(|(&shard, list)| {
+            let want = *rp.versions.get(shard as usize)?;
+            let c = list.iter().find(|c| c.version == want)?;
+            Some(ShardState { shard, version: c.version, params: c.params.clone(), optimizer: c.optimizer.clone() })
+        })
+        .collect();
+    info!(step = rp.step, versions = ?rp.versions, mine = states.len(), "resuming the run from checkpoints");
+    aggregator.resume(states, rp.step).await?;
+    worker.snapshot.send_modify(|s| s.version = rp.step);
+    Ok(Some(rp))
 }

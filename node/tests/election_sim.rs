@@ -103,6 +103,7 @@ impl Sim {
                         service: vec![],
                         leaving: false,
                         pace: Default::default(),
+                        checkpoints: vec![],
                     },
                     placement: None,
                     slow: false,
@@ -132,6 +133,7 @@ impl Sim {
             model_version: 0,
             service: n.me.service.clone(),
             pace: n.me.pace,
+            checkpoints: vec![],
         }
     }
 

@@ -44,7 +44,7 @@ pub const IDENTIFY_PROTOCOL_VERSION: &str = "/shoal/1.0.0";
 /// incompatible change to `GossipMessage` (a new field in `Heartbeat`)
 /// moves it, so nodes of different majors do not hear each other at all
 /// rather than rejecting each other's messages. 2: `Heartbeat::pace`.
-pub const GOSSIP_MAJOR: u16 = 2;
+pub const GOSSIP_MAJOR: u16 = 3;
 
 /// The gossip topic of a run: `/shoal/<run-id>/membership/<major>`.
 pub fn membership_topic(run: &RunId) -> IdentTopic {
@@ -451,7 +451,7 @@ mod tests {
     #[test]
     fn topic_name_follows_the_run() {
         let t = membership_topic(&RunId::new("exp-1").unwrap());
-        assert_eq!(t.to_string(), "/shoal/exp-1/membership/2");
+        assert_eq!(t.to_string(), "/shoal/exp-1/membership/3");
     }
 
     #[tokio::test]

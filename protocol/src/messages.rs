@@ -566,6 +566,46 @@ pub struct Pace {
     pub capacity_level: i8,
 }
 
+/// Most checkpoint offers a heartbeat may carry.
+pub const MAX_CHECKPOINT_OFFERS: usize = 8;
+/// Most bytes of one offer's shard bitset (256 shards).
+pub const MAX_OFFER_BITSET_BYTES: usize = 32;
+
+/// Shard checkpoints the sender holds on disk at one version, offered for
+/// resuming a run after a full stop (gossip major 3). Nodes that form a
+/// roster agree on the resume point from their members' offers.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointOffer {
+    /// The shards' version.
+    pub version: u64,
+    /// The training step all workers had reached when the oldest of these
+    /// checkpoints was written (equal to `version` under BSP).
+    pub step: u64,
+    /// Bit `i` (byte `i / 8`, bit `i % 8`) set: shard `i` is held at
+    /// `version`. At most [`MAX_OFFER_BITSET_BYTES`] bytes.
+    pub shards: Vec<u8>,
+}
+
+impl CheckpointOffer {
+    /// The shards held, in order.
+    pub fn shard_ids(&self) -> Vec<u32> {
+        (0..self.shards.len() * 8).filter(|&i| self.shards[i / 8] & (1 << (i % 8)) != 0).map(|i| i as u32).collect()
+    }
+
+    /// An offer of `shards` at `version`; shards past the bitset's reach
+    /// (256) are left out.
+    pub fn new(version: u64, step: u64, shards: impl IntoIterator<Item = u32>) -> Self {
+        let mut bits = Vec::new();
+        for s in shards.into_iter().map(|s| s as usize).filter(|&s| s < MAX_OFFER_BITSET_BYTES * 8) {
+            if bits.len() <= s / 8 {
+                bits.resize(s / 8 + 1, 0);
+            }
+            bits[s / 8] |= 1 << (s % 8);
+        }
+        Self { version, step, shards: bits }
+    }
+}
+
 /// Periodic membership heartbeat; encodes to at most 4 KiB.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
@@ -599,6 +639,9 @@ pub struct Heartbeat {
     pub service: Vec<ServiceObservation>,
     /// The sender's pace and its proposed number of aggregators (gossip major 2).
     pub pace: Pace,
+    /// Shard checkpoints on the sender's disk, at most
+    /// [`MAX_CHECKPOINT_OFFERS`] versions (gossip major 3).
+    pub checkpoints: Vec<CheckpointOffer>,
 }
 
 /// Small events worth telling everyone.

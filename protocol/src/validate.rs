@@ -222,6 +222,13 @@ pub fn validate_heartbeat(hb: &Heartbeat, source: Option<&PeerId>, ctx: &Validat
             reason: format!("{} is outside -2..=2", hb.pace.capacity_level),
         });
     }
+    check_count("checkpoints", hb.checkpoints.len(), MAX_CHECKPOINT_OFFERS)?;
+    for offer in &hb.checkpoints {
+        check_count("checkpoints.shards", offer.shards.len(), MAX_OFFER_BITSET_BYTES)?;
+        for s in offer.shard_ids() {
+            ctx.check_shard(s)?;
+        }
+    }
     if hb.pace.comm_micros > hb.pace.step_micros {
         return Err(ProtocolError::InvalidField {
             field: "pace.comm_micros",
@@ -366,6 +373,7 @@ mod tests {
             model_version: 0,
             service: vec![],
             pace: Pace { step_micros: 1000, comm_micros: 400, aggregators: 2, capacity_level: -1 },
+            checkpoints: vec![],
         };
         validate_heartbeat(&hb, Some(&me), &ctx()).unwrap();
         assert!(validate_heartbeat(&hb, Some(&PeerId::random()), &ctx()).is_err());
@@ -379,6 +387,16 @@ mod tests {
         let mut bad = hb.clone();
         bad.pace.capacity_level = 3;
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
+        let mut ok = hb.clone();
+        ok.checkpoints = vec![CheckpointOffer::new(40, 40, [0, 2])];
+        assert!(validate_heartbeat(&ok, Some(&me), &ctx()).is_ok());
+        assert_eq!(ok.checkpoints[0].shard_ids(), vec![0, 2]);
+        let mut bad = hb.clone();
+        bad.checkpoints = vec![CheckpointOffer::new(40, 40, [9])];
+        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::ShardOutOfRange { .. })));
+        let mut bad = hb.clone();
+        bad.checkpoints = vec![CheckpointOffer::default(); MAX_CHECKPOINT_OFFERS + 1];
+        assert!(validate_heartbeat(&bad, Some(&me), &ctx()).is_err());
         let mut bad = hb;
         bad.capabilities.net_bytes_per_sec = f32::NAN;
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::NonFinite { .. })));

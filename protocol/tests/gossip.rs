@@ -41,6 +41,7 @@ fn heartbeat(peer: PeerId, seq: u64) -> GossipMessage {
         model_version: 0,
         service: vec![],
         pace: Pace::default(),
+        checkpoints: vec![],
     })
 }
 

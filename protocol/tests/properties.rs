@@ -199,6 +199,7 @@ fn gossip() -> impl Strategy<Value = GossipMessage> {
                     model_version,
                     service,
                     pace,
+                    checkpoints: vec![CheckpointOffer::new(model_version, step, [0, 3])],
                 })
             },
         );
@@ -339,6 +340,9 @@ fn largest_heartbeat_fits_in_4_kib() {
             .map(|_| ServiceObservation { owner: peer(), micros_per_mib: f32::MAX, samples: u32::MAX })
             .collect(),
         pace: Pace { step_micros: u32::MAX, comm_micros: u32::MAX, aggregators: u16::MAX, capacity_level: i8::MIN },
+        checkpoints: (0..MAX_CHECKPOINT_OFFERS)
+            .map(|_| CheckpointOffer { version: u64::MAX, step: u64::MAX, shards: vec![0xff; MAX_OFFER_BITSET_BYTES] })
+            .collect(),
     };
     let bytes = frame::encode_gossip(&GossipMessage::Heartbeat(hb), &limits()).unwrap();
     assert!(bytes.len() <= 4096, "maximal heartbeat is {} bytes", bytes.len());

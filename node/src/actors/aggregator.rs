@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
-use shoal_models::{Optimizer, OptimizerConfig};
+use shoal_models::{Optimizer, OptimizerConfig, ShardCheckpoint, ShardOf};
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::{ErrorCode, HandoffKind, RunId, ShardRequest, ShardResponse};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -37,6 +37,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::handles::aggregator::{AggCommand, AggregatorHandle, HandoffReply, Held, PullReply, PushReply, ShardStats};
+use crate::handles::checkpoint::CheckpointHandle;
 use crate::handles::handoff::{to_wire, ShardState};
 use crate::handles::net::{ModelSnapshot, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
@@ -63,6 +64,20 @@ pub struct AggregatorConfig {
     /// How long a new owner waits for a live old owner's transfer.
     pub handoff_timeout: Duration,
     pub capacity: usize,
+    /// Shard checkpoints, when on.
+    pub checkpoint: Option<CheckpointPolicy>,
+}
+
+/// When owners write shard checkpoints.
+#[derive(Debug, Clone)]
+pub struct CheckpointPolicy {
+    pub writer: CheckpointHandle,
+    /// Every version that is a multiple of this.
+    pub every_steps: u64,
+    /// And a changed shard when this long passed since its last write.
+    pub every: Option<Duration>,
+    /// Run and model the files belong to.
+    pub of: ShardOf,
 }
 
 struct ParkedPull {
@@ -107,6 +122,10 @@ pub fn spawn(
         net,
         snapshot,
         started: Instant::now(),
+        written: BTreeMap::new(),
+        resume: None,
+        clock_base: 0,
+        awaiting_resume: BTreeSet::new(),
         cfg,
     };
     tokio::spawn(actor.run());
@@ -137,6 +156,15 @@ struct AggregatorActor {
     held: watch::Sender<Held>,
     /// Transfers in flight.
     transfers: usize,
+    /// Per shard: the version last checkpointed, and when.
+    written: BTreeMap<u32, (u64, Instant)>,
+    /// Checkpointed states to install or pass on at the first placement.
+    resume: Option<Vec<ShardState>>,
+    /// The step workers resumed at: worker clocks count from there.
+    clock_base: u64,
+    /// Resuming: owned shards whose checkpoint a peer is to send. They are
+    /// never started from the worker copy (it is not the resumed model).
+    awaiting_resume: BTreeSet<u32>,
 }
 
 impl AggregatorActor {
@@ -225,6 +253,7 @@ impl AggregatorActor {
                 let _ = reply.send(out);
                 if bumped {
                     self.maybe_replicate(shard);
+                    self.maybe_checkpoint(shard, false);
                 }
                 self.release_ready();
             }
@@ -252,6 +281,28 @@ impl AggregatorActor {
             }
             AggCommand::ReplicaDone { shard } => {
                 self.replicating.remove(&shard);
+            }
+            AggCommand::Resume { states, step } => {
+                info!(shards = states.len(), step, "resuming from checkpoints");
+                self.clock_base = step;
+                self.resume = Some(states);
+            }
+            AggCommand::FlushCheckpoints { reply } => {
+                let owned: Vec<u32> = self.cores.keys().copied().collect();
+                for shard in owned {
+                    self.maybe_checkpoint(shard, true);
+                }
+                match self.cfg.checkpoint.as_ref().map(|c| c.writer.clone()) {
+                    Some(w) => {
+                        tokio::spawn(async move {
+                            w.flush().await;
+                            let _ = reply.send(());
+                        });
+                    }
+                    None => {
+                        let _ = reply.send(());
+                    }
+                }
             }
             AggCommand::Stats { reply } => {
                 let stats = self
@@ -283,6 +334,7 @@ impl AggregatorActor {
         match kind {
             HandoffKind::Replica => {
                 debug!(shard, version = state.version, %from, "replica stored");
+                self.checkpoint_replica(&state);
                 let version = state.version;
                 self.store(state, false);
                 HandoffReply::Ack { version }
@@ -334,6 +386,7 @@ impl AggregatorActor {
             }
         };
         self.replicated.insert(state.shard, state.version);
+        self.awaiting_resume.remove(&state.shard);
         self.cores
             .insert(state.shard, ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers));
     }
@@ -379,6 +432,23 @@ impl AggregatorActor {
     fn place(&mut self, new: Arc<Placement>) {
         let old = self.placement.replace(new.clone());
         let me = self.cfg.me;
+        // Resuming: keep the checkpointed shards this node owns (installed
+        // below, as an early transfer would be) and send the others to
+        // their owners, who wait for them.
+        if let Some(states) = &self.resume {
+            let here: BTreeSet<u32> = states.iter().map(|s| s.shard).collect();
+            self.awaiting_resume = new.owned_by(&me).into_iter().filter(|s| !here.contains(s)).collect();
+        }
+        for state in self.resume.take().unwrap_or_default() {
+            match new.owner(state.shard) {
+                Some(o) if o == me => self.store(state, true),
+                Some(o) => {
+                    info!(shard = state.shard, version = state.version, to = %short(&o), "passing a checkpointed shard to its owner");
+                    self.spawn_send(o, HandoffKind::Transfer, state);
+                }
+                None => {}
+            }
+        }
         for core in self.cores.values_mut() {
             // An empty worker set is ignored there.
             core.set_workers(new.workers.iter().copied());
@@ -426,6 +496,67 @@ impl AggregatorActor {
             }
         }
         self.release_ready();
+    }
+
+    /// Write an owned shard's checkpoint when its version is a multiple of
+    /// `every_steps`, when `every_secs` passed since its last write, or
+    /// (`now`) whenever it changed since. The copy is made here; the writer
+    /// thread does the disk work. The backup gets a replica of the same
+    /// version, which it checkpoints too, so each shard is on two disks.
+    fn maybe_checkpoint(&mut self, shard: u32, now: bool) {
+        let Some(policy) = self.cfg.checkpoint.as_ref() else { return };
+        let Some(core) = self.cores.get(&shard) else { return };
+        let version = core.version();
+        let last = self.written.get(&shard).copied();
+        if last.is_some_and(|(v, _)| v >= version) {
+            return;
+        }
+        let aligned = version.is_multiple_of(policy.every_steps);
+        let late = policy.every.is_some_and(|every| last.is_none_or(|(_, at)| at.elapsed() >= every));
+        if !(now || aligned || (late && last.is_some())) {
+            if last.is_none() {
+                // The clock for `every_secs` starts when the shard arrives.
+                self.written.insert(shard, (0, Instant::now()));
+            }
+            return;
+        }
+        let Some(range) = self.cfg.ranges.get(shard as usize).cloned() else { return };
+        let step = if core.policy() == SyncPolicy::Bsp { version } else { self.clock_base + core.slowest_clock() };
+        let (params, optimizer, _) = core.export();
+        let ckpt = ShardCheckpoint { shard, range, version, step, params, optimizer };
+        let writer = policy.writer.clone();
+        if now {
+            // The end of a run: wait for room rather than skip.
+            tokio::spawn(async move { writer.write(ckpt).await });
+        } else if !writer.try_write(ckpt) {
+            debug!(shard, version, "checkpoint writer is behind; skipping this checkpoint");
+            return;
+        }
+        self.written.insert(shard, (version, Instant::now()));
+        if aligned && !now {
+            self.maybe_replicate_now(shard);
+        }
+    }
+
+    /// A replica at a checkpoint version (BSP: where workers resume is the
+    /// version itself) is checkpointed by the backup too.
+    fn checkpoint_replica(&mut self, state: &ShardState) {
+        let Some(policy) = self.cfg.checkpoint.as_ref() else { return };
+        if self.cfg.policy != SyncPolicy::Bsp || !state.version.is_multiple_of(policy.every_steps) {
+            return;
+        }
+        let Some(range) = self.cfg.ranges.get(state.shard as usize).cloned() else { return };
+        let ckpt = ShardCheckpoint {
+            shard: state.shard,
+            range,
+            version: state.version,
+            step: state.version,
+            params: state.params.clone(),
+            optimizer: state.optimizer.clone(),
+        };
+        if !policy.writer.try_write(ckpt) {
+            debug!(shard = state.shard, version = state.version, "checkpoint writer is behind; replica not written");
+        }
     }
 
     fn maybe_replicate(&mut self, shard: u32) {
@@ -534,10 +665,16 @@ impl AggregatorActor {
         }
         for shard in closed {
             self.maybe_replicate(shard);
+            self.maybe_checkpoint(shard, false);
         }
         let now = Instant::now();
         let overdue: Vec<u32> = self.pending.iter().filter(|(_, d)| **d <= now).map(|(s, _)| *s).collect();
         for shard in overdue {
+            if self.awaiting_resume.contains(&shard) {
+                warn!(shard, "resuming: the shard's checkpoint has not arrived from its holder; still waiting");
+                self.pending.insert(shard, now + self.cfg.handoff_timeout);
+                continue;
+            }
             warn!(shard, "the old owner did not hand the shard over in time; restoring it here");
             self.restore(shard);
         }

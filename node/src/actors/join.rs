@@ -173,6 +173,7 @@ mod tests {
             model_version: step,
             service: vec![],
             pace: Default::default(),
+            checkpoints: vec![],
         }
     }
 

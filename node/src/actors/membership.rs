@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{Capabilities, GossipMessage, Heartbeat, Pace, Role, RunId, WIRE_VERSION};
+use shoal_protocol::{Capabilities, CheckpointOffer, GossipMessage, Heartbeat, Pace, Role, RunId, WIRE_VERSION};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -26,6 +26,9 @@ pub struct MembershipConfig {
     pub min_peers: usize,
     pub heartbeat: Duration,
     pub failure_timeout: Duration,
+    /// What this node's checkpoint folder holds, gossiped from the first
+    /// heartbeat on (the roster agrees on a resume point from them).
+    pub checkpoints: Vec<CheckpointOffer>,
 }
 
 /// Start the actor. It stops when every handle has been dropped or the
@@ -42,6 +45,7 @@ pub fn spawn(cfg: MembershipConfig, net: NetworkHandle, inbound: mpsc::Receiver<
         service: Vec::new(),
         leaving: false,
         pace: Pace::default(),
+        checkpoints: cfg.checkpoints.clone(),
     };
     let (self_tx, self_rx) = watch::channel(initial_self);
     let view = View::new(cfg.me, cfg.capabilities.can_aggregate, cfg.config_hash);
@@ -152,6 +156,7 @@ impl MembershipActor {
             model_version: me.model_version,
             service: me.service.iter().take(shoal_protocol::MAX_SERVICE_OBSERVATIONS).cloned().collect(),
             pace: me.pace,
+            checkpoints: me.checkpoints.iter().take(shoal_protocol::MAX_CHECKPOINT_OFFERS).cloned().collect(),
         };
         self.net.publish(GossipMessage::Heartbeat(hb)).await.map_err(|_| ())
     }

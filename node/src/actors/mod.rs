@@ -2,6 +2,7 @@
 //! reaches the others only through their handles ([`crate::handles`]).
 
 pub mod aggregator;
+pub mod checkpoint;
 pub mod election;
 pub mod join;
 pub mod membership;

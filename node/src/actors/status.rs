@@ -70,6 +70,17 @@ impl StatusActor {
             }
             StatusEvent::Left { step } => s.left_at_step = Some(step),
             StatusEvent::RoundForced => s.rounds_forced += 1,
+            StatusEvent::CheckpointWritten { shard, version, secs } => {
+                s.checkpoints_written += 1;
+                s.last_checkpoint_secs = Some(secs);
+                let v = s.checkpoint_versions.entry(shard).or_default();
+                *v = (*v).max(version);
+            }
+            StatusEvent::CheckpointFailed => s.checkpoint_failures += 1,
+            StatusEvent::Resumed { step } => {
+                s.resumed_at_step = Some(step);
+                s.step = step;
+            }
             StatusEvent::Aggregators(k) => s.aggregators = k,
             StatusEvent::Explore { step, decision } => {
                 use crate::policy::explore::Decision;

@@ -242,6 +242,58 @@ impl Worker {
         Ok(Ran { params, steps: t.steps, left: false })
     }
 
+    /// Resuming after a full stop: pull every shard at its resume version
+    /// from its owner (who installed it from a checkpoint, its own or a
+    /// peer's), following the placement, until `within` passes. Returns the
+    /// full model.
+    pub async fn fetch_model(&self, versions: &[u64], within: Duration) -> anyhow::Result<Vec<f32>> {
+        let deadline = Instant::now() + within;
+        let fetches = self.plan.shards().iter().map(|shard| async move {
+            let id = shard.id;
+            let want = versions.get(id as usize).copied().unwrap_or(0);
+            let mut placement = self.placement.clone();
+            let mut backoff = Duration::from_millis(10);
+            let mut last = String::from("no attempt");
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    bail!("shard {id}: not fetched at version {want} within {} ms; last: {last}", within.as_millis());
+                }
+                let owner = placement.borrow_and_update().clone().and_then(|p| p.owner(id));
+                let Some(owner) = owner else {
+                    last = "no placement yet".into();
+                    wait_for_change(&mut placement, &mut backoff).await;
+                    continue;
+                };
+                match self.pull_from(owner, id, want, left).await {
+                    Ok(PullReply::State { version, params }) if params.len() == shard.len() => {
+                        return Ok::<_, anyhow::Error>((version, params))
+                    }
+                    Ok(PullReply::State { params, .. }) => {
+                        bail!("shard {id}: owner sent {} values, expected {}", params.len(), shard.len())
+                    }
+                    Ok(PullReply::NotReady { current_version }) => {
+                        last = format!("{owner} at version {current_version}");
+                    }
+                    Ok(PullReply::NotOwner { .. }) => {
+                        last = format!("{owner} does not own it");
+                        wait_for_change(&mut placement, &mut backoff).await;
+                    }
+                    Err(e) => {
+                        last = format!("pull from {owner}: {e:#}");
+                        wait_for_change(&mut placement, &mut backoff).await;
+                    }
+                }
+            }
+        });
+        let mut params = vec![0.0; self.plan.total_len()];
+        for (shard, (version, values)) in self.plan.shards().iter().zip(try_join_all(fetches).await?) {
+            debug!(shard = shard.id, version, "shard fetched for the resume");
+            params[shard.range()].copy_from_slice(&values);
+        }
+        Ok(params)
+    }
+
     /// Exchange every shard (push the gradient, pull the new version)
     /// concurrently. Returns the smallest shard version (the model version).
     async fn exchange_all(

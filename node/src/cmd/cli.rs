@@ -247,6 +247,9 @@ pub struct NodeArgs {
     /// Write the trained model here (safetensors) when the node finishes or leaves.
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Write shard checkpoints into this folder, and resume from it after a full stop.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
 }
 
 /// `shoal demo`.
@@ -326,6 +329,24 @@ pub enum BenchCommand {
     Straggler(BenchStragglerArgs),
     /// Number of aggregators: one fixed owner vs. exploring from one (PSLD) vs. every node (4 nodes, digits).
     Aggregators(BenchAggregatorsArgs),
+    /// One shard checkpoint (encode, write, fsync, rename) against a raw write+fsync of its bytes.
+    Checkpoint(BenchCheckpointArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchCheckpointArgs {
+    /// Shard size in MB (10^6 bytes of parameters; the file also holds the optimizer state).
+    #[arg(long, default_value_t = 100)]
+    pub shard_mb: usize,
+    /// Writes of each kind (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Folder to write in (default: the system's temporary folder).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Also write the numbers as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod bench;
+pub mod bench_checkpoint;
 pub mod cli;
 pub mod data;
 pub mod demo;

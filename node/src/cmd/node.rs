@@ -65,6 +65,9 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     set!(k.slowdown, args.slowdown);
     set!(k.fault_serve_mbps, args.fault_serve_mbps);
     set!(c.http.listen, args.http);
+    if args.checkpoint_dir.is_some() {
+        c.checkpoint.dir = args.checkpoint_dir.clone();
+    }
     if args.output.is_some() {
         c.output = args.output.clone();
     }

@@ -115,6 +115,17 @@ pub(crate) enum AggCommand {
     Stats {
         reply: oneshot::Sender<Vec<ShardStats>>,
     },
+    /// Resuming after a full stop: shard states from this node's checkpoint
+    /// folder at the agreed versions, and the step workers resume at.
+    Resume {
+        states: Vec<ShardState>,
+        step: u64,
+    },
+    /// Checkpoint every owned shard that changed since its last write, and
+    /// answer once they are on disk.
+    FlushCheckpoints {
+        reply: oneshot::Sender<()>,
+    },
 }
 
 /// Cloneable handle to the aggregator.
@@ -201,6 +212,21 @@ impl AggregatorHandle {
         state: ShardState,
     ) -> Result<oneshot::Receiver<HandoffReply>, Busy> {
         self.try_ask(|reply| AggCommand::Handoff { from, kind, state, reply })
+    }
+
+    /// Resume from checkpoints: install or pass on `states` when the first
+    /// placement comes (call before the election starts).
+    pub async fn resume(&self, states: Vec<ShardState>, step: u64) -> anyhow::Result<()> {
+        self.sender
+            .send(AggCommand::Resume { states, step })
+            .await
+            .map_err(|_| anyhow::anyhow!("aggregator has stopped"))
+    }
+
+    /// Write every owned shard that changed since its last checkpoint and
+    /// wait for the writes (the end of a run). Nothing without checkpoints.
+    pub async fn flush_checkpoints(&self) {
+        let _ = self.ask(|reply| AggCommand::FlushCheckpoints { reply }).await;
     }
 
     pub async fn stats(&self) -> Vec<ShardStats> {

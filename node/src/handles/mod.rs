@@ -7,6 +7,7 @@
 //! `status`, `trainer` and `leave` stand alone.
 
 pub mod aggregator;
+pub mod checkpoint;
 pub mod election;
 pub mod handoff;
 pub mod leave;

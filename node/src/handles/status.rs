@@ -82,6 +82,15 @@ pub struct StatusSnapshot {
     /// Exploration of the number of aggregators: every trial, keep and
     /// revert this node decided (at most 1000 kept).
     pub exploration: Vec<ExploreRecord>,
+    /// Shard checkpoints written and failed, and how long the last write
+    /// took (seconds).
+    pub checkpoints_written: u64,
+    pub checkpoint_failures: u64,
+    pub last_checkpoint_secs: Option<f64>,
+    /// Newest version written per shard (by shard id).
+    pub checkpoint_versions: BTreeMap<u32, u64>,
+    /// Resumed from checkpoints after a full stop: the step the run went on from.
+    pub resumed_at_step: Option<u64>,
 }
 
 /// One decision of this node's explorer (see [`crate::policy::explore`]).
@@ -133,6 +142,9 @@ pub enum StatusEvent {
     RoundForced,
     Aggregators(usize),
     Explore { step: u64, decision: crate::policy::explore::Decision },
+    CheckpointWritten { shard: u32, version: u64, secs: f64 },
+    CheckpointFailed,
+    Resumed { step: u64 },
 }
 
 /// The status actor's mailbox.

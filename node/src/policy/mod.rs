@@ -6,5 +6,6 @@ pub mod assign;
 pub mod explore;
 pub mod health;
 pub mod placement;
+pub mod resume;
 pub mod sync;
 pub mod view;

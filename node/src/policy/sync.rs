@@ -184,6 +184,11 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         self.workers.get(worker).map(|w| w.clock)
     }
 
+    /// The slowest worker's clock: steps every worker has pushed.
+    pub fn slowest_clock(&self) -> u64 {
+        self.min_clock()
+    }
+
     fn min_clock(&self) -> u64 {
         self.workers.values().map(|w| w.clock).min().unwrap_or(0)
     }

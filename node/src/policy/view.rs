@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use shoal_models::rng::stable_hash64;
-use shoal_protocol::{Heartbeat, Pace, PeerId, Role, ServiceObservation};
+use shoal_protocol::{CheckpointOffer, Heartbeat, Pace, PeerId, Role, ServiceObservation};
 use tracing::warn;
 
 /// The agreed set of nodes of a run, sorted by peer id bytes.
@@ -187,6 +187,8 @@ pub struct SelfState {
     /// Recent step and communication time (set by the worker) and the number
     /// of aggregators this node proposes (set by the election).
     pub pace: Pace,
+    /// The shard checkpoints in this node's folder when it started.
+    pub checkpoints: Vec<CheckpointOffer>,
 }
 
 #[cfg(test)]
@@ -216,6 +218,7 @@ mod tests {
             model_version: 0,
             service: vec![],
             pace: Default::default(),
+            checkpoints: vec![],
         }
     }
 

@@ -1,0 +1,124 @@
+//! Durable training over real TCP: a 4-node cluster writing shard
+//! checkpoints is stopped at once (every node killed, no handoff) midway,
+//! restarted with the same configs and checkpoint folders, and finishes
+//! from where it stopped, with its optimizer state, at the accuracy of an
+//! uninterrupted run; also when one node comes back with an empty folder
+//! and another finds its newest checkpoint truncated.
+
+use std::path::Path;
+use std::time::Duration;
+
+use shoal_models::OptimizerKind;
+use shoal_node::cluster::{Cluster, ClusterSpec};
+use shoal_node::node::NodeReport;
+use shoal_node::policy::sync::SyncPolicy;
+use shoal_tests::{digits_config, run_cluster};
+
+const STEPS: u64 = 300;
+const EVERY: u64 = 25;
+
+fn spec(run: &str, dir: Option<&Path>) -> ClusterSpec {
+    let mut cfg = digits_config(run, STEPS, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.05);
+    cfg.checkpoint.dir = dir.map(Path::to_path_buf);
+    cfg.checkpoint.every_steps = EVERY;
+    cfg.checkpoint.every_secs = 0;
+    ClusterSpec::new(4, cfg)
+}
+
+fn mean_accuracy(reports: &[NodeReport]) -> f64 {
+    reports.iter().map(|r| r.accuracy as f64).sum::<f64>() / reports.len().max(1) as f64
+}
+
+/// Train until every node is at step 160 or more, then kill every node at
+/// once (no handoff, every connection closed). Returns the furthest step.
+async fn first_life_killed(spec: &ClusterSpec) -> anyhow::Result<u64> {
+    let cluster = Cluster::start(spec).await?;
+    let mut progress: Vec<_> = cluster.nodes.iter().map(|n| n.progress.clone()).collect();
+    for p in progress.iter_mut() {
+        tokio::time::timeout(Duration::from_secs(300), p.wait_for(|s| s.step >= 160))
+            .await
+            .map_err(|_| anyhow::anyhow!("the first life never reached step 160"))??;
+    }
+    let reached = progress.iter().map(|p| p.borrow().step).max().unwrap_or(0);
+    for node in cluster.nodes {
+        node.kill().await;
+    }
+    eprintln!("killed every node; the furthest was at step {reached}");
+    Ok(reached)
+}
+
+/// Every node resumed at the same checkpointed round, at most one interval
+/// back, with every shard's optimizer state, trained only the steps left,
+/// and finished at the last step. Returns the resume step.
+fn assert_resumed(reports: &[NodeReport], reached: u64) -> anyhow::Result<u64> {
+    let mut steps = Vec::new();
+    for r in reports {
+        let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
+        let from = s.resumed_at_step.ok_or_else(|| anyhow::anyhow!("{} did not resume", r.name))?;
+        eprintln!(
+            "{}: resumed at step {from}, finished at {}, accuracy {:.2}%, checkpoints written {}",
+            r.name,
+            r.steps,
+            r.accuracy * 100.0,
+            s.checkpoints_written
+        );
+        assert!(reached - from <= EVERY, "{}: resumed at {from}, {reached} was reached", r.name);
+        assert_eq!(from % EVERY, 0, "BSP resumes at a checkpointed round");
+        assert_eq!(r.steps, STEPS, "{}: the run ends at its last step", r.name);
+        // Only the steps left were trained (batches of 32; an epoch's last is smaller).
+        let left = (STEPS - from) * 32;
+        assert!(s.samples <= left && s.samples * 10 >= left * 9, "{}: {} samples for {left}", r.name, s.samples);
+        assert_eq!(s.restored_from_worker_copy, 0, "{}: a shard lost its optimizer state", r.name);
+        steps.push(from);
+    }
+    steps.dedup();
+    assert_eq!(steps.len(), 1, "every node resumes at the same step: {steps:?}");
+    Ok(steps[0])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_stopped_at_once_resumes_from_its_checkpoints_and_finishes() -> anyhow::Result<()> {
+    // The same work without a stop, for the accuracy it should reach.
+    let uninterrupted = run_cluster(&spec("resume", None)).await?;
+
+    let dir = tempfile::tempdir()?;
+    let spec = spec("resume", Some(dir.path()));
+    let reached = first_life_killed(&spec).await?;
+    // Second life: the same configs and folders.
+    let reports = run_cluster(&spec).await?;
+    assert_resumed(&reports, reached)?;
+    let (resumed, straight) = (mean_accuracy(&reports), mean_accuracy(&uninterrupted));
+    eprintln!("accuracy: resumed {:.2}%, uninterrupted {:.2}%", resumed * 100.0, straight * 100.0);
+    assert!((resumed - straight).abs() <= 0.005, "resumed {resumed:.4} vs uninterrupted {straight:.4}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_folder_and_a_truncated_file_still_resume_from_the_copies() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let spec = spec("resume-damaged", Some(dir.path()));
+    let reached = first_life_killed(&spec).await?;
+    // node2 comes back with an empty folder: its shards' backups wrote the
+    // same versions. node0's newest file that has a copy on node1 or node3
+    // is cut short: it is skipped and the copy used.
+    std::fs::remove_dir_all(dir.path().join("node2"))?;
+    let names = |node: &str| -> Vec<String> {
+        std::fs::read_dir(dir.path().join(node))
+            .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
+            .unwrap_or_default()
+    };
+    let elsewhere: Vec<String> = names("node1").into_iter().chain(names("node3")).collect();
+    let mut mine: Vec<String> = names("node0").into_iter().filter(|n| elsewhere.contains(n)).collect();
+    mine.sort_by_key(|n| n.rsplit('-').next().map(str::to_string));
+    let newest = dir.path().join("node0").join(mine.last().ok_or_else(|| anyhow::anyhow!("no shared file"))?);
+    let bytes = std::fs::read(&newest)?;
+    std::fs::write(&newest, &bytes[..bytes.len() / 2])?;
+    eprintln!("removed node2's folder, truncated {}", newest.display());
+
+    let reports = run_cluster(&spec).await?;
+    assert_resumed(&reports, reached)?;
+    for r in &reports {
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4}", r.name, r.accuracy);
+    }
+    Ok(())
+}
