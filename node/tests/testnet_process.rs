@@ -53,3 +53,22 @@ fn process_testnet_trains_on_through_a_partition_and_its_heal() -> anyhow::Resul
     assert_survivors(&summary, 4, None, 2000);
     Ok(())
 }
+
+#[test]
+fn process_testnet_resumes_after_every_node_stopped_at_once() -> anyhow::Result<()> {
+    let (report, summary) = run_testnet(&[], &repo().join("testnet/scenarios/full-stop.toml"))?;
+    let (stopped, what) = fault(&summary, "stop all");
+    assert!(what.contains("stopped 4 nodes"), "{what}");
+    let (started, what) = fault(&summary, "start all");
+    assert!(what.contains("started 4 nodes"), "{what}");
+    assert!(started > stopped);
+    // Every node came back, resumed from the checkpoints (not from step 0,
+    // and not from the end), and trained to the last step.
+    assert_survivors(&summary, 4, None, 1000);
+    for n in summary["nodes"].as_array().cloned().unwrap_or_default() {
+        let at = n["resumed_at_step"].as_u64().unwrap_or(0);
+        assert!((25..1000).contains(&at) && at.is_multiple_of(25), "{}: resumed at {at}", n["name"]);
+    }
+    assert_models(report.path(), &summary)?;
+    Ok(())
+}

@@ -176,6 +176,20 @@ impl Launcher<'_> {
         }
         cfg.insert("training".into(), training.into());
         cfg.insert("cluster".into(), cluster.into());
+        if cfg.contains_key("checkpoint") {
+            // Each node its own folder in the report, kept across restarts.
+            let mut checkpoint = table(&mut cfg, "checkpoint")?;
+            let dir = match self.opts.backend {
+                Backend::Processes => {
+                    let d = self.opts.report_dir.join("checkpoints").join(format!("node{i}"));
+                    std::fs::create_dir_all(&d)?;
+                    std::fs::canonicalize(&d).unwrap_or(d).display().to_string()
+                }
+                Backend::Docker { .. } => format!("/checkpoints/node{i}"),
+            };
+            checkpoint.insert("dir".into(), dir.into());
+            cfg.insert("checkpoint".into(), checkpoint.into());
+        }
         let dir = self.opts.report_dir.join("configs");
         std::fs::create_dir_all(&dir)?;
         let path = dir.join(format!("node{i}.toml"));
@@ -233,8 +247,13 @@ impl Launcher<'_> {
                     .arg("-v")
                     .arg(format!("{}:/keys", abs(&keys).display()))
                     .arg("-v")
-                    .arg(format!("{}:/models", abs(&models).display()))
-                    .args(["-e", &format!("RUST_LOG={log_filter}"), "-e", "NO_COLOR=1", image, "node"])
+                    .arg(format!("{}:/models", abs(&models).display()));
+                if self.scenario.node_config.contains_key("checkpoint") {
+                    let ckpt = self.opts.report_dir.join("checkpoints");
+                    std::fs::create_dir_all(&ckpt)?;
+                    cmd.arg("-v").arg(format!("{}:/checkpoints", abs(&ckpt).display()));
+                }
+                cmd.args(["-e", &format!("RUST_LOG={log_filter}"), "-e", "NO_COLOR=1", image, "node"])
                     .args(["--config", &format!("/configs/{name}.toml"), "--name", &name])
                     .args(["--listen", &format!("/ip4/0.0.0.0/tcp/{DOCKER_P2P_PORT}")])
                     .args(["--http", &format!("0.0.0.0:{DOCKER_HTTP_PORT}"), "--control", "--no-mdns"])
@@ -342,6 +361,20 @@ impl Launcher<'_> {
                     q.push(format!("slowdown={s}"));
                 }
                 self.control(*node, &format!("/control/fault?{}", q.join("&")))
+            }
+            Action::StopAll => {
+                let live: Vec<usize> = self.nodes.iter().filter(|n| n.alive()).map(|n| n.index).collect();
+                for &i in &live {
+                    self.apply(&Action::Kill { node: i }, heals)?;
+                }
+                Ok(format!("stopped {} nodes at once (SIGKILL): {live:?}", live.len()))
+            }
+            Action::StartAll => {
+                let dead: Vec<usize> = self.nodes.iter().filter(|n| !n.alive()).map(|n| n.index).collect();
+                for &i in &dead {
+                    self.spawn(i)?;
+                }
+                Ok(format!("started {} nodes again: {dead:?}", dead.len()))
             }
             Action::Kill { node } => {
                 if matches!(self.opts.backend, Backend::Docker { .. }) {
@@ -650,6 +683,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
             final_accuracy: n.finished.map(|f| f.0),
             steps: n.finished.map(|f| f.1),
             left: n.finished.is_some_and(|f| f.2),
+            resumed_at_step: n.last.as_ref().and_then(|s| s.get("resumed_at_step")).and_then(|v| v.as_u64()),
             model: Some(format!("models/{}.safetensors", n.name)).filter(|m| opts.report_dir.join(m).is_file()),
         })
         .collect();
@@ -658,10 +692,11 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
     println!("report: {}", opts.report_dir.display());
     for n in &summary.nodes {
         println!(
-            "  {}: {} {}",
+            "  {}: {} {}{}",
             n.name,
             n.exit,
-            n.final_accuracy.map_or(String::new(), |a| format!("test accuracy {:.2}%", a * 100.0))
+            n.final_accuracy.map_or(String::new(), |a| format!("test accuracy {:.2}%", a * 100.0)),
+            n.resumed_at_step.map_or(String::new(), |s| format!(", resumed from checkpoints at step {s}"))
         );
     }
     if timed_out {

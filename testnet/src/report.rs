@@ -69,6 +69,9 @@ pub struct NodeOutcome {
     pub final_accuracy: Option<f64>,
     pub steps: Option<u64>,
     pub left: bool,
+    /// Resumed from checkpoints after a full stop, at this step (its last
+    /// `/status`).
+    pub resumed_at_step: Option<u64>,
     /// The node's trained model, relative to the report directory
     /// (`models/<name>.safetensors`), if it wrote one.
     pub model: Option<String>,

@@ -83,6 +83,12 @@ pub enum Action {
     Add,
     /// Ask a node to leave cleanly.
     Leave { node: usize },
+    /// Kill every live node at once (a power cut); needs
+    /// `[node_config.checkpoint]` so that the run can resume.
+    StopAll,
+    /// Start every stopped node again (same identity and checkpoint
+    /// folder): the run resumes from the checkpoints.
+    StartAll,
 }
 
 impl fmt::Display for Action {
@@ -105,6 +111,8 @@ impl fmt::Display for Action {
             }
             Action::Add => write!(f, "add a node"),
             Action::Leave { node } => write!(f, "node{node} leaves"),
+            Action::StopAll => write!(f, "stop all"),
+            Action::StartAll => write!(f, "start all"),
         }
     }
 }
@@ -221,13 +229,13 @@ impl Scenario {
             }
         };
         for key in raw.node_config.keys() {
-            if !["training", "cluster", "network", "http"].contains(&key.as_str()) {
+            if !["training", "cluster", "network", "http", "checkpoint"].contains(&key.as_str()) {
                 return Err(ScenarioError {
                     file: file.to_string(),
                     line: text.lines().position(|l| l.trim_start().starts_with(key.as_str())).map_or(0, |i| i + 1),
                     message: format!(
-                        "node_config.{key}: only training, cluster, network and http tables may be set \
-                         here (run_id, name and identity are set by the testnet)"
+                        "node_config.{key}: only training, cluster, network, http and checkpoint tables may \
+                         be set here (run_id, name and identity are set by the testnet)"
                     ),
                 });
             }
@@ -269,6 +277,8 @@ impl Scenario {
                 "restart" => Action::Restart { node: node("restart")? },
                 "leave" => Action::Leave { node: node("leave")? },
                 "add" => Action::Add,
+                "stop_all" => Action::StopAll,
+                "start_all" => Action::StartAll,
                 "partition" => {
                     let Some(g) = &e.groups else {
                         return Err(err(span, "`partition` needs groups = [[..], [..]]".into()));
@@ -293,12 +303,12 @@ impl Scenario {
                     }
                     Action::Partition { groups, duration: Duration::from_secs_f64(duration) }
                 }
-                other => {
-                    return Err(err(
-                        e.action.span(),
-                        format!("unknown action `{other}`: slow, kill, restart, partition, add or leave"),
-                    ))
-                }
+                other => return Err(err(
+                    e.action.span(),
+                    format!(
+                        "unknown action `{other}`: slow, kill, restart, partition, add, leave, stop_all or start_all"
+                    ),
+                )),
             };
             events.push((at, line_of(span.clone()), span, action));
         }
@@ -351,7 +361,36 @@ impl Scenario {
                     }
                 }
                 Action::Add => count += 1,
+                Action::StopAll => {
+                    if !raw.node_config.contains_key("checkpoint") {
+                        return Err(err(
+                            span.clone(),
+                            "`stop_all` needs a [node_config.checkpoint] table (for example every_steps = 50): \
+                             without checkpoints the run cannot resume"
+                                .into(),
+                        ));
+                    }
+                    if (0..count).all(|n| dead.contains(&n)) {
+                        return Err(err(span.clone(), "`stop_all`: every node is already stopped".into()));
+                    }
+                    dead.extend(0..count);
+                }
+                Action::StartAll => {
+                    if dead.is_empty() {
+                        return Err(err(span.clone(), "`start_all`: no node is stopped at that time".into()));
+                    }
+                    dead.clear();
+                }
             }
+        }
+        if let Some(dir) = raw.node_config.get("checkpoint").and_then(|c| c.get("dir")) {
+            return Err(ScenarioError {
+                file: file.to_string(),
+                line: text.lines().position(|l| l.trim_start().starts_with("dir")).map_or(0, |i| i + 1),
+                message: format!(
+                    "node_config.checkpoint.dir = {dir}: the testnet gives each node its own folder in the report"
+                ),
+            });
         }
 
         let mut overrides = Vec::new();
@@ -493,5 +532,23 @@ action = "add"
         // Added nodes exist after their `add`.
         assert!(parse("nodes = 2\n[[event]]\nat_secs = 1\naction = \"add\"\n[[event]]\nat_secs = 2\naction = \"kill\"\nnode = 2\n").is_ok());
         assert!(parse("nodes = 2\n[[event]]\nat_secs = 1\naction = \"kill\"\nnode = 2\n").is_err());
+    }
+
+    #[test]
+    fn a_full_stop_needs_checkpoints_and_a_stopped_cluster_to_start() {
+        let stop = "[[event]]\nat_secs = 5\naction = \"stop_all\"\n";
+        let start = "[[event]]\nat_secs = 8\naction = \"start_all\"\n";
+        let ok = format!("nodes = 3\n[node_config.checkpoint]\nevery_steps = 20\n{stop}{start}");
+        let s = parse(&ok).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            s.events.iter().map(|e| e.action.clone()).collect::<Vec<_>>(),
+            vec![Action::StopAll, Action::StartAll]
+        );
+        let e = parse(&format!("nodes = 3\n{stop}")).err().map(|e| (e.line, e.message));
+        assert!(e.as_ref().is_some_and(|(l, m)| *l == 2 && m.contains("[node_config.checkpoint]")), "{e:?}");
+        let e = parse(&format!("nodes = 3\n[node_config.checkpoint]\nevery_steps = 20\n{start}")).err();
+        assert!(e.as_ref().is_some_and(|e| e.message.contains("no node is stopped")), "{e:?}");
+        let e = parse("nodes = 3\n[node_config.checkpoint]\ndir = \"/tmp/x\"\n").err().map(|e| (e.line, e.message));
+        assert!(e.as_ref().is_some_and(|(l, m)| *l == 3 && m.contains("its own folder")), "{e:?}");
     }
 }
