@@ -273,3 +273,49 @@ fn three_node_processes_train_together_over_tcp() {
         assert!(pct >= 90.0, "{line}");
     }
 }
+
+/// A writer killed (SIGKILL) while it writes a shard checkpoint leaves the
+/// previous checkpoint intact and readable; the half-written file is a
+/// `.tmp` that readers ignore.
+#[test]
+fn a_writer_killed_mid_checkpoint_leaves_the_previous_file_intact() {
+    use shoal_models::{ArchKind, ImageShape, ModelConfig, ShardDir, ShardOf};
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["bench", "checkpoint", "--shard-mb", "200", "--repeats", "5", "--dir"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Wait (bounded) for the moment a second write is under way: a complete
+    // file and a temporary one side by side.
+    let find = |suffix: &str| -> Vec<std::path::PathBuf> {
+        let Ok(top) = std::fs::read_dir(dir.path()) else { return Vec::new() };
+        top.filter_map(|e| e.ok())
+            .filter_map(|e| std::fs::read_dir(e.path().join("ckpt")).ok())
+            .flatten()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.to_string_lossy().ends_with(suffix))
+            .collect()
+    };
+    let started = std::time::Instant::now();
+    while !(find(".safetensors").len() == 1 && !find(".tmp").is_empty()) {
+        assert!(started.elapsed() < std::time::Duration::from_secs(120), "no second write began");
+        assert!(child.try_wait().ok().flatten().is_none(), "the bench ended before it could be killed");
+        std::thread::yield_now();
+    }
+    child.kill().unwrap_or_else(|e| panic!("{e}"));
+    let _ = child.wait();
+    let done = find(".safetensors");
+    assert!(!done.is_empty());
+    let folder = done[0].parent().map(|p| p.to_path_buf()).unwrap_or_default();
+    let of = ShardOf {
+        run_id: "bench".into(),
+        model: ModelConfig::new(ArchKind::Mlp, ImageShape { channels: 1, height: 8, width: 8 }, 10),
+        shards: 1,
+    };
+    let scan = ShardDir::new(&folder, of, 2).scan().unwrap_or_else(|e| panic!("{e}"));
+    assert!(scan.skipped.is_empty(), "every complete file reads back: {:?}", scan.skipped);
+    assert_eq!(scan.shards.get(&0).map(Vec::len), Some(done.len()), "the killed write is not counted");
+    assert_eq!(scan.shards[&0][0].params.len(), 50_000_000);
+}

@@ -303,12 +303,14 @@ impl Scenario {
                     }
                     Action::Partition { groups, duration: Duration::from_secs_f64(duration) }
                 }
-                other => return Err(err(
-                    e.action.span(),
-                    format!(
+                other => {
+                    return Err(err(
+                        e.action.span(),
+                        format!(
                         "unknown action `{other}`: slow, kill, restart, partition, add, leave, stop_all or start_all"
                     ),
-                )),
+                    ))
+                }
             };
             events.push((at, line_of(span.clone()), span, action));
         }
