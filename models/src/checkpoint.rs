@@ -64,8 +64,7 @@ impl Checkpoint {
                 blobs.push((format!("optim.{name}"), vec![v.len()], le_bytes(v)));
             }
         }
-        let bytes = serialize_f32(path, &blobs, meta)?;
-        write_atomic(path, &bytes)?;
+        save_f32(path, &blobs, meta)?;
         Ok(())
     }
 
@@ -136,24 +135,27 @@ pub(crate) fn layout_for(config: &ModelConfig) -> Result<ParamLayout> {
 }
 
 /// Write `bytes` to `path` so that a crash at any point leaves either the old
-/// file or the new one under that name, never a mix: write a temporary file
-/// in the same folder, fsync it, rename it over `path`, and fsync the folder
-/// (so the rename itself survives a power cut). Folders are created.
+/// file or the new one under that name, never a mix (see [`write_atomic_with`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
+    write_atomic_with(path, |tmp| std::fs::write(tmp, bytes).map_err(|e| ModelError::io(tmp, e)))
+}
+
+/// Write a file through `write`, which fills the temporary file it is
+/// given, so that a crash at any point leaves either the old file or the new
+/// one under `path`: the temporary file (in the same folder, `<name>.tmp`) is
+/// fsynced, renamed over `path`, and the folder is fsynced (so the rename
+/// itself survives a power cut). Folders are created.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
     name.push(".tmp");
     let tmp = dir.join(name);
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()
-    };
-    if let Err(e) = write() {
+    let written = write(&tmp)
+        .and_then(|()| std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| ModelError::io(&tmp, e)));
+    if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
-        return Err(ModelError::io(&tmp, e));
+        return Err(e);
     }
     std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))?;
     // Persist the directory entry; not every platform can open a folder.
@@ -163,19 +165,22 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Serialise named f32 tensors `(name, shape, little-endian bytes)` with
-/// string metadata as one safetensors file image.
-pub(crate) fn serialize_f32(
+/// Write named f32 tensors `(name, shape, little-endian bytes)` with string
+/// metadata as a safetensors file, atomically, streaming the tensors to the
+/// file rather than building the whole file in memory first.
+pub(crate) fn save_f32(
     path: &Path,
     blobs: &[(String, Vec<usize>, Vec<u8>)],
     meta: HashMap<String, String>,
-) -> Result<Vec<u8>> {
+) -> Result<()> {
     let views = blobs
         .iter()
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
         .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()
         .map_err(|e| ckpt_err(path, format!("cannot build tensors: {e}")))?;
-    safetensors::serialize(views, Some(meta)).map_err(|e| ckpt_err(path, format!("cannot serialise: {e}")))
+    write_atomic_with(path, |tmp| {
+        safetensors::serialize_to_file(views, Some(meta), tmp).map_err(|e| ckpt_err(path, format!("cannot write: {e}")))
+    })
 }
 
 /// Parse a safetensors file image: its tensors and its metadata.
@@ -217,7 +222,11 @@ pub(crate) fn read_f32(path: &Path, st: &SafeTensors<'_>, name: &str, shape: &[u
 }
 
 pub(crate) fn le_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|f| f.to_le_bytes()).collect()
+    let mut out = vec![0u8; v.len() * 4];
+    for (dst, f) in out.chunks_exact_mut(4).zip(v) {
+        dst.copy_from_slice(&f.to_le_bytes());
+    }
+    out
 }
 
 pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {

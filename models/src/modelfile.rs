@@ -23,9 +23,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::checkpoint::{
-    ckpt_err, layout_for, le_bytes, model_from_meta, parse, read_f32, serialize_f32, to_json, write_atomic,
-};
+use crate::checkpoint::{ckpt_err, layout_for, le_bytes, model_from_meta, parse, read_f32, save_f32, to_json};
 use crate::error::{ModelError, Result};
 use crate::model::ModelConfig;
 
@@ -79,8 +77,7 @@ impl ModelFile {
         if let Some(l) = m.loss {
             meta.insert("shoal.loss".to_string(), l.to_string());
         }
-        let bytes = serialize_f32(path, &blobs, meta)?;
-        write_atomic(path, &bytes)
+        save_f32(path, &blobs, meta)
     }
 
     /// Read and validate a model file. With `expect`, the stored model

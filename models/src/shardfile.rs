@@ -8,7 +8,7 @@
 //! `shoal.shards` (how many the model is cut into), `shoal.shard`,
 //! `shoal.range` (`start..end` in the flat model), `shoal.version`,
 //! `shoal.step`, `shoal.optimizer` (JSON) and `shoal.optimizer_step`.
-//! Writes are atomic ([`write_atomic`]); [`ShardDir`] keeps the newest few
+//! Writes are atomic ([`crate::checkpoint::write_atomic_with`]); [`ShardDir`] keeps the newest few
 //! per shard and, when reading, skips a corrupt or truncated file with an
 //! error that names it.
 
@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint::{ckpt_err, le_bytes, model_from_meta, parse, read_f32, serialize_f32, to_json, write_atomic};
+use crate::checkpoint::{ckpt_err, le_bytes, model_from_meta, parse, read_f32, save_f32, to_json};
 use crate::error::{ModelError, Result};
 use crate::model::ModelConfig;
 use crate::optim::{OptimizerConfig, OptimizerState};
@@ -69,7 +69,7 @@ impl ShardCheckpoint {
         meta.insert("shoal.step".to_string(), self.step.to_string());
         meta.insert("shoal.optimizer".to_string(), to_json(&self.optimizer.config)?);
         meta.insert("shoal.optimizer_step".to_string(), self.optimizer.step.to_string());
-        write_atomic(path, &serialize_f32(path, &blobs, meta)?)
+        save_f32(path, &blobs, meta)
     }
 
     /// Read and validate one shard checkpoint against the run it must belong to.

@@ -60,15 +60,17 @@ pub fn run(args: BenchCheckpointArgs) -> anyhow::Result<()> {
         dir.path().display()
     );
     let mut ckpt_secs = Vec::new();
-    let mut file_bytes = 0u64;
+    let mut last = None;
     for r in 0..args.repeats {
         let c = ShardCheckpoint { version: r as u64 + 1, ..ckpt.clone() };
         let t = Instant::now();
         let path = shard_dir.write(&c)?;
         ckpt_secs.push(t.elapsed().as_secs_f64());
-        file_bytes = std::fs::metadata(&path)?.len();
+        last = Some(path);
     }
-    let raw = vec![7u8; file_bytes as usize];
+    // The baseline writes the very bytes of the last checkpoint file.
+    let raw = std::fs::read(last.ok_or_else(|| anyhow::anyhow!("no checkpoint written"))?)?;
+    let file_bytes = raw.len() as u64;
     let mut raw_secs = Vec::new();
     for r in 0..args.repeats {
         let path = dir.path().join(format!("raw-{r}"));
