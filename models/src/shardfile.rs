@@ -159,9 +159,30 @@ impl ShardDir {
             self.files()?.into_iter().filter(|(s, _, _)| *s == ckpt.shard).map(|(_, v, p)| (v, p)).collect();
         mine.sort_by_key(|m| std::cmp::Reverse(m.0));
         for (_, old) in mine.into_iter().skip(self.keep) {
-            std::fs::remove_file(&old).map_err(|e| ModelError::io(&old, e))?;
+            match std::fs::remove_file(&old) {
+                // Another writer of the folder pruned it first.
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(ModelError::io(&old, e)),
+                _ => {}
+            }
         }
         Ok(path)
+    }
+
+    /// Delete every checkpoint newer than the version a shard resumed from
+    /// (`versions[shard]`): they belong to the timeline the resume gave up,
+    /// and must not be taken for newer state at the next full stop. Returns
+    /// how many were deleted.
+    pub fn discard_newer(&self, versions: &[u64]) -> Result<usize> {
+        let mut n = 0;
+        for (shard, version, path) in self.files()? {
+            if versions.get(shard as usize).is_some_and(|&v| version > v) {
+                match std::fs::remove_file(&path) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(ModelError::io(&path, e)),
+                    _ => n += 1,
+                }
+            }
+        }
+        Ok(n)
     }
 
     /// Every shard file in the folder by its name: (shard, version, path).

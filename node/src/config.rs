@@ -434,6 +434,16 @@ impl NodeConfig {
         if self.checkpoint.keep == 0 {
             bail!("checkpoint.keep must be at least 1");
         }
+        if self.checkpoint.dir.is_some() && self.cluster.mode != Mode::Pull {
+            bail!("checkpoint.dir needs cluster.mode = \"pull\": in gossip mode no node owns shards to checkpoint");
+        }
+        if self.checkpoint.dir.is_some() && self.cluster.shards as usize > shoal_protocol::MAX_OFFER_BITSET_BYTES * 8 {
+            bail!(
+                "checkpoint.dir works with at most {} shards (cluster.shards is {})",
+                shoal_protocol::MAX_OFFER_BITSET_BYTES * 8,
+                self.cluster.shards
+            );
+        }
         let c = &self.cluster;
         if c.min_peers == 0 {
             bail!("cluster.min_peers must be at least 1");

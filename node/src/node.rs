@@ -409,9 +409,11 @@ async fn drive(
                 versions: vec![0; worker.plan.len()],
             };
             info!(%name, epoch, members = roster.members.len(), "roster agreed; training starts");
-            if let Some(on_disk) = &on_disk {
-                resumed = resume_from(config, &worker, aggregator, &roster, on_disk).await?;
-            }
+            // Every member decides, with a checkpoint folder or not: the
+            // members' offers alone fix the resume point.
+            let none = OnDisk::new();
+            let held = on_disk.as_ref().unwrap_or(&none);
+            resumed = resume_from(config, &worker, aggregator, &roster, held, &model).await?;
             (roster, routing, initial)
         }
         Start::Join(jp) => {
@@ -468,6 +470,13 @@ async fn drive(
         Some(rp) => {
             let fetched =
                 worker.fetch_model(&rp.versions, start_timeout).await.context("resuming: fetching the model")?;
+            // The first resumed step computes on the resumed model, and
+            // peers (StateSync) and owners (a shard taken over from the
+            // worker copy) see it from now on.
+            let shared = Arc::new(fetched.clone());
+            worker.trainer.set_params(shared.clone()).await?;
+            worker.snapshot.send_replace(ModelSnapshot { version: rp.step, params: shared });
+            aggregator.resume_done().await?;
             routing.start_step = rp.step;
             routing.versions = rp.versions.clone();
             worker.status.record(StatusEvent::Resumed { step: rp.step });
@@ -513,8 +522,12 @@ async fn drive(
     // Written before lingering: a node stopped while it waits for its peers
     // keeps its model.
     if let Some(path) = &config.output {
-        report.write_model(config, path).await?;
-        info!(%name, path = %path.display(), "model written");
+        // A failed write must not stop the node before it serves its peers
+        // and hands its shards over; it is reported loudly instead.
+        match report.write_model(config, path).await {
+            Ok(()) => info!(%name, path = %path.display(), "model written"),
+            Err(e) => warn!(%name, error = %format!("{e:#}"), "the trained model was NOT written"),
+        }
     }
     if ran.left {
         info!(%name, accuracy = eval.accuracy, loss = eval.loss, step = ran.steps, "left the run");
@@ -736,7 +749,7 @@ async fn open_checkpoints(
     if !held.is_empty() {
         info!(%name, dir = %dir.display(), files = held.len(), "found shard checkpoints");
     }
-    let writer = crate::actors::checkpoint::spawn(shard_dir, status.clone(), name)?;
+    let writer = crate::actors::checkpoint::spawn(shard_dir, 2 * shards as usize + 4, status.clone(), name)?;
     Ok(Some(Disk {
         offers: offers_of(&held, shoal_protocol::MAX_CHECKPOINT_OFFERS),
         found: scan.shards,
@@ -760,6 +773,7 @@ async fn resume_from(
     aggregator: &AggregatorHandle,
     roster: &Roster,
     on_disk: &OnDisk,
+    model: &ModelConfig,
 ) -> anyhow::Result<Option<ResumePoint>> {
     if config.cluster.mode != Mode::Pull {
         return Ok(None);
@@ -768,8 +782,10 @@ async fn resume_from(
     let mine = worker.membership.subscribe_self().borrow().checkpoints.clone();
     let mut offers = mine;
     for peer in roster.peers().iter().filter(|p| **p != worker.me) {
-        let p = snap.view.peers.get(peer).context("a roster member is missing from the view")?;
-        offers.extend(p.heartbeat.checkpoints.iter().cloned());
+        match snap.view.peers.get(peer) {
+            Some(p) => offers.extend(p.heartbeat.checkpoints.iter().cloned()),
+            None => warn!(%peer, "a roster member left the view before its checkpoint offers were read"),
+        }
     }
     let shards = worker.plan.len() as u32;
     let Some(rp) = resume_point(&offers, shards, config.cluster.sync == SyncPolicy::Bsp)? else { return Ok(None) };
@@ -790,6 +806,20 @@ async fn resume_from(
         })
         .collect();
     info!(step = rp.step, versions = ?rp.versions, mine = states.len(), "resuming the run from checkpoints");
+    // Checkpoints newer than the resume point belong to the timeline given
+    // up here: drop them, so that the next full stop cannot take them for
+    // newer state.
+    if let Some(dir) = config.checkpoint.dir.clone() {
+        let of = ShardOf { run_id: config.run_id.clone(), model: model.clone(), shards };
+        let shard_dir = ShardDir::new(dir, of, config.checkpoint.keep);
+        let versions = rp.versions.clone();
+        let dropped = tokio::task::spawn_blocking(move || shard_dir.discard_newer(&versions))
+            .await
+            .context("checkpoint clean-up panicked")??;
+        if dropped > 0 {
+            info!(dropped, "deleted checkpoints newer than the resume point");
+        }
+    }
     aggregator.resume(states, rp.step).await?;
     worker.snapshot.send_modify(|s| s.version = rp.step);
     Ok(Some(rp))

@@ -12,17 +12,22 @@ use shoal_models::OptimizerKind;
 use shoal_node::cluster::{Cluster, ClusterSpec};
 use shoal_node::node::NodeReport;
 use shoal_node::policy::sync::SyncPolicy;
-use shoal_tests::{digits_config, run_cluster};
+use shoal_tests::{digits_config, rel_diff, run_cluster};
 
 const STEPS: u64 = 300;
 const EVERY: u64 = 25;
 
 fn spec(run: &str, dir: Option<&Path>) -> ClusterSpec {
-    let mut cfg = digits_config(run, STEPS, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.05);
+    spec_with(run, dir, 4, 8, SyncPolicy::Bsp)
+}
+
+fn spec_with(run: &str, dir: Option<&Path>, nodes: usize, shards: u32, sync: SyncPolicy) -> ClusterSpec {
+    let mut cfg = digits_config(run, STEPS, sync, OptimizerKind::Sgd, 0.05);
+    cfg.cluster.shards = shards;
     cfg.checkpoint.dir = dir.map(Path::to_path_buf);
     cfg.checkpoint.every_steps = EVERY;
     cfg.checkpoint.every_secs = 0;
-    ClusterSpec::new(4, cfg)
+    ClusterSpec::new(nodes, cfg)
 }
 
 fn mean_accuracy(reports: &[NodeReport]) -> f64 {
@@ -90,6 +95,12 @@ async fn a_cluster_stopped_at_once_resumes_from_its_checkpoints_and_finishes() -
     let (resumed, straight) = (mean_accuracy(&reports), mean_accuracy(&uninterrupted));
     eprintln!("accuracy: resumed {:.2}%, uninterrupted {:.2}%", resumed * 100.0, straight * 100.0);
     assert!((resumed - straight).abs() <= 0.005, "resumed {resumed:.4} vs uninterrupted {straight:.4}");
+    // The same model, not only the same accuracy: the resumed run continued
+    // from the checkpointed parameters and optimizer state on the same data
+    // (BSP sums gradients in peer-id order, so bits may differ slightly).
+    let d = rel_diff(&reports[0].params, &uninterrupted[0].params);
+    eprintln!("relative parameter difference to the uninterrupted run: {d:.2e}");
+    assert!(d < 1e-4, "resumed parameters differ by {d:.2e}");
     Ok(())
 }
 
@@ -118,6 +129,27 @@ async fn a_lost_folder_and_a_truncated_file_still_resume_from_the_copies() -> an
     let reports = run_cluster(&spec).await?;
     assert_resumed(&reports, reached)?;
     for r in &reports {
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4}", r.name, r.accuracy);
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_owning_many_shards_each_resume_under_ssp() -> anyhow::Result<()> {
+    // 16 shards on 2 nodes: every node owns and backs up 8 shards, all due at
+    // the same versions. Under SSP a version is one push, so it runs ahead
+    // of the step: the step is recorded with each checkpoint.
+    let dir = tempfile::tempdir()?;
+    let spec = spec_with("resume-ssp", Some(dir.path()), 2, 16, SyncPolicy::Ssp { staleness: 2 });
+    let reached = first_life_killed(&spec).await?;
+    let reports = run_cluster(&spec).await?;
+    for r in &reports {
+        let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
+        let from = s.resumed_at_step.ok_or_else(|| anyhow::anyhow!("{} did not resume", r.name))?;
+        eprintln!("{}: resumed at step {from} ({reached} reached), accuracy {:.2}%", r.name, r.accuracy * 100.0);
+        assert!(from > 0 && from <= reached && reached - from <= EVERY, "{}: resumed at {from}", r.name);
+        assert_eq!(r.steps, STEPS);
+        assert_eq!(s.checkpoint_failures, 0);
         assert!(r.accuracy >= 0.93, "{}: accuracy {:.4}", r.name, r.accuracy);
     }
     Ok(())

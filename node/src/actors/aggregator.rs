@@ -124,7 +124,7 @@ pub fn spawn(
         started: Instant::now(),
         written: BTreeMap::new(),
         resume: None,
-        clock_base: 0,
+        resuming: false,
         awaiting_resume: BTreeSet::new(),
         cfg,
     };
@@ -160,8 +160,9 @@ struct AggregatorActor {
     written: BTreeMap<u32, (u64, Instant)>,
     /// Checkpointed states to install or pass on at the first placement.
     resume: Option<Vec<ShardState>>,
-    /// The step workers resumed at: worker clocks count from there.
-    clock_base: u64,
+    /// Resuming, until every worker copy holds the resumed model: no shard
+    /// is ever started from the worker copy meanwhile.
+    resuming: bool,
     /// Resuming: owned shards whose checkpoint a peer is to send. They are
     /// never started from the worker copy (it is not the resumed model).
     awaiting_resume: BTreeSet<u32>,
@@ -253,7 +254,7 @@ impl AggregatorActor {
                 let _ = reply.send(out);
                 if bumped {
                     self.maybe_replicate(shard);
-                    self.maybe_checkpoint(shard, false);
+                    self.maybe_checkpoint(shard);
                 }
                 self.release_ready();
             }
@@ -282,19 +283,27 @@ impl AggregatorActor {
             AggCommand::ReplicaDone { shard } => {
                 self.replicating.remove(&shard);
             }
-            AggCommand::Resume { states, step } => {
+            AggCommand::Resume { states, step, reply } => {
                 info!(shards = states.len(), step, "resuming from checkpoints");
-                self.clock_base = step;
                 self.resume = Some(states);
+                self.resuming = true;
+                let _ = reply.send(());
+            }
+            AggCommand::ResumeDone => {
+                // Every worker copy now holds the resumed model.
+                self.resuming = false;
             }
             AggCommand::FlushCheckpoints { reply } => {
                 let owned: Vec<u32> = self.cores.keys().copied().collect();
-                for shard in owned {
-                    self.maybe_checkpoint(shard, true);
-                }
+                let due: Vec<ShardCheckpoint> =
+                    owned.into_iter().filter_map(|s| self.checkpoint_of(s, true)).map(|c| c.0).collect();
                 match self.cfg.checkpoint.as_ref().map(|c| c.writer.clone()) {
                     Some(w) => {
+                        // One task, in order: the flush answers after these writes.
                         tokio::spawn(async move {
+                            for c in due {
+                                w.write(c).await;
+                            }
                             w.flush().await;
                             let _ = reply.send(());
                         });
@@ -404,6 +413,13 @@ impl AggregatorActor {
             self.install(s.state);
             return;
         }
+        if self.resuming {
+            // The worker copy is not the resumed model yet: wait for the
+            // shard's checkpoint instead (`expire` re-arms the wait).
+            warn!(shard, "resuming: no checkpoint of the shard here yet; waiting for it");
+            self.pending.insert(shard, Instant::now() + self.cfg.handoff_timeout);
+            return;
+        }
         let Some(range) = self.cfg.ranges.get(shard as usize).cloned() else { return };
         let snap = self.snapshot.borrow().clone();
         if snap.params.len() < range.end {
@@ -503,39 +519,53 @@ impl AggregatorActor {
     /// (`now`) whenever it changed since. The copy is made here; the writer
     /// thread does the disk work. The backup gets a replica of the same
     /// version, which it checkpoints too, so each shard is on two disks.
-    fn maybe_checkpoint(&mut self, shard: u32, now: bool) {
-        let Some(policy) = self.cfg.checkpoint.as_ref() else { return };
-        let Some(core) = self.cores.get(&shard) else { return };
+    fn maybe_checkpoint(&mut self, shard: u32) {
+        let Some((ckpt, aligned)) = self.checkpoint_of(shard, false) else { return };
+        let Some(writer) = self.cfg.checkpoint.as_ref().map(|p| p.writer.clone()) else { return };
+        if aligned {
+            // Resume points are aligned versions: never drop one. The task
+            // waits for room in the writer's queue.
+            tokio::spawn(async move { writer.write(ckpt).await });
+            self.maybe_replicate_now(shard);
+        } else if !writer.try_write(ckpt) {
+            debug!(shard, "checkpoint writer is behind; skipping this timed checkpoint");
+            self.written.remove(&shard);
+        }
+    }
+
+    /// Decide whether `shard` is due (see [`Self::maybe_checkpoint`];
+    /// `now`: whenever it changed since its last write) and, if so, copy it.
+    /// Returns the copy and whether its version is aligned to `every_steps`.
+    fn checkpoint_of(&mut self, shard: u32, now: bool) -> Option<(ShardCheckpoint, bool)> {
+        let policy = self.cfg.checkpoint.as_ref()?;
+        let core = self.cores.get(&shard)?;
         let version = core.version();
         let last = self.written.get(&shard).copied();
         if last.is_some_and(|(v, _)| v >= version) {
-            return;
+            return None;
         }
         let aligned = version.is_multiple_of(policy.every_steps);
-        let late = policy.every.is_some_and(|every| last.is_none_or(|(_, at)| at.elapsed() >= every));
-        if !(now || aligned || (late && last.is_some())) {
+        let late = policy.every.is_some_and(|every| last.is_some_and(|(_, at)| at.elapsed() >= every));
+        if !(now || aligned || late) {
             if last.is_none() {
                 // The clock for `every_secs` starts when the shard arrives.
                 self.written.insert(shard, (0, Instant::now()));
             }
-            return;
+            return None;
         }
-        let Some(range) = self.cfg.ranges.get(shard as usize).cloned() else { return };
-        let step = if core.policy() == SyncPolicy::Bsp { version } else { self.clock_base + core.slowest_clock() };
+        let range = self.cfg.ranges.get(shard as usize).cloned()?;
+        // Where workers resume from this checkpoint: under BSP the version
+        // is the round, hence the step. The other policies apply one push
+        // per version, so the version over the number of workers is the
+        // workers' mean step (the slowest is at most the staleness bound
+        // behind); versions survive handoffs, worker clocks do not.
+        let step = match core.policy() {
+            SyncPolicy::Bsp => version,
+            _ => version / core.worker_count().max(1) as u64,
+        };
         let (params, optimizer, _) = core.export();
-        let ckpt = ShardCheckpoint { shard, range, version, step, params, optimizer };
-        let writer = policy.writer.clone();
-        if now {
-            // The end of a run: wait for room rather than skip.
-            tokio::spawn(async move { writer.write(ckpt).await });
-        } else if !writer.try_write(ckpt) {
-            debug!(shard, version, "checkpoint writer is behind; skipping this checkpoint");
-            return;
-        }
         self.written.insert(shard, (version, Instant::now()));
-        if aligned && !now {
-            self.maybe_replicate_now(shard);
-        }
+        Some((ShardCheckpoint { shard, range, version, step, params, optimizer }, aligned))
     }
 
     /// A replica at a checkpoint version (BSP: where workers resume is the
@@ -665,12 +695,12 @@ impl AggregatorActor {
         }
         for shard in closed {
             self.maybe_replicate(shard);
-            self.maybe_checkpoint(shard, false);
+            self.maybe_checkpoint(shard);
         }
         let now = Instant::now();
         let overdue: Vec<u32> = self.pending.iter().filter(|(_, d)| **d <= now).map(|(s, _)| *s).collect();
         for shard in overdue {
-            if self.awaiting_resume.contains(&shard) {
+            if self.awaiting_resume.contains(&shard) || (self.resuming && !self.stored.contains_key(&shard)) {
                 warn!(shard, "resuming: the shard's checkpoint has not arrived from its holder; still waiting");
                 self.pending.insert(shard, now + self.cfg.handoff_timeout);
                 continue;

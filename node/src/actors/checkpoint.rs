@@ -14,11 +14,11 @@ use tracing::{debug, warn};
 use crate::handles::checkpoint::{CheckpointCommand, CheckpointHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
 
-/// Start the writer on `dir`. It stops when every handle has been dropped.
-pub fn spawn(dir: ShardDir, status: StatusHandle, name: &str) -> anyhow::Result<CheckpointHandle> {
-    // A few shards in flight at most: a writer that falls behind makes the
-    // aggregator skip a checkpoint rather than hold copies of many shards.
-    let (sender, mut receiver) = mpsc::channel(4);
+/// Start the writer on `dir`, queueing at most `capacity` shards (room for
+/// every shard and a replica of each at one aligned version, so that none
+/// of those is ever dropped). It stops when every handle has been dropped.
+pub fn spawn(dir: ShardDir, capacity: usize, status: StatusHandle, name: &str) -> anyhow::Result<CheckpointHandle> {
+    let (sender, mut receiver) = mpsc::channel(capacity.max(1));
     std::thread::Builder::new()
         .name(format!("checkpoint-{name}"))
         .spawn(move || {

@@ -120,7 +120,11 @@ pub(crate) enum AggCommand {
     Resume {
         states: Vec<ShardState>,
         step: u64,
+        reply: oneshot::Sender<()>,
     },
+    /// The worker copy holds the resumed model: shards may be started from
+    /// it again.
+    ResumeDone,
     /// Checkpoint every owned shard that changed since its last write, and
     /// answer once they are on disk.
     FlushCheckpoints {
@@ -217,10 +221,12 @@ impl AggregatorHandle {
     /// Resume from checkpoints: install or pass on `states` when the first
     /// placement comes (call before the election starts).
     pub async fn resume(&self, states: Vec<ShardState>, step: u64) -> anyhow::Result<()> {
-        self.sender
-            .send(AggCommand::Resume { states, step })
-            .await
-            .map_err(|_| anyhow::anyhow!("aggregator has stopped"))
+        self.ask(|reply| AggCommand::Resume { states, step, reply }).await
+    }
+
+    /// The worker copy now holds the resumed model.
+    pub async fn resume_done(&self) -> anyhow::Result<()> {
+        self.sender.send(AggCommand::ResumeDone).await.map_err(|_| anyhow::anyhow!("aggregator has stopped"))
     }
 
     /// Write every owned shard that changed since its last checkpoint and

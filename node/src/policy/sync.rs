@@ -184,9 +184,9 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         self.workers.get(worker).map(|w| w.clock)
     }
 
-    /// The slowest worker's clock: steps every worker has pushed.
-    pub fn slowest_clock(&self) -> u64 {
-        self.min_clock()
+    /// How many workers push to this shard.
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
     }
 
     fn min_clock(&self) -> u64 {
