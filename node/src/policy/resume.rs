@@ -54,7 +54,9 @@ pub fn resume_point(offers: &[CheckpointOffer], shards: u32, bsp: bool) -> Resul
     }
     if bsp {
         // The newest version held for every shard.
-        let common = held[&0].keys().rev().copied().find(|v| held.values().all(|versions| versions.contains_key(v)));
+        let first = held.values().next().map(|versions| versions.keys().rev().copied().collect::<Vec<_>>());
+        let common =
+            first.unwrap_or_default().into_iter().find(|v| held.values().all(|versions| versions.contains_key(v)));
         if let Some(v) = common {
             let step = held.values().filter_map(|versions| versions.get(&v)).copied().min().unwrap_or(v);
             return Ok(Some(ResumePoint { step, versions: vec![v; shards as usize] }));
@@ -92,6 +94,8 @@ mod tests {
     #[test]
     fn no_offers_is_a_fresh_start() {
         assert_eq!(resume_point(&[], 4, true), Ok(None));
+        // No shard at all: nothing to resume, and no panic.
+        assert_eq!(resume_point(&[offer(50, &[0])], 0, true), Ok(Some(ResumePoint { step: 0, versions: vec![] })));
         assert_eq!(resume_point(&[CheckpointOffer::default()], 4, true), Ok(None));
     }
 
