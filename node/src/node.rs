@@ -355,7 +355,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             &routes_tx,
             &aggregator,
             (placement_tx, election),
-            (initial, model_cfg, disk.map(|d| d.found)),
+            (initial, model_cfg, disk.map(|d| (d.found, d.dir))),
             &task_name,
         )
         .await;
@@ -375,7 +375,7 @@ async fn drive(
     routes: &watch::Sender<Routes>,
     aggregator: &AggregatorHandle,
     (placement_tx, election): (watch::Sender<Option<Arc<Placement>>>, ElectionHandle),
-    (initial, model, on_disk): (Vec<f32>, ModelConfig, Option<OnDisk>),
+    (initial, model, mut on_disk): (Vec<f32>, ModelConfig, Option<(OnDisk, ShardDir)>),
     name: &str,
 ) -> anyhow::Result<NodeReport> {
     let c = &config.cluster;
@@ -410,10 +410,9 @@ async fn drive(
             };
             info!(%name, epoch, members = roster.members.len(), "roster agreed; training starts");
             // Every member decides, with a checkpoint folder or not: the
-            // members' offers alone fix the resume point.
-            let none = OnDisk::new();
-            let held = on_disk.as_ref().unwrap_or(&none);
-            resumed = resume_from(config, &worker, aggregator, &roster, held, &model).await?;
+            // members' offers alone fix the resume point. What was read from
+            // the folder is handed over (or dropped) here, not kept all run.
+            resumed = resume_from(config, &worker, aggregator, &roster, on_disk.take()).await?;
             (roster, routing, initial)
         }
         Start::Join(jp) => {
@@ -468,7 +467,7 @@ async fn drive(
     worker.status.record(StatusEvent::Peers(roster.members.len()));
     let params = match &resumed {
         Some(rp) => {
-            let fetched =
+            let (fetched, versions) =
                 worker.fetch_model(&rp.versions, start_timeout).await.context("resuming: fetching the model")?;
             // The first resumed step computes on the resumed model, and
             // peers (StateSync) and owners (a shard taken over from the
@@ -478,7 +477,7 @@ async fn drive(
             worker.snapshot.send_replace(ModelSnapshot { version: rp.step, params: shared });
             aggregator.resume_done().await?;
             routing.start_step = rp.step;
-            routing.versions = rp.versions.clone();
+            routing.versions = versions;
             worker.status.record(StatusEvent::Resumed { step: rp.step });
             membership.set_self(|s| {
                 s.step = rp.step;
@@ -720,6 +719,7 @@ struct Disk {
     offers: Vec<shoal_protocol::CheckpointOffer>,
     /// Every readable checkpoint per shard, newest first.
     found: OnDisk,
+    dir: ShardDir,
     policy: CheckpointPolicy,
 }
 
@@ -736,7 +736,7 @@ async fn open_checkpoints(
     let k = &config.checkpoint;
     let Some(dir) = k.dir.clone() else { return Ok(None) };
     let of = ShardOf { run_id: config.run_id.clone(), model: model.clone(), shards };
-    let shard_dir = ShardDir::new(dir.clone(), of.clone(), k.keep);
+    let shard_dir = ShardDir::new(dir.clone(), of, k.keep);
     let scanning = shard_dir.clone();
     let scan = tokio::task::spawn_blocking(move || scanning.scan())
         .await
@@ -749,15 +749,15 @@ async fn open_checkpoints(
     if !held.is_empty() {
         info!(%name, dir = %dir.display(), files = held.len(), "found shard checkpoints");
     }
-    let writer = crate::actors::checkpoint::spawn(shard_dir, 2 * shards as usize + 4, status.clone(), name)?;
+    let writer = crate::actors::checkpoint::spawn(shard_dir.clone(), 2 * shards as usize + 4, status.clone(), name)?;
     Ok(Some(Disk {
         offers: offers_of(&held, shoal_protocol::MAX_CHECKPOINT_OFFERS),
         found: scan.shards,
+        dir: shard_dir,
         policy: CheckpointPolicy {
             writer,
             every_steps: k.every_steps,
             every: (k.every_secs > 0).then(|| Duration::from_secs(k.every_secs)),
-            of,
         },
     }))
 }
@@ -772,8 +772,7 @@ async fn resume_from(
     worker: &Worker,
     aggregator: &AggregatorHandle,
     roster: &Roster,
-    on_disk: &OnDisk,
-    model: &ModelConfig,
+    on_disk: Option<(OnDisk, ShardDir)>,
 ) -> anyhow::Result<Option<ResumePoint>> {
     if config.cluster.mode != Mode::Pull {
         return Ok(None);
@@ -797,30 +796,30 @@ async fn resume_from(
             config.training.steps
         );
     }
-    let states: Vec<ShardState> = on_disk
-        .iter()
-        .filter_map(|(&shard, list)| {
+    let (found, dir) = on_disk.unzip();
+    let states: Vec<ShardState> = found
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(shard, list)| {
             let want = *rp.versions.get(shard as usize)?;
-            let c = list.iter().find(|c| c.version == want)?;
-            Some(ShardState { shard, version: c.version, params: c.params.clone(), optimizer: c.optimizer.clone() })
+            let c = list.into_iter().find(|c| c.version == want)?;
+            Some(ShardState { shard, version: c.version, params: c.params, optimizer: c.optimizer })
         })
         .collect();
     info!(step = rp.step, versions = ?rp.versions, mine = states.len(), "resuming the run from checkpoints");
     // Checkpoints newer than the resume point belong to the timeline given
     // up here: drop them, so that the next full stop cannot take them for
     // newer state.
-    if let Some(dir) = config.checkpoint.dir.clone() {
-        let of = ShardOf { run_id: config.run_id.clone(), model: model.clone(), shards };
-        let shard_dir = ShardDir::new(dir, of, config.checkpoint.keep);
+    if let Some(dir) = dir {
         let versions = rp.versions.clone();
-        let dropped = tokio::task::spawn_blocking(move || shard_dir.discard_newer(&versions))
+        let dropped = tokio::task::spawn_blocking(move || dir.discard_newer(&versions))
             .await
             .context("checkpoint clean-up panicked")??;
         if dropped > 0 {
             info!(dropped, "deleted checkpoints newer than the resume point");
         }
     }
-    aggregator.resume(states, rp.step).await?;
+    aggregator.resume(states).await?;
     worker.snapshot.send_modify(|s| s.version = rp.step);
     Ok(Some(rp))
 }

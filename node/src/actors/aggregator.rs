@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
-use shoal_models::{Optimizer, OptimizerConfig, ShardCheckpoint, ShardOf};
+use shoal_models::{Optimizer, OptimizerConfig, ShardCheckpoint};
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::{ErrorCode, HandoffKind, RunId, ShardRequest, ShardResponse};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -76,8 +76,6 @@ pub struct CheckpointPolicy {
     pub every_steps: u64,
     /// And a changed shard when this long passed since its last write.
     pub every: Option<Duration>,
-    /// Run and model the files belong to.
-    pub of: ShardOf,
 }
 
 struct ParkedPull {
@@ -125,7 +123,7 @@ pub fn spawn(
         written: BTreeMap::new(),
         resume: None,
         resuming: false,
-        awaiting_resume: BTreeSet::new(),
+        queueing: BTreeSet::new(),
         cfg,
     };
     tokio::spawn(actor.run());
@@ -163,9 +161,9 @@ struct AggregatorActor {
     /// Resuming, until every worker copy holds the resumed model: no shard
     /// is ever started from the worker copy meanwhile.
     resuming: bool,
-    /// Resuming: owned shards whose checkpoint a peer is to send. They are
-    /// never started from the worker copy (it is not the resumed model).
-    awaiting_resume: BTreeSet<u32>,
+    /// Shards whose aligned checkpoint waits for room in the writer's queue:
+    /// at most one copy per shard waits.
+    queueing: BTreeSet<u32>,
 }
 
 impl AggregatorActor {
@@ -283,11 +281,14 @@ impl AggregatorActor {
             AggCommand::ReplicaDone { shard } => {
                 self.replicating.remove(&shard);
             }
-            AggCommand::Resume { states, step, reply } => {
-                info!(shards = states.len(), step, "resuming from checkpoints");
+            AggCommand::Resume { states, reply } => {
+                info!(shards = states.len(), "resuming from checkpoints");
                 self.resume = Some(states);
                 self.resuming = true;
                 let _ = reply.send(());
+            }
+            AggCommand::CheckpointQueued { shard } => {
+                self.queueing.remove(&shard);
             }
             AggCommand::ResumeDone => {
                 // Every worker copy now holds the resumed model.
@@ -395,7 +396,6 @@ impl AggregatorActor {
             }
         };
         self.replicated.insert(state.shard, state.version);
-        self.awaiting_resume.remove(&state.shard);
         self.cores
             .insert(state.shard, ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers));
     }
@@ -451,10 +451,6 @@ impl AggregatorActor {
         // Resuming: keep the checkpointed shards this node owns (installed
         // below, as an early transfer would be) and send the others to
         // their owners, who wait for them.
-        if let Some(states) = &self.resume {
-            let here: BTreeSet<u32> = states.iter().map(|s| s.shard).collect();
-            self.awaiting_resume = new.owned_by(&me).into_iter().filter(|s| !here.contains(s)).collect();
-        }
         for state in self.resume.take().unwrap_or_default() {
             match new.owner(state.shard) {
                 Some(o) if o == me => self.store(state, true),
@@ -520,13 +516,32 @@ impl AggregatorActor {
     /// thread does the disk work. The backup gets a replica of the same
     /// version, which it checkpoints too, so each shard is on two disks.
     fn maybe_checkpoint(&mut self, shard: u32) {
+        if self.queueing.contains(&shard) {
+            // The previous aligned copy still waits: the writer is a whole
+            // interval behind. Try again at the next version.
+            warn!(shard, "checkpoint writer is a whole interval behind; this checkpoint waits for the next version");
+            return;
+        }
         let Some((ckpt, aligned)) = self.checkpoint_of(shard, false) else { return };
         let Some(writer) = self.cfg.checkpoint.as_ref().map(|p| p.writer.clone()) else { return };
         if aligned {
-            // Resume points are aligned versions: never drop one. The task
-            // waits for room in the writer's queue.
-            tokio::spawn(async move { writer.write(ckpt).await });
-            self.maybe_replicate_now(shard);
+            // Resume points are aligned versions: not dropped while the
+            // writer keeps up. The task waits for room in the writer's queue
+            // and reports back, so at most one copy per shard waits.
+            let version = ckpt.version;
+            self.queueing.insert(shard);
+            let back = self.me_tx.clone();
+            tokio::spawn(async move {
+                writer.write(ckpt).await;
+                if let Some(tx) = back.upgrade() {
+                    let _ = tx.send(AggCommand::CheckpointQueued { shard }).await;
+                }
+            });
+            // The backup checkpoints a replica of the same version, unless
+            // it was just sent one.
+            if self.replicated.get(&shard) != Some(&version) {
+                self.maybe_replicate_now(shard);
+            }
         } else if !writer.try_write(ckpt) {
             debug!(shard, "checkpoint writer is behind; skipping this timed checkpoint");
             self.written.remove(&shard);
@@ -700,12 +715,10 @@ impl AggregatorActor {
         let now = Instant::now();
         let overdue: Vec<u32> = self.pending.iter().filter(|(_, d)| **d <= now).map(|(s, _)| *s).collect();
         for shard in overdue {
-            if self.awaiting_resume.contains(&shard) || (self.resuming && !self.stored.contains_key(&shard)) {
-                warn!(shard, "resuming: the shard's checkpoint has not arrived from its holder; still waiting");
-                self.pending.insert(shard, now + self.cfg.handoff_timeout);
-                continue;
+            if !self.resuming {
+                warn!(shard, "the old owner did not hand the shard over in time; restoring it here");
             }
-            warn!(shard, "the old owner did not hand the shard over in time; restoring it here");
+            // While resuming, `restore` keeps waiting for a checkpoint.
             self.restore(shard);
         }
         let mut i = 0;

@@ -245,8 +245,8 @@ impl Worker {
     /// Resuming after a full stop: pull every shard at its resume version
     /// from its owner (who installed it from a checkpoint, its own or a
     /// peer's), following the placement, until `within` passes. Returns the
-    /// full model.
-    pub async fn fetch_model(&self, versions: &[u64], within: Duration) -> anyhow::Result<Vec<f32>> {
+    /// full model and the version each shard was fetched at.
+    pub async fn fetch_model(&self, versions: &[u64], within: Duration) -> anyhow::Result<(Vec<f32>, Vec<u64>)> {
         let deadline = Instant::now() + within;
         let fetches = self.plan.shards().iter().map(|shard| async move {
             let id = shard.id;
@@ -287,11 +287,12 @@ impl Worker {
             }
         });
         let mut params = vec![0.0; self.plan.total_len()];
+        let mut fetched = vec![0; self.plan.len()];
         for (shard, (version, values)) in self.plan.shards().iter().zip(try_join_all(fetches).await?) {
-            debug!(shard = shard.id, version, "shard fetched for the resume");
             params[shard.range()].copy_from_slice(&values);
+            fetched[shard.id as usize] = version;
         }
-        Ok(params)
+        Ok((params, fetched))
     }
 
     /// Exchange every shard (push the gradient, pull the new version)

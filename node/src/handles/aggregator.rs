@@ -81,8 +81,8 @@ pub struct ShardStats {
     pub max_staleness: u64,
 }
 
-/// The aggregator's mailbox. The last three are the actor's own spawned
-/// transfers and replicas reporting back.
+/// The aggregator's mailbox. `TransferDone`, `TransferFailed`, `ReplicaDone`
+/// and `CheckpointQueued` are the actor's own spawned tasks reporting back.
 pub(crate) enum AggCommand {
     Push {
         worker: PeerId,
@@ -119,8 +119,11 @@ pub(crate) enum AggCommand {
     /// folder at the agreed versions, and the step workers resume at.
     Resume {
         states: Vec<ShardState>,
-        step: u64,
         reply: oneshot::Sender<()>,
+    },
+    /// An aligned checkpoint of `shard` entered the writer's queue.
+    CheckpointQueued {
+        shard: u32,
     },
     /// The worker copy holds the resumed model: shards may be started from
     /// it again.
@@ -220,8 +223,8 @@ impl AggregatorHandle {
 
     /// Resume from checkpoints: install or pass on `states` when the first
     /// placement comes (call before the election starts).
-    pub async fn resume(&self, states: Vec<ShardState>, step: u64) -> anyhow::Result<()> {
-        self.ask(|reply| AggCommand::Resume { states, step, reply }).await
+    pub async fn resume(&self, states: Vec<ShardState>) -> anyhow::Result<()> {
+        self.ask(|reply| AggCommand::Resume { states, reply }).await
     }
 
     /// The worker copy now holds the resumed model.
