@@ -25,7 +25,8 @@ pub struct NodeOverride {
 pub struct ClusterSpec {
     pub nodes: usize,
     /// Shared config; `listen` is forced to loopback TCP on an ephemeral port
-    /// and `min_peers` to `nodes`. A `checkpoint.dir` is the parent of one
+    /// and `min_peers` to `nodes`; `training.threads`, when unset, becomes
+    /// each node's share of the host's cores. A `checkpoint.dir` is the parent of one
     /// folder per node (`node0`, `node1`, ...).
     pub base: NodeConfig,
     pub overrides: Vec<NodeOverride>,
@@ -44,6 +45,8 @@ impl ClusterSpec {
         c.network.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().context("loopback address")?];
         c.network.quic = false;
         c.network.discovery.mdns = false;
+        // The nodes share this host: each gets its share of the cores.
+        c.training.threads = Some(crate::ops::threads::resolve(c.training.threads, self.nodes));
         // One checkpoint folder per node, as on separate machines.
         if let Some(dir) = &self.base.checkpoint.dir {
             c.checkpoint.dir = Some(dir.join(format!("node{i}")));

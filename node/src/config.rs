@@ -167,6 +167,9 @@ pub struct TrainingConfig {
     pub eval_every: u64,
     /// `cpu`, `cuda[:N]` or `metal[:N]`. Default `cpu`.
     pub device: DeviceKind,
+    /// Threads for this node's tensor work. Default: the host's cores
+    /// divided by the nodes that this process or testnet starts on it.
+    pub threads: Option<usize>,
 }
 
 impl Default for TrainingConfig {
@@ -184,6 +187,7 @@ impl Default for TrainingConfig {
             steps: 300,
             eval_every: 0,
             device: DeviceKind::Cpu,
+            threads: None,
         }
     }
 }
@@ -428,6 +432,9 @@ impl NodeConfig {
             bail!("training.steps must be at least 1");
         }
         t.optimizer_config().validate()?;
+        if t.threads == Some(0) {
+            bail!("training.threads must be at least 1 (leave it out for the node's share of the host's cores)");
+        }
         if self.checkpoint.every_steps == 0 {
             bail!("checkpoint.every_steps must be at least 1");
         }

@@ -191,7 +191,16 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let name = config.name.clone().unwrap_or_else(|| short(&me));
     let train_len = split.train.len();
     let (trainer, _thread, initial) =
-        trainer::spawn(model_cfg.clone(), t.seed, device, split.train, split.test, c.channel_capacity, &name)?;
+        trainer::spawn(
+        model_cfg.clone(),
+        t.seed,
+        device,
+        split.train,
+        split.test,
+        c.channel_capacity,
+        crate::ops::threads::resolve(t.threads, 1),
+        &name,
+    )?;
     let plan = ShardPlan::new(initial.len(), c.shards as usize)?;
     let hash = config_hash(&config, &model_cfg);
 

@@ -165,6 +165,12 @@ impl Launcher<'_> {
         if let Some(b) = spec.batch_size {
             training.insert("batch_size".into(), (b as i64).into());
         }
+        if !training.contains_key("threads") {
+            // The nodes share this host: each gets its share of the cores
+            // rather than every core (which oversubscribes them all).
+            let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+            training.insert("threads".into(), ((cores / self.scenario.nodes.max(1)).max(1) as i64).into());
+        }
         if let Some(s) = spec.slowdown {
             cluster.insert("slowdown".into(), s.into());
         }

@@ -3,7 +3,9 @@
 //! Tensor work never runs on a tokio worker thread. The thread owns the model
 //! and this node's data; async code talks to it through a cloneable
 //! [`TrainerHandle`] holding a bounded sender, and gets replies on oneshots.
-//! The thread ends when every handle has been dropped.
+//! The thread ends when every handle has been dropped. With more than one
+//! compute thread the loop runs inside a rayon pool of its own, which
+//! candle's matrix products then use (see [`crate::ops::threads`]).
 
 use std::thread::JoinHandle;
 
@@ -31,15 +33,20 @@ pub fn spawn(
     train: Dataset,
     test: Dataset,
     capacity: usize,
+    threads: usize,
     name: &str,
 ) -> anyhow::Result<(TrainerHandle, JoinHandle<()>, Vec<f32>)> {
     let model = Model::new(config, seed, &device)?;
     let initial = model.parameters()?;
     let (sender, receiver) = mpsc::channel(capacity.max(1));
     let actor = TrainerActor { model, train, test, receiver };
+    let pool = crate::ops::threads::compute_pool(threads, name)?;
     let thread = std::thread::Builder::new()
         .name(format!("trainer-{name}"))
-        .spawn(move || actor.run())
+        .spawn(move || match pool {
+            Some(pool) => pool.install(move || actor.run()),
+            None => actor.run(),
+        })
         .context("spawning the trainer thread")?;
     Ok((TrainerHandle::new(sender), thread, initial))
 }

@@ -127,6 +127,9 @@ pub struct TrainArgs {
     /// layer names; `shoal eval` and other software read it).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Compute threads (default: every core).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub threads: Option<usize>,
 }
 
 /// `shoal eval`.
@@ -282,6 +285,9 @@ pub struct DemoArgs {
     /// Write the first node's trained model here (safetensors).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Compute threads per node (default: this host's cores / --nodes).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub threads: Option<usize>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -24,12 +24,16 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     base.cluster.mode = args.mode;
     base.cluster.shards = args.shards;
     base.cluster.start_timeout_ms = 30_000;
+    // The nodes share this host: each gets its share (or --threads).
+    let threads = crate::ops::threads::resolve(args.threads, args.nodes);
+    crate::ops::threads::configure_process(threads);
+    base.training.threads = Some(threads);
     let spec = ClusterSpec::new(args.nodes, base);
     println!(
-        "shoal demo: {} nodes on loopback TCP, {} {} on {}, mode {:?}, sync {}, {} shards",
+        "shoal demo: {} nodes on loopback TCP, {} {} on {}, mode {:?}, sync {}, {} shards, {threads} compute threads per node",
         args.nodes, args.steps, args.model, args.dataset, args.mode, args.sync, args.shards
     );
-    let rt = tokio::runtime::Runtime::new()?;
+    let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
     rt.block_on(async move {
         let cluster = Cluster::start(&spec).await?;
         let multi = MultiProgress::new();

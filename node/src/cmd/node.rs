@@ -90,7 +90,10 @@ macro_rules! say {
 pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     let config = resolve(&args)?;
     let keypair = load_identity(config.identity.as_deref())?;
-    let rt = tokio::runtime::Runtime::new()?;
+    // This process is one node: it gets `training.threads`, or every core.
+    let threads = crate::ops::threads::resolve(config.training.threads, 1);
+    crate::ops::threads::configure_process(threads);
+    let rt = crate::ops::threads::runtime(threads)?;
     rt.block_on(async move {
         let node = start(config, keypair).await?;
         say!("peer id {}", node.peer_id);

@@ -17,6 +17,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if args.batch_size == 0 {
         anyhow::bail!("--batch-size must be at least 1");
     }
+    let threads = crate::ops::threads::configure_process(crate::ops::threads::resolve(args.threads, 1));
     let device = args.device.open()?;
     let split = data::load(args.dataset, args.data_dir.as_deref())
         .with_context(|| format!("loading data set {}", args.dataset))?;
@@ -49,7 +50,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     };
 
     println!(
-        "training {} on {} ({} train / {} test samples) on {}, {} parameters",
+        "training {} on {} ({} train / {} test samples) on {}, {} parameters, {threads} compute threads",
         config.describe(),
         args.dataset,
         split.train.len(),
