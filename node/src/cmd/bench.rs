@@ -15,6 +15,17 @@ use shoal_models::{data, ArchKind, DatasetKind, LocalTrainer, ModelConfig, Optim
 
 use crate::cmd::cli::{BenchTrainArgs, BenchWireArgs};
 
+/// Write a benchmark's numbers to `--json PATH`, if given.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+fn write_json(path: Option<&std::path::Path>, value: &serde_json::Value) -> anyhow::Result<()> {
+    if let Some(path) = path {
+        let text = serde_json::to_string_pretty(value)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        println!("numbers written to {}", path.display());
+    }
+    Ok(())
+}
+
 /// `shoal bench wire`: the protocol crate's wire benchmark.
 #[allow(clippy::print_stdout)] // The CLI's own output.
 pub fn wire(args: BenchWireArgs) -> anyhow::Result<()> {
@@ -30,7 +41,39 @@ pub fn wire(args: BenchWireArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     let report = rt.block_on(shoal_protocol::bench::run_wire_bench(opts))?;
     println!("{report}");
-    Ok(())
+    let transfer = |t: &shoal_protocol::bench::TransferResult| {
+        serde_json::json!({
+            "transport": t.name, "best_secs": t.best.as_secs_f64(),
+            "mb_per_s": t.mb_per_s, "ratio_to_raw_tcp": t.ratio_to_raw_tcp,
+        })
+    };
+    let codecs: Vec<serde_json::Value> = report
+        .codecs
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "encoding": c.encoding, "bytes_per_element": c.bytes_per_element,
+                "encode_mb_per_s": c.encode_mb_per_s, "decode_mb_per_s": c.decode_mb_per_s,
+                "encode_ratio_to_memcpy": c.encode_ratio_to_memcpy,
+                "decode_ratio_to_memcpy": c.decode_ratio_to_memcpy,
+            })
+        })
+        .collect();
+    write_json(
+        args.json.as_deref(),
+        &serde_json::json!({
+            "bench": "wire",
+            "shard_bytes": report.options.shard_bytes,
+            "raw_tcp": transfer(&report.raw_tcp),
+            "tcp_noise_yamux": transfer(&report.tcp_noise_yamux),
+            "quic": report.quic.as_ref().map(transfer),
+            "memcpy": {
+                "preallocated_mb_per_s": report.memcpy.preallocated_mb_per_s,
+                "fresh_alloc_mb_per_s": report.memcpy.fresh_alloc_mb_per_s,
+            },
+            "codecs": codecs,
+        }),
+    )
 }
 
 #[allow(clippy::print_stdout)] // The CLI's own output.
@@ -38,6 +81,7 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.steps == 0 || args.batch_size == 0 || args.matmul_size == 0 {
         anyhow::bail!("--steps, --batch-size and --matmul-size must be at least 1");
     }
+    let threads = crate::ops::threads::configure_process(crate::ops::threads::resolve(args.threads, 1));
     let device = args.device.open()?;
     let (kind, split) = match data::load(DatasetKind::FashionMnist, args.data_dir.as_deref()) {
         Ok(s) => (DatasetKind::FashionMnist, s),
@@ -47,16 +91,18 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
         }
     };
     println!(
-        "shoal bench train: dataset {kind}, batch {}, {} timed steps, device {}, {} threads",
-        args.batch_size,
-        args.steps,
-        args.device,
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        "shoal bench train: dataset {kind}, batch {}, {} timed steps, device {}, {threads} compute threads",
+        args.batch_size, args.steps, args.device
     );
     println!("{:<28} {:>14} {:>14} {:>10}", "model", "train smp/s", "fwd smp/s", "train/fwd");
+    let mut models = Vec::new();
     for arch in [ArchKind::Mlp, ArchKind::Cnn] {
         let r = bench_model(arch, &split, args.batch_size, args.steps, &device)?;
         println!("{:<28} {:>14.0} {:>14.0} {:>10.3}", r.name, r.train_sps, r.forward_sps, r.train_sps / r.forward_sps);
+        models.push(serde_json::json!({
+            "model": r.name, "arch": arch.to_string(), "train_samples_per_sec": r.train_sps,
+            "forward_samples_per_sec": r.forward_sps, "train_over_forward": r.train_sps / r.forward_sps,
+        }));
     }
     let (candle, naive) = bench_matmul(args.matmul_size, &device)?;
     println!(
@@ -64,7 +110,15 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
         candle / naive,
         n = args.matmul_size
     );
-    Ok(())
+    write_json(
+        args.json.as_deref(),
+        &serde_json::json!({
+            "bench": "train", "dataset": kind.to_string(), "batch_size": args.batch_size,
+            "steps": args.steps, "device": args.device.to_string(), "threads": threads,
+            "models": models,
+            "matmul": { "size": args.matmul_size, "candle_gflops": candle, "naive_gflops": naive, "ratio": candle / naive },
+        }),
+    )
 }
 
 struct ModelResult {
@@ -158,7 +212,9 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
             (DatasetKind::Digits, args.target.unwrap_or(0.95))
         }
     };
-    let rt = tokio::runtime::Runtime::new()?;
+    // Sized for the largest case (4 nodes), so that no case oversubscribes.
+    let threads = crate::ops::threads::configure_process(crate::ops::threads::share(4));
+    let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
     rt.block_on(async move {
         println!(
             "shoal bench cluster: {dataset} MLP, BSP, SGD lr 0.1, batch {} per node, {} steps, target {:.0}%",
@@ -171,6 +227,7 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
             "nodes", "samples/s", "speed-up", "time to target", "comm share", "bytes/step", "accuracy"
         );
         let mut base_sps = None;
+        let mut rows = Vec::new();
         for nodes in [1usize, 2, 4] {
             let mut cfg = NodeConfig { run_id: format!("bench-{nodes}"), ..NodeConfig::default() };
             cfg.training.dataset = dataset;
@@ -180,6 +237,7 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
             cfg.training.lr = Some(0.1);
             cfg.training.eval_every = args.eval_every;
             cfg.cluster.heartbeat_ms = 100;
+            cfg.training.threads = Some(threads);
             let started = Instant::now();
             let reports = Cluster::start(&ClusterSpec::new(nodes, cfg)).await?.wait().await?;
             let wall = started.elapsed().as_secs_f64();
@@ -213,7 +271,13 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
                 per_step,
                 reports[0].accuracy * 100.0
             );
+            rows.push(serde_json::json!({
+                "nodes": nodes, "samples_per_sec": sps, "speedup": sps / base,
+                "time_to_target_secs": reached, "comm_share": comm / total.max(1e-9),
+                "bytes_per_step_over_model": per_step, "accuracy": reports[0].accuracy,
+            }));
         }
+        let mut big = serde_json::Value::Null;
         println!("bytes/step: pushed plus pulled payload bytes per worker per step, over the model's size.");
 
         if !args.skip_big {
@@ -241,8 +305,19 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
                 cfg.training.steps,
                 step / raw
             );
+            big = serde_json::json!({
+                "parameters": params, "step_secs": step, "comm_secs_per_step": comm,
+                "raw_tcp_secs": raw, "step_over_raw_tcp": step / raw,
+            });
         }
-        Ok(())
+        write_json(
+            args.json.as_deref(),
+            &serde_json::json!({
+                "bench": "cluster", "dataset": dataset.to_string(), "batch_size": args.batch_size,
+                "steps": args.steps, "target": target, "threads_per_node": threads,
+                "scaling": rows, "aggregation_bound": big,
+            }),
+        )
     })
 }
 
@@ -338,7 +413,22 @@ pub fn straggler(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()
             Some(s) => println!("slowdown to shards moved: {s:.2} s"),
             None => println!("the straggler's shards never moved"),
         }
-        Ok(())
+        let case = |c: &StragglerCase| {
+            serde_json::json!({
+                "steps_per_sec": c.steps_per_sec, "accuracy": c.accuracy,
+                "moved_after_secs": c.moved_after, "step_ms": c.slow_step_ms,
+            })
+        };
+        write_json(
+            args.json.as_deref(),
+            &serde_json::json!({
+                "bench": "straggler", "steps": args.steps, "batch_size": args.batch_size, "delay_ms": delay_ms,
+                "no_straggler": case(&base), "static": case(&fixed), "elastic": case(&elastic),
+                "static_over_no_straggler": fixed.steps_per_sec / base.steps_per_sec,
+                "elastic_over_static": elastic.steps_per_sec / fixed.steps_per_sec,
+                "elastic_over_no_straggler": elastic.steps_per_sec / base.steps_per_sec,
+            }),
+        )
     })
 }
 
@@ -412,6 +502,17 @@ pub fn aggregators(args: crate::cmd::cli::BenchAggregatorsArgs) -> anyhow::Resul
                 d.secs, d.step, d.action, d.from, d.to, d.before_ms
             );
         }
-        Ok(())
+        let case = |c: &AggregatorsCase| {
+            serde_json::json!({ "steps_per_sec": c.steps_per_sec, "accuracy": c.accuracy, "final_aggregators": c.final_k })
+        };
+        write_json(
+            args.json.as_deref(),
+            &serde_json::json!({
+                "bench": "aggregators", "steps": args.steps, "batch_size": args.batch_size,
+                "one_fixed": case(&one), "explored": case(&auto), "every_node": case(&all),
+                "explored_over_one_fixed": auto.steps_per_sec / one.steps_per_sec,
+                "explored_over_every_node": auto.steps_per_sec / all.steps_per_sec,
+            }),
+        )
     })
 }

@@ -373,6 +373,9 @@ pub struct BenchAggregatorsArgs {
     /// Mbit/s (0: loopback as it is); a slow uplink makes a single owner the bottleneck.
     #[arg(long, default_value_t = 100.0)]
     pub serve_mbps: f64,
+    /// Also write the numbers as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -386,6 +389,9 @@ pub struct BenchStragglerArgs {
     /// How much slower the straggling aggregator makes a step under static roles.
     #[arg(long, default_value_t = 5.0)]
     pub slowdown: f64,
+    /// Also write the numbers as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -410,6 +416,9 @@ pub struct BenchClusterArgs {
     pub skip_big: bool,
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// Also write the numbers as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -423,6 +432,9 @@ pub struct BenchWireArgs {
     /// Skip the codec measurements.
     #[arg(long)]
     pub skip_codecs: bool,
+    /// Also write the numbers as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -442,6 +454,12 @@ pub struct BenchTrainArgs {
     /// Compute device.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: DeviceKind,
+    /// Compute threads (default: every core).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub threads: Option<usize>,
+    /// Also write the numbers as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 fn parse_arch(s: &str) -> Result<ArchKind, String> {

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Shoal beside PyTorch on the same work, in one run (issue 14's table).
+
+    python3 scripts/bench_pytorch.py [--shoal target/release/shoal] [--runs 3] [--json out.json]
+
+Cases (Fashion-MNIST, SGD lr 0.05 momentum 0.9 Nesterov: Shoal's default
+SGD; batch 64 per worker; one epoch split over the workers):
+  mlp-1: `shoal train` against PyTorch in one process with as many threads;
+  cnn-1: the same with the CNN;
+  mlp-4: `shoal demo --nodes 4 --steps 235` (4 nodes in one process on
+         loopback TCP, BSP) against DistributedDataParallel over gloo with 4
+         processes on 127.0.0.1 (scripts/torch_baseline.py).
+Each case runs `--runs` times, alternating Shoal and PyTorch; the table shows
+medians and the ratio Shoal / PyTorch of the medians. Accuracy is the test
+accuracy after the epoch (for mlp-4: the lowest node's).
+
+Without torch the script says so and exits 0: torch is optional (see
+docs/benchmarks.md for how to install it).
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(cmd):
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
+    return out.stdout
+
+
+def shoal_train(shoal, model, data):
+    out = run([shoal, "train", "--dataset", "fashion-mnist", "--data-dir", data, "--model", model,
+               "--optimizer", "sgd", "--lr", "0.05", "--epochs", "1", "--batch-size", "64"])
+    sps = float(re.search(r"([0-9.]+) samples/s", out).group(1))
+    acc = float(re.search(r"final test accuracy ([0-9.]+)%", out).group(1)) / 100
+    return {"samples_per_sec": sps, "accuracy": acc}
+
+
+def shoal_demo(shoal, data):
+    out = run([shoal, "demo", "--nodes", "4", "--dataset", "fashion-mnist", "--data-dir", data,
+               "--batch-size", "64", "--steps", "235"])
+    rows = re.findall(r"test accuracy ([0-9.]+)% after .* ([0-9.]+) samples/s", out)
+    if len(rows) != 4:
+        raise SystemExit(f"could not read 4 nodes from shoal demo:\n{out}")
+    return {"samples_per_sec": sum(float(s) for _, s in rows), "accuracy": min(float(a) for a, _ in rows) / 100}
+
+
+def torch_case(args_list):
+    out = run([sys.executable, os.path.join(HERE, "torch_baseline.py"), "--nesterov", *args_list])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shoal", default=os.path.join(HERE, "..", "target", "release", "shoal"))
+    p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4")
+    p.add_argument("--json", help="also write the numbers here")
+    args = p.parse_args()
+    if args.runs < 1:
+        raise SystemExit("--runs must be at least 1")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("skipped: torch is not installed (pip install torch numpy)")
+        return 0
+    if not os.path.exists(args.shoal):
+        raise SystemExit(f"{args.shoal} not found: cargo build --release first, or pass --shoal")
+    cores = os.cpu_count() or 1
+    cases = {
+        "mlp-1": (lambda: shoal_train(args.shoal, "mlp", args.data),
+                  lambda: torch_case(["--mode", "single", "--model", "mlp", "--data", args.data])),
+        "cnn-1": (lambda: shoal_train(args.shoal, "cnn", args.data),
+                  lambda: torch_case(["--mode", "single", "--model", "cnn", "--data", args.data])),
+        "mlp-4": (lambda: shoal_demo(args.shoal, args.data),
+                  lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data])),
+    }
+    results = {}
+    print(f"shoal vs pytorch on {cores} cores, {args.runs} runs per case (medians)")
+    print(f"{'case':<7} {'shoal smp/s':>12} {'torch smp/s':>12} {'ratio':>7} {'shoal acc':>10} {'torch acc':>10}")
+    for name in args.cases.split(","):
+        if name not in cases:
+            raise SystemExit(f"unknown case {name}: expected one of {', '.join(cases)}")
+        shoal_fn, torch_fn = cases[name]
+        shoal_runs, torch_runs = [], []
+        for _ in range(args.runs):
+            shoal_runs.append(shoal_fn())
+            torch_runs.append(torch_fn())
+        med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
+        row = {
+            "shoal_samples_per_sec": med(shoal_runs, "samples_per_sec"),
+            "torch_samples_per_sec": med(torch_runs, "samples_per_sec"),
+            "shoal_accuracy": med(shoal_runs, "accuracy"),
+            "torch_accuracy": med(torch_runs, "accuracy"),
+            "shoal_runs": shoal_runs,
+            "torch_runs": torch_runs,
+        }
+        row["ratio"] = row["shoal_samples_per_sec"] / row["torch_samples_per_sec"]
+        results[name] = row
+        print(f"{name:<7} {row['shoal_samples_per_sec']:>12.0f} {row['torch_samples_per_sec']:>12.0f} "
+              f"{row['ratio']:>6.2f}x {row['shoal_accuracy'] * 100:>9.2f}% {row['torch_accuracy'] * 100:>9.2f}%",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "pytorch", "cores": cores, "runs": args.runs, "cases": results}, f, indent=2)
+        print(f"numbers written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
