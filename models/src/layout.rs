@@ -120,15 +120,12 @@ impl ParamLayout {
     /// (not on the loss's path) contributes zeros.
     pub fn flatten_grads(&self, varmap: &VarMap, grads: &GradStore) -> Result<Vec<f32>> {
         let data = lock(varmap)?;
-        let mut out = Vec::with_capacity(self.total);
+        let mut out = vec![0.0f32; self.total];
         for e in &self.entries {
             let var = data.get(&e.name).ok_or_else(|| missing(&e.name))?;
-            match grads.get(var.as_tensor()) {
-                Some(g) => {
-                    self.check_shape(e, g.dims())?;
-                    out.extend(g.flatten_all()?.to_vec1::<f32>()?);
-                }
-                None => out.extend(std::iter::repeat_n(0.0f32, e.len)),
+            if let Some(g) = grads.get(var.as_tensor()) {
+                self.check_shape(e, g.dims())?;
+                copy_out(g, &mut out[e.range()])?;
             }
         }
         Ok(out)
@@ -185,6 +182,29 @@ fn lock(varmap: &VarMap) -> Result<std::sync::MutexGuard<'_, std::collections::H
 
 fn missing(name: &str) -> ModelError {
     ModelError::Invalid(format!("variable map has no parameter {name}"))
+}
+
+/// Copy a tensor's values into `out` (as long as the tensor): straight from
+/// a contiguous CPU buffer, without the intermediate vector `to_vec1` makes;
+/// other devices and layouts go through `to_vec1`.
+fn copy_out(t: &Tensor, out: &mut [f32]) -> Result<()> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            if let Ok(src) = cpu.as_slice::<f32>() {
+                if b - a == out.len() {
+                    out.copy_from_slice(&src[a..b]);
+                    return Ok(());
+                }
+            }
+        }
+    }
+    let v = t.flatten_all()?.to_vec1::<f32>()?;
+    if v.len() != out.len() {
+        return Err(ModelError::Invalid(format!("tensor of {} values for a slot of {}", v.len(), out.len())));
+    }
+    out.copy_from_slice(&v);
+    Ok(())
 }
 
 /// One shard: a contiguous range of the flat vector.
