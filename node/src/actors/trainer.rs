@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 
 use anyhow::Context;
 use candle_core::Device;
-use shoal_models::{Dataset, Model, ModelConfig, TrainableModel};
+use shoal_models::{Dataset, Model, ModelConfig, Split, TrainableModel};
 use tokio::sync::mpsc;
 use tracing::debug;
 
@@ -30,12 +30,12 @@ pub fn spawn(
     config: ModelConfig,
     seed: u64,
     device: Device,
-    train: Dataset,
-    test: Dataset,
+    data: Split,
     capacity: usize,
     threads: usize,
     name: &str,
 ) -> anyhow::Result<(TrainerHandle, JoinHandle<()>, Vec<f32>)> {
+    let Split { train, test } = data;
     let model = Model::new(config, seed, &device)?;
     let initial = model.parameters()?;
     let (sender, receiver) = mpsc::channel(capacity.max(1));
