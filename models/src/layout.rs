@@ -94,11 +94,11 @@ impl ParamLayout {
     /// Copy every variable into one flat vector.
     pub fn flatten_vars(&self, varmap: &VarMap) -> Result<Vec<f32>> {
         let data = lock(varmap)?;
-        let mut out = Vec::with_capacity(self.total);
+        let mut out = vec![0.0f32; self.total];
         for e in &self.entries {
             let var = data.get(&e.name).ok_or_else(|| missing(&e.name))?;
             self.check_shape(e, var.dims())?;
-            out.extend(var.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+            copy_out(var.as_tensor(), &mut out[e.range()])?;
         }
         Ok(out)
     }
@@ -184,7 +184,8 @@ fn missing(name: &str) -> ModelError {
     ModelError::Invalid(format!("variable map has no parameter {name}"))
 }
 
-/// Copy a tensor's values into `out` (as long as the tensor): straight from
+/// Copy a tensor's values into `out` (as long as the tensor), for
+/// `flatten_vars` and `flatten_grads`: straight from
 /// a contiguous CPU buffer, without the intermediate vector `to_vec1` makes;
 /// other devices and layouts go through `to_vec1`.
 fn copy_out(t: &Tensor, out: &mut [f32]) -> Result<()> {

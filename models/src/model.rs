@@ -251,7 +251,10 @@ impl Im2Col {
         }
     }
 
-    fn contiguous_f32<'a>(storage: &'a candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<&'a [f32]> {
+    fn contiguous_f32<'a>(
+        storage: &'a candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<&'a [f32]> {
         let data = storage.as_slice::<f32>()?;
         match layout.contiguous_offsets() {
             Some((a, b)) => Ok(&data[a..b]),

@@ -190,8 +190,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let me = keypair.public().to_peer_id();
     let name = config.name.clone().unwrap_or_else(|| short(&me));
     let train_len = split.train.len();
-    let (trainer, _thread, initial) =
-        trainer::spawn(
+    let (trainer, _thread, initial) = trainer::spawn(
         model_cfg.clone(),
         t.seed,
         device,

@@ -383,6 +383,9 @@ pub fn straggler(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()
     if args.steps == 0 || args.batch_size == 0 || !(args.slowdown > 1.0 && args.slowdown.is_finite()) {
         anyhow::bail!("--steps and --batch-size must be at least 1 and --slowdown above 1");
     }
+    // Four nodes share this host: size candle's process-wide pools to one
+    // node's share, as the nodes' own pools are (see `ops::threads`).
+    crate::ops::threads::configure_process(crate::ops::threads::share(4));
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         println!(
@@ -478,6 +481,7 @@ pub fn aggregators(args: crate::cmd::cli::BenchAggregatorsArgs) -> anyhow::Resul
     crate::ops::faults::Faults::default()
         .set_serve_mbps(args.serve_mbps)
         .map_err(|e| anyhow::anyhow!("--serve-mbps: {e}"))?;
+    crate::ops::threads::configure_process(crate::ops::threads::share(4));
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         println!(
