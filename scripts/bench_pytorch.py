@@ -9,7 +9,9 @@ SGD; batch 64 per worker; one epoch split over the workers):
   cnn-1: the same with the CNN;
   mlp-4: `shoal demo --nodes 4 --steps 235` (4 nodes in one process on
          loopback TCP, BSP) against DistributedDataParallel over gloo with 4
-         processes on 127.0.0.1 (scripts/torch_baseline.py).
+         processes on 127.0.0.1 (scripts/torch_baseline.py);
+  mlp-4c: the same at lr 0.2 (0.05 x 4 workers, the linear scaling rule)
+         with cosine decay to lr/100, on both sides.
 Each case runs `--runs` times, alternating Shoal and PyTorch; the table shows
 medians and the ratio Shoal / PyTorch of the medians. Accuracy is the test
 accuracy after the epoch (for mlp-4: the lowest node's).
@@ -43,9 +45,9 @@ def shoal_train(shoal, model, data):
     return {"samples_per_sec": sps, "accuracy": acc}
 
 
-def shoal_demo(shoal, data):
+def shoal_demo(shoal, data, extra=()):
     out = run([shoal, "demo", "--nodes", "4", "--dataset", "fashion-mnist", "--data-dir", data,
-               "--batch-size", "64", "--steps", "235"])
+               "--batch-size", "64", "--steps", "235", *extra])
     rows = re.findall(r"test accuracy ([0-9.]+)% after .* ([0-9.]+) samples/s", out)
     if len(rows) != 4:
         raise SystemExit(f"could not read 4 nodes from shoal demo:\n{out}")
@@ -62,7 +64,7 @@ def main():
     p.add_argument("--shoal", default=os.path.join(HERE, "..", "target", "release", "shoal"))
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4")
+    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4,mlp-4c")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args()
     if args.runs < 1:
@@ -82,6 +84,9 @@ def main():
                   lambda: torch_case(["--mode", "single", "--model", "cnn", "--data", args.data])),
         "mlp-4": (lambda: shoal_demo(args.shoal, args.data),
                   lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data])),
+        "mlp-4c": (lambda: shoal_demo(args.shoal, args.data, ["--lr", "0.2", "--lr-decay", "cosine"]),
+                   lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data,
+                                       "--lr", "0.2", "--cosine"])),
     }
     results = {}
     print(f"shoal vs pytorch on {cores} cores, {args.runs} runs per case (medians)")

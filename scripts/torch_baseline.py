@@ -22,6 +22,7 @@ Used by scripts/bench_pytorch.py; runnable alone:
 import argparse
 import gzip
 import json
+import math
 import os
 import struct
 import sys
@@ -100,7 +101,13 @@ def train(rank, world, args, result_path):
         dist.barrier()
     net.train()
     started = time.perf_counter()
-    for idx in batches:
+    for step, idx in enumerate(batches):
+        if args.cosine:
+            # Shoal's `lr_decay = cosine`: from lr down to lr / 100 over the steps.
+            floor = args.lr / 100
+            t = min(step / len(batches), 1.0)
+            for g in opt.param_groups:
+                g["lr"] = floor + 0.5 * (args.lr - floor) * (1 + math.cos(math.pi * t))
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(net(xtr[idx]), ytr[idx])
         loss.backward()
@@ -129,6 +136,7 @@ def main():
     p.add_argument("--steps", type=int, default=0, help="cap on steps per rank (0: one epoch)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--nesterov", action="store_true")
+    p.add_argument("--cosine", action="store_true", help="cosine decay to lr/100 over the steps (Shoal's lr_decay)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores / processes)")
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args()

@@ -145,6 +145,11 @@ impl LocalTrainer {
         self.step / self.batches_per_epoch(data)
     }
 
+    /// Set the learning rate of the following steps (a schedule).
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.optimizer.set_lr(lr)
+    }
+
     /// One optimizer step on the given samples. Returns the batch loss.
     pub fn train_batch(&mut self, data: &Dataset, indices: &[usize]) -> Result<f32> {
         let (x, y) = data.batch(indices, self.model.device())?;

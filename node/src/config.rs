@@ -12,6 +12,8 @@ use shoal_models::{ArchKind, DatasetKind, DeviceKind, ModelConfig, OptimizerConf
 use shoal_protocol::libp2p::Multiaddr;
 use shoal_protocol::{ProtocolConfig, RunId};
 
+pub use crate::policy::schedule::LrDecay;
+use crate::policy::schedule::LrSchedule;
 use crate::policy::sync::SyncPolicy;
 
 /// How a cluster shares what it learns.
@@ -102,43 +104,6 @@ impl std::fmt::Display for Aggregators {
     }
 }
 
-/// Learning-rate schedule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LrDecay {
-    /// Constant learning rate.
-    #[default]
-    None,
-    /// Cosine from `lr` down to `lr / 100` over `steps`. Gossip mode only for
-    /// now (shard owners in pull mode keep a constant rate).
-    Cosine,
-}
-
-impl LrDecay {
-    /// The rate for `step` of `steps`.
-    pub fn lr_at(self, lr: f64, step: u64, steps: u64) -> f64 {
-        match self {
-            LrDecay::None => lr,
-            LrDecay::Cosine => {
-                let floor = lr / 100.0;
-                let t = step as f64 / steps.max(1) as f64;
-                floor + 0.5 * (lr - floor) * (1.0 + (std::f64::consts::PI * t.min(1.0)).cos())
-            }
-        }
-    }
-}
-
-impl std::str::FromStr for LrDecay {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "none" => Ok(LrDecay::None),
-            "cosine" => Ok(LrDecay::Cosine),
-            o => Err(format!("unknown lr decay `{o}`: expected none or cosine")),
-        }
-    }
-}
-
 /// What to train.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -157,7 +122,8 @@ pub struct TrainingConfig {
     pub optimizer: OptimizerKind,
     /// Learning rate. Default: 0.05 for sgd, 2e-3 for adamw.
     pub lr: Option<f64>,
-    /// `none` or `cosine` (gossip mode only). Default `none`.
+    /// `none` or `cosine` (from `lr` down to `lr / 100` over `steps`; in
+    /// pull mode the shard owners follow it by the shard's version). Default `none`.
     pub lr_decay: LrDecay,
     /// Seed of weight init and data order; must match across the run. Default 42.
     pub seed: u64,
@@ -195,6 +161,11 @@ impl Default for TrainingConfig {
 impl TrainingConfig {
     pub fn optimizer_config(&self) -> OptimizerConfig {
         OptimizerConfig::new(self.optimizer, self.lr.unwrap_or_else(|| OptimizerConfig::default_lr(self.optimizer)))
+    }
+
+    /// The learning-rate schedule of the run.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule { base: self.optimizer_config().lr(), decay: self.lr_decay, steps: self.steps }
     }
 }
 
@@ -257,6 +228,11 @@ pub struct ClusterConfig {
     /// Workers forget an owner's service time after this many steps without
     /// pushing to it, so a demoted owner gets another try. Default 100.
     pub service_forget_steps: u64,
+    /// Send each remote owner one `PushPull` per shard and step (the push
+    /// and its pull in one exchange, wire minor 2); `false` sends a
+    /// `PushGrad` and a `PullShard`, as wire minor 1 did. Owners of an older
+    /// build are detected and get the two either way. Default true.
+    pub push_pull: bool,
     /// Copies of each shard: 2 keeps a replica on the next rendezvous choice;
     /// 1 keeps none. Default 2.
     pub replicas: u32,
@@ -308,6 +284,7 @@ impl Default for ClusterConfig {
             explore_window_steps: 60,
             service_forget_steps: 100,
             replicas: 2,
+            push_pull: true,
             replica_every: 4,
             handoff_timeout_ms: 5_000,
             round_timeout_ms: 10_000,
@@ -475,9 +452,6 @@ impl NodeConfig {
                 c.failure_timeout_ms,
                 c.heartbeat_ms
             );
-        }
-        if t.lr_decay != LrDecay::None && c.mode != Mode::Gossip {
-            bail!("training.lr_decay = cosine is supported in gossip mode only (shard owners keep a constant rate)");
         }
         if c.mode == Mode::Gossip && c.gossip_every == 0 {
             bail!("cluster.gossip_every must be at least 1 in gossip mode");

@@ -297,6 +297,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             run: run.clone(),
             policy: c.sync,
             optimizer: t.optimizer_config(),
+            schedule: t.lr_schedule(),
             ranges: plan.shards().iter().map(|s| s.range()).collect(),
             max_wait: proto.timeouts.response_wait(),
             replica_every: if c.replicas >= 2 { c.replica_every } else { 0 },
@@ -330,6 +331,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         service: std::sync::Mutex::new(ServiceTracker::default()),
         leave: leave_rx,
         faults: faults.clone(),
+        old_wire: Default::default(),
     };
     let leave = LeaveSwitch::new(leave_tx);
     let http = match config.http.addr()? {

@@ -16,8 +16,9 @@ use crate::error::ProtocolError;
 use crate::payload::{Encoding, Payload};
 
 /// Minor revision of the `/shoal/shard/1.0.0` wire (frame prefix `version`
-/// field and `Heartbeat::protocol_minor`).
-pub const WIRE_VERSION: u16 = 1;
+/// field and `Heartbeat::protocol_minor`). 2 added `ShardRequest::PushPull`
+/// and `ShardResponse::Exchanged`.
+pub const WIRE_VERSION: u16 = 2;
 
 /// Shard index into the model's `ParamLayout`.
 pub type ShardId = u32;
@@ -144,6 +145,25 @@ pub struct PullShard {
     pub encoding: Encoding,
 }
 
+/// Push a gradient and get the shard's next state in the same exchange
+/// (wire minor 2): one request per shard and step instead of a `PushGrad`
+/// and a `PullShard`. The owner takes the gradient as it would a
+/// `PushGrad`; if it is accepted, the owner holds the answer until the
+/// version the worker needs exists (BSP: the one after the round the
+/// gradient joined; other policies: when the staleness bound lets the
+/// worker through), at most `max_wait_ms`, and answers `Exchanged`.
+/// A gradient that is not accepted gets the answer a `PushGrad` would.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushPull {
+    /// The push.
+    pub push: PushGrad,
+    /// How long the owner may hold the answer, in ms (capped by the owner's
+    /// `timeouts.response_wait_ms`).
+    pub max_wait_ms: u32,
+    /// Encoding wanted for the state (as `PullShard::encoding`).
+    pub encoding: Encoding,
+}
+
 /// Why a shard's state is being sent to another node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum HandoffKind {
@@ -232,6 +252,8 @@ pub enum ShardRequest {
     StateSync(StateSync),
     /// Variant 4.
     Manifest(ManifestRequest),
+    /// Variant 5 (wire minor 2).
+    PushPull(PushPull),
     /// Never on the wire: the codec hands this to the node when a frame was
     /// well formed (within limits) but its header or tensors could not be
     /// understood — for example a newer peer's message. The node answers it
@@ -257,6 +279,7 @@ impl ShardRequest {
             ShardRequest::Handoff(m) => Some(&m.run),
             ShardRequest::StateSync(m) => Some(&m.run),
             ShardRequest::Manifest(m) => Some(&m.run),
+            ShardRequest::PushPull(m) => Some(&m.push.run),
             ShardRequest::Undecodable { .. } => None,
         }
     }
@@ -268,6 +291,7 @@ impl ShardRequest {
             ShardRequest::PullShard(m) => Some(m.shard),
             ShardRequest::Handoff(m) => Some(m.shard),
             ShardRequest::StateSync(m) => Some(m.shard),
+            ShardRequest::PushPull(m) => Some(m.push.shard),
             ShardRequest::Manifest(_) | ShardRequest::Undecodable { .. } => None,
         }
     }
@@ -280,6 +304,7 @@ impl ShardRequest {
             ShardRequest::Handoff(_) => "handoff",
             ShardRequest::StateSync(_) => "state_sync",
             ShardRequest::Manifest(_) => "manifest",
+            ShardRequest::PushPull(_) => "push_pull",
             ShardRequest::Undecodable { .. } => "undecodable",
         }
     }
@@ -325,6 +350,21 @@ pub struct ShardState {
     pub epoch: Epoch,
     /// Parameters.
     pub params: Payload,
+}
+
+/// Answer to a `PushPull` whose gradient was accepted (wire minor 2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Exchanged {
+    /// As the `Accepted` answer to a `PushGrad`.
+    pub accepted: Accepted,
+    /// How long the owner held the answer after taking the gradient,
+    /// waiting for the new version, in ms. The worker subtracts it from the
+    /// round trip to time the owner's service (the straggler detector).
+    pub held_ms: u32,
+    /// The shard's state, or `None` when the version the worker needs did
+    /// not come within `max_wait_ms`: the gradient counts, and the worker
+    /// pulls the state with `PullShard`.
+    pub state: Option<ShardState>,
 }
 
 /// One shard in a manifest.
@@ -468,6 +508,8 @@ pub enum ShardResponse {
     Manifest(Manifest),
     /// Variant 8: an error.
     Error(WireError),
+    /// Variant 9 (wire minor 2): a `PushPull` was accepted.
+    Exchanged(Exchanged),
 }
 
 impl ShardResponse {
@@ -483,6 +525,7 @@ impl ShardResponse {
             ShardResponse::HandoffAck { .. } => "handoff_ack",
             ShardResponse::Manifest(_) => "manifest",
             ShardResponse::Error(_) => "error",
+            ShardResponse::Exchanged(_) => "exchanged",
         }
     }
 
@@ -729,6 +772,7 @@ impl HasPayloads for ShardRequest {
     fn payloads(&self) -> Vec<&Payload> {
         match self {
             ShardRequest::PushGrad(m) => vec![&m.grad],
+            ShardRequest::PushPull(m) => vec![&m.push.grad],
             ShardRequest::Handoff(m) => {
                 let mut v = vec![&m.params];
                 v.extend(m.optimizer.slots.iter().map(|s| &s.tensor));
@@ -744,6 +788,7 @@ impl HasPayloads for ShardRequest {
     fn payloads_mut(&mut self) -> Vec<&mut Payload> {
         match self {
             ShardRequest::PushGrad(m) => vec![&mut m.grad],
+            ShardRequest::PushPull(m) => vec![&mut m.push.grad],
             ShardRequest::Handoff(m) => {
                 let mut v = vec![&mut m.params];
                 v.extend(m.optimizer.slots.iter_mut().map(|s| &mut s.tensor));
@@ -761,6 +806,7 @@ impl HasPayloads for ShardResponse {
     fn payloads(&self) -> Vec<&Payload> {
         match self {
             ShardResponse::ShardState(s) => vec![&s.params],
+            ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => vec![&s.params],
             _ => Vec::new(),
         }
     }
@@ -768,6 +814,7 @@ impl HasPayloads for ShardResponse {
     fn payloads_mut(&mut self) -> Vec<&mut Payload> {
         match self {
             ShardResponse::ShardState(s) => vec![&mut s.params],
+            ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => vec![&mut s.params],
             _ => Vec::new(),
         }
     }

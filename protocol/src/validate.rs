@@ -104,38 +104,46 @@ fn check_measure(field: &'static str, index: usize, v: f32) -> Result<()> {
     Ok(())
 }
 
+fn check_push(m: &crate::messages::PushGrad, sender: &PeerId, ctx: &ValidationContext) -> Result<()> {
+    ctx.check_run(&m.run)?;
+    ctx.check_shard(m.shard)?;
+    check_sender(&m.worker, sender)?;
+    if m.samples == 0 {
+        return Err(ProtocolError::InvalidField { field: "samples", reason: "must be at least 1".into() });
+    }
+    ctx.check_payload(&m.grad, m.shard, false)
+}
+
+/// A pull's wait and encoding (`PullShard`, `PushPull`).
+fn check_pull_wait(max_wait_ms: u32, encoding: crate::payload::Encoding, ctx: &ValidationContext) -> Result<()> {
+    if u64::from(max_wait_ms) > ctx.max_wait_ms {
+        return Err(ProtocolError::InvalidField {
+            field: "max_wait_ms",
+            reason: format!("{max_wait_ms} exceeds this node's response wait of {} ms", ctx.max_wait_ms),
+        });
+    }
+    if let crate::payload::Encoding::Int8 { block } = encoding {
+        if block == 0 || block > crate::payload::MAX_INT8_BLOCK {
+            return Err(ProtocolError::InvalidField { field: "encoding", reason: format!("int8 block {block}") });
+        }
+    }
+    Ok(())
+}
+
 /// Validates a request received from the authenticated peer `sender`.
 /// Tensor contents are verified too (checksum, NaN/Inf), which is one pass
 /// over each body.
 pub fn validate_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext) -> Result<()> {
     match req {
-        ShardRequest::PushGrad(m) => {
-            ctx.check_run(&m.run)?;
-            ctx.check_shard(m.shard)?;
-            check_sender(&m.worker, sender)?;
-            if m.samples == 0 {
-                return Err(ProtocolError::InvalidField { field: "samples", reason: "must be at least 1".into() });
-            }
-            ctx.check_payload(&m.grad, m.shard, false)
-        }
+        ShardRequest::PushGrad(m) => check_push(m, sender, ctx),
         ShardRequest::PullShard(m) => {
             ctx.check_run(&m.run)?;
             ctx.check_shard(m.shard)?;
-            if u64::from(m.max_wait_ms) > ctx.max_wait_ms {
-                return Err(ProtocolError::InvalidField {
-                    field: "max_wait_ms",
-                    reason: format!("{} exceeds this node's response wait of {} ms", m.max_wait_ms, ctx.max_wait_ms),
-                });
-            }
-            if let crate::payload::Encoding::Int8 { block } = m.encoding {
-                if block == 0 || block > crate::payload::MAX_INT8_BLOCK {
-                    return Err(ProtocolError::InvalidField {
-                        field: "encoding",
-                        reason: format!("int8 block {block}"),
-                    });
-                }
-            }
-            Ok(())
+            check_pull_wait(m.max_wait_ms, m.encoding, ctx)
+        }
+        ShardRequest::PushPull(m) => {
+            check_push(&m.push, sender, ctx)?;
+            check_pull_wait(m.max_wait_ms, m.encoding, ctx)
         }
         ShardRequest::Handoff(m) => {
             ctx.check_run(&m.run)?;
@@ -161,6 +169,13 @@ pub fn validate_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationCon
     }
 }
 
+fn check_state(s: &crate::messages::ShardState, ctx: &ValidationContext) -> Result<()> {
+    ctx.check_run(&s.run)?;
+    ctx.check_shard(s.shard)?;
+    // Pulls may ask for a compressed encoding, so any dtype is fine.
+    ctx.check_payload(&s.params, s.shard, false)
+}
+
 /// Validates a response. Shard states must be f32 and pass checksum and
 /// finiteness checks.
 pub fn validate_response(resp: &ShardResponse, ctx: &ValidationContext) -> Result<()> {
@@ -171,11 +186,17 @@ pub fn validate_response(resp: &ShardResponse, ctx: &ValidationContext) -> Resul
         | ShardResponse::NotReady { shard, .. }
         | ShardResponse::Fenced { shard, .. }
         | ShardResponse::HandoffAck { shard, .. } => ctx.check_shard(*shard),
-        ShardResponse::ShardState(s) => {
-            ctx.check_run(&s.run)?;
-            ctx.check_shard(s.shard)?;
-            // Pulls may ask for a compressed encoding, so any dtype is fine.
-            ctx.check_payload(&s.params, s.shard, false)
+        ShardResponse::ShardState(s) => check_state(s, ctx),
+        ShardResponse::Exchanged(e) => {
+            ctx.check_shard(e.accepted.shard)?;
+            match &e.state {
+                Some(s) if s.shard != e.accepted.shard => Err(ProtocolError::InvalidField {
+                    field: "state.shard",
+                    reason: format!("state of shard {} for a push to shard {}", s.shard, e.accepted.shard),
+                }),
+                Some(s) => check_state(s, ctx),
+                None => Ok(()),
+            }
         }
         ShardResponse::Manifest(m) => {
             ctx.check_run(&m.run)?;

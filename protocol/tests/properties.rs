@@ -39,31 +39,23 @@ fn f32_payload() -> impl Strategy<Value = Payload> {
     proptest::collection::vec(-1000.0f32..1000.0, 0..200).prop_map(|v| Payload::encode(&v, Encoding::F32).unwrap())
 }
 
+fn push_grad() -> impl Strategy<Value = PushGrad> {
+    (run_id(), any::<u32>(), any::<u64>(), any::<u64>(), peer(), any::<u64>(), any::<u64>(), any::<u32>(), payload())
+        .prop_map(|(run, shard, epoch, base_version, worker, incarnation, step, samples, grad)| PushGrad {
+            run,
+            shard,
+            epoch,
+            base_version,
+            worker,
+            incarnation,
+            step,
+            samples,
+            grad,
+        })
+}
+
 fn request() -> impl Strategy<Value = ShardRequest> {
-    let push = (
-        run_id(),
-        any::<u32>(),
-        any::<u64>(),
-        any::<u64>(),
-        peer(),
-        any::<u64>(),
-        any::<u64>(),
-        any::<u32>(),
-        payload(),
-    )
-        .prop_map(|(run, shard, epoch, base_version, worker, incarnation, step, samples, grad)| {
-            ShardRequest::PushGrad(PushGrad {
-                run,
-                shard,
-                epoch,
-                base_version,
-                worker,
-                incarnation,
-                step,
-                samples,
-                grad,
-            })
-        });
+    let push = push_grad().prop_map(ShardRequest::PushGrad);
     let pull = (run_id(), any::<u32>(), any::<u64>(), any::<u32>(), encoding()).prop_map(
         |(run, shard, min_version, max_wait_ms, encoding)| {
             ShardRequest::PullShard(PullShard { run, shard, min_version, max_wait_ms, encoding })
@@ -97,7 +89,9 @@ fn request() -> impl Strategy<Value = ShardRequest> {
     let sync = (run_id(), any::<u32>(), any::<u64>())
         .prop_map(|(run, shard, min_version)| ShardRequest::StateSync(StateSync { run, shard, min_version }));
     let manifest = run_id().prop_map(|run| ShardRequest::Manifest(ManifestRequest { run }));
-    prop_oneof![push, pull, handoff, sync, manifest]
+    let push_pull = (push_grad(), any::<u32>(), encoding())
+        .prop_map(|(push, max_wait_ms, encoding)| ShardRequest::PushPull(PushPull { push, max_wait_ms, encoding }));
+    prop_oneof![push, pull, handoff, sync, manifest, push_pull]
 }
 
 fn response() -> impl Strategy<Value = ShardResponse> {
@@ -135,6 +129,17 @@ fn response() -> impl Strategy<Value = ShardResponse> {
             }
         ),
         (code, ".{0,40}").prop_map(|(code, m)| ShardResponse::Error(WireError::new(code, m))),
+        (
+            (any::<u32>(), any::<u64>(), any::<u64>(), any::<u32>()),
+            proptest::option::of((run_id(), any::<u64>(), any::<u64>(), payload()))
+        )
+            .prop_map(|((shard, version, staleness, held_ms), state)| {
+                ShardResponse::Exchanged(Exchanged {
+                    accepted: Accepted { shard, version, staleness },
+                    held_ms,
+                    state: state.map(|(run, v, epoch, params)| ShardState { run, shard, version: v, epoch, params }),
+                })
+            }),
     ]
 }
 

@@ -5,7 +5,9 @@ use candle_core::Device;
 use shoal_models::{data, DatasetKind, LocalTrainer, ModelConfig, OptimizerConfig, OptimizerKind};
 use shoal_node::actors::worker::batch_for_step;
 use shoal_node::cluster::{ClusterSpec, NodeOverride};
+use shoal_node::config::LrDecay;
 use shoal_node::node::NodeReport;
+use shoal_node::policy::schedule::LrSchedule;
 use shoal_node::policy::sync::SyncPolicy;
 use shoal_tests::{digits_config, rel_diff, run_cluster};
 
@@ -17,6 +19,7 @@ fn single_node_reference(
     reports: &[NodeReport],
     batch_of: &dyn Fn(&NodeReport) -> usize,
     optimizer: OptimizerConfig,
+    schedule: Option<LrSchedule>,
 ) -> anyhow::Result<Vec<f32>> {
     let split = data::load(DatasetKind::Digits, None)?;
     let config = ModelConfig::for_dataset(shoal_models::ArchKind::Mlp, &split.train);
@@ -29,14 +32,30 @@ fn single_node_reference(
             let r = reports.iter().find(|r| r.peer_id == *peer).ok_or_else(|| anyhow::anyhow!("peer missing"))?;
             batch.extend(batch_for_step(split.train.len(), rank, world, batch_of(r), 42, step)?);
         }
+        if let Some(s) = schedule {
+            single.set_lr(s.lr_at(step))?;
+        }
         single.train_batch(&split.train, &batch)?;
     }
     Ok(single.params().to_vec())
 }
 
 async fn equivalence(nodes: usize, kind: OptimizerKind, lr: f64, batches: &[usize], tol: f64) -> anyhow::Result<()> {
-    let base = digits_config(&format!("equiv-{nodes}-{kind}"), STEPS, SyncPolicy::Bsp, kind, lr);
+    equivalence_with(nodes, kind, lr, batches, tol, LrDecay::None).await
+}
+
+async fn equivalence_with(
+    nodes: usize,
+    kind: OptimizerKind,
+    lr: f64,
+    batches: &[usize],
+    tol: f64,
+    decay: LrDecay,
+) -> anyhow::Result<()> {
+    let mut base = digits_config(&format!("equiv-{nodes}-{kind}-{decay}"), STEPS, SyncPolicy::Bsp, kind, lr);
+    base.training.lr_decay = decay;
     let opt = base.training.optimizer_config();
+    let schedule = base.training.lr_schedule();
     let mut spec = ClusterSpec::new(nodes, base);
     spec.overrides = batches.iter().map(|&b| NodeOverride { batch_size: Some(b), ..Default::default() }).collect();
     let reports = run_cluster(&spec).await?;
@@ -45,11 +64,17 @@ async fn equivalence(nodes: usize, kind: OptimizerKind, lr: f64, batches: &[usiz
         let i = names.iter().position(|n| *n == r.name).unwrap_or(0);
         batches.get(i).copied().unwrap_or(32)
     };
-    let reference = single_node_reference(&reports, &batch_of, opt)?;
+    let reference = single_node_reference(&reports, &batch_of, opt, Some(schedule))?;
     for r in &reports {
         let d = rel_diff(&r.params, &reference);
-        eprintln!("{nodes} nodes, {kind}, batches {batches:?}: {} differs from one node by {d:.3e}", r.name);
+        eprintln!("{nodes} nodes, {kind}, {decay}, batches {batches:?}: {} differs from one node by {d:.3e}", r.name);
         assert!(d <= tol, "{}: relative difference {d:e} > {tol:e}", r.name);
+    }
+    if schedule.varies() {
+        // The owners did follow the schedule: a constant rate ends elsewhere.
+        let constant = single_node_reference(&reports, &batch_of, opt, None)?;
+        let d = rel_diff(&reports[0].params, &constant);
+        assert!(d > 10.0 * tol, "the cluster matches a constant rate as well ({d:e}): no schedule was applied");
     }
     // And training did move the parameters (the comparison is not vacuous).
     let split = data::load(DatasetKind::Digits, None)?;
@@ -68,6 +93,13 @@ async fn equivalence(nodes: usize, kind: OptimizerKind, lr: f64, batches: &[usiz
 async fn bsp_sgd_two_and_four_workers_equal_one_node_on_the_concatenated_batch() -> anyhow::Result<()> {
     equivalence(2, OptimizerKind::Sgd, 0.05, &[32, 32], 1e-5).await?;
     equivalence(4, OptimizerKind::Sgd, 0.05, &[32, 32, 32, 32], 1e-5).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bsp_owners_follow_the_cosine_schedule_like_one_node() -> anyhow::Result<()> {
+    // Shard owners set the rate by shard version: the same steps as one node
+    // that sets it by step.
+    equivalence_with(4, OptimizerKind::Sgd, 0.2, &[32, 32, 32, 32], 1e-5, LrDecay::Cosine).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -43,6 +43,7 @@ use crate::handles::net::{ModelSnapshot, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::ops::logging::short;
 use crate::policy::placement::Placement;
+use crate::policy::schedule::LrSchedule;
 use crate::policy::sync::{PushOutcome, ShardCore, SyncPolicy};
 
 /// What the aggregator needs besides its channels.
@@ -53,6 +54,8 @@ pub struct AggregatorConfig {
     pub run: RunId,
     pub policy: SyncPolicy,
     pub optimizer: OptimizerConfig,
+    /// The learning rate by step, which owned shards follow by version.
+    pub schedule: LrSchedule,
     /// Element range of each shard in the flat model.
     pub ranges: Vec<Range<usize>>,
     /// Longest a pull may be parked.
@@ -221,7 +224,7 @@ impl AggregatorActor {
 
     fn handle(&mut self, cmd: AggCommand) {
         match cmd {
-            AggCommand::Push { worker, shard, base_version, samples, grad, reply } => {
+            AggCommand::Push { worker, shard, base_version, samples, grad, reply, then_pull } => {
                 let now = self.now_ms();
                 let Some(core) = self.cores.get_mut(&shard) else {
                     let r = if self.pending.contains_key(&shard) {
@@ -249,6 +252,13 @@ impl AggregatorActor {
                     }
                 };
                 let bumped = core.version() != before;
+                if let (PushReply::Accepted { version, .. }, Some(then)) = (&out, then_pull) {
+                    // BSP: the version after the round this gradient joined.
+                    // The other policies gate on clocks, not versions.
+                    let min_version = if self.cfg.policy == SyncPolicy::Bsp { version + 1 } else { 0 };
+                    let deadline = Instant::now() + then.wait.min(self.cfg.max_wait);
+                    self.parked.push(ParkedPull { worker, shard, min_version, deadline, reply: then.reply });
+                }
                 let _ = reply.send(out);
                 if bumped {
                     self.maybe_replicate(shard);
@@ -396,8 +406,11 @@ impl AggregatorActor {
             }
         };
         self.replicated.insert(state.shard, state.version);
-        self.cores
-            .insert(state.shard, ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers));
+        self.cores.insert(
+            state.shard,
+            ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers)
+                .with_schedule(self.cfg.schedule),
+        );
     }
 
     /// Take a shard over without a transfer: from a stored copy, or else

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -20,9 +20,9 @@ use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, Response
 use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{gossipsub, identify, mdns, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
-    frame, membership_topic, validate_gossip, validate_request, Accepted, Encoding, ErrorCode, GossipMessage,
-    Heartbeat, Payload, ProtocolConfig, ShardRequest, ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent,
-    ValidationContext, WireError,
+    frame, membership_topic, validate_gossip, validate_request, Accepted, Encoding, ErrorCode, Exchanged,
+    GossipMessage, Heartbeat, Payload, ProtocolConfig, ShardRequest, ShardResponse, ShardState, ShoalBehaviour,
+    ShoalBehaviourEvent, ValidationContext, WireError,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
@@ -291,22 +291,68 @@ impl NetworkActor {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
                         let resp = match rx.await {
-                            Ok(PushReply::Accepted { version, staleness }) => {
-                                ShardResponse::Accepted(Accepted { shard, version, staleness })
-                            }
-                            Ok(PushReply::Stale { current_version, max_staleness }) => {
-                                ShardResponse::Stale { shard, current_version, max_staleness }
-                            }
-                            Ok(PushReply::NotOwner { epoch, hint }) => ShardResponse::NotOwner { shard, epoch, hint },
-                            Ok(PushReply::Pending) => {
-                                wire_error(ErrorCode::Busy, format!("shard {shard} is being handed over"))
-                            }
-                            // The owner's view lost the worker: its write is fenced off.
-                            Ok(PushReply::UnknownWorker) => ShardResponse::Fenced { shard, epoch: 0 },
-                            Ok(PushReply::Invalid(m)) => wire_error(ErrorCode::InvalidRequest, m),
+                            Ok(r) => push_response(shard, r),
                             Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
                         };
                         fault_delay(delay).await;
+                        (channel, resp)
+                    })),
+                }
+            }
+            ShardRequest::PushPull(p) => {
+                let Some(agg) = routes.aggregator else {
+                    return self.respond_now(
+                        channel,
+                        wire_error(ErrorCode::Busy, "training has not started on this node yet"),
+                    );
+                };
+                let grad = match p.push.grad.decode() {
+                    Ok(g) => g,
+                    Err(e) => return self.respond_now(channel, ShardResponse::error(&e)),
+                };
+                let shard = p.push.shard;
+                let wait = Duration::from_millis(p.max_wait_ms as u64);
+                let epoch = routes.epoch;
+                let delay = self.parts.faults.serve_delay();
+                let faults = self.parts.faults.clone();
+                match agg.try_push_pull(peer, (shard, p.push.base_version, p.push.samples, grad), wait) {
+                    Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
+                    Ok((pushed, pulled)) => self.responses.push(Box::pin(async move {
+                        let resp = match pushed.await {
+                            Ok(PushReply::Accepted { version, staleness }) => {
+                                let taken = Instant::now();
+                                let accepted = Accepted { shard, version, staleness };
+                                match pulled.await {
+                                    Ok(PullReply::State { version, params }) => {
+                                        match Payload::encode(&params, Encoding::F32) {
+                                            Ok(params) => ShardResponse::Exchanged(Exchanged {
+                                                accepted,
+                                                held_ms: held_ms(taken),
+                                                state: Some(ShardState { run, shard, version, epoch, params }),
+                                            }),
+                                            Err(e) => ShardResponse::error(&e),
+                                        }
+                                    }
+                                    // The gradient counts; the worker pulls
+                                    // (NotOwner: the shard moved after it was taken).
+                                    Ok(PullReply::NotReady { .. } | PullReply::NotOwner { .. }) => {
+                                        ShardResponse::Exchanged(Exchanged {
+                                            accepted,
+                                            held_ms: held_ms(taken),
+                                            state: None,
+                                        })
+                                    }
+                                    Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+                                }
+                            }
+                            Ok(r) => push_response(shard, r),
+                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+                        };
+                        let sent = match &resp {
+                            ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => s.params.byte_len(),
+                            _ => 0,
+                        };
+                        fault_delay(delay + faults.link_delay(sent)).await;
                         (channel, resp)
                     })),
                 }
@@ -429,6 +475,26 @@ impl NetworkActor {
             }
         }
     }
+}
+
+/// The wire answer to a push.
+fn push_response(shard: u32, r: PushReply) -> ShardResponse {
+    match r {
+        PushReply::Accepted { version, staleness } => ShardResponse::Accepted(Accepted { shard, version, staleness }),
+        PushReply::Stale { current_version, max_staleness } => {
+            ShardResponse::Stale { shard, current_version, max_staleness }
+        }
+        PushReply::NotOwner { epoch, hint } => ShardResponse::NotOwner { shard, epoch, hint },
+        PushReply::Pending => wire_error(ErrorCode::Busy, format!("shard {shard} is being handed over")),
+        // The owner's view lost the worker: its write is fenced off.
+        PushReply::UnknownWorker => ShardResponse::Fenced { shard, epoch: 0 },
+        PushReply::Invalid(m) => wire_error(ErrorCode::InvalidRequest, m),
+    }
+}
+
+/// Milliseconds since `since`, for `Exchanged::held_ms`.
+fn held_ms(since: Instant) -> u32 {
+    since.elapsed().as_millis().min(u32::MAX as u128) as u32
 }
 
 /// Fault injection: hold a response back (`cluster.fault_delay_ms`).

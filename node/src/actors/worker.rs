@@ -18,7 +18,7 @@ use futures::future::try_join_all;
 use shoal_models::data::shuffled_batches;
 use shoal_models::{Optimizer, Partition, ShardPlan};
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{Encoding, Payload, PullShard, PushGrad, RunId, ShardRequest, ShardResponse, StateSync};
+use shoal_protocol::{Encoding, Payload, PullShard, PushGrad, PushPull, RunId, ShardRequest, ShardResponse, StateSync};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -103,6 +103,16 @@ pub struct Worker {
     pub leave: watch::Receiver<bool>,
     /// Fault injection (a slowdown stretches each gradient computation).
     pub faults: Arc<crate::ops::faults::Faults>,
+    /// Owners that answered a `PushPull` as an older wire revision.
+    pub old_wire: std::sync::Mutex<std::collections::HashSet<PeerId>>,
+}
+
+/// What came of a push: the owner's answer, or (a `PushPull` that was
+/// accepted and served) the shard's next version.
+#[derive(Debug)]
+enum Pushed {
+    Reply(PushReply),
+    State { version: u64, params: Arc<Vec<f32>> },
 }
 
 /// Where this worker starts and which data it trains on.
@@ -205,8 +215,7 @@ impl Worker {
                     v
                 }
                 Some(opt) => {
-                    let lr = t.lr_decay.lr_at(t.optimizer_config().lr(), step, t.steps);
-                    opt.set_lr(lr)?;
+                    opt.set_lr(t.lr_schedule().lr_at(step))?;
                     opt.step(&mut params, &g.grads)?;
                     if (step + 1) % self.config.cluster.gossip_every == 0 {
                         self.gossip_average(routing, step, &mut params).await?;
@@ -375,7 +384,23 @@ impl Worker {
             };
             let need_push = if bsp { holder != Some(owner) } else { holder.is_none() };
             if need_push {
-                match self.push_to(owner, shard, push_base, step, samples, grad).await {
+                let combined = self.config.cluster.push_pull && owner != self.me && !self.old_wire(owner);
+                let pushed = if !combined {
+                    self.push_to(owner, shard, push_base, step, samples, grad).await.map(Pushed::Reply)
+                } else {
+                    self.push_pull_to(owner, shard, push_base, step, samples, grad, left).await
+                };
+                let pushed = match pushed {
+                    Ok(Pushed::State { version, params }) => {
+                        // One exchange did both: the gradient counts and this is its version.
+                        let ms = started.elapsed().as_secs_f64() * 1e3;
+                        self.status.record(StatusEvent::PullLatency(ms));
+                        return Ok((version, params));
+                    }
+                    Ok(Pushed::Reply(r)) => Ok(r),
+                    Err(e) => Err(e),
+                };
+                match pushed {
                     Ok(PushReply::Accepted { version, .. }) => {
                         holder = Some(owner);
                         ever_taken = true;
@@ -486,22 +511,121 @@ impl Worker {
         });
         let sent = Instant::now();
         let resp = self.net.request(owner, req).await?;
-        let reply = match resp {
-            ShardResponse::Accepted(a) => PushReply::Accepted { version: a.version, staleness: a.staleness },
-            ShardResponse::Stale { current_version, max_staleness, .. } => {
-                PushReply::Stale { current_version, max_staleness }
-            }
-            ShardResponse::NotOwner { epoch, hint, .. } => return Ok(PushReply::NotOwner { epoch, hint }),
-            ShardResponse::Fenced { .. } => PushReply::UnknownWorker,
-            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::Busy => return Ok(PushReply::Pending),
-            ShardResponse::Error(e) => bail!("{owner} refused a push: {:?}: {}", e.code, e.message),
-            other => bail!("shard {shard}: owner {owner} answered a push with {}", other.kind()),
-        };
+        let reply = self.push_reply(owner, shard, resp)?;
+        if matches!(reply, PushReply::NotOwner { .. } | PushReply::Pending) {
+            // Not served: nothing to time.
+            return Ok(reply);
+        }
         self.status.record(StatusEvent::Bytes { out: bytes, r#in: 0 });
         if let Ok(mut t) = self.service.lock() {
             t.observe(owner, bytes, sent.elapsed().as_secs_f64() * 1e6, step);
         }
         Ok(reply)
+    }
+
+    /// What a remote owner's answer to a push means.
+    fn push_reply(&self, owner: PeerId, shard: u32, resp: ShardResponse) -> anyhow::Result<PushReply> {
+        Ok(match resp {
+            ShardResponse::Accepted(a) => PushReply::Accepted { version: a.version, staleness: a.staleness },
+            ShardResponse::Stale { current_version, max_staleness, .. } => {
+                PushReply::Stale { current_version, max_staleness }
+            }
+            ShardResponse::NotOwner { epoch, hint, .. } => PushReply::NotOwner { epoch, hint },
+            ShardResponse::Fenced { .. } => PushReply::UnknownWorker,
+            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::Busy => PushReply::Pending,
+            ShardResponse::Error(e) => bail!("{owner} refused a push: {:?}: {}", e.code, e.message),
+            other => bail!("shard {shard}: owner {owner} answered a push with {}", other.kind()),
+        })
+    }
+
+    /// Whether `owner` speaks only wire minor 1 (it answered a `PushPull`
+    /// with `UnsupportedVersion`): it gets a `PushGrad` and a `PullShard`.
+    fn old_wire(&self, owner: PeerId) -> bool {
+        self.old_wire.lock().is_ok_and(|s| s.contains(&owner))
+    }
+
+    /// One push to a remote owner that brings back the shard's next version
+    /// in the same exchange (`PushPull`). An owner that did not have that
+    /// version within the wait (or lost the shard after taking the
+    /// gradient) answers that the gradient was accepted, and the caller
+    /// pulls as after a plain push.
+    #[allow(clippy::too_many_arguments)]
+    async fn push_pull_to(
+        &self,
+        owner: PeerId,
+        shard: u32,
+        base: u64,
+        step: u64,
+        samples: u32,
+        grad: &[f32],
+        left: Duration,
+    ) -> anyhow::Result<Pushed> {
+        let payload = Payload::encode(grad, Encoding::F32)?;
+        let bytes = payload.byte_len();
+        let req = ShardRequest::PushPull(PushPull {
+            push: PushGrad {
+                run: self.run.clone(),
+                shard,
+                epoch: 0,
+                base_version: base,
+                worker: self.me,
+                incarnation: self.incarnation,
+                step,
+                samples: samples.max(1),
+                grad: payload,
+            },
+            max_wait_ms: self.max_wait_ms(left),
+            encoding: Encoding::F32,
+        });
+        let sent = Instant::now();
+        let resp = self.net.request(owner, req).await?;
+        let (reply, held_ms) = match resp {
+            ShardResponse::Exchanged(x) => {
+                let held = x.held_ms;
+                match x.state {
+                    Some(s) => {
+                        let version = s.version;
+                        self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
+                        let params = Arc::new(s.params.decode()?);
+                        (Pushed::State { version, params }, held)
+                    }
+                    None => {
+                        let a = x.accepted;
+                        (Pushed::Reply(PushReply::Accepted { version: a.version, staleness: a.staleness }), held)
+                    }
+                }
+            }
+            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
+                info!(%owner, "owner speaks an older wire revision: pushing and pulling separately");
+                if let Ok(mut s) = self.old_wire.lock() {
+                    s.insert(owner);
+                }
+                return self.push_to(owner, shard, base, step, samples, grad).await.map(Pushed::Reply);
+            }
+            other => match self.push_reply(owner, shard, other)? {
+                // Not served: nothing to time (as after a plain push).
+                r @ (PushReply::NotOwner { .. } | PushReply::Pending) => return Ok(Pushed::Reply(r)),
+                r => (Pushed::Reply(r), 0),
+            },
+        };
+        self.status.record(StatusEvent::Bytes { out: bytes, r#in: 0 });
+        // The owner's service: the round trip less the time it held the
+        // answer for the round (which is the slowest worker's, not its own).
+        let service = sent.elapsed().saturating_sub(Duration::from_millis(held_ms.into()));
+        if matches!(reply, Pushed::State { .. }) {
+            // (Otherwise the caller records the push as after a plain one.)
+            self.status.record(StatusEvent::PushLatency(service.as_secs_f64() * 1e3));
+        }
+        if let Ok(mut t) = self.service.lock() {
+            t.observe(owner, bytes, service.as_secs_f64() * 1e6, step);
+        }
+        Ok(reply)
+    }
+
+    /// How long an owner may hold a pull: what is left of the deadline,
+    /// capped by the owners' `response_wait_ms` (they refuse longer waits).
+    fn max_wait_ms(&self, left: Duration) -> u32 {
+        left.as_millis().min(self.config.network.timeouts.response_wait_ms as u128).min(u32::MAX as u128) as u32
     }
 
     /// One pull attempt; the owner may hold it up to `left` (capped by its
@@ -521,10 +645,7 @@ impl Worker {
             shard,
             min_version,
             // Owners refuse waits longer than their response_wait_ms.
-            max_wait_ms: left
-                .as_millis()
-                .min(self.config.network.timeouts.response_wait_ms as u128)
-                .min(u32::MAX as u128) as u32,
+            max_wait_ms: self.max_wait_ms(left),
             encoding: Encoding::F32,
         });
         Ok(match self.net.request(owner, req).await? {

@@ -277,8 +277,33 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
                 "bytes_per_step_over_model": per_step, "accuracy": reports[0].accuracy,
             }));
         }
-        let mut big = serde_json::Value::Null;
         println!("bytes/step: pushed plus pulled payload bytes per worker per step, over the model's size.");
+
+        // The same 4-node run with each shard's push and pull as two requests
+        // (PushGrad + PullShard, wire minor 1) against one (PushPull).
+        let mut separate = NodeConfig { run_id: "bench-4-separate".into(), ..NodeConfig::default() };
+        separate.training.dataset = dataset;
+        separate.training.data_dir = args.data_dir.clone();
+        separate.training.steps = args.steps;
+        separate.training.batch_size = args.batch_size;
+        separate.training.lr = Some(0.1);
+        separate.cluster.heartbeat_ms = 100;
+        separate.cluster.push_pull = false;
+        separate.training.threads = Some(threads);
+        let started = Instant::now();
+        Cluster::start(&ClusterSpec::new(4, separate)).await?.wait().await?;
+        let separate_sps = (4 * args.steps * args.batch_size as u64) as f64 / started.elapsed().as_secs_f64();
+        let combined_sps = rows.last().and_then(|r| r["samples_per_sec"].as_f64()).unwrap_or(f64::NAN);
+        println!(
+            "4 nodes, push and pull as separate requests: {separate_sps:.0} samples/s; \
+             one PushPull per shard: {combined_sps:.0} ({:.2}x)",
+            combined_sps / separate_sps
+        );
+        let exchange = serde_json::json!({
+            "separate_samples_per_sec": separate_sps, "push_pull_samples_per_sec": combined_sps,
+            "push_pull_over_separate": combined_sps / separate_sps,
+        });
+        let mut big = serde_json::Value::Null;
 
         if !args.skip_big {
             let mut cfg = NodeConfig { run_id: "bench-big".into(), ..NodeConfig::default() };
@@ -315,7 +340,7 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
             &serde_json::json!({
                 "bench": "cluster", "dataset": dataset.to_string(), "batch_size": args.batch_size,
                 "steps": args.steps, "target": target, "threads_per_node": threads,
-                "scaling": rows, "aggregation_bound": big,
+                "scaling": rows, "exchange": exchange, "aggregation_bound": big,
             }),
         )
     })

@@ -188,6 +188,9 @@ pub struct NodeArgs {
     pub optimizer: Option<OptimizerKind>,
     #[arg(long)]
     pub lr: Option<f64>,
+    /// Learning-rate decay: none, or cosine (to lr/100 over the steps).
+    #[arg(long)]
+    pub lr_decay: Option<crate::config::LrDecay>,
     #[arg(long)]
     pub seed: Option<u64>,
     /// Training steps this worker takes.
@@ -279,6 +282,15 @@ pub struct DemoArgs {
     /// Samples per step on each node.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
+    /// Learning rate of the shard owners' SGD (default 0.05).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Learning-rate decay: none, or cosine (to lr/100 over the steps).
+    #[arg(long, default_value = "none")]
+    pub lr_decay: crate::config::LrDecay,
+    /// Seed of weight init and data order.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
     /// Shards the model is cut into.
     #[arg(long, default_value_t = 8)]
     pub shards: u32,

@@ -20,6 +20,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     base.training.data_dir = args.data_dir.clone();
     base.training.steps = args.steps;
     base.training.batch_size = args.batch_size;
+    base.training.lr = args.lr;
+    base.training.lr_decay = args.lr_decay;
+    base.training.seed = args.seed;
     base.cluster.sync = args.sync;
     base.cluster.mode = args.mode;
     base.cluster.shards = args.shards;

@@ -44,6 +44,7 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     if args.lr.is_some() {
         t.lr = args.lr;
     }
+    set!(t.lr_decay, args.lr_decay);
     set!(t.seed, args.seed);
     set!(t.steps, args.steps);
     set!(t.device, args.device);

@@ -83,6 +83,13 @@ pub struct ShardStats {
 
 /// The aggregator's mailbox. `TransferDone`, `TransferFailed`, `ReplicaDone`
 /// and `CheckpointQueued` are the actor's own spawned tasks reporting back.
+/// A pull parked right after an accepted push (a `PushPull` from a peer):
+/// it waits for the version that the push needs.
+pub(crate) struct ThenPull {
+    pub wait: Duration,
+    pub reply: oneshot::Sender<PullReply>,
+}
+
 pub(crate) enum AggCommand {
     Push {
         worker: PeerId,
@@ -91,6 +98,8 @@ pub(crate) enum AggCommand {
         samples: u32,
         grad: Vec<f32>,
         reply: oneshot::Sender<PushReply>,
+        /// Dropped unanswered unless the push is accepted.
+        then_pull: Option<ThenPull>,
     },
     Pull {
         worker: PeerId,
@@ -171,7 +180,7 @@ impl AggregatorHandle {
         samples: u32,
         grad: Vec<f32>,
     ) -> anyhow::Result<PushReply> {
-        self.ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply }).await
+        self.ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply, then_pull: None }).await
     }
 
     pub async fn pull(
@@ -199,7 +208,25 @@ impl AggregatorHandle {
         samples: u32,
         grad: Vec<f32>,
     ) -> Result<oneshot::Receiver<PushReply>, Busy> {
-        self.try_ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply })
+        self.try_ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply, then_pull: None })
+    }
+
+    /// A push and, if it is accepted, a pull of the version it needs (BSP:
+    /// the one after its round; other policies: what the staleness bound
+    /// lets through), held at most `wait`. The pull's receiver fails when
+    /// the push was not accepted.
+    pub fn try_push_pull(
+        &self,
+        worker: PeerId,
+        push: (u32, u64, u32, Vec<f32>),
+        wait: Duration,
+    ) -> Result<(oneshot::Receiver<PushReply>, oneshot::Receiver<PullReply>), Busy> {
+        let (shard, base_version, samples, grad) = push;
+        let (pull_reply, pulled) = oneshot::channel();
+        let then_pull = Some(ThenPull { wait, reply: pull_reply });
+        let pushed =
+            self.try_ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply, then_pull })?;
+        Ok((pushed, pulled))
     }
 
     pub fn try_pull(

@@ -7,5 +7,6 @@ pub mod explore;
 pub mod health;
 pub mod placement;
 pub mod resume;
+pub mod schedule;
 pub mod sync;
 pub mod view;

@@ -29,6 +29,8 @@ use std::str::FromStr;
 
 use shoal_models::{Optimizer, OptimizerState};
 
+use crate::policy::schedule::LrSchedule;
+
 /// How far workers may drift apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(into = "String", try_from = "String")]
@@ -137,6 +139,8 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     /// When the BSP round in progress got its first gradient (ms).
     round_opened_ms: Option<u64>,
     max_staleness: u64,
+    /// The learning rate by step; `None` keeps the optimizer's own rate.
+    schedule: Option<LrSchedule>,
 }
 
 impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
@@ -156,6 +160,37 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             round: BTreeMap::new(),
             round_opened_ms: None,
             max_staleness: 0,
+            schedule: None,
+        }
+    }
+
+    /// Follow `schedule`: before each optimizer step the rate is set for the
+    /// step this version stands for (BSP: the version, one per round; the
+    /// other policies apply every push, so the version over the number of
+    /// workers). It follows versions, not time, so a shard handed over or
+    /// restored from a checkpoint continues the schedule where it was.
+    pub fn with_schedule(mut self, schedule: LrSchedule) -> Self {
+        self.schedule = schedule.varies().then_some(schedule);
+        self
+    }
+
+    /// The step the next optimizer step stands for, in the schedule.
+    pub fn schedule_step(&self) -> u64 {
+        match self.policy {
+            SyncPolicy::Bsp => self.version,
+            _ => self.version / self.workers.len().max(1) as u64,
+        }
+    }
+
+    /// One optimizer step at the scheduled rate; the version moves on when it is taken.
+    fn step(&mut self, grad: &[f32]) {
+        if let Some(s) = self.schedule {
+            // The schedule's rates are finite and positive (the floor is
+            // base / 100), so this cannot be refused.
+            let _ = self.optimizer.set_lr(s.lr_at(self.schedule_step()));
+        }
+        if self.optimizer.step(&mut self.params, grad).is_ok() {
+            self.version += 1;
         }
     }
 
@@ -252,9 +287,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                 let total: u64 = self.workers.values().map(|w| w.last_samples.unwrap_or(samples.max(1)) as u64).sum();
                 let weight = samples.max(1) as f32 / total.max(1) as f32;
                 grad.iter_mut().for_each(|g| *g *= weight);
-                if self.optimizer.step(&mut self.params, &grad).is_ok() {
-                    self.version += 1;
-                }
+                self.step(&grad);
             }
         }
         PushOutcome::Accepted { version, staleness: lead }
@@ -331,9 +364,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         }
         self.round.clear();
         self.round_opened_ms = None;
-        if self.optimizer.step(&mut self.params, &mean).is_ok() {
-            self.version += 1;
-        }
+        self.step(&mean);
     }
 
     /// May `worker`, whose clock is `clock` on its side, be answered now?
@@ -519,6 +550,52 @@ mod tests {
         assert!(core.pull_ready(&"c", 1, 120));
         assert!(matches!(core.push(&"c", 1, 1, vec![0.0, 0.0], 130), PushOutcome::Accepted { .. }));
         assert_eq!(core.close_overdue_round(10_000, 100), Some(2), "round 1 has only c so far");
+    }
+
+    #[test]
+    fn owners_follow_the_schedule_by_version() {
+        use crate::policy::schedule::{LrDecay, LrSchedule};
+        // Plain SGD, lr from the schedule: each step moves the parameter by
+        // exactly the scheduled rate times the mean gradient (1.0).
+        let schedule = LrSchedule { base: 1.0, decay: LrDecay::Cosine, steps: 4 };
+        let mut core = ShardCore::new(vec![0.0], sgd1(), 0, SyncPolicy::Bsp, ["a", "b"]).with_schedule(schedule);
+        let mut expected = 0.0f64;
+        for round in 0..4u64 {
+            assert_eq!(core.schedule_step(), round);
+            for w in ["a", "b"] {
+                assert!(matches!(core.push(&w, round, 1, vec![1.0], 0), PushOutcome::Accepted { .. }));
+            }
+            expected -= schedule.lr_at(round);
+            assert!(
+                (core.params()[0] as f64 - expected).abs() < 1e-6,
+                "round {round}: {} vs {expected}",
+                core.params()[0]
+            );
+        }
+        assert!(expected > -3.0, "the rate decayed: four full-rate steps would reach -4");
+        // A shard restored at version 2 (a handoff, a checkpoint) goes on at step 2.
+        let mut moved = ShardCore::new(vec![0.0], sgd1(), 2, SyncPolicy::Bsp, ["a"]).with_schedule(schedule);
+        assert!(matches!(moved.push(&"a", 2, 1, vec![1.0], 0), PushOutcome::Accepted { .. }));
+        assert!((moved.params()[0] as f64 + schedule.lr_at(2)).abs() < 1e-6);
+        // Asynchronous policies: every push is a step; the schedule's step is
+        // the version over the workers (one push of each is one round).
+        let mut asp = ShardCore::new(vec![0.0], sgd1(), 0, SyncPolicy::Asp, ["a", "b"]).with_schedule(schedule);
+        let mut expected = 0.0f64;
+        for push in 0..6u64 {
+            assert_eq!(asp.schedule_step(), push / 2);
+            let w = if push % 2 == 0 { "a" } else { "b" };
+            assert!(matches!(asp.push(&w, 0, 1, vec![1.0], push), PushOutcome::Accepted { .. }));
+            expected -= schedule.lr_at(push / 2) * 0.5;
+            assert!((asp.params()[0] as f64 - expected).abs() < 1e-6, "push {push}");
+        }
+    }
+
+    fn sgd1() -> Optimizer {
+        let cfg = OptimizerConfig::Sgd { lr: 1.0, momentum: 0.0, nesterov: false, weight_decay: 0.0 };
+        match Optimizer::new(cfg, 1) {
+            Ok(o) => o,
+            Err(e) => panic!("{e}"),
+        }
     }
 
     #[test]
