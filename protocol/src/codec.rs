@@ -310,9 +310,9 @@ mod tests {
     #[test]
     fn newer_version_with_unknown_message_becomes_undecodable() {
         let mut codec = ShardCodec::default();
-        // Version 2 frame whose header is variant 99 (unknown to us).
+        // A frame of the next minor version whose header is variant 99 (unknown to us).
         let header = [99u8, 0, 0];
-        let prefix = FramePrefix { version: 2, kind: FrameKind::Request, header_len: 3, body_len: 0 };
+        let prefix = FramePrefix { version: WIRE_VERSION + 1, kind: FrameKind::Request, header_len: 3, body_len: 0 };
         let mut bytes = prefix.to_bytes().to_vec();
         bytes.extend_from_slice(&header);
         let req = block_on(codec.read_request(&SHARD_PROTOCOL, &mut Cursor::new(bytes))).unwrap();
