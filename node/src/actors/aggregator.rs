@@ -253,11 +253,7 @@ impl AggregatorActor {
                 };
                 let bumped = core.version() != before;
                 if let (PushReply::Accepted { version, .. }, Some(then)) = (&out, then_pull) {
-                    // BSP: the version after the round this gradient joined.
-                    // The other policies gate on clocks, not versions.
-                    let min_version = if self.cfg.policy == SyncPolicy::Bsp { version + 1 } else { 0 };
-                    let deadline = Instant::now() + then.wait.min(self.cfg.max_wait);
-                    self.parked.push(ParkedPull { worker, shard, min_version, deadline, reply: then.reply });
+                    self.park(worker, shard, self.cfg.policy.pull_after_push(*version), then.wait, then.reply);
                 }
                 let _ = reply.send(out);
                 if bumped {
@@ -271,8 +267,7 @@ impl AggregatorActor {
                     let _ = reply.send(PullReply::NotOwner { epoch: self.epoch(), hint: self.hint(shard) });
                     return;
                 }
-                let deadline = Instant::now() + wait.min(self.cfg.max_wait);
-                self.parked.push(ParkedPull { worker, shard, min_version, deadline, reply });
+                self.park(worker, shard, min_version, wait, reply);
                 self.release_ready();
             }
             AggCommand::Handoff { from, kind, state, reply } => {
@@ -672,6 +667,20 @@ impl AggregatorActor {
                 let _ = tx.send(msg).await;
             }
         });
+    }
+
+    /// Hold a pull until the shard's version and the policy let it through,
+    /// at most `wait` (capped by `max_wait`); `release_ready` answers it.
+    fn park(
+        &mut self,
+        worker: PeerId,
+        shard: u32,
+        min_version: u64,
+        wait: Duration,
+        reply: oneshot::Sender<PullReply>,
+    ) {
+        let deadline = Instant::now() + wait.min(self.cfg.max_wait);
+        self.parked.push(ParkedPull { worker, shard, min_version, deadline, reply });
     }
 
     /// Answer every parked pull whose condition now holds.

@@ -21,7 +21,7 @@ use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{gossipsub, identify, mdns, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
     frame, membership_topic, validate_gossip, validate_request, Accepted, Encoding, ErrorCode, Exchanged,
-    GossipMessage, Heartbeat, Payload, ProtocolConfig, ShardRequest, ShardResponse, ShardState, ShoalBehaviour,
+    GossipMessage, Heartbeat, Payload, ProtocolConfig, RunId, ShardRequest, ShardResponse, ShardState, ShoalBehaviour,
     ShoalBehaviourEvent, ValidationContext, WireError,
 };
 use tokio::sync::{mpsc, oneshot, watch};
@@ -324,13 +324,13 @@ impl NetworkActor {
                                 let accepted = Accepted { shard, version, staleness };
                                 match pulled.await {
                                     Ok(PullReply::State { version, params }) => {
-                                        match Payload::encode(&params, Encoding::F32) {
-                                            Ok(params) => ShardResponse::Exchanged(Exchanged {
+                                        match shard_state(run, shard, version, epoch, &params) {
+                                            Ok(s) => ShardResponse::Exchanged(Exchanged {
                                                 accepted,
                                                 held_ms: held_ms(taken),
-                                                state: Some(ShardState { run, shard, version, epoch, params }),
+                                                state: Some(s),
                                             }),
-                                            Err(e) => ShardResponse::error(&e),
+                                            Err(e) => e,
                                         }
                                     }
                                     // The gradient counts; the worker pulls
@@ -374,12 +374,12 @@ impl NetworkActor {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
                         let resp = match rx.await {
-                            Ok(PullReply::State { version, params }) => match Payload::encode(&params, Encoding::F32) {
-                                Ok(params) => {
-                                    ShardResponse::ShardState(ShardState { run, shard, version, epoch, params })
+                            Ok(PullReply::State { version, params }) => {
+                                match shard_state(run, shard, version, epoch, &params) {
+                                    Ok(s) => ShardResponse::ShardState(s),
+                                    Err(e) => e,
                                 }
-                                Err(e) => ShardResponse::error(&e),
-                            },
+                            }
                             Ok(PullReply::NotReady { current_version }) => {
                                 ShardResponse::NotReady { shard, current_version }
                             }
@@ -489,6 +489,14 @@ fn push_response(shard: u32, r: PushReply) -> ShardResponse {
         // The owner's view lost the worker: its write is fenced off.
         PushReply::UnknownWorker => ShardResponse::Fenced { shard, epoch: 0 },
         PushReply::Invalid(m) => wire_error(ErrorCode::InvalidRequest, m),
+    }
+}
+
+/// A shard's parameters as sent to a puller (f32), or the error answer.
+fn shard_state(run: RunId, shard: u32, version: u64, epoch: u64, params: &[f32]) -> Result<ShardState, ShardResponse> {
+    match Payload::encode(params, Encoding::F32) {
+        Ok(params) => Ok(ShardState { run, shard, version, epoch, params }),
+        Err(e) => Err(ShardResponse::error(&e)),
     }
 }
 

@@ -359,7 +359,7 @@ impl Worker {
         let mut placement = self.placement.clone();
         // The owner holding (BSP) or having applied (others) our gradient.
         let mut holder: Option<PeerId> = None;
-        let mut min_version = if bsp { base + 1 } else { 0 };
+        let mut min_version = self.policy().pull_after_push(base);
         let mut hint: Option<PeerId> = None;
         // Some owner has taken this gradient (it may be applied already).
         let mut ever_taken = false;
@@ -404,9 +404,7 @@ impl Worker {
                     Ok(PushReply::Accepted { version, .. }) => {
                         holder = Some(owner);
                         ever_taken = true;
-                        if bsp {
-                            min_version = version + 1;
-                        }
+                        min_version = self.policy().pull_after_push(version);
                     }
                     Ok(PushReply::Stale { current_version, .. }) if bsp && !ever_taken => {
                         // BSP: the round we computed for was applied without
@@ -496,19 +494,9 @@ impl Worker {
         if owner == self.me {
             return self.aggregator.push(self.me, shard, base, samples, grad.to_vec()).await;
         }
-        let payload = Payload::encode(grad, Encoding::F32)?;
-        let bytes = payload.byte_len();
-        let req = ShardRequest::PushGrad(PushGrad {
-            run: self.run.clone(),
-            shard,
-            epoch: 0,
-            base_version: base,
-            worker: self.me,
-            incarnation: self.incarnation,
-            step,
-            samples: samples.max(1),
-            grad: payload,
-        });
+        let push = self.push_grad(shard, base, step, samples, grad)?;
+        let bytes = push.grad.byte_len();
+        let req = ShardRequest::PushGrad(push);
         let sent = Instant::now();
         let resp = self.net.request(owner, req).await?;
         let reply = self.push_reply(owner, shard, resp)?;
@@ -521,6 +509,21 @@ impl Worker {
             t.observe(owner, bytes, sent.elapsed().as_secs_f64() * 1e6, step);
         }
         Ok(reply)
+    }
+
+    /// The wire form of this worker's gradient for one shard (f32).
+    fn push_grad(&self, shard: u32, base: u64, step: u64, samples: u32, grad: &[f32]) -> anyhow::Result<PushGrad> {
+        Ok(PushGrad {
+            run: self.run.clone(),
+            shard,
+            epoch: 0,
+            base_version: base,
+            worker: self.me,
+            incarnation: self.incarnation,
+            step,
+            samples: samples.max(1),
+            grad: Payload::encode(grad, Encoding::F32)?,
+        })
     }
 
     /// What a remote owner's answer to a push means.
@@ -560,23 +563,10 @@ impl Worker {
         grad: &[f32],
         left: Duration,
     ) -> anyhow::Result<Pushed> {
-        let payload = Payload::encode(grad, Encoding::F32)?;
-        let bytes = payload.byte_len();
-        let req = ShardRequest::PushPull(PushPull {
-            push: PushGrad {
-                run: self.run.clone(),
-                shard,
-                epoch: 0,
-                base_version: base,
-                worker: self.me,
-                incarnation: self.incarnation,
-                step,
-                samples: samples.max(1),
-                grad: payload,
-            },
-            max_wait_ms: self.max_wait_ms(left),
-            encoding: Encoding::F32,
-        });
+        let push = self.push_grad(shard, base, step, samples, grad)?;
+        let bytes = push.grad.byte_len();
+        let req =
+            ShardRequest::PushPull(PushPull { push, max_wait_ms: self.max_wait_ms(left), encoding: Encoding::F32 });
         let sent = Instant::now();
         let resp = self.net.request(owner, req).await?;
         let (reply, held_ms) = match resp {

@@ -228,8 +228,9 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
         );
         let mut base_sps = None;
         let mut rows = Vec::new();
-        for nodes in [1usize, 2, 4] {
-            let mut cfg = NodeConfig { run_id: format!("bench-{nodes}"), ..NodeConfig::default() };
+        // Every scaling case, and the exchange comparison below, trains this.
+        let case_config = |run_id: String| {
+            let mut cfg = NodeConfig { run_id, ..NodeConfig::default() };
             cfg.training.dataset = dataset;
             cfg.training.data_dir = args.data_dir.clone();
             cfg.training.steps = args.steps;
@@ -238,6 +239,10 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
             cfg.training.eval_every = args.eval_every;
             cfg.cluster.heartbeat_ms = 100;
             cfg.training.threads = Some(threads);
+            cfg
+        };
+        for nodes in [1usize, 2, 4] {
+            let cfg = case_config(format!("bench-{nodes}"));
             let started = Instant::now();
             let reports = Cluster::start(&ClusterSpec::new(nodes, cfg)).await?.wait().await?;
             let wall = started.elapsed().as_secs_f64();
@@ -281,15 +286,8 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
 
         // The same 4-node run with each shard's push and pull as two requests
         // (PushGrad + PullShard, wire minor 1) against one (PushPull).
-        let mut separate = NodeConfig { run_id: "bench-4-separate".into(), ..NodeConfig::default() };
-        separate.training.dataset = dataset;
-        separate.training.data_dir = args.data_dir.clone();
-        separate.training.steps = args.steps;
-        separate.training.batch_size = args.batch_size;
-        separate.training.lr = Some(0.1);
-        separate.cluster.heartbeat_ms = 100;
+        let mut separate = case_config("bench-4-separate".into());
         separate.cluster.push_pull = false;
-        separate.training.threads = Some(threads);
         let started = Instant::now();
         Cluster::start(&ClusterSpec::new(4, separate)).await?.wait().await?;
         let separate_sps = (4 * args.steps * args.batch_size as u64) as f64 / started.elapsed().as_secs_f64();

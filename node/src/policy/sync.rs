@@ -51,6 +51,17 @@ impl SyncPolicy {
             SyncPolicy::Asp => None,
         }
     }
+
+    /// The oldest version a worker may pull after its push was accepted at
+    /// `accepted` (the owner's version then). BSP: the version after the
+    /// round the push joined. The other policies gate pulls on clocks, not
+    /// versions: 0.
+    pub fn pull_after_push(&self, accepted: u64) -> u64 {
+        match self {
+            SyncPolicy::Bsp => accepted.saturating_add(1),
+            _ => 0,
+        }
+    }
 }
 
 impl FromStr for SyncPolicy {
@@ -427,8 +438,13 @@ mod tests {
     use shoal_models::{OptimizerConfig, OptimizerKind};
 
     fn sgd() -> Optimizer {
+        sgd_of(2)
+    }
+
+    /// Plain SGD at rate 1 over `len` parameters.
+    fn sgd_of(len: usize) -> Optimizer {
         let cfg = OptimizerConfig::Sgd { lr: 1.0, momentum: 0.0, nesterov: false, weight_decay: 0.0 };
-        match Optimizer::new(cfg, 2) {
+        match Optimizer::new(cfg, len) {
             Ok(o) => o,
             Err(e) => panic!("{e}"),
         }
@@ -558,7 +574,7 @@ mod tests {
         // Plain SGD, lr from the schedule: each step moves the parameter by
         // exactly the scheduled rate times the mean gradient (1.0).
         let schedule = LrSchedule { base: 1.0, decay: LrDecay::Cosine, steps: 4 };
-        let mut core = ShardCore::new(vec![0.0], sgd1(), 0, SyncPolicy::Bsp, ["a", "b"]).with_schedule(schedule);
+        let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b"]).with_schedule(schedule);
         let mut expected = 0.0f64;
         for round in 0..4u64 {
             assert_eq!(core.schedule_step(), round);
@@ -574,12 +590,12 @@ mod tests {
         }
         assert!(expected > -3.0, "the rate decayed: four full-rate steps would reach -4");
         // A shard restored at version 2 (a handoff, a checkpoint) goes on at step 2.
-        let mut moved = ShardCore::new(vec![0.0], sgd1(), 2, SyncPolicy::Bsp, ["a"]).with_schedule(schedule);
+        let mut moved = ShardCore::new(vec![0.0], sgd_of(1), 2, SyncPolicy::Bsp, ["a"]).with_schedule(schedule);
         assert!(matches!(moved.push(&"a", 2, 1, vec![1.0], 0), PushOutcome::Accepted { .. }));
         assert!((moved.params()[0] as f64 + schedule.lr_at(2)).abs() < 1e-6);
         // Asynchronous policies: every push is a step; the schedule's step is
         // the version over the workers (one push of each is one round).
-        let mut asp = ShardCore::new(vec![0.0], sgd1(), 0, SyncPolicy::Asp, ["a", "b"]).with_schedule(schedule);
+        let mut asp = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Asp, ["a", "b"]).with_schedule(schedule);
         let mut expected = 0.0f64;
         for push in 0..6u64 {
             assert_eq!(asp.schedule_step(), push / 2);
@@ -587,14 +603,6 @@ mod tests {
             assert!(matches!(asp.push(&w, 0, 1, vec![1.0], push), PushOutcome::Accepted { .. }));
             expected -= schedule.lr_at(push / 2) * 0.5;
             assert!((asp.params()[0] as f64 - expected).abs() < 1e-6, "push {push}");
-        }
-    }
-
-    fn sgd1() -> Optimizer {
-        let cfg = OptimizerConfig::Sgd { lr: 1.0, momentum: 0.0, nesterov: false, weight_decay: 0.0 };
-        match Optimizer::new(cfg, 1) {
-            Ok(o) => o,
-            Err(e) => panic!("{e}"),
         }
     }
 
