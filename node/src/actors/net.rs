@@ -330,7 +330,7 @@ impl NetworkActor {
                                                 held_ms: held_ms(taken),
                                                 state: Some(s),
                                             }),
-                                            Err(e) => e,
+                                            Err(e) => ShardResponse::error(&e),
                                         }
                                     }
                                     // The gradient counts; the worker pulls
@@ -377,7 +377,7 @@ impl NetworkActor {
                             Ok(PullReply::State { version, params }) => {
                                 match shard_state(run, shard, version, epoch, &params) {
                                     Ok(s) => ShardResponse::ShardState(s),
-                                    Err(e) => e,
+                                    Err(e) => ShardResponse::error(&e),
                                 }
                             }
                             Ok(PullReply::NotReady { current_version }) => {
@@ -492,12 +492,15 @@ fn push_response(shard: u32, r: PushReply) -> ShardResponse {
     }
 }
 
-/// A shard's parameters as sent to a puller (f32), or the error answer.
-fn shard_state(run: RunId, shard: u32, version: u64, epoch: u64, params: &[f32]) -> Result<ShardState, ShardResponse> {
-    match Payload::encode(params, Encoding::F32) {
-        Ok(params) => Ok(ShardState { run, shard, version, epoch, params }),
-        Err(e) => Err(ShardResponse::error(&e)),
-    }
+/// A shard's parameters as sent to a puller (f32).
+fn shard_state(
+    run: RunId,
+    shard: u32,
+    version: u64,
+    epoch: u64,
+    params: &[f32],
+) -> Result<ShardState, shoal_protocol::ProtocolError> {
+    Ok(ShardState { run, shard, version, epoch, params: Payload::encode(params, Encoding::F32)? })
 }
 
 /// Milliseconds since `since`, for `Exchanged::held_ms`.
