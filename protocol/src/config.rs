@@ -318,7 +318,56 @@ impl ProtocolConfig {
     }
 }
 
+impl ProtocolConfig {
+    /// Listen addresses that other machines can reach while neither
+    /// `admission.psk` nor `admission.allowlist` restricts who may connect:
+    /// on these, the node accepts any peer that speaks the protocol. Empty
+    /// when admission is restricted or every address is loopback.
+    pub fn open_listeners(&self) -> Vec<&Multiaddr> {
+        if self.admission.psk.is_some() || self.admission.allowlist.is_some() {
+            return Vec::new();
+        }
+        self.listen.iter().filter(|a| !is_local_only(a)).collect()
+    }
+}
+
+/// True when only this machine can reach `addr`: a loopback IP, or the
+/// in-memory transport of tests.
+pub fn is_local_only(addr: &Multiaddr) -> bool {
+    use libp2p::multiaddr::Protocol;
+    match addr.iter().next() {
+        Some(Protocol::Ip4(ip)) => ip.is_loopback(),
+        Some(Protocol::Ip6(ip)) => ip.is_loopback(),
+        Some(Protocol::Memory(_)) => true,
+        _ => false,
+    }
+}
+
 /// True when `addr` selects the QUIC transport.
 pub fn is_quic_addr(addr: &Multiaddr) -> bool {
     addr.iter().any(|p| matches!(p, libp2p::multiaddr::Protocol::QuicV1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_listen(addrs: &[&str]) -> ProtocolConfig {
+        let listen = addrs.iter().filter_map(|a| a.parse().ok()).collect();
+        ProtocolConfig { listen, ..ProtocolConfig::default() }
+    }
+
+    #[test]
+    fn listeners_beyond_loopback_without_psk_or_allowlist_are_open() {
+        let open = |c: &ProtocolConfig| c.open_listeners().iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        let cfg = with_listen(&["/ip4/127.0.0.1/tcp/7000", "/ip6/::1/tcp/7000", "/memory/5"]);
+        assert!(open(&cfg).is_empty(), "loopback and memory are local");
+        let mut cfg = with_listen(&["/ip4/127.0.0.1/tcp/7000", "/ip4/0.0.0.0/tcp/7000", "/dns4/node.example/tcp/1"]);
+        assert_eq!(open(&cfg), ["/ip4/0.0.0.0/tcp/7000", "/dns4/node.example/tcp/1"]);
+        assert_eq!(open(&ProtocolConfig::default()).len(), 2, "the default listens on every interface, openly");
+        cfg.admission.psk = Some(Admission::psk_hex(&[1; 32]));
+        assert!(open(&cfg).is_empty(), "a PSK closes it");
+        cfg.admission = Admission { psk: None, allowlist: Some(vec![PeerId::random()]) };
+        assert!(open(&cfg).is_empty(), "an allowlist closes it");
+    }
 }

@@ -188,6 +188,40 @@ pub enum ProtocolError {
 }
 
 impl ProtocolError {
+    /// A short, stable name for the kind of error (the variant), for counting
+    /// rejections by kind in logs, metrics and the fuzz report.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ProtocolError::TooLarge { .. } => "too_large",
+            ProtocolError::BadMagic { .. } => "bad_magic",
+            ProtocolError::UnsupportedVersion { .. } => "unsupported_version",
+            ProtocolError::BadPrefix(_) => "bad_prefix",
+            ProtocolError::Decode(_) => "decode",
+            ProtocolError::Encode(_) => "encode",
+            ProtocolError::BodyMismatch { .. } => "body_mismatch",
+            ProtocolError::UnknownDtype(_) => "unknown_dtype",
+            ProtocolError::ShapeMismatch { .. } => "shape_mismatch",
+            ProtocolError::SizeMismatch { .. } => "size_mismatch",
+            ProtocolError::ChecksumMismatch { .. } => "checksum_mismatch",
+            ProtocolError::NonFinite { .. } => "non_finite",
+            ProtocolError::OutOfRange { .. } => "out_of_range",
+            ProtocolError::InvalidTensor(_) => "invalid_tensor",
+            ProtocolError::RunMismatch { .. } => "run_mismatch",
+            ProtocolError::InvalidRunId(_) => "invalid_run_id",
+            ProtocolError::ShardOutOfRange { .. } => "shard_out_of_range",
+            ProtocolError::SenderMismatch { .. } => "sender_mismatch",
+            ProtocolError::InvalidField { .. } => "invalid_field",
+            ProtocolError::Undecodable { .. } => "undecodable",
+            ProtocolError::NoGossipPeers => "no_gossip_peers",
+            ProtocolError::Publish(_) => "publish",
+            ProtocolError::Busy { .. } => "busy",
+            ProtocolError::Config(_) => "config",
+            ProtocolError::Transport(_) => "transport",
+            ProtocolError::Timeout { .. } => "timeout",
+            ProtocolError::Io(_) => "io",
+        }
+    }
+
     /// The wire error code a node should answer with when this error was
     /// caused by a request.
     pub fn code(&self) -> ErrorCode {

@@ -31,7 +31,9 @@ pub use config::{Admission, Discovery, Gossip, Limits, ProtocolConfig, Timeouts}
 pub use error::ProtocolError;
 pub use messages::*;
 pub use payload::{Dtype, Encoding, Payload, TensorMeta};
-pub use validate::{validate_gossip, validate_heartbeat, validate_request, validate_response, ValidationContext};
+pub use validate::{
+    validate_gossip, validate_heartbeat, validate_request, validate_request_fields, validate_response, ValidationContext,
+};
 
 /// Re-export so the node uses exactly our libp2p.
 pub use libp2p;

@@ -52,8 +52,9 @@ impl ValidationContext {
         Ok(())
     }
 
-    /// Header checks, expected size, then checksum and finiteness.
-    fn check_payload(&self, p: &Payload, shard: ShardId, dense_only: bool) -> Result<()> {
+    /// Header checks, expected size, then (with `bodies`) checksum and
+    /// finiteness.
+    fn check_payload(&self, p: &Payload, shard: ShardId, dense_only: bool, bodies: Bodies) -> Result<()> {
         let dtype = p.meta().check(self.limits.max_tensor_elements)?;
         if dense_only && dtype != Dtype::F32 {
             return Err(ProtocolError::InvalidTensor(format!(
@@ -69,8 +70,22 @@ impl ValidationContext {
                 )));
             }
         }
-        p.verify()
+        match bodies {
+            Bodies::Verify => p.verify(),
+            Bodies::LeaveToDecode => Ok(()),
+        }
     }
+}
+
+/// Whether validation reads the tensor bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bodies {
+    /// Checksum and finiteness, one pass over each body.
+    Verify,
+    /// Headers only: the caller decodes every tensor with
+    /// [`Payload::decode`] or [`Payload::decode_into`], which run the same
+    /// checks as they copy.
+    LeaveToDecode,
 }
 
 fn check_sender(claimed: &PeerId, actual: &PeerId) -> Result<()> {
@@ -104,14 +119,14 @@ fn check_measure(field: &'static str, index: usize, v: f32) -> Result<()> {
     Ok(())
 }
 
-fn check_push(m: &crate::messages::PushGrad, sender: &PeerId, ctx: &ValidationContext) -> Result<()> {
+fn check_push(m: &crate::messages::PushGrad, sender: &PeerId, ctx: &ValidationContext, bodies: Bodies) -> Result<()> {
     ctx.check_run(&m.run)?;
     ctx.check_shard(m.shard)?;
     check_sender(&m.worker, sender)?;
     if m.samples == 0 {
         return Err(ProtocolError::InvalidField { field: "samples", reason: "must be at least 1".into() });
     }
-    ctx.check_payload(&m.grad, m.shard, false)
+    ctx.check_payload(&m.grad, m.shard, false, bodies)
 }
 
 /// A pull's wait and encoding (`PullShard`, `PushPull`).
@@ -134,15 +149,27 @@ fn check_pull_wait(max_wait_ms: u32, encoding: crate::payload::Encoding, ctx: &V
 /// Tensor contents are verified too (checksum, NaN/Inf), which is one pass
 /// over each body.
 pub fn validate_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext) -> Result<()> {
+    check_request(req, sender, ctx, Bodies::Verify)
+}
+
+/// [`validate_request`] without the pass over the tensor bodies, for a
+/// receiver that decodes every tensor of the request next
+/// ([`Payload::decode`] and [`Payload::decode_into`] check the checksum
+/// and finiteness as they copy), so each body is read once.
+pub fn validate_request_fields(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext) -> Result<()> {
+    check_request(req, sender, ctx, Bodies::LeaveToDecode)
+}
+
+fn check_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext, bodies: Bodies) -> Result<()> {
     match req {
-        ShardRequest::PushGrad(m) => check_push(m, sender, ctx),
+        ShardRequest::PushGrad(m) => check_push(m, sender, ctx, bodies),
         ShardRequest::PullShard(m) => {
             ctx.check_run(&m.run)?;
             ctx.check_shard(m.shard)?;
             check_pull_wait(m.max_wait_ms, m.encoding, ctx)
         }
         ShardRequest::PushPull(m) => {
-            check_push(&m.push, sender, ctx)?;
+            check_push(&m.push, sender, ctx, bodies)?;
             check_pull_wait(m.max_wait_ms, m.encoding, ctx)
         }
         ShardRequest::Handoff(m) => {
@@ -151,10 +178,10 @@ pub fn validate_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationCon
             check_sender(&m.from, sender)?;
             check_name("optimizer.kind", &m.optimizer.kind)?;
             check_count("optimizer.slots", m.optimizer.slots.len(), MAX_OPTIMIZER_SLOTS)?;
-            ctx.check_payload(&m.params, m.shard, true)?;
+            ctx.check_payload(&m.params, m.shard, true, bodies)?;
             for slot in &m.optimizer.slots {
                 check_name("optimizer.slots.name", &slot.name)?;
-                ctx.check_payload(&slot.tensor, m.shard, true)?;
+                ctx.check_payload(&slot.tensor, m.shard, true, bodies)?;
             }
             Ok(())
         }
@@ -173,7 +200,7 @@ fn check_state(s: &crate::messages::ShardState, ctx: &ValidationContext) -> Resu
     ctx.check_run(&s.run)?;
     ctx.check_shard(s.shard)?;
     // Pulls may ask for a compressed encoding, so any dtype is fine.
-    ctx.check_payload(&s.params, s.shard, false)
+    ctx.check_payload(&s.params, s.shard, false, Bodies::Verify)
 }
 
 /// Validates a response. Shard states must be f32 and pass checksum and
@@ -306,6 +333,25 @@ mod tests {
             samples: 8,
             grad: Payload::encode(values, Encoding::F32).unwrap(),
         }
+    }
+
+    /// The node validates fields only and leaves the body to the decode
+    /// that copies it, so a body is read once; a corrupt body is still
+    /// refused, by that decode.
+    #[test]
+    fn fields_only_validation_leaves_the_body_to_the_decode() {
+        let me = PeerId::random();
+        let mut m = push(me, &[1.0, 2.0, 3.0]);
+        let mut body = m.grad.data().to_vec();
+        body[0] ^= 0x40;
+        m.grad.attach(bytes::Bytes::from(body));
+        let req = ShardRequest::PushGrad(m.clone());
+        assert!(matches!(validate_request(&req, &me, &ctx()), Err(ProtocolError::ChecksumMismatch { .. })));
+        validate_request_fields(&req, &me, &ctx()).unwrap();
+        assert!(matches!(m.grad.decode(), Err(ProtocolError::ChecksumMismatch { .. })));
+        // The fields are still checked.
+        let stranger = PeerId::random();
+        assert!(matches!(validate_request_fields(&req, &stranger, &ctx()), Err(ProtocolError::SenderMismatch { .. })));
     }
 
     #[test]
