@@ -319,3 +319,121 @@ fn a_writer_killed_mid_checkpoint_leaves_the_previous_file_intact() {
     assert_eq!(scan.shards.get(&0).map(Vec::len), Some(done.len()), "the killed write is not counted");
     assert_eq!(scan.shards[&0][0].params.len(), 50_000_000);
 }
+
+/// A node reachable beyond loopback with neither a PSK nor an allowlist
+/// says so; loopback, or a PSK, is quiet.
+#[test]
+fn a_node_open_to_any_peer_warns_and_a_closed_one_does_not() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let psk = dir.path().join("psk.toml");
+    let key = "ab".repeat(32);
+    std::fs::write(&psk, format!("[network]\nquic = false\n\n[network.admission]\npsk = \"{key}\"\n"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Each waits for a second node that never comes, and gives up by itself.
+    let wait = ["--no-mdns", "--min-peers", "2", "--start-timeout-ms", "1500", "--http", "off"];
+    let run = |extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .arg("node")
+            .args(wait)
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        text(&o)
+    };
+    let (out, err) = run(&["--listen", "/ip4/0.0.0.0/tcp/0"]);
+    assert!(out.contains("warning: any peer may join: /ip4/0.0.0.0/tcp/0"), "stdout: {out}\nstderr: {err}");
+    assert!(err.contains("this node accepts any peer"), "the log says it too: {err}");
+    let (out, err) = run(&["--listen", "/ip4/127.0.0.1/tcp/0"]);
+    assert!(out.contains("listening on") && !out.contains("any peer may join"), "stdout: {out}\nstderr: {err}");
+    let (out, err) = run(&["--listen", "/ip4/0.0.0.0/tcp/0", "--config", psk.to_str().unwrap_or_default()]);
+    assert!(out.contains("listening on") && !out.contains("any peer may join"), "stdout: {out}\nstderr: {err}");
+}
+
+/// GET `path` from a node's HTTP endpoint (loopback, bounded).
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let timeout = std::time::Duration::from_secs(5);
+    let sock: std::net::SocketAddr = addr.parse().ok()?;
+    let mut s = std::net::TcpStream::connect_timeout(&sock, timeout).ok()?;
+    s.set_read_timeout(Some(timeout)).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let (head, body) = buf.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200").then(|| body.to_string())
+}
+
+/// A live node's `/metrics`, taken while two nodes train over TCP, passes
+/// `promtool check metrics`. Without promtool on the PATH the test says it
+/// skipped; `.ci/run` installs it and sets SHOAL_REQUIRE_PROMTOOL=1.
+#[test]
+fn a_live_node_s_metrics_pass_promtool() {
+    use std::io::{BufRead, BufReader};
+    let promtool = std::env::var_os("PATH")
+        .and_then(|p| std::env::split_paths(&p).map(|d| d.join("promtool")).find(|f| f.is_file()));
+    let Some(promtool) = promtool else {
+        assert!(
+            std::env::var("SHOAL_REQUIRE_PROMTOOL").is_err(),
+            "SHOAL_REQUIRE_PROMTOOL is set but promtool is not on the PATH"
+        );
+        eprintln!("skipped: promtool not found (Debian: apt-get install prometheus)");
+        return;
+    };
+    let common = ["--min-peers", "2", "--run-id", "metrics", "--steps", "400", "--start-timeout-ms", "30000"];
+    let mut a = node_cmd(&common)
+        .args(["--http", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut lines =
+        BufReader::new(a.stdout.take().unwrap_or_else(|| panic!("no stdout"))).lines().map_while(Result::ok);
+    let addr = lines
+        .by_ref()
+        .find_map(|l| l.strip_prefix("listening on ").map(str::to_string))
+        .unwrap_or_else(|| panic!("node A printed no address"));
+    let http = lines
+        .by_ref()
+        .find_map(|l| l.strip_prefix("status on http://").map(|h| h.trim_end_matches('/').to_string()))
+        .unwrap_or_else(|| panic!("node A printed no status address"));
+    let mut b = node_cmd(&common)
+        .args(["--http", "off", "--bootstrap", &addr])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // Scrape until A has trained 20 steps and exchanged shards, within 60 s.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let metrics = loop {
+        let text = http_get(&http, "/metrics").unwrap_or_default();
+        let value = |name: &str| {
+            text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok()).unwrap_or(0.0)
+        };
+        if value("shoal_step") >= 20.0 && value("shoal_bytes_in_total") > 0.0 {
+            break text;
+        }
+        assert!(std::time::Instant::now() < deadline, "node A did not reach step 20 within 60 s:\n{text}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let _ = a.kill();
+    let _ = b.kill();
+    let _ = a.wait();
+    let _ = b.wait();
+
+    assert!(metrics.contains("# TYPE shoal_push_latency_seconds gauge"), "{metrics}");
+    let mut check = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    {
+        use std::io::Write;
+        let mut stdin = check.stdin.take().unwrap_or_else(|| panic!("no stdin"));
+        stdin.write_all(metrics.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let o = check.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "promtool check metrics found problems:\n{out}{err}\n--- the metrics:\n{metrics}");
+}

@@ -20,11 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use serde::Serialize;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -247,8 +242,8 @@ async fn route(req: &Request, state: &HttpState) -> Response {
         ("GET", "/metrics") => match state.status.snapshot().await {
             Some(s) => Response {
                 code: 200,
-                content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                body: metrics_text(&s, state.faults.as_ref()).into_bytes(),
+                content_type: crate::ops::metrics::CONTENT_TYPE,
+                body: crate::ops::metrics::metrics_text(&s, state.faults.as_ref()).into_bytes(),
             },
             None => Response::text(503, "status actor stopped\n"),
         },
@@ -346,62 +341,6 @@ async fn status_doc(state: &HttpState) -> Option<StatusDoc> {
     })
 }
 
-/// The snapshot in Prometheus text format.
-pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
-    let mut reg = Registry::with_prefix("shoal");
-    let gauge = |reg: &mut Registry, name: &str, help: &str, v: f64| {
-        let g: Gauge<f64, std::sync::atomic::AtomicU64> = Gauge::default();
-        g.set(v);
-        reg.register(name, help, g);
-    };
-    let counter = |reg: &mut Registry, name: &str, help: &str, v: u64| {
-        let c: Counter = Counter::default();
-        c.inc_by(v);
-        reg.register(name, help, c);
-    };
-    gauge(&mut reg, "step", "Training steps done", s.step as f64);
-    gauge(&mut reg, "total_steps", "Training steps of the run", s.total_steps as f64);
-    gauge(&mut reg, "model_version", "Smallest shard version of this node's model", s.model_version as f64);
-    counter(&mut reg, "samples", "Training samples processed", s.samples);
-    gauge(&mut reg, "samples_per_second", "Training samples per second since the first step", s.samples_per_sec);
-    gauge(&mut reg, "loss", "Training loss of the last step", s.last_loss.map_or(f64::NAN, f64::from));
-    gauge(&mut reg, "test_accuracy", "Last test-set accuracy (0 to 1)", s.last_accuracy.map_or(f64::NAN, f64::from));
-    counter(&mut reg, "bytes_out", "Tensor payload bytes sent", s.bytes_out);
-    counter(&mut reg, "bytes_in", "Tensor payload bytes received", s.bytes_in);
-    gauge(&mut reg, "push_latency_ms", "Push latency, moving average", s.push_latency_ms.unwrap_or(f64::NAN));
-    gauge(&mut reg, "pull_latency_ms", "Pull latency, moving average", s.pull_latency_ms.unwrap_or(f64::NAN));
-    gauge(&mut reg, "owned_shards", "Shards this node owns", s.owned_shards.len() as f64);
-    gauge(&mut reg, "known_peers", "Nodes in the roster", s.known_peers as f64);
-    gauge(&mut reg, "max_staleness", "Largest staleness this node's shards accepted", s.max_staleness as f64);
-    counter(&mut reg, "role_changes", "Role changes of this node", s.role_changes.len() as u64);
-    counter(&mut reg, "handoffs_out", "Shards handed to a new owner", s.handoffs_out);
-    counter(&mut reg, "handoffs_in", "Shards received from an old owner", s.handoffs_in);
-    counter(&mut reg, "rounds_forced", "BSP rounds closed at the round timeout", s.rounds_forced);
-    gauge(&mut reg, "aggregators", "Shard owners in this node's placement", s.aggregators as f64);
-    let explored = Family::<Vec<(String, String)>, Counter>::default();
-    for e in &s.exploration {
-        explored.get_or_create(&vec![("action".into(), e.action.into())]).inc();
-    }
-    reg.register("exploration_decisions", "Decisions on the number of aggregators (try, keep, revert)", explored);
-    let restored = Family::<Vec<(String, String)>, Counter>::default();
-    restored.get_or_create(&vec![("from".into(), "replica".into())]).inc_by(s.restored_from_replica);
-    restored.get_or_create(&vec![("from".into(), "worker_copy".into())]).inc_by(s.restored_from_worker_copy);
-    reg.register("restored_shards", "Shards taken over without a transfer", restored);
-    gauge(&mut reg, "max_version_regression", "Largest drop of a shard version seen", s.max_version_regression as f64);
-    let role = Family::<Vec<(String, String)>, Gauge>::default();
-    let current = serde_json::to_value(s.role).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-    role.get_or_create(&vec![("role".into(), current)]).set(1);
-    reg.register("role", "Current role (the labelled series is 1)", role);
-    gauge(&mut reg, "fault_serve_delay_ms", "Injected serve delay", faults.serve_delay().as_millis() as f64);
-    gauge(&mut reg, "fault_slowdown", "Injected compute slowdown factor", faults.slowdown());
-    gauge(&mut reg, "fault_serve_mbps", "Injected serving uplink (0: none)", faults.serve_mbps());
-    let mut out = String::new();
-    if encode(&mut out, &reg).is_err() {
-        out.clear();
-    }
-    out
-}
-
 /// The status page: plain HTML and a little JavaScript, no external assets.
 const PAGE: &str = r#"<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>shoal node</title>
@@ -459,18 +398,5 @@ mod tests {
         assert_eq!(parse_request("GET /\r\n"), None);
         assert_eq!(parse_request(""), None);
         assert_eq!(percent_decode("a%2"), "a%2", "a truncated escape is kept as is");
-    }
-
-    #[test]
-    fn metrics_are_prometheus_text_with_the_counters() {
-        let s = StatusSnapshot { step: 7, samples: 224, handoffs_in: 2, ..Default::default() };
-        let f = Faults::new(25, 1.0).unwrap_or_default();
-        let text = metrics_text(&s, &f);
-        assert!(text.contains("shoal_step 7"), "{text}");
-        assert!(text.contains("shoal_samples_total 224"), "{text}");
-        assert!(text.contains("shoal_handoffs_in_total 2"), "{text}");
-        assert!(text.contains("shoal_fault_serve_delay_ms 25"), "{text}");
-        assert!(text.contains(r#"shoal_role{role="starting"} 1"#), "{text}");
-        assert!(text.trim_end().ends_with("# EOF"), "{text}");
     }
 }
