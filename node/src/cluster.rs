@@ -18,6 +18,8 @@ pub struct NodeOverride {
     pub can_aggregate: Option<bool>,
     /// Fault injection: this node answers pushes and pulls this many ms late.
     pub fault_delay_ms: Option<u64>,
+    /// Fault injection: this node pushes bad gradients.
+    pub byzantine: Option<crate::ops::faults::Byzantine>,
 }
 
 /// How to build a cluster.
@@ -60,6 +62,9 @@ impl ClusterSpec {
             }
             if let Some(d) = o.fault_delay_ms {
                 c.cluster.fault_delay_ms = d;
+            }
+            if let Some(b) = o.byzantine {
+                c.cluster.fault_byzantine = b;
             }
         }
         Ok(c)

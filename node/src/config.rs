@@ -122,6 +122,9 @@ pub struct TrainingConfig {
     pub optimizer: OptimizerKind,
     /// Learning rate. Default: 0.05 for sgd, 2e-3 for adamw.
     pub lr: Option<f64>,
+    /// SGD momentum (Nesterov while above 0), from 0 to below 1. Default
+    /// 0.9. Only with `optimizer = "sgd"`.
+    pub momentum: Option<f64>,
     /// `none` or `cosine` (from `lr` down to `lr / 100` over `steps`; in
     /// pull mode the shard owners follow it by the shard's version). Default `none`.
     pub lr_decay: LrDecay,
@@ -148,6 +151,7 @@ impl Default for TrainingConfig {
             batch_size: 32,
             optimizer: OptimizerKind::Sgd,
             lr: None,
+            momentum: None,
             lr_decay: LrDecay::None,
             seed: 42,
             steps: 300,
@@ -160,7 +164,16 @@ impl Default for TrainingConfig {
 
 impl TrainingConfig {
     pub fn optimizer_config(&self) -> OptimizerConfig {
-        OptimizerConfig::new(self.optimizer, self.lr.unwrap_or_else(|| OptimizerConfig::default_lr(self.optimizer)))
+        let cfg = OptimizerConfig::new(
+            self.optimizer,
+            self.lr.unwrap_or_else(|| OptimizerConfig::default_lr(self.optimizer)),
+        );
+        match (cfg, self.momentum) {
+            (OptimizerConfig::Sgd { lr, weight_decay, .. }, Some(m)) => {
+                OptimizerConfig::Sgd { lr, momentum: m, nesterov: m > 0.0, weight_decay }
+            }
+            (cfg, _) => cfg,
+        }
     }
 
     /// The learning-rate schedule of the run.
@@ -256,6 +269,38 @@ pub struct ClusterConfig {
     /// over an emulated link of this many Mbit/s, one after another (a slow
     /// uplink). Default 0 (none).
     pub fault_serve_mbps: f64,
+    /// How a shard owner combines a BSP round's gradients: `mean`,
+    /// `trimmed_mean:F`, `median` or `centered_clip:TAU` (see
+    /// `policy::robust`). The robust rules need `sync = "bsp"`. Default
+    /// `mean`.
+    pub aggregation: crate::policy::robust::Aggregation,
+    /// Owners reject a gradient whose L2 norm exceeds this many times the
+    /// median norm of its round (BSP) or of the last 16 accepted pushes
+    /// (SSP, DSSP, ASP; after the shard's first 64 pushes). 0 turns the check
+    /// off. Default: 50 under BSP and off under the other policies: single
+    /// honest batch gradients late in training exceeded 20x the median of
+    /// their round or window, and a tighter K dropped them.
+    pub norm_check: Option<f32>,
+    /// Each worker pushes the moving average of its gradients,
+    /// `m = b * m + (1 - b) * g`, instead of the raw gradient: with `b` near
+    /// 0.9 the honest pushes vary far less, so the robust rules tell them
+    /// from a bad peer's (Karimireddy, He and Jaggi, 2021). Pull mode only;
+    /// pair it with `training.momentum = 0` and a learning rate about
+    /// `1 / (1 - b)` times larger. Default 0 (raw gradients).
+    pub worker_momentum: f32,
+    /// Fault injection for robustness tests: this node's pushed gradients
+    /// are `none` (honest), `scale:F` (multiplied by F), `sign_flip`
+    /// (negated) or `random` (random values with the honest norm).
+    /// Default `none`.
+    pub fault_byzantine: crate::ops::faults::Byzantine,
+}
+
+impl ClusterConfig {
+    /// The norm check's factor K in force (0: off): `norm_check`, or 50
+    /// under BSP and off under the other policies.
+    pub fn norm_check_factor(&self) -> f32 {
+        self.norm_check.unwrap_or(if self.sync == SyncPolicy::Bsp { 50.0 } else { 0.0 })
+    }
 }
 
 impl Default for ClusterConfig {
@@ -291,6 +336,10 @@ impl Default for ClusterConfig {
             fault_delay_ms: 0,
             slowdown: 1.0,
             fault_serve_mbps: 0.0,
+            aggregation: crate::policy::robust::Aggregation::Mean,
+            norm_check: None,
+            worker_momentum: 0.0,
+            fault_byzantine: crate::ops::faults::Byzantine::None,
         }
     }
 }
@@ -492,6 +541,30 @@ impl NodeConfig {
         }
         if c.handoff_timeout_ms == 0 {
             bail!("cluster.handoff_timeout_ms must be positive");
+        }
+        if c.aggregation.is_robust() && (c.mode != Mode::Pull || c.sync != SyncPolicy::Bsp) {
+            bail!(
+                "cluster.aggregation = \"{}\" combines the gradients of a BSP round: it needs mode = \"pull\" and \
+                 sync = \"bsp\" (this config has {:?} and {}). With other policies, use \"mean\" and the norm check.",
+                c.aggregation,
+                c.mode,
+                c.sync
+            );
+        }
+        if !(0.0..1.0).contains(&c.worker_momentum) || (c.worker_momentum > 0.0 && c.mode != Mode::Pull) {
+            bail!(
+                "cluster.worker_momentum must be from 0 to below 1, and only in pull mode (got {})",
+                c.worker_momentum
+            );
+        }
+        if let Some(m) = self.training.momentum {
+            if !(0.0..1.0).contains(&m) || self.training.optimizer != OptimizerKind::Sgd {
+                bail!("training.momentum must be from 0 to below 1, with optimizer = \"sgd\" (got {m})");
+            }
+        }
+        let k = c.norm_check_factor();
+        if !(k.is_finite() && (k == 0.0 || k >= 1.0)) {
+            bail!("cluster.norm_check must be 0 (off) or a factor of at least 1, got {k}");
         }
         crate::ops::faults::Faults::new(c.fault_delay_ms, c.slowdown)
             .and_then(|f| f.set_serve_mbps(c.fault_serve_mbps))

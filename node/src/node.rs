@@ -148,8 +148,14 @@ pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
         c.restore_ratio,
         c.replicas,
     ) + &format!(
-        "|{}|{}|{}|{}",
-        c.straggler_min_excess_ms, c.aggregators, c.start_aggregators, c.explore_window_steps
+        "|{}|{}|{}|{}|{}|{}|{}",
+        c.straggler_min_excess_ms,
+        c.aggregators,
+        c.start_aggregators,
+        c.explore_window_steps,
+        c.aggregation,
+        c.norm_check_factor(),
+        c.worker_momentum
     );
     stable_hash64(key.as_bytes())
 }
@@ -237,6 +243,14 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             "fault injection is on"
         );
     }
+    let open = proto.open_listeners();
+    if !open.is_empty() {
+        warn!(
+            listen = ?open,
+            "this node accepts any peer: it listens beyond loopback with neither network.admission.psk nor \
+             network.admission.allowlist (docs/operations.md#admission-control says how to close it)"
+        );
+    }
     let status = status::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
     let disk = open_checkpoints(&config, &model_cfg, plan.len() as u32, &status, &name).await?;
     let incarnation =
@@ -298,6 +312,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             policy: c.sync,
             optimizer: t.optimizer_config(),
             schedule: t.lr_schedule(),
+            robust: crate::policy::robust::Robust { aggregation: c.aggregation, norm_check: c.norm_check_factor() },
             ranges: plan.shards().iter().map(|s| s.range()).collect(),
             max_wait: proto.timeouts.response_wait(),
             replica_every: if c.replicas >= 2 { c.replica_every } else { 0 },

@@ -32,7 +32,8 @@ pub use error::ProtocolError;
 pub use messages::*;
 pub use payload::{Dtype, Encoding, Payload, TensorMeta};
 pub use validate::{
-    validate_gossip, validate_heartbeat, validate_request, validate_request_fields, validate_response, ValidationContext,
+    validate_gossip, validate_heartbeat, validate_request, validate_request_fields, validate_response,
+    ValidationContext,
 };
 
 /// Re-export so the node uses exactly our libp2p.

@@ -34,8 +34,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use cap::Cap;
 use futures::io::Cursor;
-use proptest::strategy::{Strategy, ValueTree};
 use proptest::prelude::Rng;
+use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use shoal_protocol::frame::{self, FramePrefix, PREFIX_LEN};
 use shoal_protocol::libp2p::request_response::Codec;
@@ -363,7 +363,7 @@ fn a_million_random_and_mutated_frames_never_panic_or_overallocate() {
     // No allocation beyond the configured limits: the most a peer can make
     // us allocate is one frame or one decoded tensor, a few at a time.
     let limit = limits.max_request_bytes.max(limits.max_response_bytes).max(limits.max_tensor_elements * 4) as usize;
-    println!("fuzz: seed {seed:#x}, {frames} frames, corpus of {} valid frames", corpus.len());
+    eprintln!("fuzz: seed {seed:#x}, {frames} frames, corpus of {} valid frames", corpus.len());
     let start = Instant::now();
     let baseline = ALLOCATOR.allocated();
     let cap = baseline + 4 * limit;
@@ -391,27 +391,27 @@ fn a_million_random_and_mutated_frames_never_panic_or_overallocate() {
             panicked.push(data);
         }
         if (i + 1) % 250_000 == 0 {
-            println!("fuzz: {} frames, {:.1} s", i + 1, start.elapsed().as_secs_f64());
+            eprintln!("fuzz: {} frames, {:.1} s", i + 1, start.elapsed().as_secs_f64());
         }
     }
     ALLOCATOR.set_limit(usize::MAX).unwrap();
     std::panic::set_hook(hook);
     let elapsed = start.elapsed();
 
-    println!(
+    eprintln!(
         "fuzz: {frames} frames ({random} random, {mutated} mutated, largest {largest_frame} B) in {:.1} s, {:.0} frames/s",
         elapsed.as_secs_f64(),
         frames as f64 / elapsed.as_secs_f64()
     );
-    println!(
+    eprintln!(
         "fuzz: live memory capped at {} KiB over the {} KiB before the run; the process peak was {} KiB",
         (cap - baseline) >> 10,
         baseline >> 10,
         ALLOCATOR.max_allocated() >> 10
     );
-    println!("fuzz: outcomes by stage (ok, or rejected by error kind):");
+    eprintln!("fuzz: outcomes by stage (ok, or rejected by error kind):");
     for ((stage, outcome), n) in &tally.counts {
-        println!("  {stage:<26} {outcome:<20} {n:>9}");
+        eprintln!("  {stage:<26} {outcome:<20} {n:>9}");
     }
 
     for f in &panicked {

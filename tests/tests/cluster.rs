@@ -139,6 +139,9 @@ async fn four_node_bsp_cluster_reaches_95_percent_on_digits() -> anyhow::Result<
     }
     for r in &reports {
         assert!(r.shard_stats.iter().all(|s| s.max_staleness == 0 && s.version == 300), "{:?}", r.shard_stats);
+        // The default norm check (K = 50 under BSP) dropped no honest gradient.
+        let rejected = r.status.as_ref().map(|s| s.rejected_contributions.clone()).unwrap_or_default();
+        assert!(rejected.is_empty(), "{}: honest gradients rejected: {rejected:?}", r.name);
     }
     Ok(())
 }

@@ -43,8 +43,9 @@ use crate::handles::net::{ModelSnapshot, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::ops::logging::short;
 use crate::policy::placement::Placement;
+use crate::policy::robust::Robust;
 use crate::policy::schedule::LrSchedule;
-use crate::policy::sync::{PushOutcome, ShardCore, SyncPolicy};
+use crate::policy::sync::{PushOutcome, ShardCore, SyncPolicy, SUSPECT_AFTER};
 
 /// What the aggregator needs besides its channels.
 #[derive(Debug, Clone)]
@@ -56,6 +57,8 @@ pub struct AggregatorConfig {
     pub optimizer: OptimizerConfig,
     /// The learning rate by step, which owned shards follow by version.
     pub schedule: LrSchedule,
+    /// The aggregation rule and the norm check.
+    pub robust: Robust,
     /// Element range of each shard in the flat model.
     pub ranges: Vec<Range<usize>>,
     /// Longest a pull may be parked.
@@ -252,6 +255,7 @@ impl AggregatorActor {
                     }
                 };
                 let bumped = core.version() != before;
+                report_rejections(&self.status, shard, core);
                 if let (PushReply::Accepted { version, .. }, Some(then)) = (&out, then_pull) {
                     self.park(worker, shard, self.cfg.policy.pull_after_push(*version), then.wait, then.reply);
                 }
@@ -323,7 +327,12 @@ impl AggregatorActor {
                 let stats = self
                     .cores
                     .iter()
-                    .map(|(&shard, c)| ShardStats { shard, version: c.version(), max_staleness: c.max_staleness() })
+                    .map(|(&shard, c)| ShardStats {
+                        shard,
+                        version: c.version(),
+                        max_staleness: c.max_staleness(),
+                        median_norm: c.median_norm(),
+                    })
                     .collect();
                 let _ = reply.send(stats);
             }
@@ -404,7 +413,8 @@ impl AggregatorActor {
         self.cores.insert(
             state.shard,
             ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers)
-                .with_schedule(self.cfg.schedule),
+                .with_schedule(self.cfg.schedule)
+                .with_robust(self.cfg.robust),
         );
     }
 
@@ -469,9 +479,10 @@ impl AggregatorActor {
                 None => {}
             }
         }
-        for core in self.cores.values_mut() {
+        for (&shard, core) in self.cores.iter_mut() {
             // An empty worker set is ignored there.
             core.set_workers(new.workers.iter().copied());
+            report_rejections(&self.status, shard, core);
         }
         let lost: Vec<u32> = self.cores.keys().copied().filter(|&s| new.owner(s) != Some(me)).collect();
         for shard in lost {
@@ -727,6 +738,7 @@ impl AggregatorActor {
                     "BSP round closed without every worker's gradient"
                 );
                 self.status.record(StatusEvent::RoundForced);
+                report_rejections(&self.status, shard, core);
                 closed.push(shard);
             }
         }
@@ -793,5 +805,19 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d).await,
         None => std::future::pending().await,
+    }
+}
+
+/// Reports the contributions the norm check dropped on `shard`: each to
+/// the status counters, and a warning when a worker becomes a suspect.
+fn report_rejections(status: &StatusHandle, shard: u32, core: &mut ShardCore<PeerId>) {
+    for r in core.take_rejections() {
+        if r.streak == SUSPECT_AFTER {
+            warn!(shard, worker = %short(&r.worker), norm = r.norm, median = r.median, streak = r.streak,
+                  "suspect worker: its gradients were rejected by the norm check, round after round");
+        } else {
+            debug!(shard, worker = %short(&r.worker), norm = r.norm, median = r.median, "gradient rejected by the norm check");
+        }
+        status.record(StatusEvent::Rejected { peer: r.worker, suspect: r.suspect() });
     }
 }

@@ -20,7 +20,7 @@ use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, Response
 use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{gossipsub, identify, mdns, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
-    frame, membership_topic, validate_gossip, validate_request, Accepted, Encoding, ErrorCode, Exchanged,
+    frame, membership_topic, validate_gossip, validate_request_fields, Accepted, Encoding, ErrorCode, Exchanged,
     GossipMessage, Heartbeat, Payload, ProtocolConfig, RunId, ShardRequest, ShardResponse, ShardState, ShoalBehaviour,
     ShoalBehaviourEvent, ValidationContext, WireError,
 };
@@ -266,7 +266,9 @@ impl NetworkActor {
         if let Some(resp) = req.undecodable_reply() {
             return self.respond_now(channel, resp);
         }
-        if let Err(e) = validate_request(&req, &peer, &self.parts.ctx) {
+        // Fields and tensor headers here; each tensor body is checked
+        // (checksum, finiteness) once, by the decode that copies it out.
+        if let Err(e) = validate_request_fields(&req, &peer, &self.parts.ctx) {
             warn!(%peer, kind = req.kind(), error = %e, "invalid request");
             return self.respond_now(channel, ShardResponse::error(&e));
         }

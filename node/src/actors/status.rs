@@ -1,6 +1,6 @@
 //! The status actor: keeps the counters that [`StatusHandle`] reports.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use shoal_protocol::libp2p::PeerId;
@@ -12,7 +12,18 @@ use crate::handles::status::{ExploreRecord, RoleChange, StatusCommand, StatusEve
 pub fn spawn(name: String, peer_id: String, total_steps: u64, capacity: usize) -> StatusHandle {
     let (sender, receiver) = mpsc::channel(capacity.max(1));
     let snap = StatusSnapshot { name, peer_id, total_steps, ..Default::default() };
-    tokio::spawn(StatusActor { snap, receiver, started: None, born: Instant::now(), pushes: BTreeMap::new() }.run());
+    tokio::spawn(
+        StatusActor {
+            snap,
+            receiver,
+            started: None,
+            born: Instant::now(),
+            pushes: BTreeMap::new(),
+            rejected: BTreeMap::new(),
+            suspects: BTreeSet::new(),
+        }
+        .run(),
+    );
     StatusHandle::new(sender)
 }
 
@@ -22,6 +33,8 @@ struct StatusActor {
     started: Option<Instant>,
     born: Instant,
     pushes: BTreeMap<PeerId, u64>,
+    rejected: BTreeMap<PeerId, u64>,
+    suspects: BTreeSet<PeerId>,
 }
 
 fn ema(old: Option<f64>, new: f64) -> Option<f64> {
@@ -34,6 +47,8 @@ impl StatusActor {
             match cmd {
                 StatusCommand::Snapshot(reply) => {
                     self.snap.pushes_accepted = self.pushes.iter().map(|(p, n)| (p.to_string(), *n)).collect();
+                    self.snap.rejected_contributions = self.rejected.iter().map(|(p, n)| (p.to_string(), *n)).collect();
+                    self.snap.suspects = self.suspects.iter().map(ToString::to_string).collect();
                     let _ = reply.send(self.snap.clone());
                 }
                 StatusCommand::Event(e) => self.apply(e),
@@ -63,6 +78,12 @@ impl StatusActor {
             StatusEvent::VersionRegression(v) => s.max_version_regression = s.max_version_regression.max(v),
             // Counted by peer id; named as text only when a snapshot is taken.
             StatusEvent::PushAccepted(w) => *self.pushes.entry(w).or_default() += 1,
+            StatusEvent::Rejected { peer, suspect } => {
+                *self.rejected.entry(peer).or_default() += 1;
+                if suspect {
+                    self.suspects.insert(peer);
+                }
+            }
             StatusEvent::Joined { step, donors } => {
                 s.joined_at_step = Some(step);
                 s.join_donors = donors;

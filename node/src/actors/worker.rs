@@ -186,6 +186,8 @@ impl Worker {
         let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
         let mut last_report: Option<Instant> = None;
         let mut pace = crate::policy::explore::PaceMeter::default();
+        // Worker momentum: the average pushed instead of each gradient.
+        let mut momentum: Option<Vec<f32>> = (self.config.cluster.worker_momentum > 0.0).then(Vec::new);
         for step in routing.start_step..t.steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");
@@ -193,7 +195,19 @@ impl Worker {
             }
             let indices = batches.for_step(step)?;
             let started = Instant::now();
-            let g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
+            let mut g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
+            if let Some(m) = momentum.as_mut() {
+                // Push the moving average of the gradients (worker momentum).
+                let b = self.config.cluster.worker_momentum;
+                if m.is_empty() {
+                    m.extend_from_slice(&g.grads);
+                } else {
+                    m.iter_mut().zip(&g.grads).for_each(|(m, x)| *m = b * *m + (1.0 - b) * x);
+                }
+                g.grads.copy_from_slice(m);
+            }
+            // Fault injection: this node plays a bad peer (none by default).
+            self.config.cluster.fault_byzantine.corrupt(step, &mut g.grads);
             let extra = self.faults.extra_compute(started.elapsed());
             if !extra.is_zero() {
                 // Fault injection: this node plays a slower machine.

@@ -243,6 +243,15 @@ pub struct NodeArgs {
     /// Fault injection: serve shard states over an emulated link of this many Mbit/s.
     #[arg(long)]
     pub fault_serve_mbps: Option<f64>,
+    /// How owners combine a BSP round: mean, trimmed_mean:F, median or centered_clip:TAU.
+    #[arg(long)]
+    pub aggregation: Option<crate::policy::robust::Aggregation>,
+    /// Owners reject gradients over this many times the median norm (0: off).
+    #[arg(long)]
+    pub norm_check: Option<f32>,
+    /// Fault injection: push bad gradients: none, scale:F, sign_flip or random.
+    #[arg(long)]
+    pub fault_byzantine: Option<crate::ops::faults::Byzantine>,
     /// Serve the status page, /status and /metrics on host:port, or `off`
     /// (default 127.0.0.1:0: loopback, a free port).
     #[arg(long)]

@@ -65,6 +65,11 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     set!(k.fault_delay_ms, args.fault_delay_ms);
     set!(k.slowdown, args.slowdown);
     set!(k.fault_serve_mbps, args.fault_serve_mbps);
+    set!(k.aggregation, args.aggregation);
+    if args.norm_check.is_some() {
+        k.norm_check = args.norm_check;
+    }
+    set!(k.fault_byzantine, args.fault_byzantine);
     set!(c.http.listen, args.http);
     if args.checkpoint_dir.is_some() {
         c.checkpoint.dir = args.checkpoint_dir.clone();
@@ -90,6 +95,7 @@ macro_rules! say {
 
 pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     let config = resolve(&args)?;
+    let open: Vec<String> = config.network.open_listeners().iter().map(ToString::to_string).collect();
     let keypair = load_identity(config.identity.as_deref())?;
     // This process is one node: it gets `training.threads`, or every core.
     let threads = crate::ops::threads::resolve(config.training.threads, 1);
@@ -103,6 +109,13 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         }
         if let Some(h) = node.http {
             say!("status on http://{h}/");
+        }
+        if !open.is_empty() {
+            say!(
+                "warning: any peer may join: {} is reachable beyond this machine and neither \
+                 network.admission.psk nor network.admission.allowlist is set (see docs/operations.md#admission-control)",
+                open.join(", ")
+            );
         }
         let leave = node.leave_switch();
         let mut task = node.task;

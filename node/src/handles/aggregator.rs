@@ -79,6 +79,10 @@ pub struct ShardStats {
     pub shard: u32,
     pub version: u64,
     pub max_staleness: u64,
+    /// The median gradient norm of the last BSP round (or of the window of
+    /// accepted pushes) when the norm check is on: the scale to pick
+    /// `centered_clip:TAU` from.
+    pub median_norm: Option<f32>,
 }
 
 /// The aggregator's mailbox. `TransferDone`, `TransferFailed`, `ReplicaDone`

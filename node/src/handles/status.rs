@@ -68,6 +68,11 @@ pub struct StatusSnapshot {
     pub max_version_regression: u64,
     /// Pushes this node's shards accepted, per worker (peer id).
     pub pushes_accepted: BTreeMap<String, u64>,
+    /// Gradients this node's shards rejected (norm check), per worker peer id.
+    pub rejected_contributions: BTreeMap<String, u64>,
+    /// Workers whose gradients this node rejected several times in a row
+    /// (`policy::sync::SUSPECT_AFTER`), since it started.
+    pub suspects: Vec<String>,
     /// Joined mid-run: the step it started at and how many peers it fetched
     /// the model from.
     pub joined_at_step: Option<u64>,
@@ -122,10 +127,22 @@ pub struct RoleChange {
 /// Something that happened.
 #[derive(Debug, Clone)]
 pub enum StatusEvent {
-    Role { role: RoleView, owned: Vec<u32> },
-    Step { step: u64, samples: usize, loss: f32, compute_secs: f64, comm_secs: f64 },
+    Role {
+        role: RoleView,
+        owned: Vec<u32>,
+    },
+    Step {
+        step: u64,
+        samples: usize,
+        loss: f32,
+        compute_secs: f64,
+        comm_secs: f64,
+    },
     Version(u64),
-    Bytes { out: u64, r#in: u64 },
+    Bytes {
+        out: u64,
+        r#in: u64,
+    },
     PushLatency(f64),
     PullLatency(f64),
     Accuracy(f32),
@@ -134,17 +151,39 @@ pub enum StatusEvent {
     GossipDistance(f32),
     HandoffOut,
     HandoffIn,
-    Restored { from_replica: bool },
+    Restored {
+        from_replica: bool,
+    },
     VersionRegression(u64),
     PushAccepted(PeerId),
-    Joined { step: u64, donors: usize },
-    Left { step: u64 },
+    /// An owner's norm check dropped a gradient of `peer`; `suspect` once it
+    /// has happened several times in a row.
+    Rejected {
+        peer: PeerId,
+        suspect: bool,
+    },
+    Joined {
+        step: u64,
+        donors: usize,
+    },
+    Left {
+        step: u64,
+    },
     RoundForced,
     Aggregators(usize),
-    Explore { step: u64, decision: crate::policy::explore::Decision },
-    CheckpointWritten { shard: u32, version: u64, secs: f64 },
+    Explore {
+        step: u64,
+        decision: crate::policy::explore::Decision,
+    },
+    CheckpointWritten {
+        shard: u32,
+        version: u64,
+        secs: f64,
+    },
     CheckpointFailed,
-    Resumed { step: u64 },
+    Resumed {
+        step: u64,
+    },
 }
 
 /// The status actor's mailbox.

@@ -7,11 +7,87 @@
 //!   this many times its measured length (a slow machine);
 //! - `serve_mbps`: the shard states this node sends as an owner leave over
 //!   one link of this many Mbit/s, each queued behind the previous one (an
-//!   owner on a slow uplink: its serving time grows with its load).
+//!   owner on a slow uplink: its serving time grows with its load);
+//! - [`Byzantine`] (`cluster.fault_byzantine`, read by the worker): this node's
+//!   pushed gradients are scaled, sign-flipped or random (a bad peer, for
+//!   the robust-aggregation tests).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// What a Byzantine worker does to each gradient before it pushes it.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Byzantine {
+    /// Honest.
+    #[default]
+    None,
+    /// Multiply by this factor.
+    Scale(f32),
+    /// Negate.
+    SignFlip,
+    /// Replace with random values of the same L2 norm.
+    Random,
+}
+
+impl Byzantine {
+    /// Corrupts the gradient of `step` in place (deterministic per step).
+    pub fn corrupt(&self, step: u64, grads: &mut [f32]) {
+        match *self {
+            Byzantine::None => {}
+            Byzantine::Scale(f) => grads.iter_mut().for_each(|g| *g *= f),
+            Byzantine::SignFlip => grads.iter_mut().for_each(|g| *g = -*g),
+            Byzantine::Random => {
+                use rand::{Rng, SeedableRng};
+                let norm = crate::policy::robust::norm(grads);
+                let mut rng = rand::rngs::StdRng::seed_from_u64(step ^ 0xb12a_47e5);
+                grads.iter_mut().for_each(|g| *g = rng.random_range(-1.0f32..1.0));
+                let scale = norm / crate::policy::robust::norm(grads).max(f32::MIN_POSITIVE);
+                grads.iter_mut().for_each(|g| *g *= scale);
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for Byzantine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "none" => Ok(Byzantine::None),
+            "sign_flip" => Ok(Byzantine::SignFlip),
+            "random" => Ok(Byzantine::Random),
+            other => match other.strip_prefix("scale:").map(|f| f.trim().parse::<f32>()) {
+                Some(Ok(f)) if f.is_finite() => Ok(Byzantine::Scale(f)),
+                _ => Err(format!("fault_byzantine `{other}`: use none, scale:F, sign_flip or random")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Byzantine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Byzantine::None => write!(f, "none"),
+            Byzantine::Scale(x) => write!(f, "scale:{x}"),
+            Byzantine::SignFlip => write!(f, "sign_flip"),
+            Byzantine::Random => write!(f, "random"),
+        }
+    }
+}
+
+impl From<Byzantine> for String {
+    fn from(b: Byzantine) -> String {
+        b.to_string()
+    }
+}
+
+impl TryFrom<String> for Byzantine {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
 
 /// Shared fault settings.
 #[derive(Debug, Default)]
@@ -100,6 +176,28 @@ impl Faults {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byzantine_gradients_are_what_they_say() {
+        for s in ["none", "scale:100", "sign_flip", "random"] {
+            assert_eq!(s.parse::<Byzantine>().map(|b| b.to_string()), Ok(s.to_string()));
+        }
+        assert!("scale:x".parse::<Byzantine>().is_err() && "evil".parse::<Byzantine>().is_err());
+        let honest = vec![3.0f32, -4.0, 0.0, 12.0];
+        let after = |b: Byzantine| {
+            let mut g = honest.clone();
+            b.corrupt(7, &mut g);
+            g
+        };
+        assert_eq!(after(Byzantine::None), honest);
+        assert_eq!(after(Byzantine::Scale(100.0)), vec![300.0, -400.0, 0.0, 1200.0]);
+        assert_eq!(after(Byzantine::SignFlip), vec![-3.0, 4.0, -0.0, -12.0]);
+        let r = after(Byzantine::Random);
+        let norm = crate::policy::robust::norm;
+        assert!((norm(&r) - 13.0).abs() < 1e-4, "the honest norm: {r:?}");
+        assert_ne!(r, honest);
+        assert_eq!(r, after(Byzantine::Random), "deterministic per step");
+    }
 
     #[test]
     fn slowdown_stretches_compute_and_bad_factors_are_refused() {

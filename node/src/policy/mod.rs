@@ -7,6 +7,7 @@ pub mod explore;
 pub mod health;
 pub mod placement;
 pub mod resume;
+pub mod robust;
 pub mod schedule;
 pub mod sync;
 pub mod view;

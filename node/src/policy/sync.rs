@@ -22,6 +22,14 @@
 //!
 //! The staleness recorded for a push is the pusher's clock lead over the
 //! slowest worker when the push arrives; owners keep the largest one seen.
+//!
+//! Robustness ([`crate::policy::robust`]): a BSP round is combined with the
+//! owner's rule (mean, trimmed mean, median or centered clipping) after the
+//! norm check has dropped its outliers; the other policies run the norm
+//! check against a sliding window of accepted pushes. A rejected push is
+//! acknowledged like any other (its clock moves, so a bad worker cannot
+//! stall the others) and dropped, and the owner reports it (see
+//! [`ShardCore::take_rejections`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -29,7 +37,30 @@ use std::str::FromStr;
 
 use shoal_models::{Optimizer, OptimizerState};
 
+use crate::policy::robust::{self, NormWindow, Robust};
 use crate::policy::schedule::LrSchedule;
+
+/// Rejections in a row after which a worker is reported as a suspect.
+pub const SUSPECT_AFTER: u32 = 3;
+
+/// A contribution the norm check dropped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rejection<K> {
+    pub worker: K,
+    /// The gradient's L2 norm.
+    pub norm: f32,
+    /// The median norm it was compared with (of the round or the window).
+    pub median: f32,
+    /// This worker's rejections in a row, this one included.
+    pub streak: u32,
+}
+
+impl<K> Rejection<K> {
+    /// Rejected [`SUSPECT_AFTER`] times in a row or more.
+    pub fn suspect(&self) -> bool {
+        self.streak >= SUSPECT_AFTER
+    }
+}
 
 /// How far workers may drift apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -152,6 +183,15 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     max_staleness: u64,
     /// The learning rate by step; `None` keeps the optimizer's own rate.
     schedule: Option<LrSchedule>,
+    robust: Robust,
+    /// Accepted push norms (SSP, DSSP, ASP).
+    window: NormWindow,
+    /// Rejections in a row, per worker.
+    streaks: BTreeMap<K, u32>,
+    /// Rejections not yet taken by the owner.
+    rejections: Vec<Rejection<K>>,
+    /// The last round's median gradient norm (BSP, norm check on).
+    round_median_norm: Option<f32>,
 }
 
 impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
@@ -172,7 +212,47 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             round_opened_ms: None,
             max_staleness: 0,
             schedule: None,
+            robust: Robust { aggregation: robust::Aggregation::Mean, norm_check: 0.0 },
+            window: NormWindow::default(),
+            streaks: BTreeMap::new(),
+            rejections: Vec::new(),
+            round_median_norm: None,
         }
+    }
+
+    /// Combine rounds with `robust.aggregation` after the norm check (BSP),
+    /// or run the norm check on each push (the other policies). Without
+    /// this, the core takes the plain mean and checks nothing.
+    pub fn with_robust(mut self, robust: Robust) -> Self {
+        self.robust = robust;
+        self
+    }
+
+    /// The median gradient norm of the last round (BSP) or of the window of
+    /// accepted pushes (the other policies); `None` with the norm check off
+    /// or before the first gradient.
+    pub fn median_norm(&self) -> Option<f32> {
+        match self.policy {
+            SyncPolicy::Bsp => self.round_median_norm,
+            _ => Some(self.window.median()).filter(|m| *m > 0.0),
+        }
+    }
+
+    /// The contributions rejected since the last call.
+    pub fn take_rejections(&mut self) -> Vec<Rejection<K>> {
+        std::mem::take(&mut self.rejections)
+    }
+
+    /// Records whether `worker`'s contribution passed.
+    fn judge(&mut self, worker: &K, passed: bool, norm: f32, median: f32) {
+        if passed {
+            self.streaks.remove(worker);
+            return;
+        }
+        let streak = self.streaks.entry(worker.clone()).or_default();
+        *streak += 1;
+        let streak = *streak;
+        self.rejections.push(Rejection { worker: worker.clone(), norm, median, streak });
     }
 
     /// Follow `schedule`: before each optimizer step the rate is set for the
@@ -295,6 +375,16 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                 // every worker's latest n), so one push from each worker adds
                 // up to BSP's sample-weighted mean. Lengths were checked above,
                 // so the step cannot fail on size.
+                let k = self.robust.norm_check;
+                if k > 0.0 {
+                    let n = robust::norm(&grad);
+                    let median = self.window.median();
+                    let passed = self.window.admit(n, k);
+                    self.judge(worker, passed, n, median);
+                    if !passed {
+                        return PushOutcome::Accepted { version, staleness: lead };
+                    }
+                }
                 let total: u64 = self.workers.values().map(|w| w.last_samples.unwrap_or(samples.max(1)) as u64).sum();
                 let weight = samples.max(1) as f32 / total.max(1) as f32;
                 grad.iter_mut().for_each(|g| *g *= weight);
@@ -316,6 +406,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let min = self.min_clock();
         self.workers.retain(|k, _| live.contains(k));
         self.round.retain(|k, _| live.contains(k));
+        self.streaks.retain(|k, _| live.contains(k));
         if self.round.is_empty() {
             self.round_opened_ms = None;
         }
@@ -362,20 +453,33 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         (self.params.clone(), self.optimizer.state().clone(), self.version)
     }
 
-    /// Average the round's gradients weighted by samples, in worker order
-    /// (so every owner sums in the same order), and take one step.
+    /// Drop the round's norm outliers, combine the rest with the
+    /// aggregation rule (the mean: weighted by samples, in worker order, so
+    /// every owner sums in the same order) and take one step.
     fn apply_round(&mut self) {
-        let total: f64 = self.round.values().map(|(n, _)| *n as f64).sum();
-        let mut mean = vec![0.0f32; self.params.len()];
-        for (n, g) in self.round.values() {
-            let w = (*n as f64 / total) as f32;
-            for (m, x) in mean.iter_mut().zip(g) {
-                *m += w * x;
+        let round = std::mem::take(&mut self.round);
+        self.round_opened_ms = None;
+        let k = self.robust.norm_check;
+        let norms: Vec<f32> = if k > 0.0 { round.values().map(|(_, g)| robust::norm(g)).collect() } else { Vec::new() };
+        let outliers = robust::norm_outliers(&norms, k);
+        if !norms.is_empty() {
+            let median = robust::median(&mut norms.clone());
+            self.round_median_norm = Some(median);
+            for (i, w) in round.keys().enumerate() {
+                self.judge(w, !outliers.contains(&i), norms[i], median);
             }
         }
-        self.round.clear();
-        self.round_opened_ms = None;
-        self.step(&mean);
+        let kept: Vec<(&[f32], f32)> = round
+            .values()
+            .enumerate()
+            .filter(|(i, _)| !outliers.contains(i))
+            .map(|(_, (n, g))| (g.as_slice(), *n as f32))
+            .collect();
+        let mut update = vec![0.0f32; self.params.len()];
+        if !kept.is_empty() {
+            robust::combine(self.robust.aggregation, &kept, &mut update);
+        }
+        self.step(&update);
     }
 
     /// May `worker`, whose clock is `clock` on its side, be answered now?
@@ -462,6 +566,64 @@ mod tests {
         for p in ["bsp", "ssp:3", "dssp:1-4", "asp"] {
             assert_eq!(p.parse::<SyncPolicy>().map(|p| p.to_string()), Ok(p.to_string()));
         }
+    }
+
+    /// Three honest workers and one pushing 1000x their gradient: the
+    /// norm check drops it from each round, the median-free mean of the
+    /// rest is applied, and the third rejection in a row makes it a suspect.
+    #[test]
+    fn bsp_drops_a_far_gradient_from_the_round_and_reports_the_worker() {
+        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0 };
+        let ids = ["a", "b", "c", "d"];
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ids).with_robust(robust);
+        for round in 0..3u64 {
+            for (w, g) in [("a", [1.0, 2.0]), ("b", [3.0, 2.0]), ("c", [2.0, 2.0]), ("d", [-2000.0, 2000.0])] {
+                assert!(matches!(core.push(&w, round, 1, g.to_vec(), 0), PushOutcome::Accepted { .. }));
+            }
+            assert_eq!(core.version(), round + 1);
+            // lr 1: each round subtracts the honest mean (2, 2).
+            let v = -2.0 * (round + 1) as f32;
+            assert_eq!(core.params(), &[v, v]);
+            let r = core.take_rejections();
+            assert_eq!(r.len(), 1, "{r:?}");
+            assert_eq!((r[0].worker, r[0].streak, r[0].suspect()), ("d", round as u32 + 1, round == 2));
+            assert!(r[0].norm > 2000.0 && r[0].median < 4.0, "{r:?}");
+        }
+        // An honest round resets the streak.
+        for w in ids {
+            core.push(&w, 3, 1, vec![1.0, 1.0], 0);
+        }
+        assert!(core.take_rejections().is_empty());
+        assert_eq!(core.params(), &[-7.0, -7.0]);
+    }
+
+    #[test]
+    fn bsp_rounds_combine_with_the_robust_rule() {
+        let rule = robust::Aggregation::Median;
+        let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b", "c"])
+            .with_robust(Robust { aggregation: rule, norm_check: 0.0 });
+        for (w, g) in [("a", 1.0f32), ("b", 2.0), ("c", -9.0)] {
+            core.push(&w, 0, 1, vec![g], 0);
+        }
+        assert_eq!(core.params(), &[-1.0], "the median of 1, 2, -9 is 1");
+        assert!(core.take_rejections().is_empty(), "K = 0: no norm check");
+    }
+
+    #[test]
+    fn asp_checks_each_push_against_the_window_and_still_counts_its_clock() {
+        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0 };
+        let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Asp, ["a", "b"]).with_robust(robust);
+        for i in 0..robust::WARMUP {
+            core.push(&"a", i, 1, vec![1.0], 0);
+        }
+        let v = core.version();
+        assert_eq!(core.push(&"b", v, 1, vec![500.0], 0), PushOutcome::Accepted { version: v, staleness: 0 });
+        assert_eq!(core.version(), v, "the far push was not applied");
+        assert_eq!(core.clock(&"b"), Some(1), "but its clock moved, so it cannot stall the bound");
+        let r = core.take_rejections();
+        assert_eq!((r.len(), r[0].worker), (1, "b"));
+        core.push(&"b", v, 1, vec![1.0], 0);
+        assert_eq!(core.version(), v + 1);
     }
 
     #[test]

@@ -1,0 +1,347 @@
+//! Robust aggregation on shard owners: which gradients of a BSP round (or,
+//! for the asynchronous policies, which pushes against a sliding window)
+//! count, and how a round's gradients are combined. Pure: slices in, a
+//! vector and the rejected contributions out. No tokio, no libp2p.
+//!
+//! - **Norm check** (`cluster.norm_check = K`; default 50 under BSP and
+//!   off under the other policies; 0 turns it off):
+//!   a gradient whose L2 norm exceeds K times the median norm of its round
+//!   (BSP) or of the last [`WINDOW`] accepted pushes (SSP, DSSP, ASP, after
+//!   the shard's first [`WARMUP`] pushes) is rejected. It needs 3 or more
+//!   norms to compare with, so in BSP it never fires with fewer than 3
+//!   workers.
+//! - **Rule** (`cluster.aggregation`), BSP only:
+//!   - `mean`: the sample-weighted mean, as before;
+//!   - `trimmed_mean:F`: per coordinate, drop the `floor(F * n)` largest and
+//!     smallest values and average the rest (unweighted);
+//!   - `median`: the per-coordinate median;
+//!   - `centered_clip:TAU`: start from the per-coordinate median and take 3
+//!     steps of centered clipping (Karimireddy, He and Jaggi, 2021): each
+//!     gradient pulls the centre towards itself by at most `TAU` in L2
+//!     norm, so one gradient moves the result by at most `TAU / n` a step.
+//!
+//! With `n` contributions, `trimmed_mean` and `median` survive up to
+//! `floor(F * n)` and `(n - 1) / 2` bad ones per coordinate.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Accepted norms the asynchronous policies compare a push with.
+pub const WINDOW: usize = 16;
+
+/// Norms needed before the check can reject anything.
+pub const MIN_NORMS: usize = 3;
+
+/// Pushes a shard accepts before the asynchronous check starts: early in
+/// training the gradient norm can grow tenfold within a window's worth of
+/// pushes, and the check then rejected honest workers (seen under SSP).
+pub const WARMUP: u64 = 4 * WINDOW as u64;
+
+/// Centered-clipping iterations.
+const CLIP_ITERATIONS: usize = 3;
+
+/// How an owner combines one round's gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Aggregation {
+    /// The sample-weighted mean.
+    #[default]
+    Mean,
+    /// Per coordinate, drop `floor(trim * n)` values at each end and average
+    /// the rest. `trim` is in `[0, 0.5)`.
+    TrimmedMean { trim: f32 },
+    /// The per-coordinate median.
+    Median,
+    /// Centered clipping with radius `tau` (> 0), from the median.
+    CenteredClip { tau: f32 },
+}
+
+impl Aggregation {
+    /// Whether the rule is anything but the mean.
+    pub fn is_robust(&self) -> bool {
+        *self != Aggregation::Mean
+    }
+}
+
+impl FromStr for Aggregation {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let num = |v: &str, what: &str| -> Result<f32, String> {
+            v.trim().parse::<f32>().map_err(|_| format!("{what} `{v}` is not a number"))
+        };
+        match s.split_once(':') {
+            None if s == "mean" => Ok(Aggregation::Mean),
+            None if s == "median" => Ok(Aggregation::Median),
+            Some(("trimmed_mean", f)) => {
+                let trim = num(f, "trimmed_mean fraction")?;
+                if !(0.0..0.5).contains(&trim) {
+                    return Err(format!("trimmed_mean:{f}: the fraction trimmed at each end must be in [0, 0.5)"));
+                }
+                Ok(Aggregation::TrimmedMean { trim })
+            }
+            Some(("centered_clip", t)) => {
+                let tau = num(t, "centered_clip radius")?;
+                if !(tau.is_finite() && tau > 0.0) {
+                    return Err(format!("centered_clip:{t}: the radius must be a positive number"));
+                }
+                Ok(Aggregation::CenteredClip { tau })
+            }
+            _ => Err(format!("unknown aggregation `{s}`: use mean, trimmed_mean:F, median or centered_clip:TAU")),
+        }
+    }
+}
+
+impl fmt::Display for Aggregation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Aggregation::Mean => write!(f, "mean"),
+            Aggregation::TrimmedMean { trim } => write!(f, "trimmed_mean:{trim}"),
+            Aggregation::Median => write!(f, "median"),
+            Aggregation::CenteredClip { tau } => write!(f, "centered_clip:{tau}"),
+        }
+    }
+}
+
+impl From<Aggregation> for String {
+    fn from(a: Aggregation) -> String {
+        a.to_string()
+    }
+}
+
+impl TryFrom<String> for Aggregation {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+/// An owner's robustness settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Robust {
+    pub aggregation: Aggregation,
+    /// K of the norm check; 0 turns it off.
+    pub norm_check: f32,
+}
+
+impl Default for Robust {
+    fn default() -> Self {
+        Robust { aggregation: Aggregation::Mean, norm_check: 10.0 }
+    }
+}
+
+/// L2 norm, accumulated in f64.
+pub fn norm(g: &[f32]) -> f32 {
+    g.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt() as f32
+}
+
+/// The median of `xs` (the mean of the two middle values for an even
+/// count; 0 for none). Reorders `xs`.
+pub fn median(xs: &mut [f32]) -> f32 {
+    let n = xs.len();
+    if n == 0 {
+        return 0.0;
+    }
+    xs.sort_unstable_by(f32::total_cmp);
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// Indices of `norms` above `k` times their median; none when `k` is 0 or
+/// there are fewer than [`MIN_NORMS`].
+pub fn norm_outliers(norms: &[f32], k: f32) -> Vec<usize> {
+    if k <= 0.0 || norms.len() < MIN_NORMS {
+        return Vec::new();
+    }
+    let limit = k * median(&mut norms.to_vec());
+    norms.iter().enumerate().filter(|(_, &n)| n > limit || !n.is_finite()).map(|(i, _)| i).collect()
+}
+
+/// Combines gradients (each with its weight, the samples behind it) into
+/// `out` with `rule`. Only `Mean` uses the weights. `grads` is not empty and
+/// every gradient has `out.len()` values.
+pub fn combine(rule: Aggregation, grads: &[(&[f32], f32)], out: &mut [f32]) {
+    out.iter_mut().for_each(|o| *o = 0.0);
+    match rule {
+        Aggregation::Mean => {
+            let total: f64 = grads.iter().map(|(_, w)| f64::from(*w)).sum();
+            for (g, w) in grads {
+                let w = (f64::from(*w) / total) as f32;
+                for (m, x) in out.iter_mut().zip(g.iter()) {
+                    *m += w * x;
+                }
+            }
+        }
+        Aggregation::TrimmedMean { trim } => {
+            let n = grads.len();
+            let cut = ((trim * n as f32).floor() as usize).min((n - 1) / 2);
+            per_coordinate(grads, out, |col| {
+                col.sort_unstable_by(f32::total_cmp);
+                let kept = &col[cut..n - cut];
+                kept.iter().sum::<f32>() / kept.len() as f32
+            });
+        }
+        Aggregation::Median => per_coordinate(grads, out, median),
+        Aggregation::CenteredClip { tau } => {
+            per_coordinate(grads, out, median);
+            let n = grads.len() as f32;
+            let mut step = vec![0.0f32; out.len()];
+            for _ in 0..CLIP_ITERATIONS {
+                step.iter_mut().for_each(|s| *s = 0.0);
+                for (g, _) in grads {
+                    let dist = g.iter().zip(out.iter()).map(|(x, v)| f64::from(x - v).powi(2)).sum::<f64>().sqrt();
+                    let scale = if dist > f64::from(tau) { (f64::from(tau) / dist) as f32 } else { 1.0 };
+                    for ((s, x), v) in step.iter_mut().zip(g.iter()).zip(out.iter()) {
+                        *s += (x - v) * scale / n;
+                    }
+                }
+                out.iter_mut().zip(&step).for_each(|(v, s)| *v += s);
+            }
+        }
+    }
+}
+
+fn per_coordinate(grads: &[(&[f32], f32)], out: &mut [f32], mut f: impl FnMut(&mut [f32]) -> f32) {
+    let mut col = vec![0.0f32; grads.len()];
+    for (i, o) in out.iter_mut().enumerate() {
+        for (c, (g, _)) in col.iter_mut().zip(grads) {
+            *c = g[i];
+        }
+        *o = f(&mut col);
+    }
+}
+
+/// The asynchronous policies' norm check: the norms of the last [`WINDOW`]
+/// accepted pushes.
+#[derive(Debug, Clone, Default)]
+pub struct NormWindow {
+    norms: VecDeque<f32>,
+    /// Pushes accepted so far.
+    accepted: u64,
+}
+
+impl NormWindow {
+    /// Whether a push of norm `n` passes with factor `k`; a passing norm
+    /// joins the window.
+    pub fn admit(&mut self, n: f32, k: f32) -> bool {
+        if k > 0.0 && (!n.is_finite() || (self.accepted >= WARMUP && n > k * self.median())) {
+            return false;
+        }
+        self.accepted += 1;
+        if self.norms.len() == WINDOW {
+            self.norms.pop_front();
+        }
+        self.norms.push_back(n);
+        true
+    }
+
+    /// The window's median norm (0 while empty).
+    pub fn median(&self) -> f32 {
+        median(&mut self.norms.iter().copied().collect::<Vec<_>>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn combined(rule: Aggregation, grads: &[Vec<f32>]) -> Vec<f32> {
+        let refs: Vec<(&[f32], f32)> = grads.iter().map(|g| (g.as_slice(), 1.0)).collect();
+        let mut out = vec![0.0; grads[0].len()];
+        combine(rule, &refs, &mut out);
+        out
+    }
+
+    #[test]
+    fn rules_parse_print_and_refuse_bad_values() {
+        for s in ["mean", "median", "trimmed_mean:0.2", "centered_clip:0.5"] {
+            let a: Aggregation = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
+            assert_eq!(a.to_string(), s);
+        }
+        for bad in
+            ["avg", "trimmed_mean:0.5", "trimmed_mean:-0.1", "trimmed_mean:x", "centered_clip:0", "centered_clip:inf"]
+        {
+            assert!(bad.parse::<Aggregation>().is_err(), "{bad} must be refused");
+        }
+    }
+
+    #[test]
+    fn mean_is_sample_weighted() {
+        let (a, b) = (vec![1.0f32, 2.0], vec![4.0f32, 8.0]);
+        let mut out = vec![0.0; 2];
+        combine(Aggregation::Mean, &[(&a, 1.0), (&b, 3.0)], &mut out);
+        assert_eq!(out, vec![3.25, 6.5]);
+    }
+
+    /// Four honest gradients near (1, -1) and one attacker: each robust rule
+    /// stays near the honest value, the mean does not.
+    #[test]
+    fn robust_rules_resist_one_attacker_in_five() {
+        let honest = [vec![1.0f32, -1.0], vec![1.1, -0.9], vec![0.9, -1.1], vec![1.05, -1.0]];
+        for attacker in [vec![100.0f32, -100.0], vec![-1.0, 1.0], vec![-50.0, 70.0]] {
+            let mut grads = honest.to_vec();
+            grads.push(attacker.clone());
+            let off = |v: &[f32]| ((v[0] - 1.0).powi(2) + (v[1] + 1.0).powi(2)).sqrt();
+            for rule in
+                [Aggregation::TrimmedMean { trim: 0.2 }, Aggregation::Median, Aggregation::CenteredClip { tau: 0.3 }]
+            {
+                let v = combined(rule, &grads);
+                assert!(off(&v) < 0.25, "{rule} with attacker {attacker:?}: {v:?}");
+            }
+            let mean = combined(Aggregation::Mean, &grads);
+            assert!(off(&mean) > 0.3, "the mean moves with the attacker {attacker:?}: {mean:?}");
+        }
+    }
+
+    #[test]
+    fn trimmed_mean_and_median_per_coordinate() {
+        let grads = [vec![1.0f32], vec![2.0], vec![3.0], vec![4.0], vec![100.0]];
+        assert_eq!(combined(Aggregation::TrimmedMean { trim: 0.2 }, &grads), vec![3.0]);
+        assert_eq!(combined(Aggregation::TrimmedMean { trim: 0.0 }, &grads), vec![22.0]);
+        assert_eq!(combined(Aggregation::Median, &grads), vec![3.0]);
+        assert_eq!(combined(Aggregation::Median, &grads[..4]), vec![2.5]);
+        // A large trim never drops every value.
+        assert_eq!(combined(Aggregation::TrimmedMean { trim: 0.49 }, &grads[..2]), vec![1.5]);
+    }
+
+    #[test]
+    fn centered_clip_moves_at_most_tau_over_n_per_gradient_and_step() {
+        // All agree: the result is that value.
+        let same = [vec![2.0f32, 2.0], vec![2.0, 2.0], vec![2.0, 2.0]];
+        assert_eq!(combined(Aggregation::CenteredClip { tau: 0.1 }, &same), vec![2.0, 2.0]);
+        // One far gradient among zeros: it moves the median's 0 by at most
+        // tau / n per iteration.
+        let grads = [vec![0.0f32], vec![0.0], vec![0.0], vec![1000.0]];
+        let v = combined(Aggregation::CenteredClip { tau: 1.0 }, &grads);
+        assert!(v[0] > 0.0 && v[0] <= 3.0 * 1.0 / 4.0 + 1e-6, "{v:?}");
+    }
+
+    #[test]
+    fn the_norm_check_rejects_far_outliers_given_three_norms() {
+        assert_eq!(norm_outliers(&[1.0, 1.2, 0.9, 50.0], 10.0), vec![3]);
+        assert_eq!(norm_outliers(&[1.0, 1.2, 0.9, 5.0], 10.0), Vec::<usize>::new());
+        assert_eq!(norm_outliers(&[1.0, 50.0], 10.0), Vec::<usize>::new(), "two norms cannot be judged");
+        assert_eq!(norm_outliers(&[1.0, 1.0, 50.0], 0.0), Vec::<usize>::new(), "K = 0 turns it off");
+        assert_eq!(norm_outliers(&[1.0, 1.0, f32::NAN], 10.0), vec![2]);
+        assert!((norm(&[3.0, 4.0]) - 5.0).abs() < 1e-6);
+
+        let mut w = NormWindow::default();
+        assert!(w.admit(500.0, 10.0), "nothing to compare with yet");
+        assert!(w.admit(1.0, 10.0) && w.admit(1.0, 10.0) && w.admit(1.0, 10.0));
+        assert!(w.admit(500.0, 10.0), "still warming up");
+        assert!(!w.admit(f32::NAN, 10.0), "never a non-finite norm");
+        for _ in 0..WARMUP {
+            assert!(w.admit(1.0, 10.0));
+        }
+        assert!(!w.admit(11.0, 10.0));
+        assert!(w.admit(9.0, 10.0));
+        assert!(w.admit(11.0, 0.0), "K = 0 admits everything");
+    }
+}
