@@ -67,6 +67,15 @@ pub enum RosterStatus {
     Agreed(Roster),
 }
 
+/// Most peers with this node's config that the view holds at once. A new
+/// peer beyond it is ignored until others expire, so a flood of fresh
+/// identities cannot grow the view without bound.
+pub const MAX_PEERS: usize = 4096;
+
+/// Most peers with another config that the view remembers (they are only
+/// named in the error when no roster forms).
+pub const MAX_MISMATCHED: usize = 64;
+
 /// The pure view.
 #[derive(Debug, Clone)]
 pub struct View {
@@ -74,13 +83,16 @@ pub struct View {
     pub my_can_aggregate: bool,
     pub config_hash: u64,
     pub peers: BTreeMap<PeerId, PeerState>,
-    /// Peers seen with another config: peer -> their config hash.
+    /// Peers seen with another config: peer -> their config hash (at most
+    /// [`MAX_MISMATCHED`]).
     pub mismatched: BTreeMap<PeerId, u64>,
+    /// Heartbeats of new peers ignored because the view was full.
+    pub refused: u64,
 }
 
 impl View {
     pub fn new(me: PeerId, my_can_aggregate: bool, config_hash: u64) -> Self {
-        Self { me, my_can_aggregate, config_hash, peers: BTreeMap::new(), mismatched: BTreeMap::new() }
+        Self { me, my_can_aggregate, config_hash, peers: BTreeMap::new(), mismatched: BTreeMap::new(), refused: 0 }
     }
 
     /// Take in a heartbeat. Returns whether the view changed in a way that
@@ -90,6 +102,10 @@ impl View {
             return false;
         }
         if hb.config_hash != self.config_hash {
+            if self.mismatched.len() >= MAX_MISMATCHED && !self.mismatched.contains_key(&hb.peer) {
+                self.refused += 1;
+                return false;
+            }
             let new = self.mismatched.insert(hb.peer, hb.config_hash).is_none();
             if new {
                 warn!(peer = %hb.peer, theirs = hb.config_hash, ours = self.config_hash,
@@ -97,6 +113,7 @@ impl View {
             }
             return new;
         }
+        let full = self.peers.len() >= MAX_PEERS;
         match self.peers.get_mut(&hb.peer) {
             Some(s) if hb.incarnation < s.heartbeat.incarnation => false,
             Some(s) if hb.incarnation == s.heartbeat.incarnation && hb.seq <= s.heartbeat.seq => false,
@@ -110,6 +127,13 @@ impl View {
                 s.heartbeat = hb;
                 s.last_seen_ms = now_ms;
                 changed
+            }
+            None if full => {
+                if self.refused == 0 {
+                    warn!(max = MAX_PEERS, "the view is full: new peers are ignored until others expire");
+                }
+                self.refused += 1;
+                false
             }
             None => {
                 self.peers.insert(hb.peer, PeerState { heartbeat: hb, last_seen_ms: now_ms });
@@ -260,5 +284,26 @@ mod tests {
         assert!(v.observe(hb(other, 5, 0), 0));
         assert!(!v.observe(hb(other, 4, 0), 1), "an older heartbeat changes nothing");
         assert_eq!(v.expire(10_000, 1000), vec![other]);
+    }
+
+    /// A flood of fresh identities fills the view to its bound and no
+    /// further; once they expire, new peers are admitted again.
+    #[test]
+    fn the_view_is_bounded() {
+        let mut v = View::new(PeerId::random(), true, 7);
+        for _ in 0..MAX_PEERS + 10 {
+            v.observe(hb(PeerId::random(), 1, 0), 0);
+        }
+        assert_eq!((v.peers.len(), v.refused), (MAX_PEERS, 10));
+        for _ in 0..MAX_MISMATCHED + 5 {
+            let mut other = hb(PeerId::random(), 1, 0);
+            other.config_hash = 8;
+            v.observe(other, 0);
+        }
+        assert_eq!((v.mismatched.len(), v.refused), (MAX_MISMATCHED, 15));
+        assert_eq!(v.expire(10_000, 1000).len(), MAX_PEERS);
+        let late = PeerId::random();
+        assert!(v.observe(hb(late, 1, 0), 10_000));
+        assert!(v.peers.contains_key(&late));
     }
 }
