@@ -23,6 +23,20 @@ fn process_testnet_survives_a_slowed_then_killed_aggregator() -> anyhow::Result<
     assert_demoted(&summary, "node3", slowed, killed);
     // Each survivor's trained model is in the report, and reads back.
     assert_models(report.path(), &summary)?;
+    // The launcher sampled every node's memory and open files from /proc,
+    // and stopped sampling node3 once it was killed.
+    let resources = summary["resources"].as_array().cloned().unwrap_or_default();
+    for node in ["node0", "node1", "node2", "node3"] {
+        let mine: Vec<_> = resources.iter().filter(|r| r["node"] == node).collect();
+        assert!(!mine.is_empty(), "no resource samples of {node}");
+        for r in &mine {
+            assert!(r["rss_bytes"].as_u64().unwrap_or(0) > 1 << 20, "{node}: {r}");
+            assert!(r["open_fds"].as_u64().unwrap_or(0) > 0, "{node}: {r}");
+        }
+    }
+    let last_node3 =
+        resources.iter().filter(|r| r["node"] == "node3").filter_map(|r| r["secs"].as_f64()).fold(0.0, f64::max);
+    assert!(last_node3 <= killed, "node3 sampled at {last_node3} s, after its kill at {killed} s");
     Ok(())
 }
 

@@ -11,7 +11,10 @@
 //! Faults are applied through the nodes' control endpoints (slowdowns,
 //! connection blocks for partitions, clean leave) and real process kills.
 //! Every 500 ms the launcher reads each node's `/status`, redraws the live
-//! table, and records the samples the report is made of. It stops when
+//! table, and records the samples the report is made of; every
+//! [`RESOURCE_EVERY_SECS`] it also reads each node process's resident
+//! memory and open file descriptors from `/proc` (process backend on
+//! Linux). It stops when
 //! every node process has exited, or kills them all at the scenario's time
 //! limit.
 
@@ -25,7 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 
 use crate::http;
-use crate::report::{FaultRecord, NodeOutcome, RoleRecord, Sample, Summary};
+use crate::report::{vm_rss_bytes, FaultRecord, NodeOutcome, ResourceSample, RoleRecord, Sample, Summary};
 use crate::scenario::{Action, Scenario};
 
 /// How to run a scenario.
@@ -84,6 +87,17 @@ fn parse_line(line: &str) -> Option<Line> {
         return Some(Line::Finished { accuracy: acc / 100.0, steps, left });
     }
     None
+}
+
+/// How often the launcher samples each node process's memory and open files.
+pub const RESOURCE_EVERY_SECS: f64 = 10.0;
+
+/// Resident memory and open file descriptors of process `pid`, from `/proc`
+/// (`None` off Linux or once the process is gone).
+fn proc_resources(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64;
+    Some((vm_rss_bytes(&status)?, fds))
 }
 
 struct NodeProc {
@@ -447,6 +461,20 @@ impl Launcher<'_> {
         Ok(())
     }
 
+    /// Memory and open files of every live node process (process backend;
+    /// with docker the child is the `docker run` client, not the node).
+    fn sample_resources(&self, t: f64, out: &mut Vec<ResourceSample>) {
+        if !matches!(self.opts.backend, Backend::Processes) {
+            return;
+        }
+        for n in &self.nodes {
+            let Some(pid) = n.child.as_ref().map(Child::id) else { continue };
+            if let Some((rss_bytes, open_fds)) = proc_resources(pid) {
+                out.push(ResourceSample { secs: t, node: n.name.clone(), rss_bytes, open_fds });
+            }
+        }
+    }
+
     /// Read every live node's status; record samples and role changes.
     fn poll(&mut self, t: f64, samples: &mut Vec<Sample>, roles: &mut Vec<RoleRecord>) {
         for n in self.nodes.iter_mut() {
@@ -582,6 +610,8 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
         println!("started node{i}: {}", l.node(i)?.p2p_addr().unwrap_or_default());
     }
     let mut samples = Vec::new();
+    let mut resources = Vec::new();
+    let mut last_resources = f64::NEG_INFINITY;
     let mut roles = Vec::new();
     let mut faults: Vec<FaultRecord> = Vec::new();
     let mut heals: Vec<(f64, Vec<Vec<usize>>)> = Vec::new();
@@ -592,6 +622,10 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
     loop {
         let t = l.secs();
         l.poll(t, &mut samples, &mut roles);
+        if t - last_resources >= RESOURCE_EVERY_SECS {
+            last_resources = t;
+            l.sample_resources(t, &mut resources);
+        }
         if t0.is_none() {
             let started = (0..scenario.nodes).all(|i| {
                 l.node(i)
@@ -693,7 +727,8 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
             model: Some(format!("models/{}.safetensors", n.name)).filter(|m| opts.report_dir.join(m).is_file()),
         })
         .collect();
-    let summary = Summary::build(&scenario, t0, l.secs(), timed_out, outcomes, roles, faults, samples);
+    let summary =
+        Summary::build(&scenario, t0, l.secs(), timed_out, outcomes, roles, faults, samples).with_resources(resources);
     summary.write(&opts.report_dir)?;
     println!("report: {}", opts.report_dir.display());
     for n in &summary.nodes {

@@ -32,6 +32,30 @@ pub struct Sample {
     pub samples_per_sec: f64,
 }
 
+/// One reading of one node process's resources (process backend; Linux
+/// `/proc`), every [`crate::process::RESOURCE_EVERY_SECS`] seconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResourceSample {
+    /// Seconds since the testnet started.
+    pub secs: f64,
+    pub node: String,
+    /// Resident set size (`VmRSS`).
+    pub rss_bytes: u64,
+    /// Open file descriptors (entries of `/proc/PID/fd`).
+    pub open_fds: u64,
+}
+
+/// `VmRSS` from the text of `/proc/PID/status`, in bytes.
+pub fn vm_rss_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let mut parts = line["VmRSS:".len()..].split_whitespace();
+    let value: u64 = parts.next()?.parse().ok()?;
+    match parts.next() {
+        Some("kB") => Some(value * 1024),
+        _ => None,
+    }
+}
+
 /// A role change seen by the launcher.
 #[derive(Debug, Clone, Serialize)]
 pub struct RoleRecord {
@@ -91,6 +115,9 @@ pub struct Summary {
     pub faults: Vec<FaultRecord>,
     /// Every sample, for other tools.
     pub samples: Vec<Sample>,
+    /// Each node process's memory and open files over time (process
+    /// backend only; empty on docker).
+    pub resources: Vec<ResourceSample>,
 }
 
 /// Window for the steps/s around a fault.
@@ -136,7 +163,14 @@ impl Summary {
             role_changes,
             faults,
             samples,
+            resources: Vec::new(),
         }
+    }
+
+    /// The resource samples the launcher took.
+    pub fn with_resources(mut self, resources: Vec<ResourceSample>) -> Self {
+        self.resources = resources;
+        self
     }
 
     /// Write `summary.json` and `plot.png` into `dir`.
@@ -170,9 +204,11 @@ fn font() -> bool {
 /// vertical lines, role changes as blue ticks at the top of each panel.
 fn plot(s: &Summary, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
     let text = font();
-    let root = BitMapBackend::new(path, (1200, 800)).into_drawing_area();
+    let height = if s.resources.is_empty() { 800 } else { 1100 };
+    let root = BitMapBackend::new(path, (1200, height)).into_drawing_area();
     root.fill(&WHITE)?;
-    let (top, bottom) = root.split_vertically(400);
+    let (charts, memory) = root.split_vertically(800);
+    let (top, bottom) = charts.split_vertically(400);
     let nodes = by_node(&s.samples);
     let t_max = s.samples.iter().map(|x| x.secs).fold(1.0f64, f64::max);
     let loss_max = s.samples.iter().filter_map(|x| x.loss).fold(0.1f64, f64::max);
@@ -213,7 +249,43 @@ fn plot(s: &Summary, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
             chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
         }
     }
+    if !s.resources.is_empty() {
+        plot_memory(s, &memory, t_max, text)?;
+    }
     root.present()?;
+    Ok(())
+}
+
+/// Each node's resident memory (MiB) over time, with the faults.
+fn plot_memory(
+    s: &Summary,
+    area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
+    t_max: f64,
+    text: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let y_max = s.resources.iter().map(|r| r.rss_bytes as f64 / MIB).fold(1.0f64, f64::max) * 1.1;
+    let mut b = ChartBuilder::on(area);
+    b.margin(10);
+    if text {
+        b.caption(format!("{} — resident memory (MiB)", s.scenario), ("sans-serif", 20))
+            .x_label_area_size(30)
+            .y_label_area_size(50);
+    }
+    let mut chart = b.build_cartesian_2d(0.0..t_max, 0.0..y_max)?;
+    if text {
+        chart.configure_mesh().x_desc("seconds").y_desc("RSS (MiB)").draw()?;
+    }
+    let mut nodes: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
+    for r in &s.resources {
+        nodes.entry(r.node.as_str()).or_default().push((r.secs, r.rss_bytes as f64 / MIB));
+    }
+    for (i, (_, pts)) in nodes.into_iter().enumerate() {
+        chart.draw_series(LineSeries::new(pts, Palette99::pick(i).to_rgba().stroke_width(2)))?;
+    }
+    for f in &s.faults {
+        chart.draw_series(LineSeries::new(vec![(f.secs, 0.0), (f.secs, y_max)], RED.stroke_width(2)))?;
+    }
     Ok(())
 }
 
@@ -230,6 +302,14 @@ mod tests {
             accuracy: Some(0.5),
             samples_per_sec: 0.0,
         }
+    }
+
+    #[test]
+    fn rss_is_read_from_proc_status() {
+        let status = "Name:\tshoal\nVmPeak:\t  99 kB\nVmRSS:\t   51200 kB\nThreads:\t9\n";
+        assert_eq!(vm_rss_bytes(status), Some(51200 * 1024));
+        assert_eq!(vm_rss_bytes("Name:\tx\n"), None);
+        assert_eq!(vm_rss_bytes("VmRSS:\tlots\n"), None);
     }
 
     #[test]
@@ -253,12 +333,17 @@ mod tests {
             steps_per_sec_before: None,
             steps_per_sec_after: None,
         };
-        let summary = Summary::build(&sc, Some(1.0), 20.0, false, vec![], vec![], vec![fault], samples);
+        let resources = (0..4)
+            .map(|i| ResourceSample { secs: 5.0 * i as f64, node: "a".into(), rss_bytes: (40 + i) << 20, open_fds: 30 })
+            .collect();
+        let summary =
+            Summary::build(&sc, Some(1.0), 20.0, false, vec![], vec![], vec![fault], samples).with_resources(resources);
         summary.write(dir.path())?;
         let png = std::fs::read(dir.path().join("plot.png"))?;
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
         let json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join("summary.json"))?)?;
         assert!(json["faults"][0]["steps_per_sec_before"].as_f64().is_some());
+        assert_eq!(json["resources"][3]["rss_bytes"].as_u64(), Some(43 << 20));
         Ok(())
     }
 }
