@@ -228,18 +228,20 @@ pub struct NormWindow {
 }
 
 impl NormWindow {
-    /// Whether a push of norm `n` passes with factor `k`; a passing norm
+    /// Whether a push of norm `n` passes with factor `k`, and the window's
+    /// median it was compared with (one sort per push); a passing norm
     /// joins the window.
-    pub fn admit(&mut self, n: f32, k: f32) -> bool {
-        if k > 0.0 && (!n.is_finite() || (self.accepted >= WARMUP && n > k * self.median())) {
-            return false;
+    pub fn admit(&mut self, n: f32, k: f32) -> (bool, f32) {
+        let median = self.median();
+        if k > 0.0 && (!n.is_finite() || (self.accepted >= WARMUP && n > k * median)) {
+            return (false, median);
         }
         self.accepted += 1;
         if self.norms.len() == WINDOW {
             self.norms.pop_front();
         }
         self.norms.push_back(n);
-        true
+        (true, median)
     }
 
     /// The window's median norm (0 while empty).
@@ -251,6 +253,12 @@ impl NormWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl NormWindow {
+        fn admit_ok(&mut self, n: f32, k: f32) -> bool {
+            self.admit(n, k).0
+        }
+    }
 
     fn combined(rule: Aggregation, grads: &[Vec<f32>]) -> Vec<f32> {
         let refs: Vec<(&[f32], f32)> = grads.iter().map(|g| (g.as_slice(), 1.0)).collect();
@@ -333,15 +341,15 @@ mod tests {
         assert!((norm(&[3.0, 4.0]) - 5.0).abs() < 1e-6);
 
         let mut w = NormWindow::default();
-        assert!(w.admit(500.0, 10.0), "nothing to compare with yet");
-        assert!(w.admit(1.0, 10.0) && w.admit(1.0, 10.0) && w.admit(1.0, 10.0));
-        assert!(w.admit(500.0, 10.0), "still warming up");
-        assert!(!w.admit(f32::NAN, 10.0), "never a non-finite norm");
+        assert!(w.admit_ok(500.0, 10.0), "nothing to compare with yet");
+        assert!(w.admit_ok(1.0, 10.0) && w.admit_ok(1.0, 10.0) && w.admit_ok(1.0, 10.0));
+        assert!(w.admit_ok(500.0, 10.0), "still warming up");
+        assert!(!w.admit_ok(f32::NAN, 10.0), "never a non-finite norm");
         for _ in 0..WARMUP {
-            assert!(w.admit(1.0, 10.0));
+            assert!(w.admit_ok(1.0, 10.0));
         }
-        assert!(!w.admit(11.0, 10.0));
-        assert!(w.admit(9.0, 10.0));
-        assert!(w.admit(11.0, 0.0), "K = 0 admits everything");
+        assert!(!w.admit_ok(11.0, 10.0));
+        assert!(w.admit_ok(9.0, 10.0));
+        assert!(w.admit_ok(11.0, 0.0), "K = 0 admits everything");
     }
 }

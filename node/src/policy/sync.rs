@@ -378,8 +378,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                 let k = self.robust.norm_check;
                 if k > 0.0 {
                     let n = robust::norm(&grad);
-                    let median = self.window.median();
-                    let passed = self.window.admit(n, k);
+                    let (passed, median) = self.window.admit(n, k);
                     self.judge(worker, passed, n, median);
                     if !passed {
                         return PushOutcome::Accepted { version, staleness: lead };
