@@ -235,20 +235,27 @@ fn nodes_with_mismatched_model_or_run_refuse_to_train_together() {
     assert!(!out.status.success(), "node A never had a valid peer and must fail too");
 }
 
+/// Spawn a node with its stdout piped; returns the child, the rest of its
+/// stdout lines, and the address it printed after "listening on ".
+fn spawn_listening(cmd: &mut Command) -> (std::process::Child, impl Iterator<Item = String>, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap_or_else(|e| panic!("{e}"));
+    let mut lines =
+        BufReader::new(child.stdout.take().unwrap_or_else(|| panic!("no stdout"))).lines().map_while(Result::ok);
+    let addr = lines
+        .by_ref()
+        .find_map(|l| l.strip_prefix("listening on ").map(str::to_string))
+        .unwrap_or_else(|| panic!("the node printed no address"));
+    (child, lines, addr)
+}
+
 /// The deployment form: three `shoal node` processes on loopback TCP. B and
 /// C know only A; they find each other through Kademlia and train together.
 #[test]
 fn three_node_processes_train_together_over_tcp() {
-    use std::io::{BufRead, BufReader};
     let common =
         ["--min-peers", "3", "--run-id", "procs", "--steps", "150", "--lr", "0.1", "--start-timeout-ms", "30000"];
-    let mut a = node_cmd(&common).stdout(std::process::Stdio::piped()).spawn().unwrap_or_else(|e| panic!("{e}"));
-    let mut lines =
-        BufReader::new(a.stdout.take().unwrap_or_else(|| panic!("no stdout"))).lines().map_while(Result::ok);
-    let addr = lines
-        .by_ref()
-        .find_map(|l| l.strip_prefix("listening on ").map(str::to_string))
-        .unwrap_or_else(|| panic!("node A printed no address"));
+    let (mut a, lines, addr) = spawn_listening(&mut node_cmd(&common));
     let others: Vec<_> = (0..2)
         .map(|_| node_cmd(&common).args(["--bootstrap", &addr]).stdout(std::process::Stdio::piped()).spawn())
         .map(|c| c.unwrap_or_else(|e| panic!("{e}")))
@@ -369,7 +376,6 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
 /// skipped; `.ci/run` installs it and sets SHOAL_REQUIRE_PROMTOOL=1.
 #[test]
 fn a_live_node_s_metrics_pass_promtool() {
-    use std::io::{BufRead, BufReader};
     let promtool = std::env::var_os("PATH")
         .and_then(|p| std::env::split_paths(&p).map(|d| d.join("promtool")).find(|f| f.is_file()));
     let Some(promtool) = promtool else {
@@ -381,17 +387,7 @@ fn a_live_node_s_metrics_pass_promtool() {
         return;
     };
     let common = ["--min-peers", "2", "--run-id", "metrics", "--steps", "400", "--start-timeout-ms", "30000"];
-    let mut a = node_cmd(&common)
-        .args(["--http", "127.0.0.1:0"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut lines =
-        BufReader::new(a.stdout.take().unwrap_or_else(|| panic!("no stdout"))).lines().map_while(Result::ok);
-    let addr = lines
-        .by_ref()
-        .find_map(|l| l.strip_prefix("listening on ").map(str::to_string))
-        .unwrap_or_else(|| panic!("node A printed no address"));
+    let (mut a, mut lines, addr) = spawn_listening(node_cmd(&common).args(["--http", "127.0.0.1:0"]));
     let http = lines
         .by_ref()
         .find_map(|l| l.strip_prefix("status on http://").map(|h| h.trim_end_matches('/').to_string()))
