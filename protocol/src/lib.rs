@@ -33,7 +33,7 @@ pub use messages::*;
 pub use payload::{Dtype, Encoding, Payload, TensorMeta};
 pub use validate::{
     validate_gossip, validate_heartbeat, validate_request, validate_request_fields, validate_response,
-    ValidationContext,
+    validate_response_fields, ValidationContext,
 };
 
 /// Re-export so the node uses exactly our libp2p.

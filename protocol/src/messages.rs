@@ -200,9 +200,11 @@ pub struct Handoff {
     pub run: RunId,
     /// The shard.
     pub shard: ShardId,
-    /// Assignment epoch under which the receiver owns (or backs up) it. A
-    /// receiver refuses handoffs older than the epoch it already knows
-    /// (`Fenced`).
+    /// Reserved; the node sends 0 and ignores it. The node's placement
+    /// epoch is a hash of the election's inputs, not an ordered number, so
+    /// it cannot tell an older handoff from a newer one: handoffs are
+    /// fenced by `version` (and `from_incarnation`) instead. A transfer that
+    /// meets an installed copy of the same or a higher version is `Fenced`.
     pub epoch: Epoch,
     /// Transfer or replica.
     pub kind: HandoffKind,

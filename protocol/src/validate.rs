@@ -196,16 +196,27 @@ fn check_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext, b
     }
 }
 
-fn check_state(s: &crate::messages::ShardState, ctx: &ValidationContext) -> Result<()> {
+fn check_state(s: &crate::messages::ShardState, ctx: &ValidationContext, bodies: Bodies) -> Result<()> {
     ctx.check_run(&s.run)?;
     ctx.check_shard(s.shard)?;
     // Pulls may ask for a compressed encoding, so any dtype is fine.
-    ctx.check_payload(&s.params, s.shard, false, Bodies::Verify)
+    ctx.check_payload(&s.params, s.shard, false, bodies)
 }
 
 /// Validates a response. Shard states must be f32 and pass checksum and
 /// finiteness checks.
 pub fn validate_response(resp: &ShardResponse, ctx: &ValidationContext) -> Result<()> {
+    check_response(resp, ctx, Bodies::Verify)
+}
+
+/// [`validate_response`] without the pass over the tensor bodies, for a
+/// requester that decodes the state next ([`Payload::decode`] checks the
+/// checksum and finiteness as it copies), so each body is read once.
+pub fn validate_response_fields(resp: &ShardResponse, ctx: &ValidationContext) -> Result<()> {
+    check_response(resp, ctx, Bodies::LeaveToDecode)
+}
+
+fn check_response(resp: &ShardResponse, ctx: &ValidationContext, bodies: Bodies) -> Result<()> {
     match resp {
         ShardResponse::Accepted(a) => ctx.check_shard(a.shard),
         ShardResponse::Stale { shard, .. }
@@ -213,7 +224,7 @@ pub fn validate_response(resp: &ShardResponse, ctx: &ValidationContext) -> Resul
         | ShardResponse::NotReady { shard, .. }
         | ShardResponse::Fenced { shard, .. }
         | ShardResponse::HandoffAck { shard, .. } => ctx.check_shard(*shard),
-        ShardResponse::ShardState(s) => check_state(s, ctx),
+        ShardResponse::ShardState(s) => check_state(s, ctx, bodies),
         ShardResponse::Exchanged(e) => {
             ctx.check_shard(e.accepted.shard)?;
             match &e.state {
@@ -221,7 +232,7 @@ pub fn validate_response(resp: &ShardResponse, ctx: &ValidationContext) -> Resul
                     field: "state.shard",
                     reason: format!("state of shard {} for a push to shard {}", s.shard, e.accepted.shard),
                 }),
-                Some(s) => check_state(s, ctx),
+                Some(s) => check_state(s, ctx, bodies),
                 None => Ok(()),
             }
         }
@@ -352,6 +363,39 @@ mod tests {
         // The fields are still checked.
         let stranger = PeerId::random();
         assert!(matches!(validate_request_fields(&req, &stranger, &ctx()), Err(ProtocolError::SenderMismatch { .. })));
+    }
+
+    /// Responses get the same split: fields here, the body in the decode.
+    #[test]
+    fn response_fields_are_checked_and_the_body_left_to_the_decode() {
+        let state = |shard: u32, values: &[f32]| crate::messages::ShardState {
+            run: RunId::new("run-a").unwrap(),
+            shard,
+            version: 3,
+            epoch: 0,
+            params: Payload::encode(values, Encoding::F32).unwrap(),
+        };
+        let good = ShardResponse::ShardState(state(1, &[1.0, 2.0, 3.0]));
+        validate_response_fields(&good, &ctx()).unwrap();
+        // A shard past the model's, a wrong size or another run is refused.
+        let far = ShardResponse::ShardState(state(9, &[1.0, 2.0, 3.0]));
+        assert!(validate_response_fields(&far, &ctx()).is_err());
+        let short = ShardResponse::ShardState(state(1, &[1.0, 2.0]));
+        assert!(validate_response_fields(&short, &ctx()).is_err());
+        let mut other = state(1, &[1.0, 2.0, 3.0]);
+        other.run = RunId::new("run-b").unwrap();
+        assert!(validate_response_fields(&ShardResponse::ShardState(other), &ctx()).is_err());
+        let late = ShardResponse::NotReady { shard: 4, current_version: 0 };
+        assert!(validate_response_fields(&late, &ctx()).is_err());
+        // A corrupt body passes the fields and is caught by the decode.
+        let mut bad = state(1, &[1.0, 2.0, 3.0]);
+        let mut body = bad.params.data().to_vec();
+        body[0] ^= 0x40;
+        bad.params.attach(bytes::Bytes::from(body));
+        let resp = ShardResponse::ShardState(bad.clone());
+        assert!(matches!(validate_response(&resp, &ctx()), Err(ProtocolError::ChecksumMismatch { .. })));
+        validate_response_fields(&resp, &ctx()).unwrap();
+        assert!(matches!(bad.params.decode(), Err(ProtocolError::ChecksumMismatch { .. })));
     }
 
     #[test]

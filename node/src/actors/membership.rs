@@ -95,6 +95,12 @@ impl MembershipActor {
                     if !dead.is_empty() {
                         warn!(?dead, "peers failed (no heartbeat within the failure timeout)");
                     }
+                    // A peer that died without a reset keeps its connections
+                    // open: close them, so requests waiting on it fail now
+                    // and follow the shard to its next owner.
+                    for peer in dead {
+                        self.net.disconnect(peer);
+                    }
                     if self.publish().await.is_err() {
                         break;
                     }

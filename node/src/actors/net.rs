@@ -20,9 +20,9 @@ use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, Response
 use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{gossipsub, identify, mdns, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
-    frame, membership_topic, validate_gossip, validate_request_fields, Accepted, Encoding, ErrorCode, Exchanged,
-    GossipMessage, Heartbeat, Payload, ProtocolConfig, RunId, ShardRequest, ShardResponse, ShardState, ShoalBehaviour,
-    ShoalBehaviourEvent, ValidationContext, WireError,
+    frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, Encoding,
+    ErrorCode, Exchanged, GossipMessage, Heartbeat, Payload, ProtocolConfig, RunId, ShardRequest, ShardResponse,
+    ShardState, ShoalBehaviour, ShoalBehaviourEvent, ValidationContext, WireError,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
@@ -175,6 +175,11 @@ impl NetworkActor {
                 self.swarm.behaviour_mut().admission.block(peer);
             }
             NetCommand::Shutdown => {}
+            NetCommand::Disconnect(peer) => {
+                if self.swarm.disconnect_peer_id(peer).is_ok() {
+                    info!(%peer, "closed the connections of a failed peer");
+                }
+            }
             NetCommand::Unblock(peer) => {
                 self.swarm.behaviour_mut().admission.unblock(&peer);
             }
@@ -239,8 +244,14 @@ impl NetworkActor {
             request_response::Event::Message { peer, message, .. } => match message {
                 request_response::Message::Request { request, channel, .. } => self.inbound(peer, request, channel),
                 request_response::Message::Response { request_id, response } => {
+                    // Fields here; a shard state's body is checked by the
+                    // decode that copies it out, as for requests.
+                    let checked = validate_response_fields(&response, &self.parts.ctx).map_err(|e| {
+                        warn!(%peer, kind = response.kind(), error = %e, "invalid response");
+                        NetError::Request { peer, reason: format!("invalid response: {e}") }
+                    });
                     if let Some(reply) = self.outbound.remove(&request_id) {
-                        let _ = reply.send(Ok(response));
+                        let _ = reply.send(checked.map(|()| response));
                     }
                 }
             },

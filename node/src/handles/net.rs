@@ -48,6 +48,8 @@ pub(crate) enum NetCommand {
     },
     Block(PeerId),
     Unblock(PeerId),
+    /// Close every connection with a peer (it may dial again).
+    Disconnect(PeerId),
     KadBootstrap,
     /// Drop the swarm now: every connection closes, as when the process dies.
     Shutdown,
@@ -104,6 +106,18 @@ impl NetworkHandle {
     /// partitions, and the hook for banning misbehaving peers.
     pub async fn block(&self, peer: PeerId) -> Result<(), NetError> {
         self.sender.send(NetCommand::Block(peer)).await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Close every connection with a peer that the failure detector declared
+    /// dead, so that requests in flight to it fail now rather than at their
+    /// timeouts. A machine that dies without a TCP reset (`docker kill`, a
+    /// power cut, a frozen process) leaves connections that look open.
+    /// Does not wait: with the network's queue full, the close is skipped
+    /// (the requests then end at their own timeouts).
+    pub fn disconnect(&self, peer: PeerId) {
+        if self.sender.try_send(NetCommand::Disconnect(peer)).is_err() {
+            tracing::debug!(%peer, "network queue full or stopped: not closing the dead peer's connections");
+        }
     }
 
     /// Stop the network actor, dropping the swarm and all its connections.
