@@ -493,6 +493,22 @@ impl AggregatorActor {
             self.status.record(StatusEvent::HandoffOut);
             self.spawn_send(to, HandoffKind::Transfer, ShardState { shard, version, params, optimizer });
         }
+        // An early transfer kept until a placement came, where that placement
+        // makes another node the owner: pass it on (as `receive` does when
+        // the placement is already known), or it would go stale here while
+        // that owner waits for it and falls back to an older replica.
+        let moved_on: Vec<u32> = self
+            .stored
+            .iter()
+            .filter(|(s, st)| st.transfer && new.owner(**s).is_some_and(|o| o != me))
+            .map(|(s, _)| *s)
+            .collect();
+        for shard in moved_on {
+            if let (Some(st), Some(to)) = (self.stored.remove(&shard), new.owner(shard)) {
+                info!(shard, version = st.state.version, to = %short(&to), "forwarding a stored transfer to the shard's owner");
+                self.spawn_send(to, HandoffKind::Transfer, st.state);
+            }
+        }
         // A new backup gets a replica now rather than after the next few
         // versions: it is who takes the shard over if this node dies.
         let rebacked: Vec<u32> =
