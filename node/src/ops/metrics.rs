@@ -223,6 +223,39 @@ mod tests {
         assert!(text.contains(r#"shoal_role{role="starting"} 1"#), "{text}");
     }
 
+    /// Every metric the Grafana dashboard (`testnet/grafana/shoal.json`)
+    /// queries is one this code exports, and every panel has a query.
+    #[test]
+    fn the_dashboard_queries_only_metrics_that_exist() {
+        let text = metrics_text(&StatusSnapshot::default(), &Faults::default());
+        let exported: std::collections::BTreeSet<&str> =
+            text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
+        let dashboard: serde_json::Value =
+            serde_json::from_str(include_str!("../../../testnet/grafana/shoal.json")).unwrap_or_default();
+        let panels = dashboard["panels"].as_array().cloned().unwrap_or_default();
+        assert!(panels.len() >= 10, "{} panels", panels.len());
+        let mut queried = std::collections::BTreeSet::new();
+        for p in &panels {
+            let targets = p["targets"].as_array().cloned().unwrap_or_default();
+            assert!(!targets.is_empty(), "panel {} has no query", p["title"]);
+            for t in targets {
+                let expr = t["expr"].as_str().unwrap_or_default().to_string();
+                let names: Vec<String> = expr
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .filter(|w| w.starts_with(PREFIX))
+                    .map(str::to_string)
+                    .collect();
+                assert!(!names.is_empty(), "panel {}: {expr} queries no shoal metric", p["title"]);
+                queried.extend(names);
+            }
+        }
+        let missing: Vec<&String> = queried.iter().filter(|n| !exported.contains(n.as_str())).collect();
+        assert!(missing.is_empty(), "the dashboard queries metrics that do not exist: {missing:?}");
+        assert!(
+            queried.contains("shoal_rounds_forced_total") && queried.contains("shoal_rejected_contributions_total")
+        );
+    }
+
     #[test]
     fn the_lint_finds_what_promtool_finds() {
         let bad = "# HELP shoal_x_ms x\n# TYPE shoal_x_ms gauge\nshoal_x_ms 1\nshoal_y_total 2\n\
