@@ -6,13 +6,16 @@
 //!   `shoal node` processes on loopback, applies the timeline through each
 //!   node's HTTP control endpoint and real process kills, shows a live table
 //!   and writes a report;
-//! - [`report`]: `summary.json` and the accuracy/loss plot.
+//! - [`report`]: `summary.json` and the accuracy/loss plot;
+//! - [`checks`]: what a soak asserts (memory after warm-up, forced rounds,
+//!   accuracy against a fault-free run), judged from the summaries.
 //!
 //! The docker-compose backend lives in `testnet/docker-compose.yml` and
 //! `testnet/docker/`. This crate talks to nodes only over HTTP and the
 //! command line, so it does not depend on `shoal-node` (the `shoal` binary
 //! depends on it instead).
 
+pub mod checks;
 pub mod http;
 pub mod process;
 pub mod report;

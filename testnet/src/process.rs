@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+use crate::checks;
 use crate::http;
 use crate::report::{vm_rss_bytes, FaultRecord, NodeOutcome, ResourceSample, RoleRecord, Sample, Summary};
 use crate::scenario::{Action, Scenario};
@@ -112,6 +113,8 @@ struct NodeProc {
     finished: Option<(f64, u64, bool)>,
     last: Option<serde_json::Value>,
     last_role: Option<(String, Vec<u64>)>,
+    /// Stopped by `freeze`: not polled (it cannot answer) until killed.
+    frozen: bool,
 }
 
 impl NodeProc {
@@ -319,6 +322,7 @@ impl Launcher<'_> {
             finished: None,
             last: None,
             last_role: None,
+            frozen: false,
         };
         match self.nodes.iter().position(|n| n.index == i) {
             Some(p) => self.nodes[p] = proc,
@@ -396,12 +400,37 @@ impl Launcher<'_> {
                 }
                 Ok(format!("started {} nodes again: {dead:?}", dead.len()))
             }
+            Action::Freeze { node } => {
+                let pid = self.node(*node)?.child.as_ref().map(Child::id).context("the node is not running")?;
+                match self.opts.backend {
+                    Backend::Docker { .. } => {
+                        docker(&["pause", &self.container_name(*node)])
+                            .with_context(|| format!("docker pause node{node}"))?;
+                    }
+                    Backend::Processes => {
+                        // SIGSTOP through kill(1): the workspace forbids unsafe code.
+                        let out = Command::new("kill").args(["-STOP", &pid.to_string()]).output()?;
+                        anyhow::ensure!(
+                            out.status.success(),
+                            "kill -STOP {pid}: {}",
+                            String::from_utf8_lossy(&out.stderr).trim()
+                        );
+                    }
+                }
+                self.node_mut(*node)?.frozen = true;
+                Ok(format!("node{node} frozen (stopped; its connections stay open)"))
+            }
             Action::Kill { node } => {
                 if matches!(self.opts.backend, Backend::Docker { .. }) {
-                    docker(&["kill", &self.container_name(*node)])
-                        .with_context(|| format!("docker kill node{node}"))?;
+                    let name = self.container_name(*node);
+                    if self.node(*node)?.frozen {
+                        // A paused container is killed once it runs again.
+                        let _ = docker(&["unpause", &name]);
+                    }
+                    docker(&["kill", &name]).with_context(|| format!("docker kill node{node}"))?;
                 }
                 let n = self.node_mut(*node)?;
+                n.frozen = false;
                 if let Some(mut c) = n.child.take() {
                     c.kill().with_context(|| format!("killing node{node}"))?;
                     let _ = c.wait();
@@ -470,7 +499,7 @@ impl Launcher<'_> {
         for n in &self.nodes {
             let Some(pid) = n.child.as_ref().map(Child::id) else { continue };
             if let Some((rss_bytes, open_fds)) = proc_resources(pid) {
-                out.push(ResourceSample { secs: t, node: n.name.clone(), rss_bytes, open_fds });
+                out.push(ResourceSample { secs: t, node: n.name.clone(), pid, rss_bytes, open_fds });
             }
         }
     }
@@ -485,7 +514,7 @@ impl Launcher<'_> {
                     n.child = None;
                 }
             }
-            let (true, Some(addr)) = (n.alive(), n.http) else { continue };
+            let (true, false, Some(addr)) = (n.alive(), n.frozen, n.http) else { continue };
             let Ok(s) = http::get_json(addr, "/status", HTTP_TIMEOUT) else { continue };
             let num = |k: &str| s.get(k).and_then(serde_json::Value::as_f64);
             let role = s.get("role").and_then(|r| r.as_str()).unwrap_or("?").to_string();
@@ -501,6 +530,7 @@ impl Launcher<'_> {
                 loss: num("last_loss"),
                 accuracy: num("last_accuracy"),
                 samples_per_sec: num("samples_per_sec").unwrap_or(0.0),
+                rounds_forced: num("rounds_forced").unwrap_or(0.0) as u64,
             });
             if n.last_role.as_ref() != Some(&(role.clone(), owned.clone())) {
                 roles.push(RoleRecord { secs: t, node: n.name.clone(), role: role.clone(), owned: owned.clone() });
@@ -571,11 +601,44 @@ impl Drop for Launcher<'_> {
     }
 }
 
-/// Run a scenario to the end and write the report. Returns the summary; an
-/// error if the testnet could not run or hit its time limit.
+/// Run a scenario to the end and write the report. With `[checks]`, also
+/// run it without its events if the accuracy check needs that, judge the
+/// run, and add the verdict to `summary.json`. Returns the summary; an
+/// error if the testnet could not run, hit its time limit, or failed a check.
 #[allow(clippy::print_stdout)] // The launcher's own terminal output.
 pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
     let scenario = Scenario::from_file(&opts.scenario)?;
+    let mut summary = run_scenario(&scenario, opts)?;
+    if scenario.checks.is_empty() {
+        return Ok(summary);
+    }
+    let fault_free = match scenario.checks.accuracy_within_points {
+        None => None,
+        Some(_) => {
+            let base = scenario.without_events();
+            let base_opts = RunOptions { report_dir: opts.report_dir.join("fault-free"), ..opts.clone() };
+            println!(
+                "\nthe same testnet without its {} events, for the accuracy check (report in {})",
+                scenario.events.len(),
+                base_opts.report_dir.display()
+            );
+            Some(run_scenario(&base, &base_opts)?)
+        }
+    };
+    let report = checks::judge(&scenario.checks, &summary, fault_free.as_ref());
+    print!("\n{}", checks::describe(&report));
+    let passed = report.passed();
+    summary.checks = Some(report);
+    summary.write(&opts.report_dir)?;
+    if !passed {
+        bail!("the scenario's checks failed; see checks in {}", opts.report_dir.join("summary.json").display());
+    }
+    Ok(summary)
+}
+
+/// Run one scenario (already parsed) to the end and write its report.
+#[allow(clippy::print_stdout)] // The launcher's own terminal output.
+fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summary> {
     std::fs::create_dir_all(&opts.report_dir)
         .with_context(|| format!("creating the report directory {}", opts.report_dir.display()))?;
     let live = opts.live.unwrap_or_else(|| std::io::stdout().is_terminal());
@@ -590,14 +653,8 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
             Some(net)
         }
     };
-    let mut l = Launcher {
-        scenario: &scenario,
-        opts,
-        docker_net,
-        containers: Vec::new(),
-        nodes: Vec::new(),
-        begun: Instant::now(),
-    };
+    let mut l =
+        Launcher { scenario, opts, docker_net, containers: Vec::new(), nodes: Vec::new(), begun: Instant::now() };
     println!(
         "testnet `{}`: {} nodes, {} events, logs in {}",
         scenario.name,
@@ -728,7 +785,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
         })
         .collect();
     let summary =
-        Summary::build(&scenario, t0, l.secs(), timed_out, outcomes, roles, faults, samples).with_resources(resources);
+        Summary::build(scenario, t0, l.secs(), timed_out, outcomes, roles, faults, samples).with_resources(resources);
     summary.write(&opts.report_dir)?;
     println!("report: {}", opts.report_dir.display());
     for n in &summary.nodes {

@@ -7,6 +7,7 @@ use anyhow::Context;
 use plotters::prelude::*;
 use serde::Serialize;
 
+use crate::checks::CheckReport;
 use crate::scenario::Scenario;
 
 /// Samples grouped by node, in time order.
@@ -30,6 +31,9 @@ pub struct Sample {
     pub loss: Option<f64>,
     pub accuracy: Option<f64>,
     pub samples_per_sec: f64,
+    /// BSP rounds this node closed at the round timeout (`/status`
+    /// `rounds_forced`; a restarted node counts from 0 again).
+    pub rounds_forced: u64,
 }
 
 /// One reading of one node process's resources (process backend; Linux
@@ -39,6 +43,8 @@ pub struct ResourceSample {
     /// Seconds since the testnet started.
     pub secs: f64,
     pub node: String,
+    /// The process: a restarted node is a new process with the same name.
+    pub pid: u32,
     /// Resident set size (`VmRSS`).
     pub rss_bytes: u64,
     /// Open file descriptors (entries of `/proc/PID/fd`).
@@ -118,6 +124,9 @@ pub struct Summary {
     /// Each node process's memory and open files over time (process
     /// backend only; empty on docker).
     pub resources: Vec<ResourceSample>,
+    /// The verdict on the scenario's `[checks]`, if it has any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checks: Option<CheckReport>,
 }
 
 /// Window for the steps/s around a fault.
@@ -164,6 +173,7 @@ impl Summary {
             faults,
             samples,
             resources: Vec::new(),
+            checks: None,
         }
     }
 
@@ -301,6 +311,7 @@ mod tests {
             loss: Some(1.0 / (1.0 + secs)),
             accuracy: Some(0.5),
             samples_per_sec: 0.0,
+            rounds_forced: 0,
         }
     }
 
@@ -334,7 +345,13 @@ mod tests {
             steps_per_sec_after: None,
         };
         let resources = (0..4)
-            .map(|i| ResourceSample { secs: 5.0 * i as f64, node: "a".into(), rss_bytes: (40 + i) << 20, open_fds: 30 })
+            .map(|i| ResourceSample {
+                secs: 5.0 * i as f64,
+                node: "a".into(),
+                pid: 7,
+                rss_bytes: (40 + i) << 20,
+                open_fds: 30,
+            })
             .collect();
         let summary =
             Summary::build(&sc, Some(1.0), 20.0, false, vec![], vec![], vec![fault], samples).with_resources(resources);

@@ -18,7 +18,7 @@
 //!
 //! [[event]]                 # seconds after training starts on every node
 //! at_secs = 10
-//! action = "slow"           # slow | kill | restart | partition | add | leave
+//! action = "slow"           # slow | kill | freeze | restart | partition | add | leave
 //! node = 3
 //! serve_delay_ms = 25       # and/or slowdown = 5.0
 //!
@@ -27,6 +27,12 @@
 //! action = "partition"
 //! groups = [[0, 1], [2, 3]]
 //! duration_secs = 20
+//!
+//! [checks]                  # optional: what the finished run must show
+//! warmup_secs = 60          # (see `crate::checks`)
+//! max_rss_growth = 0.10
+//! no_forced_rounds = true
+//! accuracy_within_points = 0.5   # also runs the scenario without events
 //! ```
 //!
 //! Errors name the line: `scenario.toml:14: event: node 7 does not exist
@@ -38,6 +44,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
+
+use crate::checks::Checks;
 
 /// A scenario error, with the 1-based line it points at (0: the whole file).
 #[derive(Debug, Clone, PartialEq)]
@@ -75,6 +83,11 @@ pub enum Action {
     Slow { node: usize, serve_delay_ms: Option<u64>, slowdown: Option<f64> },
     /// Kill the node's process (SIGKILL: no handoff).
     Kill { node: usize },
+    /// Stop the node's process without closing anything (SIGSTOP; `docker
+    /// pause` on docker): its peers' connections stay open and get no reset,
+    /// which is how a `docker kill`ed or powered-off machine looks to them.
+    /// Only `kill` may follow.
+    Freeze { node: usize },
     /// Start a killed node again (same identity; it joins the run).
     Restart { node: usize },
     /// Cut the groups off from each other for `duration`.
@@ -105,6 +118,7 @@ impl fmt::Display for Action {
                 Ok(())
             }
             Action::Kill { node } => write!(f, "kill node{node}"),
+            Action::Freeze { node } => write!(f, "freeze node{node}"),
             Action::Restart { node } => write!(f, "restart node{node}"),
             Action::Partition { groups, duration } => {
                 write!(f, "partition {groups:?} for {} s", duration.as_secs_f64())
@@ -140,6 +154,8 @@ pub struct Scenario {
     pub overrides: Vec<(usize, NodeSpec)>,
     /// Sorted by time (stable: equal times keep file order).
     pub events: Vec<Event>,
+    /// What the finished run must show (`[checks]`; empty: nothing).
+    pub checks: Checks,
 }
 
 #[derive(Deserialize)]
@@ -154,6 +170,17 @@ struct RawScenario {
     node: Vec<Spanned<RawNode>>,
     #[serde(default)]
     event: Vec<Spanned<RawEvent>>,
+    checks: Option<Spanned<RawChecks>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawChecks {
+    warmup_secs: Option<Spanned<f64>>,
+    max_rss_growth: Option<Spanned<f64>>,
+    #[serde(default)]
+    no_forced_rounds: bool,
+    accuracy_within_points: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -274,6 +301,7 @@ impl Scenario {
                     Action::Slow { node: node("slow")?, serve_delay_ms, slowdown }
                 }
                 "kill" => Action::Kill { node: node("kill")? },
+                "freeze" => Action::Freeze { node: node("freeze")? },
                 "restart" => Action::Restart { node: node("restart")? },
                 "leave" => Action::Leave { node: node("leave")? },
                 "add" => Action::Add,
@@ -307,7 +335,8 @@ impl Scenario {
                     return Err(err(
                         e.action.span(),
                         format!(
-                        "unknown action `{other}`: slow, kill, restart, partition, add, leave, stop_all or start_all"
+                        "unknown action `{other}`: slow, kill, freeze, restart, partition, add, leave, stop_all or \
+                         start_all"
                     ),
                     ))
                 }
@@ -320,6 +349,7 @@ impl Scenario {
         // exist at that moment, and restarts against kills.
         let mut count = nodes;
         let mut dead = std::collections::BTreeSet::new();
+        let mut frozen = std::collections::BTreeSet::new();
         for (_, _, span, action) in &events {
             let exists = |n: usize, count: usize| -> Result<(), ScenarioError> {
                 if n >= count {
@@ -332,14 +362,21 @@ impl Scenario {
                 }
             };
             match action {
-                Action::Slow { node, .. } | Action::Leave { node } => {
+                Action::Slow { node, .. } | Action::Leave { node } | Action::Freeze { node } => {
                     exists(*node, count)?;
                     if dead.contains(node) {
                         return Err(err(span.clone(), format!("node {node} is dead at that time")));
                     }
+                    if frozen.contains(node) {
+                        return Err(err(span.clone(), format!("node {node} is frozen: only `kill` may follow")));
+                    }
+                    if let Action::Freeze { node } = action {
+                        frozen.insert(*node);
+                    }
                 }
                 Action::Kill { node } => {
                     exists(*node, count)?;
+                    frozen.remove(node);
                     if !dead.insert(*node) {
                         return Err(err(span.clone(), format!("node {node} is already dead")));
                     }
@@ -376,6 +413,7 @@ impl Scenario {
                         return Err(err(span.clone(), "`stop_all`: every node is already stopped".into()));
                     }
                     dead.extend(0..count);
+                    frozen.clear();
                 }
                 Action::StartAll => {
                     if dead.is_empty() {
@@ -384,6 +422,14 @@ impl Scenario {
                     dead.clear();
                 }
             }
+        }
+        if let Some((_, _, span, _)) =
+            events.iter().rev().find(|(_, _, _, a)| matches!(a, Action::Freeze { node } if frozen.contains(node)))
+        {
+            return Err(err(
+                span.clone(),
+                "a frozen node never finishes: kill it later in the timeline (a stopped process cannot exit)".into(),
+            ));
         }
         if let Some(dir) = raw.node_config.get("checkpoint").and_then(|c| c.get("dir")) {
             return Err(ScenarioError {
@@ -424,6 +470,35 @@ impl Scenario {
                 NodeSpec { batch_size, slowdown, can_aggregate: r.can_aggregate, serve_delay_ms },
             ));
         }
+        let checks = match &raw.checks {
+            None => Checks::default(),
+            Some(c) => {
+                let c = c.get_ref();
+                let positive = |v: &Option<Spanned<f64>>, key: &str, max: f64| match v {
+                    None => Ok(None),
+                    Some(x) if x.get_ref().is_finite() && *x.get_ref() >= 0.0 && *x.get_ref() <= max => {
+                        Ok(Some(*x.get_ref()))
+                    }
+                    Some(x) => Err(err(x.span(), format!("checks.{key} = {} must be from 0 to {max}", x.get_ref()))),
+                };
+                let checks = Checks {
+                    warmup_secs: positive(&c.warmup_secs, "warmup_secs", MAX_SECS)?.unwrap_or(0.0),
+                    max_rss_growth: positive(&c.max_rss_growth, "max_rss_growth", 100.0)?,
+                    no_forced_rounds: c.no_forced_rounds,
+                    accuracy_within_points: positive(&c.accuracy_within_points, "accuracy_within_points", 100.0)?,
+                };
+                if checks.warmup_secs >= time_limit {
+                    return Err(err(
+                        c.warmup_secs.as_ref().map_or(0..0, |w| w.span()),
+                        format!(
+                            "checks.warmup_secs = {} leaves nothing of the {time_limit} s time limit to judge",
+                            checks.warmup_secs
+                        ),
+                    ));
+                }
+                checks
+            }
+        };
         Ok(Scenario {
             name: name.to_string(),
             nodes,
@@ -432,7 +507,19 @@ impl Scenario {
             node_config: raw.node_config,
             overrides,
             events: events.into_iter().map(|(at_secs, line, _, action)| Event { at_secs, line, action }).collect(),
+            checks,
         })
+    }
+
+    /// The same testnet with no events: the fault-free run a soak compares
+    /// its accuracy with (named `<name>-fault-free`, same run id and nodes).
+    pub fn without_events(&self) -> Scenario {
+        Scenario {
+            name: format!("{}-fault-free", self.name),
+            events: Vec::new(),
+            checks: Checks::default(),
+            ..self.clone()
+        }
     }
 
     pub fn node_spec(&self, index: usize) -> NodeSpec {
@@ -534,6 +621,45 @@ action = "add"
         // Added nodes exist after their `add`.
         assert!(parse("nodes = 2\n[[event]]\nat_secs = 1\naction = \"add\"\n[[event]]\nat_secs = 2\naction = \"kill\"\nnode = 2\n").is_ok());
         assert!(parse("nodes = 2\n[[event]]\nat_secs = 1\naction = \"kill\"\nnode = 2\n").is_err());
+    }
+
+    #[test]
+    fn a_frozen_node_can_only_be_killed_and_must_be() {
+        let ev = |at: u32, action: &str| format!("[[event]]\nat_secs = {at}\naction = \"{action}\"\nnode = 1\n");
+        let ok = format!("nodes = 3\n{}{}", ev(5, "freeze"), ev(9, "kill"));
+        let s = parse(&ok).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.events[0].action, Action::Freeze { node: 1 });
+        let e = parse(&format!("nodes = 3\n{}", ev(5, "freeze"))).err().map(|e| (e.line, e.message));
+        assert!(e.as_ref().is_some_and(|(l, m)| *l == 2 && m.contains("never finishes")), "{e:?}");
+        let e = parse(&format!("nodes = 3\n{}{}{}", ev(5, "freeze"), ev(6, "leave"), ev(9, "kill"))).err();
+        assert!(e.as_ref().is_some_and(|e| e.line == 6 && e.message.contains("only `kill`")), "{e:?}");
+    }
+
+    #[test]
+    fn checks_parse_and_bad_values_point_at_their_line() {
+        let text = "nodes = 2\ntime_limit_secs = 300\n[checks]\nwarmup_secs = 60\nmax_rss_growth = 0.1\n\
+                    no_forced_rounds = true\naccuracy_within_points = 0.5\n";
+        let s = parse(text).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            s.checks,
+            Checks {
+                warmup_secs: 60.0,
+                max_rss_growth: Some(0.1),
+                no_forced_rounds: true,
+                accuracy_within_points: Some(0.5)
+            }
+        );
+        let base = s.without_events();
+        assert!(base.events.is_empty() && base.checks.is_empty());
+        assert_eq!(base.name, "s-fault-free");
+        assert_eq!(base.run_id, s.run_id);
+        assert!(parse("nodes = 2\n").map(|s| s.checks.is_empty()).unwrap_or(false));
+        let e = parse(&text.replace("0.1", "-0.1")).err().map(|e| (e.line, e.message));
+        assert_eq!(e, Some((5, "checks.max_rss_growth = -0.1 must be from 0 to 100".into())));
+        let e = parse(&text.replace("warmup_secs = 60", "warmup_secs = 300")).err().map(|e| e.line);
+        assert_eq!(e, Some(4), "a warm-up as long as the run is refused");
+        let e = parse(&text.replace("no_forced_rounds", "no_forced_round")).err();
+        assert!(e.as_ref().is_some_and(|e| e.message.contains("no_forced_round")), "{e:?}");
     }
 
     #[test]

@@ -1,0 +1,340 @@
+//! What a soak asserts about a finished testnet: the `[checks]` table of a
+//! scenario, judged from the run's [`Summary`] (and, for accuracy, the
+//! summary of the same scenario run again without its faults).
+//!
+//! ```toml
+//! [checks]
+//! warmup_secs = 60             # memory before this, in each process's life, is warm-up
+//! max_rss_growth = 0.10        # each node process's RSS after warm-up grows at most 10%
+//! no_forced_rounds = true      # no BSP round is closed by its timeout
+//! accuracy_within_points = 0.5 # survivors' mean accuracy within 0.5 points of a fault-free run
+//! ```
+//!
+//! Pure: no processes, no clock. The launcher runs the scenarios and calls
+//! [`judge`].
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::report::{ResourceSample, Summary};
+
+/// The `[checks]` table of a scenario.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Checks {
+    /// Seconds at the start of each node process's life whose memory is not
+    /// judged (model, data and pools are allocated then).
+    pub warmup_secs: f64,
+    /// Largest allowed growth of a node process's RSS after warm-up, as a
+    /// fraction of its RSS when warm-up ended.
+    pub max_rss_growth: Option<f64>,
+    /// Fail when any node closed a BSP round at `round_timeout_ms`.
+    pub no_forced_rounds: bool,
+    /// Run the scenario again without events; fail when the survivors' mean
+    /// final accuracy differs from that run's by more than this many points.
+    pub accuracy_within_points: Option<f64>,
+}
+
+impl Checks {
+    pub fn is_empty(&self) -> bool {
+        self.max_rss_growth.is_none() && !self.no_forced_rounds && self.accuracy_within_points.is_none()
+    }
+}
+
+/// Memory of one node process (one life: a restarted node is a new one).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RssGrowth {
+    pub node: String,
+    pub pid: u32,
+    /// Seconds since the testnet started, of the first sample after warm-up.
+    pub from_secs: f64,
+    pub to_secs: f64,
+    /// RSS at the first sample after warm-up.
+    pub baseline_bytes: u64,
+    /// Highest RSS after warm-up.
+    pub peak_bytes: u64,
+    /// `peak / baseline - 1`.
+    pub growth: f64,
+}
+
+/// The verdict on a run, written into `summary.json` as `checks`.
+#[derive(Debug, Clone, Serialize, Default, PartialEq)]
+pub struct CheckReport {
+    /// Every node process that lived past warm-up for at least two samples.
+    pub rss: Vec<RssGrowth>,
+    /// Processes too short-lived to judge (fewer than two samples after warm-up).
+    pub rss_not_judged: Vec<String>,
+    /// The most rounds each node reported closed at the timeout.
+    pub rounds_forced: BTreeMap<String, u64>,
+    /// Mean final accuracy of the nodes that trained to the end (not killed,
+    /// not left).
+    pub survivors_accuracy: Option<f64>,
+    pub survivors: Vec<String>,
+    /// The same mean in the fault-free run.
+    pub fault_free_accuracy: Option<f64>,
+    /// Each check that failed, in words. Empty: the run passed.
+    pub failures: Vec<String>,
+}
+
+impl CheckReport {
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+/// Mean final accuracy of the nodes that trained to the end, and their names.
+pub fn survivors_accuracy(s: &Summary) -> (Option<f64>, Vec<String>) {
+    let done: Vec<(&str, f64)> = s
+        .nodes
+        .iter()
+        .filter(|n| n.exit == "exited" && !n.left)
+        .filter_map(|n| Some((n.name.as_str(), n.final_accuracy?)))
+        .collect();
+    let mean = (!done.is_empty()).then(|| done.iter().map(|d| d.1).sum::<f64>() / done.len() as f64);
+    (mean, done.iter().map(|d| d.0.to_string()).collect())
+}
+
+/// RSS growth of each node process after `warmup_secs` of its life.
+pub fn rss_growth(resources: &[ResourceSample], warmup_secs: f64) -> (Vec<RssGrowth>, Vec<String>) {
+    let mut lives: BTreeMap<(&str, u32), Vec<&ResourceSample>> = BTreeMap::new();
+    for r in resources {
+        lives.entry((r.node.as_str(), r.pid)).or_default().push(r);
+    }
+    let (mut judged, mut short) = (Vec::new(), Vec::new());
+    for ((node, pid), mut life) in lives {
+        life.sort_by(|a, b| a.secs.total_cmp(&b.secs));
+        let born = life[0].secs;
+        let after: Vec<&&ResourceSample> = life.iter().filter(|r| r.secs - born >= warmup_secs).collect();
+        let (Some(first), Some(last)) = (after.first(), after.last()) else {
+            short.push(format!("{node} (pid {pid})"));
+            continue;
+        };
+        if after.len() < 2 || first.rss_bytes == 0 {
+            short.push(format!("{node} (pid {pid})"));
+            continue;
+        }
+        let peak = after.iter().map(|r| r.rss_bytes).max().unwrap_or(first.rss_bytes);
+        judged.push(RssGrowth {
+            node: node.to_string(),
+            pid,
+            from_secs: first.secs,
+            to_secs: last.secs,
+            baseline_bytes: first.rss_bytes,
+            peak_bytes: peak,
+            growth: peak as f64 / first.rss_bytes as f64 - 1.0,
+        });
+    }
+    (judged, short)
+}
+
+/// Judge `run` against `checks`; `fault_free` is the same scenario run
+/// without its events (needed by `accuracy_within_points`).
+pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> CheckReport {
+    let mut r = CheckReport::default();
+    let (rss, short) = rss_growth(&run.resources, checks.warmup_secs);
+    r.rss = rss;
+    r.rss_not_judged = short;
+    for s in &run.samples {
+        let e = r.rounds_forced.entry(s.node.clone()).or_insert(0);
+        *e = (*e).max(s.rounds_forced);
+    }
+    (r.survivors_accuracy, r.survivors) = survivors_accuracy(run);
+    r.fault_free_accuracy = fault_free.and_then(|f| survivors_accuracy(f).0);
+
+    if let Some(max) = checks.max_rss_growth {
+        if r.rss.is_empty() {
+            r.failures.push(
+                "memory: no node process has two samples after warm-up (the RSS check needs the process \
+                 backend and a run longer than warmup_secs + 20 s)"
+                    .into(),
+            );
+        }
+        for g in r.rss.iter().filter(|g| g.growth > max) {
+            r.failures.push(format!(
+                "memory: {} (pid {}) grew {:.1}% after warm-up, from {:.1} MiB at {:.0} s to a peak of {:.1} MiB \
+                 (limit {:.1}%)",
+                g.node,
+                g.pid,
+                g.growth * 100.0,
+                mib(g.baseline_bytes),
+                g.from_secs,
+                mib(g.peak_bytes),
+                max * 100.0
+            ));
+        }
+    }
+    if checks.no_forced_rounds {
+        for (node, n) in r.rounds_forced.iter().filter(|(_, n)| **n > 0) {
+            r.failures.push(format!("rounds: {node} closed {n} BSP round(s) at the round timeout"));
+        }
+    }
+    if let Some(points) = checks.accuracy_within_points {
+        match (r.survivors_accuracy, r.fault_free_accuracy) {
+            (Some(a), Some(b)) => {
+                let diff = (a - b) * 100.0;
+                if diff.abs() > points {
+                    r.failures.push(format!(
+                        "accuracy: the survivors reached {:.2}%, the fault-free run {:.2}%: {diff:+.2} points \
+                         (limit ±{points})",
+                        a * 100.0,
+                        b * 100.0
+                    ));
+                }
+            }
+            (None, _) => r.failures.push("accuracy: no node trained to the end".into()),
+            (_, None) => r.failures.push("accuracy: the fault-free run has no node that trained to the end".into()),
+        }
+    }
+    r
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// The report in a few lines, for the terminal.
+pub fn describe(r: &CheckReport) -> String {
+    let mut out = String::new();
+    if let Some(worst) = r.rss.iter().max_by(|a, b| a.growth.total_cmp(&b.growth)) {
+        out += &format!(
+            "memory after warm-up: {} node processes, largest growth {:+.1}% ({} pid {}: {:.1} -> {:.1} MiB)\n",
+            r.rss.len(),
+            worst.growth * 100.0,
+            worst.node,
+            worst.pid,
+            mib(worst.baseline_bytes),
+            mib(worst.peak_bytes)
+        );
+    }
+    out += &format!("rounds closed at the timeout: {}\n", r.rounds_forced.values().sum::<u64>());
+    if let Some(a) = r.survivors_accuracy {
+        out += &format!("survivors' mean accuracy: {:.2}% ({})", a * 100.0, r.survivors.join(", "));
+        if let Some(b) = r.fault_free_accuracy {
+            out += &format!(", fault-free run: {:.2}% ({:+.2} points)", b * 100.0, (a - b) * 100.0);
+        }
+        out += "\n";
+    }
+    if r.passed() {
+        out += "checks: passed\n";
+    } else {
+        for f in &r.failures {
+            out += &format!("check failed: {f}\n");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{NodeOutcome, Sample};
+
+    fn res(secs: f64, node: &str, pid: u32, mib: u64) -> ResourceSample {
+        ResourceSample { secs, node: node.into(), pid, rss_bytes: mib << 20, open_fds: 20 }
+    }
+
+    fn outcome(name: &str, exit: &str, acc: Option<f64>, left: bool) -> NodeOutcome {
+        NodeOutcome {
+            name: name.into(),
+            peer_id: String::new(),
+            exit: exit.into(),
+            killed: exit == "killed",
+            final_accuracy: acc,
+            steps: acc.map(|_| 100),
+            left,
+            resumed_at_step: None,
+            model: None,
+        }
+    }
+
+    fn summary(nodes: Vec<NodeOutcome>, resources: Vec<ResourceSample>, forced: &[(&str, u64)]) -> Summary {
+        let samples = forced
+            .iter()
+            .map(|(n, f)| Sample {
+                secs: 1.0,
+                node: n.to_string(),
+                step: 1,
+                loss: None,
+                accuracy: None,
+                samples_per_sec: 0.0,
+                rounds_forced: *f,
+            })
+            .collect();
+        Summary {
+            scenario: "s".into(),
+            run_id: "r".into(),
+            timed_out: false,
+            duration_secs: 100.0,
+            training_started_secs: Some(1.0),
+            nodes,
+            role_changes: vec![],
+            faults: vec![],
+            samples,
+            resources,
+            checks: None,
+        }
+    }
+
+    #[test]
+    fn memory_is_judged_per_process_life_after_warm_up() {
+        let resources = vec![
+            // node0: 100 MiB during warm-up, then 40 -> 43 MiB: +7.5%.
+            res(0.0, "node0", 10, 100),
+            res(10.0, "node0", 10, 40),
+            res(20.0, "node0", 10, 43),
+            res(30.0, "node0", 10, 41),
+            // node1's first life grows 50%, its second (a restart) is flat.
+            res(0.0, "node1", 11, 30),
+            res(10.0, "node1", 11, 30),
+            res(20.0, "node1", 11, 45),
+            res(40.0, "node1", 21, 90),
+            res(50.0, "node1", 21, 30),
+            res(60.0, "node1", 21, 30),
+            // node2 died before two samples after warm-up.
+            res(0.0, "node2", 12, 30),
+            res(10.0, "node2", 12, 30),
+        ];
+        let (judged, short) = rss_growth(&resources, 10.0);
+        assert_eq!(short, vec!["node2 (pid 12)".to_string()]);
+        let growth: Vec<(&str, u32, i64)> =
+            judged.iter().map(|g| (g.node.as_str(), g.pid, (g.growth * 1000.0).round() as i64)).collect();
+        assert_eq!(growth, vec![("node0", 10, 75), ("node1", 11, 500), ("node1", 21, 0)]);
+
+        let checks = Checks { warmup_secs: 10.0, max_rss_growth: Some(0.10), ..Checks::default() };
+        let r = judge(&checks, &summary(vec![], resources, &[]), None);
+        assert_eq!(r.failures.len(), 1, "{:?}", r.failures);
+        assert!(r.failures[0].starts_with("memory: node1 (pid 11) grew 50.0%"), "{}", r.failures[0]);
+    }
+
+    #[test]
+    fn a_forced_round_and_an_accuracy_gap_fail_the_run() {
+        let checks = Checks { no_forced_rounds: true, accuracy_within_points: Some(0.5), ..Checks::default() };
+        let run = summary(
+            vec![
+                outcome("node0", "exited", Some(0.880), false),
+                outcome("node1", "exited", Some(0.870), false),
+                outcome("node2", "killed", None, false),
+                outcome("node3", "exited", Some(0.20), true),
+            ],
+            vec![],
+            &[("node0", 0), ("node1", 2)],
+        );
+        let base = summary(vec![outcome("node0", "exited", Some(0.884), false)], vec![], &[]);
+        let r = judge(&checks, &run, Some(&base));
+        assert_eq!(r.survivors, vec!["node0".to_string(), "node1".to_string()], "killed and left nodes are out");
+        assert!((r.survivors_accuracy.unwrap_or(0.0) - 0.875).abs() < 1e-9);
+        assert_eq!(r.rounds_forced.get("node1"), Some(&2));
+        assert_eq!(r.failures.len(), 2, "{:?}", r.failures);
+        assert!(r.failures[0].contains("node1 closed 2 BSP round(s)"), "{}", r.failures[0]);
+        assert!(r.failures[1].contains("-0.90 points"), "{}", r.failures[1]);
+
+        let close = summary(vec![outcome("node0", "exited", Some(0.880), false)], vec![], &[]);
+        let ok = judge(&checks, &close, Some(&base));
+        assert!(ok.passed(), "{:?}", ok.failures);
+        // Asked for, but nothing to compare with: a failure, not a pass.
+        let none = judge(&checks, &close, None);
+        assert!(!none.passed());
+        let memory = Checks { max_rss_growth: Some(0.1), ..Checks::default() };
+        assert!(!judge(&memory, &close, None).passed(), "no memory samples: the check cannot pass");
+    }
+}
