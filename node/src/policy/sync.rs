@@ -505,6 +505,18 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         }
     }
 
+    /// BSP: a pull from `worker` for a version past this round, while the
+    /// round does not hold the worker's gradient. Nothing would ever answer
+    /// it but the round timeout: the gradient went into a core that this one
+    /// replaced (the shard moved away and came back, its round left behind,
+    /// while the worker's pull was on the wire). The worker must push again.
+    pub fn lost_push(&self, worker: &K, min_version: u64) -> bool {
+        self.policy == SyncPolicy::Bsp
+            && min_version > self.version
+            && self.workers.contains_key(worker)
+            && !self.round.contains_key(worker)
+    }
+
     /// The clock lead `worker` is allowed right now.
     pub fn bound_for(&self, worker: &K, now_ms: u64) -> Option<u64> {
         match self.policy {
@@ -551,6 +563,33 @@ mod tests {
             Ok(o) => o,
             Err(e) => panic!("{e}"),
         }
+    }
+
+    /// A shard that moves away and back within one round comes back as a
+    /// new core without the round: a worker whose gradient was in the old
+    /// round and whose pull reaches the new core is told to push again,
+    /// instead of waiting for the round timeout.
+    #[test]
+    fn a_pull_for_a_round_that_lost_the_gradient_asks_for_it_again() {
+        let ids = ["a", "b"];
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 5, SyncPolicy::Bsp, ids);
+        assert!(matches!(core.push(&"a", 5, 1, vec![1.0, 1.0], 0), PushOutcome::Accepted { version: 5, .. }));
+        assert!(!core.lost_push(&"a", 6), "a's gradient is in the round");
+        assert!(!core.lost_push(&"b", 5), "b asks for a version that exists");
+        let (params, state, version) = core.export();
+        let optimizer = Optimizer::from_state(state).unwrap_or_else(|e| panic!("{e}"));
+        let mut back = ShardCore::new(params, optimizer, version, SyncPolicy::Bsp, ids);
+        assert!(back.lost_push(&"a", 6), "the new core's round does not hold a's gradient");
+        assert!(!back.lost_push(&"z", 6), "not a worker of this shard");
+        // a pushes again, the round completes, and the pull is answered.
+        assert!(matches!(back.push(&"a", 5, 1, vec![1.0, 1.0], 0), PushOutcome::Accepted { .. }));
+        assert!(!back.lost_push(&"a", 6));
+        assert!(matches!(back.push(&"b", 5, 1, vec![3.0, 3.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(back.version(), 6);
+        assert!(back.pull_ready(&"a", 6, 0));
+        // Only BSP has rounds to lose.
+        let ssp = ShardCore::new(vec![0.0, 0.0], sgd(), 5, SyncPolicy::Ssp { staleness: 1 }, ids);
+        assert!(!ssp.lost_push(&"a", 6));
     }
 
     #[test]
