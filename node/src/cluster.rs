@@ -101,8 +101,16 @@ impl Cluster {
     /// the config of node index `i` in `spec`; it dials every node still in
     /// the cluster. Returns its index in `nodes`.
     pub async fn add(&mut self, spec: &ClusterSpec, i: usize) -> anyhow::Result<usize> {
+        let all: Vec<usize> = (0..self.nodes.len()).collect();
+        self.add_via(spec, i, &all).await
+    }
+
+    /// [`Cluster::add`], but the new node dials only the nodes at `via`
+    /// (indices in `nodes`); it learns of the others from them.
+    pub async fn add_via(&mut self, spec: &ClusterSpec, i: usize, via: &[usize]) -> anyhow::Result<usize> {
         let mut cfg = spec.node_config(i)?;
-        cfg.cluster.bootstrap = self.nodes.iter().filter_map(|n| n.listen.first().cloned()).collect();
+        cfg.cluster.bootstrap = via.iter().filter_map(|&k| self.nodes.get(k)?.listen.first().cloned()).collect();
+        anyhow::ensure!(!cfg.cluster.bootstrap.is_empty(), "no running node at {via:?} to bootstrap from");
         let node = start(cfg, Keypair::generate_ed25519()).await.with_context(|| format!("starting node{i}"))?;
         self.nodes.push(node);
         Ok(self.nodes.len() - 1)

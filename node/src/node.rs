@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 use crate::actors::aggregator::{self, AggregatorConfig, CheckpointPolicy};
 use crate::actors::election::{self, ElectionConfig};
-use crate::actors::join::{donor_count, fetch_model, join_point, JoinPoint};
+use crate::actors::join::{donor_count, fetch_model, join_point, owners_cover, JoinPoint};
 use crate::actors::membership::{self, MembershipConfig};
 use crate::actors::net::{self, NetworkParts};
 use crate::actors::worker::{Routing, Worker};
@@ -413,6 +413,7 @@ async fn drive(
         &config.run_id,
         c.failure_timeout_ms,
         Duration::from_millis(c.heartbeat_ms),
+        c.shards,
     )
     .await?;
     let mut resumed = None;
@@ -661,6 +662,7 @@ async fn wait_for_start(
     run: &str,
     failure_timeout_ms: u64,
     heartbeat: Duration,
+    shards: u32,
 ) -> anyhow::Result<Start> {
     let mut rx = membership.subscribe();
     let deadline = Instant::now() + timeout;
@@ -674,6 +676,19 @@ async fn wait_for_start(
             // run, not the first peer heard, is known and donates.
             let gather = Instant::now() + heartbeat * 2;
             while tokio::time::timeout_at(gather, rx.changed()).await.is_ok_and(|r| r.is_ok()) {}
+            // Bootstrapped from one peer, we hear the others only once
+            // gossip meshes us in (its heartbeat, a second by default): keep
+            // listening, at most a failure timeout, until the owners heard
+            // cover every shard, so that the whole run donates.
+            let cover_by = Instant::now() + Duration::from_millis(failure_timeout_ms);
+            loop {
+                let snap = rx.borrow_and_update().clone();
+                let covered = join_point(&snap.view, snap.now_ms, failure_timeout_ms)
+                    .is_some_and(|jp| owners_cover(&snap.view, snap.now_ms, failure_timeout_ms, jp.epoch, shards));
+                if covered || !tokio::time::timeout_at(cover_by, rx.changed()).await.is_ok_and(|r| r.is_ok()) {
+                    break;
+                }
+            }
             let snap = rx.borrow_and_update().clone();
             if let Some(jp) = join_point(&snap.view, snap.now_ms, failure_timeout_ms) {
                 return Ok(Start::Join(jp));

@@ -162,7 +162,9 @@ async fn a_node_joins_mid_run_fetches_the_model_from_several_peers_and_its_gradi
     tokio::time::timeout(Duration::from_secs(300), progress.wait_for(|s| s.step >= 60))
         .await
         .map_err(|_| anyhow::anyhow!("node0 never reached step 60"))??;
-    let joiner = cluster.add(&spec, 4).await?;
+    // It dials node0 alone, yet must fetch the model from several donors
+    // (a joiner once fetched every shard from its one bootstrap peer).
+    let joiner = cluster.add_via(&spec, 4, &[0]).await?;
     let joiner_id = cluster.nodes[joiner].peer_id;
     let reports = wait_all(cluster).await?;
     let j = reports.iter().find(|r| r.peer_id == joiner_id).ok_or_else(|| anyhow::anyhow!("no joiner report"))?;

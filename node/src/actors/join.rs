@@ -72,6 +72,21 @@ pub fn join_point(view: &View, now_ms: u64, timeout_ms: u64) -> Option<JoinPoint
     Some(JoinPoint { epoch, step, donors, roster: Roster::new(members) })
 }
 
+/// Do the training peers of `epoch` heard so far own all `shards` shards
+/// between them? Every shard has an owner in a running run, so until they
+/// do, some of the run is still unheard: a joiner bootstrapped from one
+/// peer hears the others only once gossip has meshed it in, and would
+/// otherwise take that one peer for the whole run and its only donor.
+pub fn owners_cover(view: &View, now_ms: u64, timeout_ms: u64, epoch: u64, shards: u32) -> bool {
+    let owned: std::collections::BTreeSet<u32> = view
+        .live(now_ms, timeout_ms)
+        .into_iter()
+        .filter(|p| p.heartbeat.epoch == epoch && p.heartbeat.role != Role::Joining)
+        .flat_map(|p| p.heartbeat.owned_shards.iter().copied())
+        .collect();
+    (0..shards).all(|s| owned.contains(&s))
+}
+
 /// The model as fetched from the donors.
 #[derive(Debug, Clone)]
 pub struct FetchedModel {
@@ -208,5 +223,21 @@ mod tests {
         late.observe(Heartbeat { seq: 2, ..hb(b, Role::Leaving, 99, 43) }, 1);
         let Some(j) = join_point(&late, 1, 1000) else { panic!("no join point") };
         assert_eq!(j.donors, vec![a]);
+    }
+
+    /// One peer heard of a run of owners a and b: the shards it owns do not
+    /// cover the model, so the joiner keeps listening before it picks donors.
+    #[test]
+    fn a_joiner_waits_until_the_owners_heard_cover_every_shard() {
+        let me = PeerId::random();
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let mut v = View::new(me, true, 7);
+        v.observe(Heartbeat { owned_shards: vec![0, 1], ..hb(a, Role::Aggregator, 99, 40) }, 0);
+        assert!(join_point(&v, 0, 1000).is_some(), "the run has started");
+        assert!(!owners_cover(&v, 0, 1000, 99, 4), "shards 2 and 3 have no owner heard yet");
+        v.observe(Heartbeat { owned_shards: vec![2, 3], ..hb(b, Role::Aggregator, 99, 40) }, 0);
+        assert!(owners_cover(&v, 0, 1000, 99, 4));
+        assert!(!owners_cover(&v, 0, 1000, 98, 4), "owners of another epoch do not count");
+        assert_eq!(join_point(&v, 0, 1000).map(|j| j.donors.len()), Some(2));
     }
 }

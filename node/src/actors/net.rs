@@ -68,6 +68,7 @@ pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle
         outbound: HashMap::new(),
         dials: HashMap::new(),
         responses: FuturesUnordered::new(),
+        kad_bootstrapped: false,
     };
     tokio::spawn(actor.run());
     NetworkHandle::new(sender, local_peer)
@@ -81,6 +82,9 @@ struct NetworkActor {
     outbound: HashMap<OutboundRequestId, oneshot::Sender<Result<ShardResponse, NetError>>>,
     dials: HashMap<PeerId, DialWaiters>,
     responses: FuturesUnordered<PendingResponse>,
+    /// A Kademlia bootstrap query has been started (it needs a peer with a
+    /// known address, which the first identify exchange gives).
+    kad_bootstrapped: bool,
 }
 
 fn wire_error(code: ErrorCode, msg: impl Into<String>) -> ShardResponse {
@@ -185,8 +189,9 @@ impl NetworkActor {
             }
             NetCommand::KadBootstrap => {
                 if let Some(kad) = self.swarm.behaviour_mut().kademlia.as_mut() {
-                    if let Err(e) = kad.bootstrap() {
-                        debug!(error = %e, "kademlia bootstrap");
+                    match kad.bootstrap() {
+                        Ok(_) => self.kad_bootstrapped = true,
+                        Err(e) => debug!(error = %e, "kademlia bootstrap"),
                     }
                 }
             }
@@ -232,6 +237,13 @@ impl NetworkActor {
                 if let Some(kad) = self.swarm.behaviour_mut().kademlia.as_mut() {
                     for addr in info.listen_addrs {
                         kad.add_address(&peer_id, addr);
+                    }
+                    // The bootstrap asked for at start finds no peer when it
+                    // runs before the first identify: start it now, so that a
+                    // node that dialled one peer learns where the others are
+                    // (a joiner fetches the model from all of them).
+                    if !self.kad_bootstrapped {
+                        self.kad_bootstrapped = kad.bootstrap().is_ok();
                     }
                 }
             }
