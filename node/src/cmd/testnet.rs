@@ -31,5 +31,19 @@ pub fn check(path: &Path) -> anyhow::Result<()> {
     for e in &s.events {
         println!("  at {:>6.1} s (line {}): {}", e.at_secs, e.line, e.action);
     }
+    let c = &s.checks;
+    if !c.is_empty() {
+        let mut what = Vec::new();
+        if let Some(g) = c.max_rss_growth {
+            what.push(format!("RSS growth at most {:.0}% after {} s of warm-up", g * 100.0, c.warmup_secs));
+        }
+        if c.no_forced_rounds {
+            what.push("no forced BSP round".to_string());
+        }
+        if let Some(p) = c.accuracy_within_points {
+            what.push(format!("accuracy within {p} points of the same run without events (run after it)"));
+        }
+        println!("  checks: {}", what.join("; "));
+    }
     Ok(())
 }
