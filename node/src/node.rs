@@ -681,16 +681,19 @@ async fn wait_for_start(
             // listening, at most a failure timeout, until the owners heard
             // cover every shard, so that the whole run donates.
             let cover_by = Instant::now() + Duration::from_millis(failure_timeout_ms);
-            loop {
+            let jp = loop {
                 let snap = rx.borrow_and_update().clone();
-                let covered = join_point(&snap.view, snap.now_ms, failure_timeout_ms)
+                let jp = join_point(&snap.view, snap.now_ms, failure_timeout_ms);
+                let covered = jp
+                    .as_ref()
                     .is_some_and(|jp| owners_cover(&snap.view, snap.now_ms, failure_timeout_ms, jp.epoch, shards));
+                // Past `cover_by` (or with membership gone) nothing changed
+                // since this snapshot: its join point is the current one.
                 if covered || !tokio::time::timeout_at(cover_by, rx.changed()).await.is_ok_and(|r| r.is_ok()) {
-                    break;
+                    break jp;
                 }
-            }
-            let snap = rx.borrow_and_update().clone();
-            if let Some(jp) = join_point(&snap.view, snap.now_ms, failure_timeout_ms) {
+            };
+            if let Some(jp) = jp {
                 return Ok(Start::Join(jp));
             }
             continue;

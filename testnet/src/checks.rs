@@ -108,14 +108,13 @@ pub fn rss_growth(resources: &[ResourceSample], warmup_secs: f64) -> (Vec<RssGro
         life.sort_by(|a, b| a.secs.total_cmp(&b.secs));
         let born = life[0].secs;
         let after: Vec<&&ResourceSample> = life.iter().filter(|r| r.secs - born >= warmup_secs).collect();
-        let (Some(first), Some(last)) = (after.first(), after.last()) else {
-            short.push(format!("{node} (pid {pid})"));
-            continue;
+        let (first, last) = match after.as_slice() {
+            [first, .., last] if first.rss_bytes > 0 => (first, last),
+            _ => {
+                short.push(format!("{node} (pid {pid})"));
+                continue;
+            }
         };
-        if after.len() < 2 || first.rss_bytes == 0 {
-            short.push(format!("{node} (pid {pid})"));
-            continue;
-        }
         let peak = after.iter().map(|r| r.rss_bytes).max().unwrap_or(first.rss_bytes);
         judged.push(RssGrowth {
             node: node.to_string(),

@@ -629,7 +629,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
     print!("\n{}", checks::describe(&report));
     let passed = report.passed();
     summary.checks = Some(report);
-    summary.write(&opts.report_dir)?;
+    summary.write_json(&opts.report_dir)?;
     if !passed {
         bail!("the scenario's checks failed; see checks in {}", opts.report_dir.join("summary.json").display());
     }

@@ -183,11 +183,16 @@ impl Summary {
         self
     }
 
+    /// Write `summary.json` into `dir` (after the checks were added to a
+    /// summary whose plot is already drawn).
+    pub fn write_json(&self, dir: &Path) -> anyhow::Result<()> {
+        let path = dir.join("summary.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(self)?).with_context(|| format!("writing {}", path.display()))
+    }
+
     /// Write `summary.json` and `plot.png` into `dir`.
     pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
-        let path = dir.join("summary.json");
-        std::fs::write(&path, serde_json::to_vec_pretty(self)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        self.write_json(dir)?;
         let png = dir.join("plot.png");
         plot(self, &png).map_err(|e| anyhow::anyhow!("drawing {}: {e}", png.display()))
     }

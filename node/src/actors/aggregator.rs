@@ -718,15 +718,10 @@ impl AggregatorActor {
         let mut i = 0;
         while i < self.parked.len() {
             let p = &self.parked[i];
-            if self.cores.get(&p.shard).is_some_and(|c| c.lost_push(&p.worker, p.min_version)) {
-                // Its gradient went with a round this core replaced: the
-                // worker answers `NotOwner` from its holder by pushing again.
-                let p = self.parked.swap_remove(i);
-                debug!(shard = p.shard, worker = %short(&p.worker), "the round lacks this worker's gradient; asking it to push again");
-                let _ = p.reply.send(PullReply::NotOwner { epoch: self.epoch(), hint: None });
-                continue;
-            }
             let ready = match self.cores.get(&p.shard) {
+                // Its gradient went with a round this core replaced: a
+                // `NotOwner` from its holder makes the worker push again.
+                Some(c) if c.lost_push(&p.worker, p.min_version) => None,
                 Some(c) => Some(c.pull_ready(&p.worker, p.min_version, now)),
                 None if self.pending.contains_key(&p.shard) => Some(false),
                 None => None,

@@ -256,13 +256,13 @@ impl NetworkActor {
             request_response::Event::Message { peer, message, .. } => match message {
                 request_response::Message::Request { request, channel, .. } => self.inbound(peer, request, channel),
                 request_response::Message::Response { request_id, response } => {
-                    // Fields here; a shard state's body is checked by the
-                    // decode that copies it out, as for requests.
-                    let checked = validate_response_fields(&response, &self.parts.ctx).map_err(|e| {
-                        warn!(%peer, kind = response.kind(), error = %e, "invalid response");
-                        NetError::Request { peer, reason: format!("invalid response: {e}") }
-                    });
                     if let Some(reply) = self.outbound.remove(&request_id) {
+                        // Fields here; a shard state's body is checked by the
+                        // decode that copies it out, as for requests.
+                        let checked = validate_response_fields(&response, &self.parts.ctx).map_err(|e| {
+                            warn!(%peer, kind = response.kind(), error = %e, "invalid response");
+                            NetError::Request { peer, reason: format!("invalid response: {e}") }
+                        });
                         let _ = reply.send(checked.map(|()| response));
                     }
                 }
