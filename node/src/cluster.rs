@@ -20,6 +20,8 @@ pub struct NodeOverride {
     pub fault_delay_ms: Option<u64>,
     /// Fault injection: this node pushes bad gradients.
     pub byzantine: Option<crate::ops::faults::Byzantine>,
+    /// This node's own push and pull encodings.
+    pub compression: Option<crate::policy::compress::CompressionConfig>,
 }
 
 /// How to build a cluster.
@@ -62,6 +64,9 @@ impl ClusterSpec {
             }
             if let Some(d) = o.fault_delay_ms {
                 c.cluster.fault_delay_ms = d;
+            }
+            if let Some(k) = o.compression {
+                c.cluster.compression = k;
             }
             if let Some(b) = o.byzantine {
                 c.cluster.fault_byzantine = b;

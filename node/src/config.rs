@@ -269,6 +269,14 @@ pub struct ClusterConfig {
     /// over an emulated link of this many Mbit/s, one after another (a slow
     /// uplink). Default 0 (none).
     pub fault_serve_mbps: f64,
+    /// Link emulation for tests and benchmarks: this node's link to its
+    /// peers runs at this many Mbit/s in each direction (pushes and served
+    /// answers queue on the way out, pulled and pushed tensors on the way
+    /// in). Default 0 (none).
+    pub link_mbps: f64,
+    /// Link emulation: one-way latency added to every message this node
+    /// sends, in ms. Default 0.
+    pub link_latency_ms: f64,
     /// How a shard owner combines a BSP round's gradients: `mean`,
     /// `trimmed_mean:F`, `median` or `centered_clip:TAU` (see
     /// `policy::robust`). The robust rules need `sync = "bsp"`. Default
@@ -293,9 +301,47 @@ pub struct ClusterConfig {
     /// (negated) or `random` (random values with the honest norm).
     /// Default `none`.
     pub fault_byzantine: crate::ops::faults::Byzantine,
+    /// What this node sends: `push = "none" | "bf16" | "int8" |
+    /// "topk:FRACTION"` for its gradients (the lossy ones with error
+    /// feedback), `pull = "none" | "bf16"` for the parameters it pulls.
+    /// Each node chooses its own; owners accept any. Pull mode only.
+    /// Default `none` for both.
+    pub compression: crate::policy::compress::CompressionConfig,
+    /// Overlap communication with compute: a worker computes step t+1's
+    /// gradients on the parameters it has while step t's pushes and pulls
+    /// are on the wire, so a step costs about max(compute, communication)
+    /// instead of their sum. Each worker is then one step staler, and the
+    /// owners' clock bound is one lower to keep the policy's bound on the
+    /// parameters a worker computes on (`SyncPolicy::pipelined`). Needs
+    /// `ssp:N` with N >= 1, `dssp:LO-HI` with LO >= 1, or `asp`: under BSP
+    /// the next forward pass needs every shard's new version. Default false.
+    pub overlap: bool,
+    /// DiLoCo: each worker takes this many local steps with its own
+    /// optimizer (`training.optimizer`, AdamW in DiLoCo) before it pushes
+    /// the pseudo-gradient (its parameters at the start of the H steps
+    /// minus its parameters now); the owners apply it with an outer
+    /// Nesterov SGD (`outer_lr`, `outer_momentum`). 1: every step pushes
+    /// its gradient (no local steps). Needs `mode = "pull"` and
+    /// `sync = "bsp"`. Default 1.
+    pub local_steps: u64,
+    /// With `local_steps` > 1: the owners' outer learning rate. Default 0.7
+    /// (DiLoCo's).
+    pub outer_lr: f64,
+    /// With `local_steps` > 1: the owners' outer Nesterov momentum. Default
+    /// 0.9 (DiLoCo's).
+    pub outer_momentum: f64,
 }
 
 impl ClusterConfig {
+    /// The fault injections and the emulated link this config sets, or what
+    /// is wrong with them (named by key).
+    pub fn faults(&self) -> Result<crate::ops::faults::Faults, String> {
+        let f = crate::ops::faults::Faults::new(self.fault_delay_ms, self.slowdown)?;
+        f.set_serve_mbps(self.fault_serve_mbps)?;
+        f.set_link(self.link_mbps, self.link_latency_ms)?;
+        Ok(f)
+    }
+
     /// The norm check's factor K in force (0: off): `norm_check`, or 50
     /// under BSP and off under the other policies.
     pub fn norm_check_factor(&self) -> f32 {
@@ -336,10 +382,17 @@ impl Default for ClusterConfig {
             fault_delay_ms: 0,
             slowdown: 1.0,
             fault_serve_mbps: 0.0,
+            link_mbps: 0.0,
+            link_latency_ms: 0.0,
             aggregation: crate::policy::robust::Aggregation::Mean,
             norm_check: None,
             worker_momentum: 0.0,
             fault_byzantine: crate::ops::faults::Byzantine::None,
+            compression: Default::default(),
+            overlap: false,
+            local_steps: 1,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
         }
     }
 }
@@ -445,6 +498,47 @@ impl NodeConfig {
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    /// The policy shard owners enforce: the run's, or with
+    /// `cluster.overlap` the pipelined one (a clock bound one lower).
+    pub fn owner_policy(&self) -> SyncPolicy {
+        if self.cluster.overlap {
+            self.cluster.sync.pipelined().unwrap_or(self.cluster.sync)
+        } else {
+            self.cluster.sync
+        }
+    }
+
+    /// DiLoCo's outer optimizer: Nesterov SGD at `cluster.outer_lr` and
+    /// `cluster.outer_momentum`.
+    pub fn outer_optimizer(&self) -> OptimizerConfig {
+        OptimizerConfig::Sgd {
+            lr: self.cluster.outer_lr,
+            momentum: self.cluster.outer_momentum,
+            nesterov: true,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// The optimizer shard owners run: the training optimizer, or with
+    /// local steps the outer optimizer (the workers run the training one).
+    pub fn owner_optimizer(&self) -> OptimizerConfig {
+        if self.cluster.local_steps > 1 {
+            self.outer_optimizer()
+        } else {
+            self.training.optimizer_config()
+        }
+    }
+
+    /// The owners' learning-rate schedule (by shard version): the run's, or
+    /// with local steps the outer rate, constant.
+    pub fn owner_schedule(&self) -> LrSchedule {
+        if self.cluster.local_steps > 1 {
+            LrSchedule { base: self.cluster.outer_lr, decay: LrDecay::None, steps: self.training.steps }
+        } else {
+            self.training.lr_schedule()
+        }
     }
 
     /// Check everything that can be checked before touching the network.
@@ -557,6 +651,47 @@ impl NodeConfig {
                 c.worker_momentum
             );
         }
+        if c.overlap && (c.mode != Mode::Pull || c.local_steps > 1 || c.sync.pipelined().is_none()) {
+            bail!(
+                "cluster.overlap computes the next step while this one's exchange is on the wire, one step staler: \
+                 it needs mode = \"pull\", no local steps, and sync = \"ssp:N\" with N >= 1, \"dssp:LO-HI\" with \
+                 LO >= 1, or \"asp\" (this config has {:?}, local_steps {}, sync {}; under bsp the next forward \
+                 pass needs every shard's new version)",
+                c.mode,
+                c.local_steps,
+                c.sync
+            );
+        }
+        if c.local_steps == 0 {
+            bail!("cluster.local_steps must be at least 1 (1: no local steps)");
+        }
+        if c.local_steps > 1 {
+            if c.mode != Mode::Pull || c.sync != SyncPolicy::Bsp {
+                bail!(
+                    "cluster.local_steps = {} (DiLoCo) pushes a pseudo-gradient to owners that apply it in BSP \
+                     rounds: it needs mode = \"pull\" and sync = \"bsp\" (this config has {:?} and {})",
+                    c.local_steps,
+                    c.mode,
+                    c.sync
+                );
+            }
+            if c.worker_momentum > 0.0 {
+                bail!("cluster.worker_momentum applies to gradients pushed every step: leave it 0 with cluster.local_steps > 1");
+            }
+            self.outer_optimizer().validate()?;
+            if !(c.outer_lr.is_finite() && c.outer_lr > 0.0) {
+                bail!("cluster.outer_lr must be a positive number (got {})", c.outer_lr);
+            }
+        }
+        let compressed = c.compression != crate::policy::compress::CompressionConfig::default();
+        if compressed && c.mode != Mode::Pull {
+            bail!(
+                "cluster.compression (push = \"{}\", pull = \"{}\") applies to pushes and pulls: it needs \
+                 mode = \"pull\" (gossip mode exchanges whole f32 models)",
+                c.compression.push,
+                c.compression.pull
+            );
+        }
         if let Some(m) = self.training.momentum {
             if !(0.0..1.0).contains(&m) || self.training.optimizer != OptimizerKind::Sgd {
                 bail!("training.momentum must be from 0 to below 1, with optimizer = \"sgd\" (got {m})");
@@ -566,9 +701,7 @@ impl NodeConfig {
         if !(k.is_finite() && (k == 0.0 || k >= 1.0)) {
             bail!("cluster.norm_check must be 0 (off) or a factor of at least 1, got {k}");
         }
-        crate::ops::faults::Faults::new(c.fault_delay_ms, c.slowdown)
-            .and_then(|f| f.set_serve_mbps(c.fault_serve_mbps))
-            .map_err(|e| anyhow::anyhow!("cluster.{e}"))?;
+        c.faults().map_err(|e| anyhow::anyhow!("cluster.{e}"))?;
         self.http.addr()?;
         if c.channel_capacity == 0 {
             bail!("cluster.channel_capacity must be at least 1");

@@ -31,7 +31,6 @@ use crate::handles::leave::LeaveSwitch;
 use crate::handles::membership::MembershipHandle;
 use crate::handles::net::{ModelSnapshot, NetworkHandle, Routes};
 use crate::handles::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
-use crate::ops::faults::Faults;
 use crate::ops::logging::short;
 use crate::policy::explore::ExplorePolicy;
 use crate::policy::health::{HealthPolicy, ServiceTracker};
@@ -56,6 +55,9 @@ pub struct NodeReport {
     pub shard_stats: Vec<ShardStats>,
     pub roster: Vec<PeerId>,
     pub status: Option<StatusSnapshot>,
+    /// At the end: each suspect in this node's view, with the peers that
+    /// name it (this node included); see [`crate::policy::view::View::suspected_by`].
+    pub suspected_by: BTreeMap<PeerId, Vec<PeerId>>,
     /// The model the run trains (its config rebuilds the layer shapes).
     pub model: ModelConfig,
 }
@@ -148,14 +150,18 @@ pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
         c.restore_ratio,
         c.replicas,
     ) + &format!(
-        "|{}|{}|{}|{}|{}|{}|{}",
+        "|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
         c.straggler_min_excess_ms,
         c.aggregators,
         c.start_aggregators,
         c.explore_window_steps,
         c.aggregation,
         c.norm_check_factor(),
-        c.worker_momentum
+        c.worker_momentum,
+        c.local_steps,
+        c.outer_lr,
+        c.outer_momentum,
+        c.overlap
     );
     stable_hash64(key.as_bytes())
 }
@@ -213,11 +219,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let swarm = build_swarm(&proto, keypair)?;
     let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
         .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
-    let faults = Arc::new(
-        Faults::new(c.fault_delay_ms, c.slowdown)
-            .and_then(|f| f.set_serve_mbps(c.fault_serve_mbps).map(|()| f))
-            .map_err(|e| anyhow::anyhow!("cluster.{e}"))?,
-    );
+    let faults = Arc::new(c.faults().map_err(|e| anyhow::anyhow!("cluster.{e}"))?);
     let (hb_tx, hb_rx) = mpsc::channel(c.channel_capacity);
     let (routes_tx, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
     let (snap_tx, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(initial.clone()) });
@@ -231,7 +233,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             routes: routes_rx,
             snapshot: snap_rx,
             capacity: c.channel_capacity,
-            optimizer: t.optimizer_config(),
+            optimizer: config.owner_optimizer(),
             faults: faults.clone(),
         },
     );
@@ -309,9 +311,9 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             me,
             incarnation,
             run: run.clone(),
-            policy: c.sync,
-            optimizer: t.optimizer_config(),
-            schedule: t.lr_schedule(),
+            policy: config.owner_policy(),
+            optimizer: config.owner_optimizer(),
+            schedule: config.owner_schedule(),
             robust: crate::policy::robust::Robust { aggregation: c.aggregation, norm_check: c.norm_check_factor() },
             ranges: plan.shards().iter().map(|s| s.range()).collect(),
             max_wait: proto.timeouts.response_wait(),
@@ -326,6 +328,16 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         election.subscribe(),
         snap_tx.subscribe(),
     );
+    // The owner's suspects go into this node's heartbeat. The task ends
+    // with the aggregator.
+    let mut suspects = aggregator.suspects();
+    let gossiped = membership.clone();
+    tokio::spawn(async move {
+        while suspects.changed().await.is_ok() {
+            let now = suspects.borrow_and_update().clone();
+            gossiped.set_self(|s| s.suspects = now);
+        }
+    });
     info!(peer = %me, %name, ?listen, "node started");
 
     let (leave_tx, leave_rx) = watch::channel(false);
@@ -541,6 +553,7 @@ async fn drive(
         shard_stats: Vec::new(),
         roster: roster.peers(),
         status: None,
+        suspected_by: BTreeMap::new(),
         model,
     };
     // Written before lingering: a node stopped while it waits for its peers
@@ -559,9 +572,11 @@ async fn drive(
         info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
         linger(membership, me, ran.steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
     }
+    let mine = aggregator.suspects().borrow().clone();
     Ok(NodeReport {
         owned_shards: election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
         shard_stats: aggregator.stats().await,
+        suspected_by: membership.snapshot().view.suspected_by(&mine),
         ..report
     })
 }

@@ -104,6 +104,7 @@ impl Sim {
                         leaving: false,
                         pace: Default::default(),
                         checkpoints: vec![],
+                        suspects: vec![],
                     },
                     placement: None,
                     slow: false,
@@ -134,6 +135,7 @@ impl Sim {
             service: n.me.service.clone(),
             pace: n.me.pace,
             checkpoints: vec![],
+            suspects: vec![],
         }
     }
 

@@ -200,12 +200,18 @@ pub struct Handoff {
     pub run: RunId,
     /// The shard.
     pub shard: ShardId,
-    /// Reserved; the node sends 0 and ignores it. The node's placement
-    /// epoch is a hash of the election's inputs, not an ordered number, so
-    /// it cannot tell an older handoff from a newer one: handoffs are
-    /// fenced by `version` (and `from_incarnation`) instead. A transfer that
-    /// meets an installed copy of the same or a higher version is `Fenced`.
-    pub epoch: Epoch,
+    /// How many times this transfer has been forwarded: 0 from the shard's
+    /// previous owner, one more at each node that passes it on because its
+    /// view names another owner. A receiver keeps a transfer that has been
+    /// forwarded often (views disagree) instead of passing it on again, so
+    /// a transfer cannot bounce between two nodes until their views agree.
+    /// Replicas carry 0. (Until wire minor 2 this field was the reserved
+    /// `epoch`, always 0: the layout is unchanged, and a peer that sends 0
+    /// on every forward only loses the bound.) Handoffs are fenced by
+    /// `version`, not by epoch: the placement epoch is a hash of the
+    /// election's inputs, not an ordered number. A transfer that meets an
+    /// installed copy of the same or a higher version is `Fenced`.
+    pub hops: u64,
     /// Transfer or replica.
     pub kind: HandoffKind,
     /// The previous owner; must equal the authenticated sender.
@@ -613,6 +619,9 @@ pub struct Pace {
 
 /// Most checkpoint offers a heartbeat may carry.
 pub const MAX_CHECKPOINT_OFFERS: usize = 8;
+
+/// Most suspects a heartbeat may name.
+pub const MAX_SUSPECTS: usize = 16;
 /// Most bytes of one offer's shard bitset (256 shards).
 pub const MAX_OFFER_BITSET_BYTES: usize = 32;
 
@@ -687,6 +696,11 @@ pub struct Heartbeat {
     /// Shard checkpoints on the sender's disk, at most
     /// [`MAX_CHECKPOINT_OFFERS`] versions (gossip major 3).
     pub checkpoints: Vec<CheckpointOffer>,
+    /// Workers whose gradients the sender, as a shard owner, rejected
+    /// round after round, at most [`MAX_SUSPECTS`] (gossip major 4). A
+    /// claim of the sender's, reported in every node's view; nothing acts
+    /// on it.
+    pub suspects: Vec<PeerId>,
 }
 
 /// Small events worth telling everyone.

@@ -282,6 +282,7 @@ pub fn validate_heartbeat(hb: &Heartbeat, source: Option<&PeerId>, ctx: &Validat
         });
     }
     check_count("checkpoints", hb.checkpoints.len(), MAX_CHECKPOINT_OFFERS)?;
+    check_count("suspects", hb.suspects.len(), MAX_SUSPECTS)?;
     for offer in &hb.checkpoints {
         check_count("checkpoints.shards", offer.shards.len(), MAX_OFFER_BITSET_BYTES)?;
         for s in offer.shard_ids() {
@@ -485,6 +486,7 @@ mod tests {
             service: vec![],
             pace: Pace { step_micros: 1000, comm_micros: 400, aggregators: 2, capacity_level: -1 },
             checkpoints: vec![],
+            suspects: vec![PeerId::random()],
         };
         validate_heartbeat(&hb, Some(&me), &ctx()).unwrap();
         assert!(validate_heartbeat(&hb, Some(&PeerId::random()), &ctx()).is_err());
@@ -507,6 +509,9 @@ mod tests {
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::ShardOutOfRange { .. })));
         let mut bad = hb.clone();
         bad.checkpoints = vec![CheckpointOffer::default(); MAX_CHECKPOINT_OFFERS + 1];
+        assert!(validate_heartbeat(&bad, Some(&me), &ctx()).is_err());
+        let mut bad = hb.clone();
+        bad.suspects = vec![PeerId::random(); MAX_SUSPECTS + 1];
         assert!(validate_heartbeat(&bad, Some(&me), &ctx()).is_err());
         let mut bad = hb;
         bad.capabilities.net_bytes_per_sec = f32::NAN;

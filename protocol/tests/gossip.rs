@@ -42,6 +42,7 @@ fn heartbeat(peer: PeerId, seq: u64) -> GossipMessage {
         service: vec![],
         pace: Pace::default(),
         checkpoints: vec![],
+        suspects: vec![],
     })
 }
 

@@ -142,6 +142,7 @@ fn largest_heartbeat_fits_in_4_kib() {
         checkpoints: (0..MAX_CHECKPOINT_OFFERS)
             .map(|_| CheckpointOffer { version: u64::MAX, step: u64::MAX, shards: vec![0xff; MAX_OFFER_BITSET_BYTES] })
             .collect(),
+        suspects: (0..MAX_SUSPECTS).map(|_| peer()).collect(),
     };
     let bytes = frame::encode_gossip(&GossipMessage::Heartbeat(hb), &limits()).unwrap();
     assert!(bytes.len() <= 4096, "maximal heartbeat is {} bytes", bytes.len());

@@ -5,6 +5,10 @@
 //! `trimmed_mean`, `median` and `centered_clip`, and asserts that the four
 //! honest nodes reach 93% on digits with each (the mean of two clusters).
 //!
+//! With the norm check on, the attacker is caught: every owner rejects it
+//! and names it a suspect, in its status and in its heartbeat, so every
+//! honest node's view lists it.
+//!
 //! The setup follows Karimireddy, He and Jaggi (2021): workers push the
 //! moving average of their gradients (`cluster.worker_momentum = 0.9`, with
 //! the owners' SGD momentum off and the rate scaled up to match), so honest
@@ -29,7 +33,7 @@ use shoal_tests::{digits_config, run_cluster};
 
 const NODES: usize = 5;
 const BAD: usize = NODES - 1;
-const STEPS: u64 = 300;
+const STEPS: u64 = 400;
 /// Per node: the default.
 const BATCH: usize = 32;
 const WORKER_MOMENTUM: f32 = 0.9;
@@ -38,7 +42,7 @@ const WORKER_MOMENTUM: f32 = 0.9;
 const LR: f64 = 1.0;
 const TARGET: f32 = 0.93;
 /// Clusters per robust rule and attack; their mean accuracy is judged.
-const RUNS: usize = 2;
+const RUNS: usize = 3;
 
 /// The run with node `BAD` attacking with `attack`; owners use `rule` and
 /// the norm check with factor `norm_check` (0: off).
@@ -121,6 +125,17 @@ async fn a_peer_scaling_its_gradients_by_100_is_outvoted_and_caught() -> anyhow:
         assert!(honest * 100 <= rounds, "{}: {honest} honest gradients rejected", r.name);
     }
     assert!(owners >= 2, "the honest nodes own the shards");
+    // Owners gossip their suspects: every honest node's view names the
+    // attacker, on the word of every owner, and no one else.
+    let attacker = reports[BAD].peer_id;
+    let owner_ids: Vec<_> = reports.iter().filter(|r| !r.owned_shards.is_empty()).map(|r| r.peer_id).collect();
+    for r in reports.iter().take(BAD) {
+        let by = r.suspected_by.get(&attacker).cloned().unwrap_or_default();
+        for o in &owner_ids {
+            assert!(by.contains(o), "{}: owner {o} does not name the attacker in this view ({by:?})", r.name);
+        }
+        assert_eq!(r.suspected_by.len(), 1, "{}: only the attacker is a suspect: {:?}", r.name, r.suspected_by);
+    }
     Ok(())
 }
 

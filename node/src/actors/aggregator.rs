@@ -22,6 +22,13 @@
 //! A transfer that meets a copy with the same or a higher version is refused
 //! (`Fenced`): after a partition heals, the copy with the higher version
 //! wins, and on a tie the one already installed stays.
+//!
+//! A transfer for a shard this node's view gives to another node is passed
+//! on to that node, unless it has been forwarded [`MAX_TRANSFER_HOPS`] times
+//! already: then the views disagree, and this node keeps it until its next
+//! placement, which installs it here or passes it on once more. Two nodes
+//! that each think the other owns a shard so hand it back and forth at most
+//! that many times.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -46,6 +53,11 @@ use crate::policy::placement::Placement;
 use crate::policy::robust::Robust;
 use crate::policy::schedule::LrSchedule;
 use crate::policy::sync::{PushOutcome, ShardCore, SyncPolicy, SUSPECT_AFTER};
+
+/// How many times a transfer may be forwarded (see the module doc). A shard
+/// that moves on while its transfer is on the wire takes one hop per move;
+/// four moves within one transfer's flight are already far apart in time.
+pub const MAX_TRANSFER_HOPS: u64 = 4;
 
 /// What the aggregator needs besides its channels.
 #[derive(Debug, Clone)]
@@ -97,6 +109,8 @@ struct ParkedPull {
 struct Stored {
     state: ShardState,
     transfer: bool,
+    /// A transfer's hop count when it came (0 for a replica).
+    hops: u64,
 }
 
 /// Start the aggregator actor. It stops when every handle has been dropped.
@@ -109,8 +123,10 @@ pub fn spawn(
 ) -> AggregatorHandle {
     let (sender, receiver) = mpsc::channel(cfg.capacity.max(1));
     let (held_tx, held) = watch::channel(Held::default());
+    let (suspects_tx, suspects) = watch::channel(Vec::new());
     let actor = AggregatorActor {
         held: held_tx,
+        suspects: suspects_tx,
         transfers: 0,
         me_tx: sender.downgrade(),
         receiver,
@@ -133,7 +149,7 @@ pub fn spawn(
         cfg,
     };
     tokio::spawn(actor.run());
-    AggregatorHandle::new(sender, held)
+    AggregatorHandle::new(sender, held, suspects)
 }
 
 struct AggregatorActor {
@@ -158,6 +174,8 @@ struct AggregatorActor {
     snapshot: watch::Receiver<ModelSnapshot>,
     started: Instant,
     held: watch::Sender<Held>,
+    /// Workers marked as suspects since start, for this node's heartbeat.
+    suspects: watch::Sender<Vec<PeerId>>,
     /// Transfers in flight.
     transfers: usize,
     /// Per shard: the version last checkpointed, and when.
@@ -255,7 +273,7 @@ impl AggregatorActor {
                     }
                 };
                 let bumped = core.version() != before;
-                report_rejections(&self.status, shard, core);
+                report_rejections(&self.status, &self.suspects, shard, core);
                 if let (PushReply::Accepted { version, .. }, Some(then)) = (&out, then_pull) {
                     self.park(worker, shard, self.cfg.policy.pull_after_push(*version), then.wait, then.reply);
                 }
@@ -274,8 +292,8 @@ impl AggregatorActor {
                 self.park(worker, shard, min_version, wait, reply);
                 self.release_ready();
             }
-            AggCommand::Handoff { from, kind, state, reply } => {
-                let r = self.receive(from, kind, state);
+            AggCommand::Handoff { from, kind, hops, state, reply } => {
+                let r = self.receive(from, kind, hops, state);
                 let _ = reply.send(r);
                 self.release_ready();
             }
@@ -285,7 +303,7 @@ impl AggregatorActor {
             AggCommand::TransferFailed(state) => {
                 self.transfers = self.transfers.saturating_sub(1);
                 warn!(shard = state.shard, version = state.version, "transfer undelivered; keeping it as a replica");
-                self.store(state, false);
+                self.store(state, false, 0);
             }
             AggCommand::ReplicaDone { shard } => {
                 self.replicating.remove(&shard);
@@ -340,14 +358,14 @@ impl AggregatorActor {
     }
 
     /// Keep a copy unless a newer one is already kept.
-    fn store(&mut self, state: ShardState, transfer: bool) {
+    fn store(&mut self, state: ShardState, transfer: bool, hops: u64) {
         let newer = self.stored.get(&state.shard).is_none_or(|s| state.version >= s.state.version);
         if newer {
-            self.stored.insert(state.shard, Stored { state, transfer });
+            self.stored.insert(state.shard, Stored { state, transfer, hops });
         }
     }
 
-    fn receive(&mut self, from: PeerId, kind: HandoffKind, state: ShardState) -> HandoffReply {
+    fn receive(&mut self, from: PeerId, kind: HandoffKind, hops: u64, state: ShardState) -> HandoffReply {
         let Some(range) = self.cfg.ranges.get(state.shard as usize) else {
             return HandoffReply::Invalid(format!("no shard {}", state.shard));
         };
@@ -360,7 +378,7 @@ impl AggregatorActor {
                 debug!(shard, version = state.version, %from, "replica stored");
                 self.checkpoint_replica(&state);
                 let version = state.version;
-                self.store(state, false);
+                self.store(state, false, 0);
                 HandoffReply::Ack { version }
             }
             HandoffKind::Transfer => {
@@ -381,13 +399,21 @@ impl AggregatorActor {
                     info!(shard, version, %from, "shard handed over");
                     self.install(state);
                 } else if let Some(to) = owner.filter(|o| *o != self.cfg.me) {
-                    // The shard moved on while it was on the wire (possibly back
-                    // to the sender, which now waits for it): pass it along.
-                    info!(shard, version, to = %short(&to), "forwarding a transfer to the current owner");
-                    self.spawn_send(to, HandoffKind::Transfer, state);
+                    if hops < MAX_TRANSFER_HOPS {
+                        // The shard moved on while it was on the wire (possibly
+                        // back to the sender, which now waits for it): pass it along.
+                        info!(shard, version, hops, to = %short(&to), "forwarding a transfer to the current owner");
+                        self.spawn_send(to, HandoffKind::Transfer, hops + 1, state);
+                    } else {
+                        // Forwarded back and forth: the views disagree. Keep it
+                        // until this node's next placement decides where it goes.
+                        warn!(shard, version, hops, owner = %short(&to),
+                              "transfer forwarded too often; keeping it until the placement changes");
+                        self.store(state, true, hops);
+                    }
                 } else {
                     // Our view has not made us the owner yet: keep it until it does.
-                    self.store(state, true);
+                    self.store(state, true, hops);
                 }
                 HandoffReply::Ack { version }
             }
@@ -471,10 +497,10 @@ impl AggregatorActor {
         // their owners, who wait for them.
         for state in self.resume.take().unwrap_or_default() {
             match new.owner(state.shard) {
-                Some(o) if o == me => self.store(state, true),
+                Some(o) if o == me => self.store(state, true, 0),
                 Some(o) => {
                     info!(shard = state.shard, version = state.version, to = %short(&o), "passing a checkpointed shard to its owner");
-                    self.spawn_send(o, HandoffKind::Transfer, state);
+                    self.spawn_send(o, HandoffKind::Transfer, 0, state);
                 }
                 None => {}
             }
@@ -482,7 +508,7 @@ impl AggregatorActor {
         for (&shard, core) in self.cores.iter_mut() {
             // An empty worker set is ignored there.
             core.set_workers(new.workers.iter().copied());
-            report_rejections(&self.status, shard, core);
+            report_rejections(&self.status, &self.suspects, shard, core);
         }
         let lost: Vec<u32> = self.cores.keys().copied().filter(|&s| new.owner(s) != Some(me)).collect();
         for shard in lost {
@@ -491,12 +517,15 @@ impl AggregatorActor {
             let (params, optimizer, version) = core.export();
             info!(shard, version, to = %short(&to), "handing the shard over");
             self.status.record(StatusEvent::HandoffOut);
-            self.spawn_send(to, HandoffKind::Transfer, ShardState { shard, version, params, optimizer });
+            self.spawn_send(to, HandoffKind::Transfer, 0, ShardState { shard, version, params, optimizer });
         }
         // An early transfer kept until a placement came, where that placement
         // makes another node the owner: pass it on (as `receive` does when
         // the placement is already known), or it would go stale here while
-        // that owner waits for it and falls back to an older replica.
+        // that owner waits for it and falls back to an older replica. A
+        // transfer kept for having hopped too often is passed on too: a new
+        // placement is the only thing that stops it here, and its receiver
+        // keeps it rather than forwarding it again.
         let moved_on: Vec<u32> = self
             .stored
             .iter()
@@ -506,7 +535,7 @@ impl AggregatorActor {
         for shard in moved_on {
             if let (Some(st), Some(to)) = (self.stored.remove(&shard), new.owner(shard)) {
                 info!(shard, version = st.state.version, to = %short(&to), "forwarding a stored transfer to the shard's owner");
-                self.spawn_send(to, HandoffKind::Transfer, st.state);
+                self.spawn_send(to, HandoffKind::Transfer, st.hops.saturating_add(1), st.state);
             }
         }
         // A new backup gets a replica now rather than after the next few
@@ -662,11 +691,12 @@ impl AggregatorActor {
         let (params, optimizer, version) = core.export();
         self.replicated.insert(shard, version);
         self.replicating.insert(shard);
-        self.spawn_send(backup, HandoffKind::Replica, ShardState { shard, version, params, optimizer });
+        self.spawn_send(backup, HandoffKind::Replica, 0, ShardState { shard, version, params, optimizer });
     }
 
-    /// Deliver a transfer or replica from a task of its own (the actor keeps serving).
-    fn spawn_send(&mut self, to: PeerId, kind: HandoffKind, state: ShardState) {
+    /// Deliver a transfer or replica from a task of its own (the actor keeps
+    /// serving). `hops`: see [`shoal_protocol::Handoff::hops`].
+    fn spawn_send(&mut self, to: PeerId, kind: HandoffKind, hops: u64, state: ShardState) {
         if kind == HandoffKind::Transfer {
             self.transfers += 1;
         }
@@ -676,7 +706,7 @@ impl AggregatorActor {
         let deadline = Instant::now() + self.cfg.handoff_timeout;
         tokio::spawn(async move {
             let shard = state.shard;
-            let result = send_handoff(&net, to, &run, me, incarnation, kind, &state, deadline).await;
+            let result = send_handoff(&net, to, &run, me, incarnation, (kind, hops), &state, deadline).await;
             let msg = match (kind, result) {
                 (HandoffKind::Replica, r) => {
                     if let Err(e) = r {
@@ -757,7 +787,7 @@ impl AggregatorActor {
                     "BSP round closed without every worker's gradient"
                 );
                 self.status.record(StatusEvent::RoundForced);
-                report_rejections(&self.status, shard, core);
+                report_rejections(&self.status, &self.suspects, shard, core);
                 closed.push(shard);
             }
         }
@@ -798,11 +828,11 @@ async fn send_handoff(
     run: &RunId,
     me: PeerId,
     incarnation: u64,
-    kind: HandoffKind,
+    (kind, hops): (HandoffKind, u64),
     state: &ShardState,
     deadline: Instant,
 ) -> anyhow::Result<()> {
-    let req = ShardRequest::Handoff(to_wire(run, me, incarnation, kind, state)?);
+    let req = ShardRequest::Handoff(to_wire(run, me, incarnation, kind, hops, state)?);
     let mut backoff = Duration::from_millis(20);
     loop {
         let err = match net.request(to, req.clone()).await {
@@ -828,8 +858,15 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
 }
 
 /// Reports the contributions the norm check dropped on `shard`: each to
-/// the status counters, and a warning when a worker becomes a suspect.
-fn report_rejections(status: &StatusHandle, shard: u32, core: &mut ShardCore<PeerId>) {
+/// the status counters, and a warning when a worker becomes a suspect,
+/// which then joins the suspects this node gossips (the first
+/// `MAX_SUSPECTS`).
+fn report_rejections(
+    status: &StatusHandle,
+    suspects: &watch::Sender<Vec<PeerId>>,
+    shard: u32,
+    core: &mut ShardCore<PeerId>,
+) {
     for r in core.take_rejections() {
         if r.streak == SUSPECT_AFTER {
             warn!(shard, worker = %short(&r.worker), norm = r.norm, median = r.median, streak = r.streak,
@@ -837,6 +874,224 @@ fn report_rejections(status: &StatusHandle, shard: u32, core: &mut ShardCore<Pee
         } else {
             debug!(shard, worker = %short(&r.worker), norm = r.norm, median = r.median, "gradient rejected by the norm check");
         }
+        if r.suspect() {
+            suspects.send_if_modified(|s| {
+                let new = !s.contains(&r.worker) && s.len() < shoal_protocol::MAX_SUSPECTS;
+                if new {
+                    s.push(r.worker);
+                }
+                new
+            });
+        }
         status.record(StatusEvent::Rejected { peer: r.worker, suspect: r.suspect() });
+    }
+}
+
+/// The actor with a fake network: handoffs between the aggregators of a
+/// test go through a router task that logs each one. No sockets; the
+/// multi-node runs over TCP are in `tests/`.
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use shoal_models::OptimizerKind;
+    use shoal_protocol::ShardResponse;
+
+    use super::*;
+    use crate::handles::handoff::from_wire;
+    use crate::handles::net::NetCommand;
+    use crate::policy::robust::Robust;
+    use crate::policy::schedule::LrDecay;
+
+    const SHARD_LEN: usize = 8;
+
+    fn optimizer() -> OptimizerConfig {
+        OptimizerConfig::new(OptimizerKind::Sgd, 0.1)
+    }
+
+    fn state(version: u64) -> ShardState {
+        let optimizer = Optimizer::new(optimizer(), SHARD_LEN).map(Optimizer::into_state).expect("an SGD state");
+        ShardState { shard: 0, version, params: vec![version as f32; SHARD_LEN], optimizer }
+    }
+
+    /// One shard, owned by `owner`; `live` are the members.
+    fn placement(owner: PeerId, live: &[PeerId]) -> Arc<Placement> {
+        let mut live = live.to_vec();
+        live.sort_by_key(|p| p.to_bytes());
+        Arc::new(Placement {
+            epoch: shoal_models::rng::stable_hash64(&owner.to_bytes()),
+            owners: vec![owner],
+            backups: vec![None],
+            live: live.clone(),
+            workers: live,
+            stragglers: Vec::new(),
+            limit: None,
+            eligible: 1,
+            levels: Vec::new(),
+        })
+    }
+
+    /// A handoff the router carried: (from, to, hops, version).
+    type Carried = (PeerId, PeerId, u64, u64);
+    type Log = mpsc::Receiver<Carried>;
+
+    struct Node {
+        me: PeerId,
+        agg: AggregatorHandle,
+        placement: watch::Sender<Option<Arc<Placement>>>,
+    }
+
+    /// Start one aggregator per peer (the workers' model copy is empty, so a
+    /// shard can only be installed from a transfer or a stored copy), and a
+    /// router that delivers each one's handoffs to the others and logs each
+    /// once its receiver has answered. Handoffs to a peer outside the test
+    /// are acknowledged and only logged.
+    fn start(peers: &[PeerId]) -> (Vec<Node>, Log) {
+        // Bounded by the test: at most a few handoffs are ever logged.
+        let (log_tx, log) = mpsc::channel(1024);
+        let mut nodes = Vec::new();
+        let mut inboxes = Vec::new();
+        for &me in peers {
+            let (net_tx, net_rx) = mpsc::channel(64);
+            let (placement, placement_rx) = watch::channel(None);
+            let (_snapshot_tx, snapshot) = watch::channel(ModelSnapshot::default());
+            let cfg = AggregatorConfig {
+                me,
+                incarnation: 1,
+                run: RunId::new("t").expect("valid run id"),
+                policy: SyncPolicy::Bsp,
+                optimizer: optimizer(),
+                schedule: LrSchedule { base: 0.1, decay: LrDecay::None, steps: 100 },
+                robust: Robust::default(),
+                ranges: std::iter::once(0..SHARD_LEN).collect(),
+                max_wait: Duration::from_secs(5),
+                replica_every: 0,
+                round_timeout_ms: 10_000,
+                handoff_timeout: Duration::from_secs(30),
+                capacity: 64,
+                checkpoint: None,
+            };
+            let status = crate::actors::status::spawn("t".into(), me.to_string(), 100, 64);
+            let agg = spawn(cfg, status, NetworkHandle::new(net_tx, me), placement_rx, snapshot);
+            nodes.push(Node { me, agg, placement });
+            inboxes.push((me, net_rx));
+        }
+        let handles: HashMap<PeerId, AggregatorHandle> = nodes.iter().map(|n| (n.me, n.agg.clone())).collect();
+        for (me, mut inbox) in inboxes {
+            let (handles, log_tx) = (handles.clone(), log_tx.clone());
+            tokio::spawn(async move {
+                while let Some(cmd) = inbox.recv().await {
+                    let NetCommand::Request { peer, req: ShardRequest::Handoff(h), reply } = cmd else { continue };
+                    let resp = match handles.get(&peer) {
+                        None => ShardResponse::HandoffAck { shard: h.shard, version: h.version },
+                        Some(to) => {
+                            let state = from_wire(&h, optimizer()).expect("decodable handoff");
+                            let rx = to.try_handoff(me, h.kind, h.hops, state).expect("aggregator has room");
+                            match rx.await.expect("aggregator answers") {
+                                HandoffReply::Ack { version } => ShardResponse::HandoffAck { shard: h.shard, version },
+                                HandoffReply::Fenced { epoch } => ShardResponse::Fenced { shard: h.shard, epoch },
+                                HandoffReply::Invalid(m) => panic!("handoff refused: {m}"),
+                            }
+                        }
+                    };
+                    let _ = log_tx.try_send((me, peer, h.hops, h.version));
+                    let _ = reply.send(Ok(resp));
+                }
+            });
+        }
+        (nodes, log)
+    }
+
+    async fn next(log: &mut Log) -> Carried {
+        tokio::time::timeout(Duration::from_secs(10), log.recv())
+            .await
+            .expect("a handoff within 10 s")
+            .expect("router running")
+    }
+
+    async fn hand(node: &Node, from: PeerId, hops: u64, s: ShardState) {
+        let rx = node.agg.try_handoff(from, HandoffKind::Transfer, hops, s).expect("aggregator has room");
+        let r = rx.await.expect("aggregator answers");
+        assert!(matches!(r, HandoffReply::Ack { .. }), "transfer acknowledged, got {r:?}");
+    }
+
+    /// Wait until `node` serves a shard, and return its version.
+    async fn installed(node: &Node) -> u64 {
+        let mut held = node.agg.held();
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.shards == 1))
+            .await
+            .expect("the shard installed within 10 s")
+            .expect("aggregator running");
+        node.agg.stats().await.first().map(|s| s.version).expect("one shard served")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_kept_before_the_first_placement_goes_to_the_owner_it_names() {
+        let (me, owner) = (PeerId::random(), PeerId::random());
+        let (nodes, mut log) = start(&[me]);
+        // It arrives before this node has any placement: kept.
+        hand(&nodes[0], PeerId::random(), 0, state(7)).await;
+        nodes[0].placement.send_replace(Some(placement(owner, &[me, owner])));
+        assert_eq!(next(&mut log).await, (me, owner, 1, 7), "the kept transfer is passed on, one hop more");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_between_two_disagreeing_views_stops_after_the_hop_limit() {
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let (nodes, mut log) = start(&[a, b]);
+        // Each view names the other as the shard's owner.
+        nodes[0].placement.send_replace(Some(placement(b, &[a, b])));
+        nodes[1].placement.send_replace(Some(placement(a, &[a, b])));
+        hand(&nodes[0], PeerId::random(), 0, state(9)).await;
+        let mut hops = Vec::new();
+        for _ in 0..MAX_TRANSFER_HOPS {
+            let (from, to, h, version) = next(&mut log).await;
+            assert_eq!(version, 9);
+            assert_ne!(from, to);
+            hops.push(h);
+        }
+        hops.sort_unstable();
+        assert_eq!(hops, (1..=MAX_TRANSFER_HOPS).collect::<Vec<_>>());
+        // `a` answered the last hop, so it has kept the transfer (or sent it
+        // on). Its next view makes it the owner, with `b` gone: it installs
+        // what it kept. Had it sent the transfer on, it would have no copy
+        // (the worker copy is empty) and serve nothing.
+        nodes[0].placement.send_replace(Some(placement(a, &[a])));
+        assert_eq!(installed(&nodes[0]).await, 9, "the kept transfer is served");
+        // And nothing moved after the limit.
+        let mut extra = Vec::new();
+        while let Ok(c) = log.try_recv() {
+            extra.push(c);
+        }
+        assert!(extra.is_empty(), "no handoff after the hop limit: {extra:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pull_for_a_round_that_lost_the_workers_push_is_sent_back_to_push_again() {
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let (nodes, _log) = start(&[a, b]);
+        // `a` owns the shard at version 3; both nodes are workers.
+        hand(&nodes[0], PeerId::random(), 0, state(3)).await;
+        for n in &nodes {
+            n.placement.send_replace(Some(placement(a, &[a, b])));
+        }
+        assert_eq!(installed(&nodes[0]).await, 3);
+        // Worker `a`'s gradient joins round 3, which waits for `b`'s.
+        let pushed = nodes[0].agg.push(a, 0, 3, 32, vec![0.5; SHARD_LEN]).await.expect("aggregator answers");
+        assert!(matches!(pushed, PushReply::Accepted { .. }), "push accepted, got {pushed:?}");
+        // The shard moves to `b` before the round is applied: the transfer
+        // carries version 3, not the round's gradients.
+        for n in nodes.iter().rev() {
+            n.placement.send_replace(Some(placement(b, &[a, b])));
+        }
+        assert_eq!(installed(&nodes[1]).await, 3);
+        // Worker `a` pulls version 4 from the new owner. Its gradient is not
+        // in that round, so nothing but the round timeout would answer the
+        // pull: it is told to push again (`NotOwner`) at once.
+        let pull = nodes[1].agg.pull(a, 0, 4, Duration::from_secs(5)).await.expect("aggregator answers");
+        assert!(matches!(pull, PullReply::NotOwner { .. }), "the worker is sent back to push, got {pull:?}");
+        // Pushed again, the gradient joins the round there.
+        let pushed = nodes[1].agg.push(a, 0, 3, 32, vec![0.5; SHARD_LEN]).await.expect("aggregator answers");
+        assert!(matches!(pushed, PushReply::Accepted { .. }), "push accepted, got {pushed:?}");
     }
 }

@@ -189,6 +189,7 @@ mod tests {
             service: vec![],
             pace: Default::default(),
             checkpoints: vec![],
+            suspects: vec![],
         }
     }
 

@@ -46,6 +46,7 @@ pub fn spawn(cfg: MembershipConfig, net: NetworkHandle, inbound: mpsc::Receiver<
         leaving: false,
         pace: Pace::default(),
         checkpoints: cfg.checkpoints.clone(),
+        suspects: Vec::new(),
     };
     let (self_tx, self_rx) = watch::channel(initial_self);
     let view = View::new(cfg.me, cfg.capabilities.can_aggregate, cfg.config_hash);
@@ -163,6 +164,7 @@ impl MembershipActor {
             service: me.service.iter().take(shoal_protocol::MAX_SERVICE_OBSERVATIONS).cloned().collect(),
             pace: me.pace,
             checkpoints: me.checkpoints.iter().take(shoal_protocol::MAX_CHECKPOINT_OFFERS).cloned().collect(),
+            suspects: me.suspects.iter().take(shoal_protocol::MAX_SUSPECTS).copied().collect(),
         };
         self.net.publish(GossipMessage::Heartbeat(hb)).await.map_err(|_| ())
     }

@@ -311,7 +311,11 @@ impl NetworkActor {
                     Err(e) => return self.respond_now(channel, ShardResponse::error(&e)),
                 };
                 let shard = p.shard;
-                let delay = self.parts.faults.serve_delay();
+                // Link emulation: the gradient came in over this node's
+                // downlink, and the answer leaves over its uplink.
+                let delay = self.parts.faults.serve_delay()
+                    + self.parts.faults.receive_delay(p.grad.byte_len())
+                    + self.parts.faults.send_delay(0);
                 match agg.try_push(peer, shard, p.base_version, p.samples, grad) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
@@ -336,9 +340,10 @@ impl NetworkActor {
                     Err(e) => return self.respond_now(channel, ShardResponse::error(&e)),
                 };
                 let shard = p.push.shard;
+                let encoding = p.encoding;
                 let wait = Duration::from_millis(p.max_wait_ms as u64);
                 let epoch = routes.epoch;
-                let delay = self.parts.faults.serve_delay();
+                let delay = self.parts.faults.serve_delay() + self.parts.faults.receive_delay(p.push.grad.byte_len());
                 let faults = self.parts.faults.clone();
                 match agg.try_push_pull(peer, (shard, p.push.base_version, p.push.samples, grad), wait) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
@@ -349,7 +354,7 @@ impl NetworkActor {
                                 let accepted = Accepted { shard, version, staleness };
                                 match pulled.await {
                                     Ok(PullReply::State { version, params }) => {
-                                        match shard_state(run, shard, version, epoch, &params) {
+                                        match shard_state(run, shard, version, epoch, &params, encoding) {
                                             Ok(s) => ShardResponse::Exchanged(Exchanged {
                                                 accepted,
                                                 held_ms: held_ms(taken),
@@ -377,7 +382,7 @@ impl NetworkActor {
                             ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => s.params.byte_len(),
                             _ => 0,
                         };
-                        fault_delay(delay + faults.link_delay(sent)).await;
+                        fault_delay(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
                         (channel, resp)
                     })),
                 }
@@ -391,6 +396,7 @@ impl NetworkActor {
                     );
                 };
                 let shard = p.shard;
+                let encoding = p.encoding;
                 let wait = Duration::from_millis(p.max_wait_ms as u64);
                 let epoch = routes.epoch;
                 let delay = self.parts.faults.serve_delay();
@@ -400,7 +406,7 @@ impl NetworkActor {
                     Ok(rx) => self.responses.push(Box::pin(async move {
                         let resp = match rx.await {
                             Ok(PullReply::State { version, params }) => {
-                                match shard_state(run, shard, version, epoch, &params) {
+                                match shard_state(run, shard, version, epoch, &params, encoding) {
                                     Ok(s) => ShardResponse::ShardState(s),
                                     Err(e) => ShardResponse::error(&e),
                                 }
@@ -415,7 +421,7 @@ impl NetworkActor {
                             ShardResponse::ShardState(s) => s.params.byte_len(),
                             _ => 0,
                         };
-                        fault_delay(delay + faults.link_delay(sent)).await;
+                        fault_delay(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
                         (channel, resp)
                     })),
                 }
@@ -461,7 +467,7 @@ impl NetworkActor {
                     }
                 };
                 let shard = h.shard;
-                match agg.try_handoff(peer, h.kind, state) {
+                match agg.try_handoff(peer, h.kind, h.hops, state) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
                         let resp = match rx.await {
@@ -517,15 +523,17 @@ fn push_response(shard: u32, r: PushReply) -> ShardResponse {
     }
 }
 
-/// A shard's parameters as sent to a puller (f32).
+/// A shard's parameters as sent to a puller, in the encoding it asked for
+/// (the owner's copy stays f32).
 fn shard_state(
     run: RunId,
     shard: u32,
     version: u64,
     epoch: u64,
     params: &[f32],
+    encoding: Encoding,
 ) -> Result<ShardState, shoal_protocol::ProtocolError> {
-    Ok(ShardState { run, shard, version, epoch, params: Payload::encode(params, Encoding::F32)? })
+    Ok(ShardState { run, shard, version, epoch, params: Payload::encode(params, encoding)? })
 }
 
 /// Milliseconds since `since`, for `Exchanged::held_ms`.

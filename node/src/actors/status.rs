@@ -103,6 +103,12 @@ impl StatusActor {
                 s.step = step;
             }
             StatusEvent::Aggregators(k) => s.aggregators = k,
+            StatusEvent::Compression { push, pull } => {
+                s.compress_push = push;
+                s.compress_pull = pull;
+            }
+            StatusEvent::ResidualBytes(b) => s.residual_bytes = b,
+            StatusEvent::Overlapped => s.overlapped_steps += 1,
             StatusEvent::Explore { step, decision } => {
                 use crate::policy::explore::Decision;
                 let (action, from, to, before, after) = match decision {
@@ -126,13 +132,14 @@ impl StatusActor {
                     });
                 }
             }
-            StatusEvent::Step { step, samples, loss, compute_secs, comm_secs } => {
+            StatusEvent::Step { step, samples, loss, compute_secs, comm_secs, step_secs } => {
                 let started = *self.started.get_or_insert_with(Instant::now);
                 s.step = step;
                 s.samples += samples as u64;
                 s.last_loss = Some(loss);
                 s.compute_secs += compute_secs;
                 s.comm_secs += comm_secs;
+                s.step_secs += step_secs;
                 let secs = started.elapsed().as_secs_f64();
                 if secs > 0.0 {
                     s.samples_per_sec = s.samples as f64 / secs;

@@ -9,6 +9,10 @@
 //!
 //! Gossip mode replaces 3-4 with a local optimizer step and, every k steps,
 //! averaging each shard with a random peer's copy.
+//!
+//! With `cluster.local_steps = H` (DiLoCo) a pull-mode worker takes local
+//! optimizer steps and runs 2-5 every H steps only, pushing the
+//! pseudo-gradient (its parameters at the round's start minus now).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +32,8 @@ use crate::handles::aggregator::{AggregatorHandle, PullReply, PushReply};
 use crate::handles::membership::MembershipHandle;
 use crate::handles::net::{ModelSnapshot, NetError, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
-use crate::handles::trainer::TrainerHandle;
+use crate::handles::trainer::{Gradients, TrainerHandle};
+use crate::policy::compress::ErrorFeedback;
 use crate::policy::health::ServiceTracker;
 use crate::policy::placement::Placement;
 use crate::policy::sync::SyncPolicy;
@@ -107,6 +112,15 @@ pub struct Worker {
     pub old_wire: std::sync::Mutex<std::collections::HashSet<PeerId>>,
 }
 
+/// One shard's gradient as this step pushes it: the values an owner gets
+/// (the raw slice, or what the lossy payload decodes to) and the payload
+/// encoded once with error feedback (`None`: f32, encoded per push).
+#[derive(Debug)]
+struct Outgoing<'a> {
+    values: std::borrow::Cow<'a, [f32]>,
+    payload: Option<Payload>,
+}
+
 /// What came of a push: the owner's answer, or (a `PushPull` that was
 /// accepted and served) the shard's next version.
 #[derive(Debug)]
@@ -177,58 +191,74 @@ impl Worker {
         if versions.len() != self.plan.len() {
             bail!("{} shard versions for {} shards", versions.len(), self.plan.len());
         }
+        let local_steps = self.config.cluster.local_steps;
         let mut local_opt = match self.config.cluster.mode {
-            Mode::Gossip => Some(Optimizer::new(t.optimizer_config(), params.len())?),
-            Mode::Pull => None,
+            Mode::Pull if local_steps <= 1 => None,
+            // Gossip mode, and DiLoCo's inner optimizer.
+            _ => Some(Optimizer::new(t.optimizer_config(), params.len())?),
         };
+        // DiLoCo (pull mode with local steps): the parameters at the start
+        // of this round of local steps, and the samples trained on since.
+        let mut outer: Option<(Vec<f32>, u64)> =
+            (self.config.cluster.mode == Mode::Pull && local_steps > 1).then(|| (params.clone(), 0));
         info!(partition = ?routing.partition, from = routing.start_step, steps = t.steps,
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
-        let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
         let mut last_report: Option<Instant> = None;
         let mut pace = crate::policy::explore::PaceMeter::default();
+        // Error feedback of the lossy push encodings (cluster.compression).
+        let mut feedback = ErrorFeedback::new(self.plan.len());
+        let compression = self.config.cluster.compression;
+        self.status.record(StatusEvent::Compression {
+            push: compression.push.to_string(),
+            pull: compression.pull.to_string(),
+        });
         // Worker momentum: the average pushed instead of each gradient.
         let mut momentum: Option<Vec<f32>> = (self.config.cluster.worker_momentum > 0.0).then(Vec::new);
+        // Overlap (cluster.overlap): the next step's gradients, computed
+        // while this step's exchange was in flight, and how long they took.
+        let overlap = self.config.cluster.overlap;
+        let mut prefetched: Option<(Gradients, f64)> = None;
         for step in routing.start_step..t.steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");
                 return Ok(Ran { params, steps: step, left: true });
             }
-            let indices = batches.for_step(step)?;
             let started = Instant::now();
-            let mut g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
-            if let Some(m) = momentum.as_mut() {
-                // Push the moving average of the gradients (worker momentum).
-                let b = self.config.cluster.worker_momentum;
-                if m.is_empty() {
-                    m.extend_from_slice(&g.grads);
-                } else {
-                    m.iter_mut().zip(&g.grads).for_each(|(m, x)| *m = b * *m + (1.0 - b) * x);
-                }
-                g.grads.copy_from_slice(m);
-            }
-            // Fault injection: this node plays a bad peer (none by default).
-            self.config.cluster.fault_byzantine.corrupt(step, &mut g.grads);
-            let extra = self.faults.extra_compute(started.elapsed());
-            if !extra.is_zero() {
-                // Fault injection: this node plays a slower machine.
-                tokio::time::sleep(extra).await;
-            }
-            let compute = started.elapsed().as_secs_f64();
+            let (g, compute) = match prefetched.take() {
+                Some(ready) => ready,
+                None => self.compute(step, &mut batches, &mut momentum).await?,
+            };
             let comm_started = Instant::now();
-            let version = match local_opt.as_mut() {
-                None => {
-                    let v = self.exchange_all(step, &mut versions, g.samples as u32, &g.grads, &mut params).await?;
-                    // Peers read the report once per heartbeat: refresh it no
-                    // more often (each refresh wakes this node's election).
-                    if self.config.cluster.elastic && last_report.is_none_or(|t| t.elapsed() >= heartbeat) {
-                        last_report = Some(Instant::now());
-                        let forget = self.config.cluster.service_forget_steps;
-                        let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
-                        self.membership.set_self(|me| me.service = report);
-                    }
+            // With overlap: the exchange's own time (the step also waited
+            // for the next step's compute, if that took longer).
+            let mut exchange_secs: Option<f64> = None;
+            let version = match (local_opt.as_mut(), outer.as_mut()) {
+                (None, _) => {
+                    let exchange =
+                        self.exchange_all(step, &mut versions, g.samples as u32, &g.grads, &mut params, &mut feedback);
+                    let v = if overlap && step + 1 < t.steps {
+                        // Step t+1's gradients, on the parameters of step t-1,
+                        // while step t's pushes and pulls are on the wire. The
+                        // owners' clock bound is one lower to pay for it
+                        // (`SyncPolicy::pipelined`).
+                        let next = self.compute(step + 1, &mut batches, &mut momentum);
+                        let timed = async {
+                            let t0 = Instant::now();
+                            let v = exchange.await;
+                            (v, t0.elapsed().as_secs_f64())
+                        };
+                        let ((v, secs), next) = tokio::join!(timed, next);
+                        exchange_secs = Some(secs);
+                        prefetched = Some(next?);
+                        self.status.record(StatusEvent::Overlapped);
+                        v?
+                    } else {
+                        exchange.await?
+                    };
+                    self.after_exchange(step, &feedback, &mut last_report);
                     v
                 }
-                Some(opt) => {
+                (Some(opt), None) => {
                     opt.set_lr(t.lr_schedule().lr_at(step))?;
                     opt.step(&mut params, &g.grads)?;
                     if (step + 1) % self.config.cluster.gossip_every == 0 {
@@ -236,17 +266,42 @@ impl Worker {
                     }
                     step + 1
                 }
+                (Some(opt), Some((start, samples))) => {
+                    // DiLoCo: a local step, and every `local_steps` steps
+                    // (and at the last) the pseudo-gradient start - now goes
+                    // to the owners, whose outer optimizer applies the
+                    // round; the new parameters start the next round.
+                    opt.set_lr(t.lr_schedule().lr_at(step))?;
+                    opt.step(&mut params, &g.grads)?;
+                    *samples += g.samples as u64;
+                    if (step + 1) % local_steps == 0 || step + 1 == t.steps {
+                        let pseudo: Vec<f32> = start.iter().zip(&params).map(|(s, p)| s - p).collect();
+                        let n = u32::try_from(*samples).unwrap_or(u32::MAX);
+                        let v = self.exchange_all(step, &mut versions, n, &pseudo, &mut params, &mut feedback).await?;
+                        self.after_exchange(step, &feedback, &mut last_report);
+                        start.copy_from_slice(&params);
+                        *samples = 0;
+                        v
+                    } else {
+                        versions.iter().copied().min().unwrap_or(0)
+                    }
+                }
             };
+            let set_started = Instant::now();
             let params_arc = Arc::new(params.clone());
             self.trainer.set_params(params_arc.clone()).await?;
             self.snapshot.send_replace(ModelSnapshot { version, params: params_arc });
-            let comm = comm_started.elapsed().as_secs_f64();
+            let comm = match exchange_secs {
+                Some(x) => x + set_started.elapsed().as_secs_f64(),
+                None => comm_started.elapsed().as_secs_f64(),
+            };
             self.status.record(StatusEvent::Step {
                 step: step + 1,
                 samples: g.samples,
                 loss: g.loss,
                 compute_secs: compute,
                 comm_secs: comm,
+                step_secs: started.elapsed().as_secs_f64(),
             });
             self.status.record(StatusEvent::Version(version));
             let p = pace.observe(started.elapsed().as_secs_f64(), comm);
@@ -263,6 +318,55 @@ impl Worker {
             }
         }
         Ok(Ran { params, steps: t.steps, left: false })
+    }
+
+    /// One step's gradients on the model the trainer holds now: the batch,
+    /// forward and backward, worker momentum, and the fault injections.
+    /// Returns them with the seconds they took.
+    async fn compute(
+        &self,
+        step: u64,
+        batches: &mut WorkerBatches,
+        momentum: &mut Option<Vec<f32>>,
+    ) -> anyhow::Result<(Gradients, f64)> {
+        let indices = batches.for_step(step)?;
+        let started = Instant::now();
+        let mut g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
+        if let Some(m) = momentum.as_mut() {
+            // Push the moving average of the gradients (worker momentum).
+            let b = self.config.cluster.worker_momentum;
+            if m.is_empty() {
+                m.extend_from_slice(&g.grads);
+            } else {
+                m.iter_mut().zip(&g.grads).for_each(|(m, x)| *m = b * *m + (1.0 - b) * x);
+            }
+            g.grads.copy_from_slice(m);
+        }
+        // Fault injection: this node plays a bad peer (none by default).
+        self.config.cluster.fault_byzantine.corrupt(step, &mut g.grads);
+        let extra = self.faults.extra_compute(started.elapsed());
+        if !extra.is_zero() {
+            // Fault injection: this node plays a slower machine.
+            tokio::time::sleep(extra).await;
+        }
+        Ok((g, started.elapsed().as_secs_f64()))
+    }
+
+    /// After an exchange of every shard: the residuals' memory to status,
+    /// and (elastic roles) this worker's view of its owners' service times
+    /// to membership, at most once per heartbeat: peers read the report
+    /// once per heartbeat, and each refresh wakes this node's election.
+    fn after_exchange(&self, step: u64, feedback: &ErrorFeedback, last_report: &mut Option<Instant>) {
+        if self.config.cluster.compression.push.is_lossy() {
+            self.status.record(StatusEvent::ResidualBytes(feedback.bytes()));
+        }
+        let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
+        if self.config.cluster.elastic && last_report.is_none_or(|t| t.elapsed() >= heartbeat) {
+            *last_report = Some(Instant::now());
+            let forget = self.config.cluster.service_forget_steps;
+            let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
+            self.membership.set_self(|me| me.service = report);
+        }
     }
 
     /// Resuming after a full stop: pull every shard at its resume version
@@ -320,6 +424,9 @@ impl Worker {
 
     /// Exchange every shard (push the gradient, pull the new version)
     /// concurrently. Returns the smallest shard version (the model version).
+    /// With a lossy push encoding, each shard's gradient is encoded once,
+    /// with its error feedback, before any push: every attempt sends the
+    /// same payload, and a local owner gets what it decodes to.
     async fn exchange_all(
         &self,
         step: u64,
@@ -327,14 +434,31 @@ impl Worker {
         samples: u32,
         grads: &[f32],
         params: &mut [f32],
+        feedback: &mut ErrorFeedback,
     ) -> anyhow::Result<u64> {
         let parts = self.plan.split(grads)?;
-        let exchanges = self
+        let push = self.config.cluster.compression.push;
+        let outgoing = self
             .plan
             .shards()
             .iter()
             .zip(parts)
-            .map(|(shard, slice)| self.exchange(shard.id, step, versions[shard.id as usize], samples, slice));
+            .map(|(shard, slice)| {
+                if !push.is_lossy() {
+                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: None });
+                }
+                let c = feedback
+                    .compress(shard.id as usize, slice, push.encoding(slice.len()))
+                    .with_context(|| format!("step {step}: encoding shard {} as {push}", shard.id))?;
+                Ok(Outgoing { values: std::borrow::Cow::Owned(c.values), payload: Some(c.payload) })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let exchanges = self
+            .plan
+            .shards()
+            .iter()
+            .zip(&outgoing)
+            .map(|(shard, out)| self.exchange(shard.id, step, versions[shard.id as usize], samples, out));
         let results = try_join_all(exchanges).await?;
         for (shard, (version, values)) in self.plan.shards().iter().zip(results) {
             if values.len() != shard.len() {
@@ -365,7 +489,7 @@ impl Worker {
         step: u64,
         base: u64,
         samples: u32,
-        grad: &[f32],
+        grad: &Outgoing<'_>,
     ) -> anyhow::Result<(u64, Arc<Vec<f32>>)> {
         let bsp = self.policy() == SyncPolicy::Bsp;
         let started = Instant::now();
@@ -503,15 +627,16 @@ impl Worker {
         base: u64,
         step: u64,
         samples: u32,
-        grad: &[f32],
+        grad: &Outgoing<'_>,
     ) -> anyhow::Result<PushReply> {
         if owner == self.me {
-            return self.aggregator.push(self.me, shard, base, samples, grad.to_vec()).await;
+            return self.aggregator.push(self.me, shard, base, samples, grad.values.to_vec()).await;
         }
         let push = self.push_grad(shard, base, step, samples, grad)?;
         let bytes = push.grad.byte_len();
         let req = ShardRequest::PushGrad(push);
         let sent = Instant::now();
+        self.emulated_link(self.faults.send_delay(bytes)).await;
         let resp = self.net.request(owner, req).await?;
         let reply = self.push_reply(owner, shard, resp)?;
         if matches!(reply, PushReply::NotOwner { .. } | PushReply::Pending) {
@@ -525,8 +650,20 @@ impl Worker {
         Ok(reply)
     }
 
-    /// The wire form of this worker's gradient for one shard (f32).
-    fn push_grad(&self, shard: u32, base: u64, step: u64, samples: u32, grad: &[f32]) -> anyhow::Result<PushGrad> {
+    /// The wire form of this worker's gradient for one shard: the payload
+    /// encoded with its error feedback, or f32.
+    fn push_grad(
+        &self,
+        shard: u32,
+        base: u64,
+        step: u64,
+        samples: u32,
+        grad: &Outgoing<'_>,
+    ) -> anyhow::Result<PushGrad> {
+        let payload = match &grad.payload {
+            Some(p) => p.clone(),
+            None => Payload::encode(&grad.values, Encoding::F32)?,
+        };
         Ok(PushGrad {
             run: self.run.clone(),
             shard,
@@ -536,7 +673,7 @@ impl Worker {
             incarnation: self.incarnation,
             step,
             samples: samples.max(1),
-            grad: Payload::encode(grad, Encoding::F32)?,
+            grad: payload,
         })
     }
 
@@ -574,20 +711,25 @@ impl Worker {
         base: u64,
         step: u64,
         samples: u32,
-        grad: &[f32],
+        grad: &Outgoing<'_>,
         left: Duration,
     ) -> anyhow::Result<Pushed> {
         let push = self.push_grad(shard, base, step, samples, grad)?;
         let bytes = push.grad.byte_len();
-        let req =
-            ShardRequest::PushPull(PushPull { push, max_wait_ms: self.max_wait_ms(left), encoding: Encoding::F32 });
+        let req = ShardRequest::PushPull(PushPull {
+            push,
+            max_wait_ms: self.max_wait_ms(left),
+            encoding: self.pull_encoding(),
+        });
         let sent = Instant::now();
+        self.emulated_link(self.faults.send_delay(bytes)).await;
         let resp = self.net.request(owner, req).await?;
         let (reply, held_ms) = match resp {
             ShardResponse::Exchanged(x) => {
                 let held = x.held_ms;
                 match x.state {
                     Some(s) => {
+                        self.emulated_link(self.faults.receive_delay(s.params.byte_len())).await;
                         let version = s.version;
                         self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
                         let params = Arc::new(s.params.decode()?);
@@ -626,6 +768,19 @@ impl Worker {
         Ok(reply)
     }
 
+    /// Link emulation (`cluster.link_mbps`, `cluster.link_latency_ms`): a
+    /// message takes this long on this node's emulated link.
+    async fn emulated_link(&self, delay: Duration) {
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// The encoding this worker asks its pulls in (`cluster.compression.pull`).
+    fn pull_encoding(&self) -> Encoding {
+        self.config.cluster.compression.pull.encoding()
+    }
+
     /// How long an owner may hold a pull: what is left of the deadline,
     /// capped by the owners' `response_wait_ms` (they refuse longer waits).
     fn max_wait_ms(&self, left: Duration) -> u32 {
@@ -650,10 +805,12 @@ impl Worker {
             min_version,
             // Owners refuse waits longer than their response_wait_ms.
             max_wait_ms: self.max_wait_ms(left),
-            encoding: Encoding::F32,
+            encoding: self.pull_encoding(),
         });
+        self.emulated_link(self.faults.send_delay(0)).await;
         Ok(match self.net.request(owner, req).await? {
             ShardResponse::ShardState(s) => {
+                self.emulated_link(self.faults.receive_delay(s.params.byte_len())).await;
                 self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
                 PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) }
             }

@@ -17,7 +17,7 @@ use crate::cmd::cli::{BenchTrainArgs, BenchWireArgs};
 
 /// Write a benchmark's numbers to `--json PATH`, if given.
 #[allow(clippy::print_stdout)] // The CLI's own output.
-fn write_json(path: Option<&std::path::Path>, value: &serde_json::Value) -> anyhow::Result<()> {
+pub(crate) fn write_json(path: Option<&std::path::Path>, value: &serde_json::Value) -> anyhow::Result<()> {
     if let Some(path) = path {
         let text = serde_json::to_string_pretty(value)?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;

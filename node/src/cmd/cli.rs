@@ -243,6 +243,18 @@ pub struct NodeArgs {
     /// Fault injection: serve shard states over an emulated link of this many Mbit/s.
     #[arg(long)]
     pub fault_serve_mbps: Option<f64>,
+    /// Compute the next step while this step's exchange is on the wire (ssp:N with N >= 1, dssp, asp).
+    #[arg(long)]
+    pub overlap: Option<bool>,
+    /// Local steps between pushes of a pseudo-gradient (DiLoCo; 1: none).
+    #[arg(long)]
+    pub local_steps: Option<u64>,
+    /// Link emulation: this node's link runs at this many Mbit/s each way (0: none).
+    #[arg(long)]
+    pub link_mbps: Option<f64>,
+    /// Link emulation: one-way latency of every message this node sends, in ms.
+    #[arg(long)]
+    pub link_latency_ms: Option<f64>,
     /// How owners combine a BSP round: mean, trimmed_mean:F, median or centered_clip:TAU.
     #[arg(long)]
     pub aggregation: Option<crate::policy::robust::Aggregation>,
@@ -252,6 +264,12 @@ pub struct NodeArgs {
     /// Fault injection: push bad gradients: none, scale:F, sign_flip or random.
     #[arg(long)]
     pub fault_byzantine: Option<crate::ops::faults::Byzantine>,
+    /// Gradient pushes: none, bf16, int8 or topk:FRACTION (lossy ones with error feedback).
+    #[arg(long)]
+    pub compress_push: Option<crate::policy::compress::PushCompression>,
+    /// Parameter pulls: none or bf16.
+    #[arg(long)]
+    pub compress_pull: Option<crate::policy::compress::PullCompression>,
     /// Serve the status page, /status and /metrics on host:port, or `off`
     /// (default 127.0.0.1:0: loopback, a free port).
     #[arg(long)]
@@ -309,6 +327,18 @@ pub struct DemoArgs {
     /// Compute threads per node (default: this host's cores / --nodes).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: Option<usize>,
+    /// Every node's gradient pushes: none, bf16, int8 or topk:FRACTION (lossy ones with error feedback).
+    #[arg(long, default_value = "none")]
+    pub compress_push: crate::policy::compress::PushCompression,
+    /// Every node's parameter pulls: none or bf16.
+    #[arg(long, default_value = "none")]
+    pub compress_pull: crate::policy::compress::PullCompression,
+    /// Compute the next step while this step's exchange is on the wire (ssp:N with N >= 1, dssp, asp).
+    #[arg(long)]
+    pub overlap: bool,
+    /// Local steps between pushes of a pseudo-gradient (DiLoCo; 1: none).
+    #[arg(long, default_value_t = 1)]
+    pub local_steps: u64,
 }
 
 #[derive(Debug, Subcommand)]
@@ -358,6 +388,35 @@ pub enum BenchCommand {
     Aggregators(BenchAggregatorsArgs),
     /// One shard checkpoint (encode, write, fsync, rename) against a raw write+fsync of its bytes.
     Checkpoint(BenchCheckpointArgs),
+    /// Compression, overlap and DiLoCo against f32 BSP at emulated link rates: bytes, hidden communication, accuracy.
+    Comm(BenchCommArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchCommArgs {
+    /// Steps per node in each case.
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    /// Samples per step per node.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Evaluate every this many steps (for time to target accuracy).
+    #[arg(long, default_value_t = 25)]
+    pub eval_every: u64,
+    /// Target test accuracy (default: 0.80 on Fashion-MNIST, 0.93 on digits).
+    #[arg(long)]
+    pub target: Option<f32>,
+    /// Emulated link rates to run every case at, in Mbit/s per node and direction (0: loopback only).
+    #[arg(long, value_delimiter = ',', default_value = "1000,100")]
+    pub links: Vec<f64>,
+    /// One-way latency of the emulated links, in ms.
+    #[arg(long, default_value_t = 1.0)]
+    pub latency_ms: f64,
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Also write the numbers as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

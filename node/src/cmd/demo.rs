@@ -26,6 +26,10 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     base.cluster.sync = args.sync;
     base.cluster.mode = args.mode;
     base.cluster.shards = args.shards;
+    base.cluster.compression.push = args.compress_push;
+    base.cluster.compression.pull = args.compress_pull;
+    base.cluster.overlap = args.overlap;
+    base.cluster.local_steps = args.local_steps;
     base.cluster.start_timeout_ms = 30_000;
     // The nodes share this host: each gets its share (or --threads).
     let threads = crate::ops::threads::resolve(args.threads, args.nodes);

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_checkpoint;
+pub mod bench_comm;
 pub mod cli;
 pub mod data;
 pub mod demo;

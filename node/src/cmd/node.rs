@@ -65,11 +65,17 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     set!(k.fault_delay_ms, args.fault_delay_ms);
     set!(k.slowdown, args.slowdown);
     set!(k.fault_serve_mbps, args.fault_serve_mbps);
+    set!(k.overlap, args.overlap);
+    set!(k.local_steps, args.local_steps);
+    set!(k.link_mbps, args.link_mbps);
+    set!(k.link_latency_ms, args.link_latency_ms);
     set!(k.aggregation, args.aggregation);
     if args.norm_check.is_some() {
         k.norm_check = args.norm_check;
     }
     set!(k.fault_byzantine, args.fault_byzantine);
+    set!(k.compression.push, args.compress_push);
+    set!(k.compression.pull, args.compress_pull);
     set!(c.http.listen, args.http);
     if args.checkpoint_dir.is_some() {
         c.checkpoint.dir = args.checkpoint_dir.clone();

@@ -115,6 +115,8 @@ pub(crate) enum AggCommand {
     Handoff {
         from: PeerId,
         kind: HandoffKind,
+        /// Times the transfer was forwarded before it came here.
+        hops: u64,
         state: ShardState,
         reply: oneshot::Sender<HandoffReply>,
     },
@@ -153,6 +155,7 @@ pub(crate) enum AggCommand {
 pub struct AggregatorHandle {
     sender: mpsc::Sender<AggCommand>,
     held: watch::Receiver<Held>,
+    suspects: watch::Receiver<Vec<PeerId>>,
 }
 
 /// Returned by [`AggregatorHandle::try_push`] / `try_pull` when the actor is
@@ -161,13 +164,23 @@ pub struct AggregatorHandle {
 pub struct Busy;
 
 impl AggregatorHandle {
-    pub(crate) fn new(sender: mpsc::Sender<AggCommand>, held: watch::Receiver<Held>) -> Self {
-        Self { sender, held }
+    pub(crate) fn new(
+        sender: mpsc::Sender<AggCommand>,
+        held: watch::Receiver<Held>,
+        suspects: watch::Receiver<Vec<PeerId>>,
+    ) -> Self {
+        Self { sender, held, suspects }
     }
 
     /// What this node holds as an owner, as it changes.
     pub fn held(&self) -> watch::Receiver<Held> {
         self.held.clone()
+    }
+
+    /// The workers this owner marked as suspects since it started (at most
+    /// `MAX_SUSPECTS`, in the order they turned suspect), as they change.
+    pub fn suspects(&self) -> watch::Receiver<Vec<PeerId>> {
+        self.suspects.clone()
     }
 
     async fn ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> anyhow::Result<T> {
@@ -247,9 +260,10 @@ impl AggregatorHandle {
         &self,
         from: PeerId,
         kind: HandoffKind,
+        hops: u64,
         state: ShardState,
     ) -> Result<oneshot::Receiver<HandoffReply>, Busy> {
-        self.try_ask(|reply| AggCommand::Handoff { from, kind, state, reply })
+        self.try_ask(|reply| AggCommand::Handoff { from, kind, hops, state, reply })
     }
 
     /// Resume from checkpoints: install or pass on `states` when the first

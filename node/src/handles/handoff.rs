@@ -17,12 +17,15 @@ pub struct ShardState {
     pub optimizer: OptimizerState,
 }
 
-/// Encode a shard's state as a handoff message (F32: nothing is lost in a move).
+/// Encode a shard's state as a handoff message (F32: nothing is lost in a
+/// move). `hops`: how many times a transfer has been forwarded (see
+/// [`Handoff::hops`]); 0 for a replica.
 pub fn to_wire(
     run: &RunId,
     me: PeerId,
     incarnation: u64,
     kind: HandoffKind,
+    hops: u64,
     state: &ShardState,
 ) -> anyhow::Result<Handoff> {
     let slots = state
@@ -34,7 +37,7 @@ pub fn to_wire(
     Ok(Handoff {
         run: run.clone(),
         shard: state.shard,
-        epoch: 0,
+        hops,
         kind,
         from: me,
         from_incarnation: incarnation,
@@ -83,7 +86,8 @@ mod tests {
         opt.step(&mut params, &[0.1, 0.2, -0.3])?;
         let state = ShardState { shard: 2, version: 7, params: params.clone(), optimizer: opt.state().clone() };
         let run = RunId::new("t").map_err(|e| anyhow::anyhow!("{e}"))?;
-        let wire = to_wire(&run, PeerId::random(), 1, HandoffKind::Transfer, &state)?;
+        let wire = to_wire(&run, PeerId::random(), 1, HandoffKind::Transfer, 2, &state)?;
+        assert_eq!(wire.hops, 2);
         let back = from_wire(&wire, cfg)?;
         assert_eq!((back.shard, back.version), (2, 7));
         assert_eq!(back.params, params);

@@ -42,9 +42,14 @@ pub struct StatusSnapshot {
     pub bytes_in: u64,
     pub push_latency_ms: Option<f64>,
     pub pull_latency_ms: Option<f64>,
-    /// Seconds of step time spent computing gradients vs. communicating.
+    /// Seconds of step time spent computing gradients vs. communicating
+    /// (with `cluster.overlap` the two run at once, so their sum exceeds
+    /// `step_secs`).
     pub compute_secs: f64,
     pub comm_secs: f64,
+    /// Seconds from the start of each step to its end, summed (evaluations
+    /// excluded).
+    pub step_secs: f64,
     pub known_peers: usize,
     /// Largest staleness this node's shards accepted.
     pub max_staleness: u64,
@@ -96,6 +101,15 @@ pub struct StatusSnapshot {
     pub checkpoint_versions: BTreeMap<u32, u64>,
     /// Resumed from checkpoints after a full stop: the step the run went on from.
     pub resumed_at_step: Option<u64>,
+    /// This node's push and pull encodings (`cluster.compression`; empty
+    /// before training starts).
+    pub compress_push: String,
+    pub compress_pull: String,
+    /// Memory held by error feedback's residuals (a lossy push encoding).
+    pub residual_bytes: u64,
+    /// Steps whose next gradients were computed while their exchange was in
+    /// flight (`cluster.overlap`).
+    pub overlapped_steps: u64,
 }
 
 /// One decision of this node's explorer (see [`crate::policy::explore`]).
@@ -137,6 +151,7 @@ pub enum StatusEvent {
         loss: f32,
         compute_secs: f64,
         comm_secs: f64,
+        step_secs: f64,
     },
     Version(u64),
     Bytes {
@@ -184,6 +199,14 @@ pub enum StatusEvent {
     Resumed {
         step: u64,
     },
+    Compression {
+        push: String,
+        pull: String,
+    },
+    ResidualBytes(u64),
+    /// A step whose next gradients were computed while its exchange was in
+    /// flight (`cluster.overlap`).
+    Overlapped,
 }
 
 /// The status actor's mailbox.

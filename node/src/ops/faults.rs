@@ -8,6 +8,12 @@
 //! - `serve_mbps`: the shard states this node sends as an owner leave over
 //!   one link of this many Mbit/s, each queued behind the previous one (an
 //!   owner on a slow uplink: its serving time grows with its load);
+//! - `link`: this node's own link to its peers (`cluster.link_mbps`,
+//!   `cluster.link_latency_ms`), in both directions: what it sends (pushes,
+//!   and the answers it serves) leaves over an uplink of that rate, queued,
+//!   and arrives one latency later; what it receives (pulled parameters,
+//!   pushed gradients) comes in over a downlink of the same rate. An edge
+//!   board on a home link, for tests and benchmarks;
 //! - [`Byzantine`] (`cluster.fault_byzantine`, read by the worker): this node's
 //!   pushed gradients are scaled, sign-flipped or random (a bad peer, for
 //!   the robust-aggregation tests).
@@ -89,15 +95,61 @@ impl TryFrom<String> for Byzantine {
     }
 }
 
+/// One emulated link direction: a rate, and when it is next free (what is
+/// sent queues behind what was sent before).
+#[derive(Debug, Default)]
+struct Link {
+    /// kbit/s; 0 = none.
+    kbps: AtomicU64,
+    free: Mutex<Option<Instant>>,
+}
+
+impl Link {
+    fn set_mbps(&self, mbps: f64, what: &str) -> Result<(), String> {
+        if !(0.0..=1e9).contains(&mbps) {
+            return Err(format!("{what} {mbps} must be a number from 0 (off) to 1e9"));
+        }
+        if mbps > 0.0 && mbps < 0.001 {
+            return Err(format!("{what} {mbps} is below the smallest emulated link (0.001)"));
+        }
+        self.kbps.store((mbps * 1000.0).round() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn mbps(&self) -> f64 {
+        self.kbps.load(Ordering::Relaxed) as f64 / 1000.0
+    }
+
+    /// How long `bytes` sent now take to get through, queued behind what was
+    /// sent before; zero without a rate.
+    fn delay(&self, bytes: u64) -> Duration {
+        let kbps = self.kbps.load(Ordering::Relaxed);
+        if kbps == 0 {
+            return Duration::ZERO;
+        }
+        let now = Instant::now();
+        let Ok(mut free) = self.free.lock() else { return Duration::ZERO };
+        let start = free.filter(|t| *t > now).unwrap_or(now);
+        let end = start + Duration::from_secs_f64(bytes as f64 * 8.0 / (kbps as f64 * 1000.0));
+        *free = Some(end);
+        end - now
+    }
+}
+
 /// Shared fault settings.
 #[derive(Debug, Default)]
 pub struct Faults {
     serve_delay_ms: AtomicU64,
     /// Slowdown factor in thousandths (1000 = none).
     slowdown_milli: AtomicU64,
-    /// Emulated uplink in kbit/s (0 = none), and when it is next free.
-    serve_kbps: AtomicU64,
-    link_free: Mutex<Option<Instant>>,
+    /// The owner's emulated uplink for the shard states it serves
+    /// (`fault_serve_mbps`).
+    serve: Link,
+    /// This node's emulated link (`link_mbps`): up, down, and the one-way
+    /// latency in microseconds.
+    up: Link,
+    down: Link,
+    latency_us: AtomicU64,
 }
 
 /// Largest slowdown factor accepted.
@@ -137,34 +189,42 @@ impl Faults {
 
     /// `mbps` must be finite and non-negative; 0 turns the emulated link off.
     pub fn set_serve_mbps(&self, mbps: f64) -> Result<(), String> {
-        if !(0.0..=1e9).contains(&mbps) {
-            return Err(format!("fault_serve_mbps {mbps} must be a number from 0 (off) to 1e9"));
+        self.serve.set_mbps(mbps, "fault_serve_mbps")
+    }
+
+    /// The emulated serving uplink in Mbit/s (0: none).
+    pub fn serve_mbps(&self) -> f64 {
+        self.serve.mbps()
+    }
+
+    /// How long `bytes` of shard state served now wait for the emulated
+    /// serving uplink (queued behind what was served before); zero without one.
+    pub fn link_delay(&self, bytes: u64) -> Duration {
+        self.serve.delay(bytes)
+    }
+
+    /// This node's link: `mbps` each way (0: none) and a one-way latency.
+    pub fn set_link(&self, mbps: f64, latency_ms: f64) -> Result<(), String> {
+        self.up.set_mbps(mbps, "link_mbps")?;
+        self.down.set_mbps(mbps, "link_mbps")?;
+        if !(0.0..=60_000.0).contains(&latency_ms) {
+            return Err(format!("link_latency_ms {latency_ms} must be a number from 0 to 60000"));
         }
-        if mbps > 0.0 && mbps < 0.001 {
-            return Err(format!("fault_serve_mbps {mbps} is below the smallest emulated link (0.001)"));
-        }
-        self.serve_kbps.store((mbps * 1000.0).round() as u64, Ordering::Relaxed);
+        self.latency_us.store((latency_ms * 1000.0).round() as u64, Ordering::Relaxed);
         Ok(())
     }
 
-    /// The emulated uplink in Mbit/s (0: none).
-    pub fn serve_mbps(&self) -> f64 {
-        self.serve_kbps.load(Ordering::Relaxed) as f64 / 1000.0
+    /// How long a message of `bytes` that this node sends now takes to reach
+    /// its peer over this node's link: the uplink's queue and rate, then the
+    /// latency. Zero without a link.
+    pub fn send_delay(&self, bytes: u64) -> Duration {
+        self.up.delay(bytes) + Duration::from_micros(self.latency_us.load(Ordering::Relaxed))
     }
 
-    /// How long `bytes` sent now wait for the emulated link (queued behind
-    /// what was sent before); zero without one.
-    pub fn link_delay(&self, bytes: u64) -> Duration {
-        let kbps = self.serve_kbps.load(Ordering::Relaxed);
-        if kbps == 0 {
-            return Duration::ZERO;
-        }
-        let now = Instant::now();
-        let Ok(mut free) = self.link_free.lock() else { return Duration::ZERO };
-        let start = free.filter(|t| *t > now).unwrap_or(now);
-        let end = start + Duration::from_secs_f64(bytes as f64 * 8.0 / (kbps as f64 * 1000.0));
-        *free = Some(end);
-        end - now
+    /// How long a message of `bytes` that reached this node now takes to
+    /// come in over its downlink. Zero without a link.
+    pub fn receive_delay(&self, bytes: u64) -> Duration {
+        self.down.delay(bytes)
     }
 
     /// Extra time to add to a step whose gradients took `compute`.
@@ -176,6 +236,22 @@ impl Faults {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_emulated_link_queues_each_direction_and_adds_its_latency() {
+        let f = Faults::default();
+        assert_eq!(f.send_delay(1_000_000) + f.receive_delay(1_000_000), Duration::ZERO, "off by default");
+        assert!(f.set_link(-1.0, 0.0).is_err() && f.set_link(8.0, -1.0).is_err() && f.set_link(8.0, f64::NAN).is_err());
+        assert!(f.set_link(8.0, 20.0).is_ok()); // 1 MB/s each way, 20 ms
+        let up = f.send_delay(100_000); // 100 ms on the wire, then 20 ms
+        assert!(up > Duration::from_millis(110) && up <= Duration::from_millis(120), "{up:?}");
+        let queued = f.send_delay(100_000); // behind the first
+        assert!(queued > Duration::from_millis(210), "{queued:?}");
+        // The downlink is its own queue.
+        let down = f.receive_delay(100_000);
+        assert!(down > Duration::from_millis(90) && down <= Duration::from_millis(100), "{down:?}");
+        assert_eq!(f.link_delay(100_000), Duration::ZERO, "the serving link is separate");
+    }
 
     #[test]
     fn byzantine_gradients_are_what_they_say() {

@@ -15,6 +15,7 @@
 //! | POST | `/control/unblock?peer=ID[&addr=MULTIADDR]` | lift a block, then dial `addr` |
 //! | POST | `/control/leave` | leave the run cleanly |
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,6 +71,9 @@ pub struct StatusDoc {
     pub listen: Vec<String>,
     /// Peers with this node's config heard from within the failure timeout.
     pub peers: Vec<PeerDoc>,
+    /// Each suspect, with the peers whose heartbeats name it (this node
+    /// included when its own aggregator does): claims, not verdicts.
+    pub suspected_by: BTreeMap<String, Vec<String>>,
     pub serve_delay_ms: u64,
     pub slowdown: f64,
 }
@@ -332,10 +336,18 @@ async fn status_doc(state: &HttpState) -> Option<StatusDoc> {
             last_seen_ms_ago: snap.now_ms.saturating_sub(p.last_seen_ms),
         })
         .collect();
+    let mine: Vec<PeerId> = status.suspects.iter().filter_map(|s| s.parse().ok()).collect();
+    let suspected_by = snap
+        .view
+        .suspected_by(&mine)
+        .into_iter()
+        .map(|(s, by)| (s.to_string(), by.iter().map(ToString::to_string).collect()))
+        .collect();
     Some(StatusDoc {
         status,
         listen: state.listen.iter().map(|a| a.to_string()).collect(),
         peers,
+        suspected_by,
         serve_delay_ms: state.faults.serve_delay().as_millis() as u64,
         slowdown: state.faults.slowdown(),
     })
@@ -373,6 +385,8 @@ async function tick(){
    row('handoffs out / in',s.handoffs_out+' / '+s.handoffs_in)+
    row('aggregators in the placement',s.aggregators)+
    row('faults','serve delay '+s.serve_delay_ms+' ms, slowdown '+s.slowdown+'x')+
+   row('compression (push / pull)',(s.compress_push||'-')+' / '+(s.compress_pull||'-')+', residuals '+s.residual_bytes+' B')+
+   row('suspects (named by)',Object.entries(s.suspected_by).map(([p,by])=>p.slice(-6)+' ('+by.map(b=>b.slice(-6)).join(', ')+')').join('<br>')||'-')+
    row('listen',s.listen.join('<br>'));
   document.getElementById('peers').innerHTML='<tr><th>peer</th><th>role</th><th>step</th><th>shards</th><th>last seen</th></tr>'+
    s.peers.map(p=>'<tr><td>'+p.peer_id.slice(-6)+'</td><td>'+p.role+'</td><td>'+p.step+'</td><td>'+

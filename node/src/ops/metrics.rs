@@ -96,6 +96,11 @@ fn ms_to_seconds(ms: Option<f64>) -> f64 {
 pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
     let mut m = Exposition::default();
     m.gauge("step", "Training steps done.", s.step as f64);
+    m.gauge(
+        "error_feedback_residual_bytes",
+        "Memory held by the residuals of error feedback (a lossy push encoding).",
+        s.residual_bytes as f64,
+    );
     m.gauge("total_steps", "Training steps of the run.", s.total_steps as f64);
     m.gauge("model_version", "Smallest shard version of this node's model.", s.model_version as f64);
     m.counter("samples_total", "Training samples processed.", s.samples);

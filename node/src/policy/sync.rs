@@ -83,6 +83,23 @@ impl SyncPolicy {
         }
     }
 
+    /// The owners' policy when every worker computes one step ahead of its
+    /// exchanges (`cluster.overlap`): the same policy with its clock bound
+    /// one lower. A pipelined worker computes step t+1 on the parameters it
+    /// pulled after step t-1, one step staler than without overlap; the
+    /// tighter gate on that pull keeps the parameters it computes on within
+    /// the configured bound. `None` where there is no step to give:
+    /// BSP (the next forward pass needs the round's new version), `ssp:0`
+    /// and `dssp` with `lo = 0`.
+    pub fn pipelined(&self) -> Option<SyncPolicy> {
+        match *self {
+            SyncPolicy::Ssp { staleness } if staleness >= 1 => Some(SyncPolicy::Ssp { staleness: staleness - 1 }),
+            SyncPolicy::Dssp { lo, hi } if lo >= 1 => Some(SyncPolicy::Dssp { lo: lo - 1, hi: hi - 1 }),
+            SyncPolicy::Asp => Some(SyncPolicy::Asp),
+            _ => None,
+        }
+    }
+
     /// The oldest version a worker may pull after its push was accepted at
     /// `accepted` (the owner's version then). BSP: the version after the
     /// round the push joined. The other policies gate pulls on clocks, not
@@ -686,6 +703,23 @@ mod tests {
     /// A seeded simulation: workers of very different speeds push and pull
     /// under SSP(s) and DSSP; the recorded lead never exceeds the bound, and
     /// fast workers are never let run further than the bound allows.
+    #[test]
+    fn pipelined_policies_give_one_step_of_their_bound_to_the_overlap() {
+        assert_eq!(SyncPolicy::Ssp { staleness: 2 }.pipelined(), Some(SyncPolicy::Ssp { staleness: 1 }));
+        assert_eq!(SyncPolicy::Dssp { lo: 1, hi: 4 }.pipelined(), Some(SyncPolicy::Dssp { lo: 0, hi: 3 }));
+        assert_eq!(SyncPolicy::Asp.pipelined(), Some(SyncPolicy::Asp));
+        for none in [SyncPolicy::Bsp, SyncPolicy::Ssp { staleness: 0 }, SyncPolicy::Dssp { lo: 0, hi: 3 }] {
+            assert_eq!(none.pipelined(), None, "{none}");
+        }
+        // The bound a pipelined worker's parameters get: the owners' bound
+        // plus its one step of pipeline, never more than the policy's.
+        for p in [SyncPolicy::Ssp { staleness: 1 }, SyncPolicy::Ssp { staleness: 3 }, SyncPolicy::Dssp { lo: 2, hi: 5 }]
+        {
+            let owners = p.pipelined().and_then(|q| q.max_bound()).unwrap_or(u64::MAX);
+            assert_eq!(Some(owners + 1), p.max_bound(), "{p}");
+        }
+    }
+
     #[test]
     fn ssp_and_dssp_bound_the_lead_in_simulation() {
         for policy in [SyncPolicy::Ssp { staleness: 2 }, SyncPolicy::Dssp { lo: 1, hi: 4 }, SyncPolicy::Bsp] {

@@ -161,6 +161,24 @@ impl View {
         dead
     }
 
+    /// Who names whom a suspect: each suspect with the peers whose latest
+    /// heartbeat names it, and this node (`me`) if `mine` (its own
+    /// aggregator's suspects) names it. Peers leave the view when they go
+    /// silent, and their claims with them.
+    pub fn suspected_by(&self, mine: &[PeerId]) -> BTreeMap<PeerId, Vec<PeerId>> {
+        let mut by: BTreeMap<PeerId, Vec<PeerId>> = BTreeMap::new();
+        let claims = self.peers.values().map(|p| (p.heartbeat.peer, &p.heartbeat.suspects[..]));
+        for (reporter, suspects) in std::iter::once((self.me, mine)).chain(claims) {
+            for s in suspects {
+                let reporters = by.entry(*s).or_default();
+                if !reporters.contains(&reporter) {
+                    reporters.push(reporter);
+                }
+            }
+        }
+        by
+    }
+
     /// The roster this node would propose now.
     pub fn proposal(&self, now_ms: u64, timeout_ms: u64) -> Roster {
         let mut members: Vec<(PeerId, bool)> = self
@@ -213,6 +231,9 @@ pub struct SelfState {
     pub pace: Pace,
     /// The shard checkpoints in this node's folder when it started.
     pub checkpoints: Vec<CheckpointOffer>,
+    /// Workers this node's aggregator marked as suspects (at most
+    /// `MAX_SUSPECTS`), set by the node from the aggregator.
+    pub suspects: Vec<PeerId>,
 }
 
 #[cfg(test)]
@@ -243,7 +264,35 @@ mod tests {
             service: vec![],
             pace: Default::default(),
             checkpoints: vec![],
+            suspects: vec![],
         }
+    }
+
+    #[test]
+    fn suspects_are_listed_with_every_peer_that_names_them() {
+        let (me, a, b, bad, other) =
+            (PeerId::random(), PeerId::random(), PeerId::random(), PeerId::random(), PeerId::random());
+        let mut v = View::new(me, true, 7);
+        let mut from_a = hb(a, 1, 0);
+        from_a.suspects = vec![bad];
+        let mut from_b = hb(b, 1, 0);
+        from_b.suspects = vec![bad, other];
+        v.observe(from_a, 0);
+        v.observe(from_b, 0);
+        let by = v.suspected_by(&[bad]);
+        let mut named_bad = by[&bad].clone();
+        named_bad.sort();
+        let mut want = vec![me, a, b];
+        want.sort();
+        assert_eq!(named_bad, want, "this node and both peers name it");
+        assert_eq!(by[&other], vec![b]);
+        assert_eq!(by.len(), 2);
+        // A newer heartbeat that names nobody withdraws the claim; a peer
+        // that goes silent leaves the view and takes its claims along.
+        v.observe(hb(b, 2, 0), 10);
+        assert!(!v.suspected_by(&[]).contains_key(&other));
+        v.expire(5000, 1000);
+        assert!(v.suspected_by(&[]).is_empty());
     }
 
     #[test]

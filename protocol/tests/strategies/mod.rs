@@ -68,11 +68,11 @@ pub fn request() -> impl Strategy<Value = ShardRequest> {
         f32_payload(),
         ("[a-z]{1,8}", any::<u64>(), proptest::collection::vec(slot, 0..3)),
     )
-        .prop_map(|(run, shard, epoch, kind, from, from_incarnation, version, params, (k, step, slots))| {
+        .prop_map(|(run, shard, hops, kind, from, from_incarnation, version, params, (k, step, slots))| {
             ShardRequest::Handoff(Handoff {
                 run,
                 shard,
-                epoch,
+                hops,
                 kind,
                 from,
                 from_incarnation,
@@ -197,9 +197,10 @@ pub fn gossip() -> impl Strategy<Value = GossipMessage> {
                     owned_shards,
                     step,
                     model_version,
-                    service,
+                    service: service.clone(),
                     pace,
                     checkpoints: vec![CheckpointOffer::new(model_version, step, [0, 3])],
+                    suspects: service.iter().map(|o| o.owner).collect(),
                 })
             },
         );

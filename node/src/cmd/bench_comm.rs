@@ -1,0 +1,264 @@
+//! `shoal bench comm`: what each way of communicating costs and buys, on 4
+//! in-process nodes over loopback TCP behind an emulated link per node,
+//! against f32 BSP in the same run: compressed pushes and pulls, overlap of
+//! communication with compute, and DiLoCo's local steps.
+
+use std::time::Instant;
+
+use shoal_models::{data, DatasetKind, OptimizerKind};
+
+use crate::cluster::{Cluster, ClusterSpec};
+use crate::cmd::bench::write_json;
+use crate::cmd::cli::BenchCommArgs;
+use crate::config::NodeConfig;
+use crate::policy::compress::{CompressionConfig, PullCompression, PushCompression};
+use crate::policy::sync::SyncPolicy;
+
+const NODES: usize = 4;
+
+/// One case's figures.
+#[derive(Debug, Clone, Copy)]
+struct Measured {
+    push_bytes_per_step: f64,
+    pull_bytes_per_step: f64,
+    /// Per worker step, from its start to its end (evaluations excluded).
+    step_secs: f64,
+    /// The whole run, start-up and evaluations included.
+    wall_secs: f64,
+    compute_secs: f64,
+    comm_secs: f64,
+    final_accuracy: f32,
+    time_to_target_secs: Option<f64>,
+}
+
+impl Measured {
+    fn bytes_per_step(&self) -> f64 {
+        self.push_bytes_per_step + self.pull_bytes_per_step
+    }
+
+    /// 1 - (step - compute) / communication: the share of communication that
+    /// did not add to the step (0 when every step is compute then exchange).
+    fn hidden_fraction(&self) -> f64 {
+        if self.comm_secs <= 0.0 {
+            return 0.0;
+        }
+        1.0 - (self.step_secs - self.compute_secs) / self.comm_secs
+    }
+}
+
+/// Run one case and measure it.
+async fn measure(cfg: NodeConfig, steps: u64, target: f32) -> anyhow::Result<Measured> {
+    let started = Instant::now();
+    let reports = Cluster::start(&ClusterSpec::new(NODES, cfg)).await?.wait().await?;
+    let wall = started.elapsed().as_secs_f64();
+    let (mut pushed, mut pulled, mut compute, mut comm, mut step) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    let mut reached: Option<f64> = Some(0.0);
+    let mut accuracy = f32::INFINITY;
+    for r in &reports {
+        let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
+        pushed += s.bytes_out as f64;
+        pulled += s.bytes_in as f64;
+        compute += s.compute_secs;
+        comm += s.comm_secs;
+        step += s.step_secs;
+        accuracy = accuracy.min(r.accuracy);
+        // The run reaches the target when its slowest node does.
+        let t = s.accuracy_history.iter().find(|h| h.2 >= target).map(|h| h.1);
+        reached = match (reached, t) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            _ => None,
+        };
+    }
+    let worker_steps = (NODES as u64 * steps) as f64;
+    Ok(Measured {
+        push_bytes_per_step: pushed / worker_steps,
+        pull_bytes_per_step: pulled / worker_steps,
+        step_secs: step / worker_steps,
+        wall_secs: wall,
+        compute_secs: compute / worker_steps,
+        comm_secs: comm / worker_steps,
+        final_accuracy: accuracy,
+        time_to_target_secs: reached,
+    })
+}
+
+/// One case of the benchmark: how the run synchronises and what it sends.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    name: &'static str,
+    sync: SyncPolicy,
+    overlap: bool,
+    local_steps: u64,
+    push: PushCompression,
+    pull: PullCompression,
+    optimizer: OptimizerKind,
+    lr: f64,
+    /// Stretch compute (the `slowdown` fault: a slower machine) until it
+    /// matches the communication measured in the plain `ssp:1` case, where
+    /// overlap has the most to hide.
+    match_comm: bool,
+}
+
+impl Case {
+    const fn bsp(name: &'static str, push: PushCompression, pull: PullCompression) -> Self {
+        Case {
+            name,
+            sync: SyncPolicy::Bsp,
+            overlap: false,
+            local_steps: 1,
+            push,
+            pull,
+            optimizer: OptimizerKind::Sgd,
+            lr: 0.1,
+            match_comm: false,
+        }
+    }
+}
+
+/// The plain SSP case whose communication the slowed cases' compute matches.
+const SSP: &str = "ssp:1";
+
+/// The cases, the first of which (f32 BSP) is every other's baseline.
+fn cases() -> Vec<Case> {
+    use PullCompression as Pull;
+    use PushCompression as Push;
+    // Owners under SSP step once per push: a quarter of BSP's rate with 4
+    // workers (and the overlap's extra step of delay diverged at 0.1).
+    let ssp = |name, overlap, match_comm| Case {
+        sync: SyncPolicy::Ssp { staleness: 1 },
+        overlap,
+        lr: 0.025,
+        match_comm,
+        ..Case::bsp(name, Push::None, Pull::None)
+    };
+    vec![
+        Case::bsp("f32 bsp", Push::None, Pull::None),
+        Case::bsp("bf16 pulls", Push::None, Pull::Bf16),
+        Case::bsp("int8 + EF", Push::Int8, Pull::None),
+        Case::bsp("top-k 1% + EF", Push::TopK { fraction: 0.01 }, Pull::None),
+        ssp(SSP, false, false),
+        ssp("ssp:1 + overlap", true, false),
+        ssp("ssp:1 slowed", false, true),
+        ssp("slowed + overlap", true, true),
+        Case {
+            local_steps: 20,
+            optimizer: OptimizerKind::Adamw,
+            lr: 2e-3,
+            ..Case::bsp("diloco H=20", Push::None, Pull::None)
+        },
+    ]
+}
+
+/// `shoal bench comm`.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
+    if args.steps == 0 || args.batch_size == 0 || args.eval_every == 0 {
+        anyhow::bail!("--steps, --batch-size and --eval-every must be at least 1");
+    }
+    if args.links.is_empty() || args.links.iter().any(|l| !(l.is_finite() && *l >= 0.0)) {
+        anyhow::bail!("--links takes link rates in Mbit/s, 0 for none: for example --links 1000,100");
+    }
+    let (dataset, target) = match data::load(DatasetKind::FashionMnist, args.data_dir.as_deref()) {
+        Ok(_) => (DatasetKind::FashionMnist, args.target.unwrap_or(0.80)),
+        Err(e) => {
+            println!("fashion-mnist unavailable ({e}); benchmarking on digits");
+            (DatasetKind::Digits, args.target.unwrap_or(0.93))
+        }
+    };
+    let threads = crate::ops::threads::configure_process(crate::ops::threads::share(NODES));
+    let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
+    rt.block_on(async move {
+        println!(
+            "shoal bench comm: {NODES} nodes on loopback TCP, {dataset} MLP, batch {} per node, {} steps, \
+             target {:.0}%, {threads} compute threads per node",
+            args.batch_size,
+            args.steps,
+            target * 100.0
+        );
+        let mut rows = Vec::new();
+        for &mbps in &args.links {
+            let link = if mbps > 0.0 { format!("{mbps} Mbit/s, {} ms", args.latency_ms) } else { "loopback".into() };
+            println!("\nlink: {link} on every node, each way");
+            println!(
+                "{:<16} {:>11} {:>8} {:>8} {:>8} {:>10} {:>8} {:>7} {:>14} {:>9} {:>7}",
+                "case", "bytes/step", "vs f32", "pushed", "step ms", "compute ms", "comm ms", "hidden",
+                "time to target", "accuracy", "points"
+            );
+            let mut baseline: Option<Measured> = None;
+            // Communication over compute in the plain SSP case.
+            let mut comm_over_compute = 1.0;
+            for case in cases() {
+                let mut cfg = NodeConfig { run_id: format!("bench-comm-{}", rows.len()), ..NodeConfig::default() };
+                cfg.training.dataset = dataset;
+                cfg.training.data_dir = args.data_dir.clone();
+                cfg.training.steps = args.steps;
+                cfg.training.batch_size = args.batch_size;
+                cfg.training.optimizer = case.optimizer;
+                cfg.training.lr = Some(case.lr);
+                cfg.training.eval_every = args.eval_every;
+                cfg.training.threads = Some(threads);
+                cfg.cluster.heartbeat_ms = 100;
+                // Fixed owners: every case moves the same shards between the same nodes.
+                cfg.cluster.elastic = false;
+                cfg.cluster.sync = case.sync;
+                cfg.cluster.overlap = case.overlap;
+                cfg.cluster.local_steps = case.local_steps;
+                cfg.cluster.compression = CompressionConfig { push: case.push, pull: case.pull };
+                cfg.cluster.link_mbps = mbps;
+                cfg.cluster.link_latency_ms = if mbps > 0.0 { args.latency_ms } else { 0.0 };
+                if case.match_comm {
+                    cfg.cluster.slowdown = comm_over_compute;
+                }
+                let m = measure(cfg, args.steps, target).await?;
+                if case.name == SSP && m.compute_secs > 0.0 {
+                    comm_over_compute = (m.comm_secs / m.compute_secs).clamp(1.0, crate::ops::faults::MAX_SLOWDOWN);
+                }
+                // The first case, f32 BSP, is the baseline of the others.
+                let base = *baseline.get_or_insert(m);
+                let fewer = base.bytes_per_step() / m.bytes_per_step().max(1.0);
+                let fewer_pushed = base.push_bytes_per_step / m.push_bytes_per_step.max(1.0);
+                let points = 100.0 * (m.final_accuracy - base.final_accuracy);
+                println!(
+                    "{:<16} {:>11.0} {:>7.1}x {:>7.1}x {:>8.1} {:>10.1} {:>8.1} {:>6.0}% {:>14} {:>8.2}% {:>+7.2}",
+                    case.name,
+                    m.bytes_per_step(),
+                    fewer,
+                    fewer_pushed,
+                    m.step_secs * 1e3,
+                    m.compute_secs * 1e3,
+                    m.comm_secs * 1e3,
+                    100.0 * m.hidden_fraction(),
+                    m.time_to_target_secs.map(|t| format!("{t:.1} s")).unwrap_or_else(|| "not reached".into()),
+                    100.0 * m.final_accuracy,
+                    points
+                );
+                rows.push(serde_json::json!({
+                    "case": case.name, "link_mbps": mbps, "sync": case.sync.to_string(), "overlap": case.overlap,
+                    "local_steps": case.local_steps, "push": case.push.to_string(), "pull": case.pull.to_string(),
+                    "slowdown": if case.match_comm { comm_over_compute } else { 1.0 },
+                    "bytes_per_step": m.bytes_per_step(), "push_bytes_per_step": m.push_bytes_per_step,
+                    "pull_bytes_per_step": m.pull_bytes_per_step, "fewer_bytes_than_f32": fewer,
+                    "fewer_push_bytes_than_f32": fewer_pushed, "wall_secs": m.wall_secs,
+                    "step_secs": m.step_secs, "compute_secs": m.compute_secs, "comm_secs": m.comm_secs,
+                    "hidden_fraction": m.hidden_fraction(), "time_to_target_s": m.time_to_target_secs,
+                    "final_accuracy": m.final_accuracy, "accuracy_points_vs_f32": points,
+                }));
+            }
+        }
+        println!(
+            "\nbytes/step: payload bytes pushed and pulled per worker per step; vs f32: f32 bsp's bytes over the \
+             case's; pushed: the same for pushed bytes alone. step: a worker step from start to end. compute, comm: per worker step. hidden: 1 - (step - compute) / comm. \
+             slowed: compute stretched (a slower machine, by sleeping) to the \
+             communication of ssp:1. accuracy: the lowest node's on the test set; points: against f32 bsp on the \
+             same link."
+        );
+        write_json(
+            args.json.as_deref(),
+            &serde_json::json!({
+                "bench": "comm", "dataset": dataset.to_string(), "nodes": NODES, "batch_size": args.batch_size,
+                "steps": args.steps, "target": target, "threads_per_node": threads,
+                "latency_ms": args.latency_ms, "cases": rows,
+            }),
+        )
+    })
+}
