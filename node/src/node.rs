@@ -319,6 +319,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             max_wait: proto.timeouts.response_wait(),
             replica_every: if c.replicas >= 2 { c.replica_every } else { 0 },
             handoff_timeout: Duration::from_millis(c.handoff_timeout_ms),
+            transfer_retry: Duration::from_millis(c.heartbeat_ms),
             round_timeout_ms: c.round_timeout_ms,
             capacity: c.channel_capacity,
             checkpoint: disk.as_ref().map(|d| d.policy.clone()),

@@ -25,10 +25,13 @@
 //!
 //! A transfer for a shard this node's view gives to another node is passed
 //! on to that node, unless it has been forwarded [`MAX_TRANSFER_HOPS`] times
-//! already: then the views disagree, and this node keeps it until its next
-//! placement, which installs it here or passes it on once more. Two nodes
-//! that each think the other owns a shard so hand it back and forth at most
-//! that many times.
+//! already: then the views disagree, and this node keeps it. Its next
+//! placement installs it here or passes it on; without one, it is passed on
+//! again to the owner this node's view names every
+//! [`AggregatorConfig::transfer_retry`], so a node whose view is already
+//! right does not strand the shard while the other view catches up. Two
+//! nodes that each think the other owns a shard so hand it back and forth
+//! at most that many times at once, then once per retry interval.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -81,6 +84,9 @@ pub struct AggregatorConfig {
     pub round_timeout_ms: u64,
     /// How long a new owner waits for a live old owner's transfer.
     pub handoff_timeout: Duration,
+    /// How often a transfer kept at the hop limit is passed on again to the
+    /// owner this node's view names (one heartbeat: views converge in a few).
+    pub transfer_retry: Duration,
     pub capacity: usize,
     /// Shard checkpoints, when on.
     pub checkpoint: Option<CheckpointPolicy>,
@@ -111,6 +117,8 @@ struct Stored {
     transfer: bool,
     /// A transfer's hop count when it came (0 for a replica).
     hops: u64,
+    /// A transfer kept at the hop limit: when to pass it on again.
+    retry_at: Option<Instant>,
 }
 
 /// Start the aggregator actor. It stops when every handle has been dropped.
@@ -219,8 +227,15 @@ impl AggregatorActor {
                 .filter_map(|c| c.round_deadline_ms(self.cfg.round_timeout_ms))
                 .min()
                 .map(|ms| self.started + Duration::from_millis(ms));
-            let next_deadline =
-                self.parked.iter().map(|p| p.deadline).chain(self.pending.values().copied()).chain(rounds).min();
+            let retries = self.stored.values().filter_map(|s| s.retry_at);
+            let next_deadline = self
+                .parked
+                .iter()
+                .map(|p| p.deadline)
+                .chain(self.pending.values().copied())
+                .chain(rounds)
+                .chain(retries)
+                .min();
             tokio::select! {
                 cmd = self.receiver.recv() => match cmd {
                     Some(cmd) => self.handle(cmd),
@@ -357,11 +372,13 @@ impl AggregatorActor {
         }
     }
 
-    /// Keep a copy unless a newer one is already kept.
+    /// Keep a copy unless a newer one is already kept. A transfer at the
+    /// hop limit is passed on again after [`AggregatorConfig::transfer_retry`].
     fn store(&mut self, state: ShardState, transfer: bool, hops: u64) {
         let newer = self.stored.get(&state.shard).is_none_or(|s| state.version >= s.state.version);
         if newer {
-            self.stored.insert(state.shard, Stored { state, transfer, hops });
+            let retry_at = (transfer && hops >= MAX_TRANSFER_HOPS).then(|| Instant::now() + self.cfg.transfer_retry);
+            self.stored.insert(state.shard, Stored { state, transfer, hops, retry_at });
         }
     }
 
@@ -406,9 +423,10 @@ impl AggregatorActor {
                         self.spawn_send(to, HandoffKind::Transfer, hops + 1, state);
                     } else {
                         // Forwarded back and forth: the views disagree. Keep it
-                        // until this node's next placement decides where it goes.
+                        // until this node's next placement decides where it
+                        // goes, or the retry interval passes.
                         warn!(shard, version, hops, owner = %short(&to),
-                              "transfer forwarded too often; keeping it until the placement changes");
+                              "transfer forwarded too often; keeping it until the views agree");
                         self.store(state, true, hops);
                     }
                 } else {
@@ -804,6 +822,7 @@ impl AggregatorActor {
             // While resuming, `restore` keeps waiting for a checkpoint.
             self.restore(shard);
         }
+        self.retry_kept_transfers(now);
         let mut i = 0;
         while i < self.parked.len() {
             if self.parked[i].deadline <= now {
@@ -815,6 +834,40 @@ impl AggregatorActor {
             }
         }
         self.release_ready();
+    }
+}
+
+impl AggregatorActor {
+    /// Pass each transfer kept at the hop limit whose retry time has come to
+    /// the owner this node's view names now (if that is another node).
+    fn retry_kept_transfers(&mut self, now: Instant) {
+        let me = self.cfg.me;
+        let due: Vec<u32> =
+            self.stored.iter().filter(|(_, st)| st.retry_at.is_some_and(|t| t <= now)).map(|(&s, _)| s).collect();
+        for shard in due {
+            match self.placement.as_ref().and_then(|p| p.owner(shard)) {
+                Some(to) if to != me => {
+                    let Some(st) = self.stored.remove(&shard) else { continue };
+                    info!(shard, version = st.state.version, hops = st.hops, to = %short(&to),
+                          "passing a kept transfer on again");
+                    self.spawn_send(to, HandoffKind::Transfer, st.hops.saturating_add(1), st.state);
+                }
+                // This node's view names it and it serves no copy: this is the copy.
+                Some(_) if !self.cores.contains_key(&shard) => {
+                    let Some(st) = self.stored.remove(&shard) else { continue };
+                    info!(shard, version = st.state.version, "installing a kept transfer");
+                    self.pending.remove(&shard);
+                    self.install(st.state);
+                }
+                // Served here already, or no placement yet (the first one
+                // decides): nothing to retry.
+                _ => {
+                    if let Some(st) = self.stored.get_mut(&shard) {
+                        st.retry_at = None;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -947,6 +1000,11 @@ mod tests {
     /// once its receiver has answered. Handoffs to a peer outside the test
     /// are acknowledged and only logged.
     fn start(peers: &[PeerId]) -> (Vec<Node>, Log) {
+        start_with(peers, Duration::from_secs(60))
+    }
+
+    /// [`start`], with `transfer_retry` for every aggregator.
+    fn start_with(peers: &[PeerId], transfer_retry: Duration) -> (Vec<Node>, Log) {
         // Bounded by the test: at most a few handoffs are ever logged.
         let (log_tx, log) = mpsc::channel(1024);
         let mut nodes = Vec::new();
@@ -968,6 +1026,7 @@ mod tests {
                 replica_every: 0,
                 round_timeout_ms: 10_000,
                 handoff_timeout: Duration::from_secs(30),
+                transfer_retry,
                 capacity: 64,
                 checkpoint: None,
             };
@@ -1064,6 +1123,26 @@ mod tests {
             extra.push(c);
         }
         assert!(extra.is_empty(), "no handoff after the hop limit: {extra:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_kept_at_the_hop_limit_reaches_the_owner_once_the_other_view_agrees() {
+        // The elastic-explore failure: the views disagree, the transfer stops
+        // at `a` after the hop limit, and then only `b`'s view changes (to
+        // agree with `a`'s). `a` gets no new placement; its retry must still
+        // deliver the shard to `b`, which waits for it, rather than keep a
+        // copy that goes stale while `b` falls back to an older one.
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let (nodes, mut log) = start_with(&[a, b], Duration::from_millis(100));
+        nodes[0].placement.send_replace(Some(placement(b, &[a, b])));
+        nodes[1].placement.send_replace(Some(placement(a, &[a, b])));
+        hand(&nodes[0], PeerId::random(), 0, state(9)).await;
+        for _ in 0..MAX_TRANSFER_HOPS {
+            next(&mut log).await;
+        }
+        nodes[1].placement.send_replace(Some(placement(b, &[a, b])));
+        assert_eq!(installed(&nodes[1]).await, 9, "the owner serves the transfer's version");
+        assert_eq!(nodes[0].agg.stats().await.len(), 0, "the other node serves nothing");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
