@@ -3,7 +3,7 @@
 //! One test per kind of attack; each runs the plain mean without the norm
 //! check (the unprotected baseline, whose accuracy is printed), then
 //! `trimmed_mean`, `median` and `centered_clip`, and asserts that the four
-//! honest nodes reach 93% on digits with each (the mean of two clusters).
+//! honest nodes reach 93% on digits with each (the mean of `RUNS` clusters).
 //!
 //! With the norm check on, the attacker is caught: every owner rejects it
 //! and names it a suspect, in its status and in its heartbeat, so every
@@ -42,7 +42,7 @@ const WORKER_MOMENTUM: f32 = 0.9;
 const LR: f64 = 1.0;
 const TARGET: f32 = 0.93;
 /// Clusters per robust rule and attack; their mean accuracy is judged.
-const RUNS: usize = 3;
+const RUNS: usize = 5;
 
 /// The run with node `BAD` attacking with `attack`; owners use `rule` and
 /// the norm check with factor `norm_check` (0: off).
