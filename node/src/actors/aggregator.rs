@@ -551,9 +551,8 @@ impl AggregatorActor {
             .map(|(s, _)| *s)
             .collect();
         for shard in moved_on {
-            if let (Some(st), Some(to)) = (self.stored.remove(&shard), new.owner(shard)) {
-                info!(shard, version = st.state.version, to = %short(&to), "forwarding a stored transfer to the shard's owner");
-                self.spawn_send(to, HandoffKind::Transfer, st.hops.saturating_add(1), st.state);
+            if let Some(to) = new.owner(shard) {
+                self.pass_on_stored(shard, to);
             }
         }
         // A new backup gets a replica now rather than after the next few
@@ -838,6 +837,13 @@ impl AggregatorActor {
 }
 
 impl AggregatorActor {
+    /// Send the transfer kept for `shard` on to `to`, one hop more.
+    fn pass_on_stored(&mut self, shard: u32, to: PeerId) {
+        let Some(st) = self.stored.remove(&shard) else { return };
+        info!(shard, version = st.state.version, hops = st.hops, to = %short(&to), "passing a kept transfer on to the shard's owner");
+        self.spawn_send(to, HandoffKind::Transfer, st.hops.saturating_add(1), st.state);
+    }
+
     /// Pass each transfer kept at the hop limit whose retry time has come to
     /// the owner this node's view names now (if that is another node).
     fn retry_kept_transfers(&mut self, now: Instant) {
@@ -846,12 +852,7 @@ impl AggregatorActor {
             self.stored.iter().filter(|(_, st)| st.retry_at.is_some_and(|t| t <= now)).map(|(&s, _)| s).collect();
         for shard in due {
             match self.placement.as_ref().and_then(|p| p.owner(shard)) {
-                Some(to) if to != me => {
-                    let Some(st) = self.stored.remove(&shard) else { continue };
-                    info!(shard, version = st.state.version, hops = st.hops, to = %short(&to),
-                          "passing a kept transfer on again");
-                    self.spawn_send(to, HandoffKind::Transfer, st.hops.saturating_add(1), st.state);
-                }
+                Some(to) if to != me => self.pass_on_stored(shard, to),
                 // This node's view names it and it serves no copy: this is the copy.
                 Some(_) if !self.cores.contains_key(&shard) => {
                     let Some(st) = self.stored.remove(&shard) else { continue };

@@ -32,6 +32,7 @@ use shoal_models::OptimizerConfig;
 use crate::handles::aggregator::{HandoffReply, PullReply, PushReply};
 use crate::handles::handoff::from_wire;
 use crate::handles::net::{ModelSnapshot, NetCommand, NetError, NetworkHandle, Routes};
+use crate::ops::faults::hold;
 
 /// Everything the network actor needs besides the swarm.
 #[derive(Debug)]
@@ -323,7 +324,7 @@ impl NetworkActor {
                             Ok(r) => push_response(shard, r),
                             Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
                         };
-                        fault_delay(delay).await;
+                        hold(delay).await;
                         (channel, resp)
                     })),
                 }
@@ -382,7 +383,7 @@ impl NetworkActor {
                             ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => s.params.byte_len(),
                             _ => 0,
                         };
-                        fault_delay(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
+                        hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
                         (channel, resp)
                     })),
                 }
@@ -421,7 +422,7 @@ impl NetworkActor {
                             ShardResponse::ShardState(s) => s.params.byte_len(),
                             _ => 0,
                         };
-                        fault_delay(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
+                        hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
                         (channel, resp)
                     })),
                 }
@@ -539,11 +540,4 @@ fn shard_state(
 /// Milliseconds since `since`, for `Exchanged::held_ms`.
 fn held_ms(since: Instant) -> u32 {
     since.elapsed().as_millis().min(u32::MAX as u128) as u32
-}
-
-/// Fault injection: hold a response back (`cluster.fault_delay_ms`).
-async fn fault_delay(delay: Duration) {
-    if !delay.is_zero() {
-        tokio::time::sleep(delay).await;
-    }
 }

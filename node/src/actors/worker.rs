@@ -33,6 +33,7 @@ use crate::handles::membership::MembershipHandle;
 use crate::handles::net::{ModelSnapshot, NetError, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::handles::trainer::{Gradients, TrainerHandle};
+use crate::ops::faults::hold;
 use crate::policy::compress::ErrorFeedback;
 use crate::policy::health::ServiceTracker;
 use crate::policy::placement::Placement;
@@ -636,7 +637,7 @@ impl Worker {
         let bytes = push.grad.byte_len();
         let req = ShardRequest::PushGrad(push);
         let sent = Instant::now();
-        self.emulated_link(self.faults.send_delay(bytes)).await;
+        hold(self.faults.send_delay(bytes)).await;
         let resp = self.net.request(owner, req).await?;
         let reply = self.push_reply(owner, shard, resp)?;
         if matches!(reply, PushReply::NotOwner { .. } | PushReply::Pending) {
@@ -722,14 +723,14 @@ impl Worker {
             encoding: self.pull_encoding(),
         });
         let sent = Instant::now();
-        self.emulated_link(self.faults.send_delay(bytes)).await;
+        hold(self.faults.send_delay(bytes)).await;
         let resp = self.net.request(owner, req).await?;
         let (reply, held_ms) = match resp {
             ShardResponse::Exchanged(x) => {
                 let held = x.held_ms;
                 match x.state {
                     Some(s) => {
-                        self.emulated_link(self.faults.receive_delay(s.params.byte_len())).await;
+                        hold(self.faults.receive_delay(s.params.byte_len())).await;
                         let version = s.version;
                         self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
                         let params = Arc::new(s.params.decode()?);
@@ -768,14 +769,6 @@ impl Worker {
         Ok(reply)
     }
 
-    /// Link emulation (`cluster.link_mbps`, `cluster.link_latency_ms`): a
-    /// message takes this long on this node's emulated link.
-    async fn emulated_link(&self, delay: Duration) {
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-        }
-    }
-
     /// The encoding this worker asks its pulls in (`cluster.compression.pull`).
     fn pull_encoding(&self) -> Encoding {
         self.config.cluster.compression.pull.encoding()
@@ -807,10 +800,10 @@ impl Worker {
             max_wait_ms: self.max_wait_ms(left),
             encoding: self.pull_encoding(),
         });
-        self.emulated_link(self.faults.send_delay(0)).await;
+        hold(self.faults.send_delay(0)).await;
         Ok(match self.net.request(owner, req).await? {
             ShardResponse::ShardState(s) => {
-                self.emulated_link(self.faults.receive_delay(s.params.byte_len())).await;
+                hold(self.faults.receive_delay(s.params.byte_len())).await;
                 self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
                 PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) }
             }

@@ -205,13 +205,7 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
     if args.steps == 0 || args.batch_size == 0 {
         anyhow::bail!("--steps and --batch-size must be at least 1");
     }
-    let (dataset, target) = match data::load(DatasetKind::FashionMnist, args.data_dir.as_deref()) {
-        Ok(_) => (DatasetKind::FashionMnist, args.target.unwrap_or(0.80)),
-        Err(e) => {
-            println!("fashion-mnist unavailable ({e}); benchmarking on digits");
-            (DatasetKind::Digits, args.target.unwrap_or(0.95))
-        }
-    };
+    let (dataset, target) = fashion_or_digits(args.data_dir.as_deref(), args.target, 0.95);
     // Sized for the largest case (4 nodes), so that no case oversubscribes.
     let threads = crate::ops::threads::configure_process(crate::ops::threads::share(4));
     let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
@@ -542,4 +536,22 @@ pub fn aggregators(args: crate::cmd::cli::BenchAggregatorsArgs) -> anyhow::Resul
             }),
         )
     })
+}
+
+/// The cluster benchmarks' data set: Fashion-MNIST where it is installed
+/// (target accuracy `target`, else 0.80), otherwise the embedded digits
+/// (`target`, else `digits_target`), saying so.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+pub(crate) fn fashion_or_digits(
+    data_dir: Option<&std::path::Path>,
+    target: Option<f32>,
+    digits_target: f32,
+) -> (DatasetKind, f32) {
+    match data::load(DatasetKind::FashionMnist, data_dir) {
+        Ok(_) => (DatasetKind::FashionMnist, target.unwrap_or(0.80)),
+        Err(e) => {
+            println!("fashion-mnist unavailable ({e}); benchmarking on digits");
+            (DatasetKind::Digits, target.unwrap_or(digits_target))
+        }
+    }
 }

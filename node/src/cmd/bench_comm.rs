@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use shoal_models::{data, DatasetKind, OptimizerKind};
+use shoal_models::OptimizerKind;
 
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::cmd::bench::write_json;
@@ -158,13 +158,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
     if args.links.is_empty() || args.links.iter().any(|l| !(l.is_finite() && *l >= 0.0)) {
         anyhow::bail!("--links takes link rates in Mbit/s, 0 for none: for example --links 1000,100");
     }
-    let (dataset, target) = match data::load(DatasetKind::FashionMnist, args.data_dir.as_deref()) {
-        Ok(_) => (DatasetKind::FashionMnist, args.target.unwrap_or(0.80)),
-        Err(e) => {
-            println!("fashion-mnist unavailable ({e}); benchmarking on digits");
-            (DatasetKind::Digits, args.target.unwrap_or(0.93))
-        }
-    };
+    let (dataset, target) = crate::cmd::bench::fashion_or_digits(args.data_dir.as_deref(), args.target, 0.93);
     let threads = crate::ops::threads::configure_process(crate::ops::threads::share(NODES));
     let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
     rt.block_on(async move {

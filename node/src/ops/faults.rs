@@ -233,6 +233,15 @@ impl Faults {
     }
 }
 
+/// Wait out an injected or emulated delay (none when it is zero, the
+/// production case): the network actor's held responses and the worker's
+/// emulated link both go through here.
+pub async fn hold(delay: Duration) {
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
