@@ -2,6 +2,7 @@
 //!
 //! - [`model`]: model configs, an MLP and a LeNet-style CNN, and the
 //!   [`TrainableModel`] trait the node drives.
+//! - [`gpt`]: a decoder-only transformer over bytes (`Arch::Gpt`).
 //! - [`layout`]: [`ParamLayout`] (parameters as one flat vector) and
 //!   [`ShardPlan`] (that vector cut into shards).
 //! - [`optim`]: SGD (momentum, Nesterov) and AdamW over flat slices, with
@@ -12,7 +13,7 @@
 //!   layers' own names, for people and other software.
 //! - [`shardfile`]: shard checkpoints that owners write while a cluster
 //!   trains, for resuming after a full stop.
-//! - [`data`]: embedded UCI digits, Fashion-MNIST IDX files, splits,
+//! - [`data`]: embedded UCI digits, Fashion-MNIST IDX files, UTF-8 text as byte windows, splits,
 //!   partitions and seeded batching.
 //! - [`train`]: the single-node training loop.
 //!
@@ -22,6 +23,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod gpt;
 pub mod layout;
 pub mod model;
 pub mod modelfile;
@@ -34,6 +36,7 @@ pub use checkpoint::Checkpoint;
 pub use data::{Dataset, DatasetKind, ImageShape, Partition, Split};
 pub use device::DeviceKind;
 pub use error::{ModelError, Result};
+pub use gpt::GptSize;
 pub use layout::{ParamEntry, ParamLayout, Shard, ShardPlan};
 pub use model::{Arch, ArchKind, Evaluation, GradOutput, Model, ModelConfig, TrainableModel};
 pub use modelfile::{ModelFile, ModelMeta, MODEL_FORMAT};

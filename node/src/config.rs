@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
-use shoal_models::{ArchKind, DatasetKind, DeviceKind, ModelConfig, OptimizerConfig, OptimizerKind};
+use shoal_models::{ArchKind, DatasetKind, DeviceKind, GptSize, ModelConfig, OptimizerConfig, OptimizerKind};
 use shoal_protocol::libp2p::Multiaddr;
 use shoal_protocol::{ProtocolConfig, RunId};
 
@@ -108,11 +108,16 @@ impl std::fmt::Display for Aggregators {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainingConfig {
-    /// `mlp` or `cnn`. Default `mlp`.
+    /// `mlp`, `cnn` or `gpt` (a transformer language model; needs a
+    /// `text:PATH` data set). Default `mlp`.
     pub model: ArchKind,
     /// MLP hidden widths. Default `[256, 128]`.
     pub mlp_hidden: Option<Vec<usize>>,
-    /// `digits` (embedded) or `fashion-mnist`. Default `digits`.
+    /// GPT size: `{ layers, heads, width }`. Default 4 layers, 4 heads,
+    /// width 128 (its context is the text data set's).
+    pub gpt: Option<GptSize>,
+    /// `digits` (embedded), `fashion-mnist`, or `text:PATH` / `text@N:PATH`
+    /// (a UTF-8 file, in windows of 64 or N bytes). Default `digits`.
     pub dataset: DatasetKind,
     /// Where to look for Fashion-MNIST. Default: ./data, then /usr/share/datasets.
     pub data_dir: Option<PathBuf>,
@@ -146,6 +151,7 @@ impl Default for TrainingConfig {
         Self {
             model: ArchKind::Mlp,
             mlp_hidden: None,
+            gpt: None,
             dataset: DatasetKind::Digits,
             data_dir: None,
             batch_size: 32,
@@ -552,6 +558,10 @@ impl NodeConfig {
             bail!("training.steps must be at least 1");
         }
         t.optimizer_config().validate()?;
+        t.model.check_dataset(&t.dataset).map_err(|e| anyhow::anyhow!("training.model and training.dataset: {e}"))?;
+        if let (ArchKind::Gpt, DatasetKind::Text { context, .. }) = (t.model, &t.dataset) {
+            t.gpt.unwrap_or_default().validate(*context).map_err(|e| anyhow::anyhow!("training.gpt: {e}"))?;
+        }
         if t.threads == Some(0) {
             bail!("training.threads must be at least 1 (leave it out for the node's share of the host's cores)");
         }
@@ -720,13 +730,36 @@ impl NodeConfig {
         if let (Some(hidden), shoal_models::Arch::Mlp { .. }) = (&self.training.mlp_hidden, &m.arch) {
             m.arch = shoal_models::Arch::Mlp { hidden: hidden.clone() };
         }
-        m
+        match self.training.gpt {
+            Some(size) => m.with_gpt_size(size),
+            None => m,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_language_model_needs_text_and_text_needs_a_language_model() {
+        let mut c = NodeConfig::default();
+        c.training.model = ArchKind::Gpt;
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("trains on text:PATH"), "{e}");
+        c.training.dataset = "text@32:corpus.txt".parse().unwrap_or_default();
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        c.training.gpt = Some(GptSize { layers: 2, heads: 3, width: 64 });
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("training.gpt") && e.contains("multiple"), "{e}");
+        c.training.model = ArchKind::Mlp;
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("needs model gpt"), "{e}");
+        // The TOML form.
+        let toml_text = "run_id = \"r\"\n[training]\nmodel = \"gpt\"\ndataset = \"text@32:c.txt\"\ngpt = { layers = 2, heads = 4, width = 64 }\n";
+        let parsed: Result<NodeConfig, _> = toml::from_str(toml_text);
+        assert!(parsed.as_ref().is_ok_and(|p| p.validate().is_ok()), "{parsed:?}");
+    }
 
     #[test]
     fn example_config_parses_and_validates() {

@@ -24,6 +24,7 @@ fn main() -> ExitCode {
         Command::Node(args) => cmd::node::run(*args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::Eval(args) => cmd::eval::run(args),
+        Command::Generate(args) => cmd::generate::run(args),
         Command::Data { command: DataCommand::Fetch(args) } => cmd::data::fetch(args),
         Command::Bench { command: BenchCommand::Train(args) } => cmd::bench::train(args),
         Command::Bench { command: BenchCommand::Wire(args) } => cmd::bench::wire(args),

@@ -46,6 +46,8 @@ pub struct NodeReport {
     pub name: String,
     pub accuracy: f32,
     pub loss: f32,
+    /// Language models: the final validation loss in bits per byte.
+    pub bits_per_byte: Option<f32>,
     pub steps: u64,
     /// Left cleanly before the last step (`steps` is where it stopped).
     pub left: bool,
@@ -63,6 +65,15 @@ pub struct NodeReport {
 }
 
 impl NodeReport {
+    /// `test accuracy 93.45%`, or `validation bits/byte 2.104` for a
+    /// language model.
+    pub fn headline(&self) -> String {
+        match self.bits_per_byte {
+            Some(bpb) => format!("validation bits/byte {bpb:.3}"),
+            None => format!("test accuracy {:.2}%", self.accuracy * 100.0),
+        }
+    }
+
     /// This node's final model as a model file, with where it came from.
     pub fn model_file(&self, config: &NodeConfig) -> ModelFile {
         ModelFile {
@@ -137,7 +148,13 @@ pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
         "{}|{}|{}|{}|{}|{:?}|{}|{}|{}|{:?}|{}|{}|{}|{}",
         cfg.run_id,
         serde_json::to_string(model).unwrap_or_default(),
-        t.dataset,
+        // A text is named by its file name: peers may keep it in different folders.
+        match &t.dataset {
+            shoal_models::DatasetKind::Text { path, context } => {
+                format!("text@{context}:{}", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default())
+            }
+            other => other.to_string(),
+        },
         t.seed,
         c.shards,
         c.mode,
@@ -192,8 +209,8 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let c = config.cluster.clone();
     let device = t.device.open()?;
     let split = {
-        let (kind, dir) = (t.dataset, t.data_dir.clone());
-        tokio::task::spawn_blocking(move || data::load(kind, dir.as_deref()))
+        let (kind, dir) = (t.dataset.clone(), t.data_dir.clone());
+        tokio::task::spawn_blocking(move || data::load(&kind, dir.as_deref()))
             .await
             .context("data loader panicked")?
             .with_context(|| format!("loading data set {}", t.dataset))?
@@ -539,7 +556,7 @@ async fn drive(
         });
     }
     let eval = worker.trainer.evaluate().await?;
-    worker.status.record(StatusEvent::Accuracy(eval.accuracy));
+    worker.status.record(StatusEvent::Evaluated(eval));
     let owned_ids = election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
     worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
     let report = NodeReport {
@@ -547,6 +564,7 @@ async fn drive(
         name: name.to_string(),
         accuracy: eval.accuracy,
         loss: eval.loss,
+        bits_per_byte: eval.bits_per_byte,
         steps: ran.steps,
         left: ran.left,
         params: ran.params,
@@ -568,9 +586,9 @@ async fn drive(
         }
     }
     if ran.left {
-        info!(%name, accuracy = eval.accuracy, loss = eval.loss, step = ran.steps, "left the run");
+        info!(%name, accuracy = eval.accuracy, loss = eval.loss, bits_per_byte = eval.bits_per_byte, step = ran.steps, "left the run");
     } else {
-        info!(%name, accuracy = eval.accuracy, loss = eval.loss, "training finished; serving until peers finish");
+        info!(%name, accuracy = eval.accuracy, loss = eval.loss, bits_per_byte = eval.bits_per_byte, "training finished; serving until peers finish");
         linger(membership, me, ran.steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
     }
     let mine = aggregator.suspects().borrow().clone();

@@ -21,7 +21,7 @@ fn single_node_reference(
     optimizer: OptimizerConfig,
     schedule: Option<LrSchedule>,
 ) -> anyhow::Result<Vec<f32>> {
-    let split = data::load(DatasetKind::Digits, None)?;
+    let split = data::load(&DatasetKind::Digits, None)?;
     let config = ModelConfig::for_dataset(shoal_models::ArchKind::Mlp, &split.train);
     let mut single = LocalTrainer::new(config, optimizer, 42, 1, &Device::Cpu)?;
     let roster = &reports[0].roster;
@@ -77,7 +77,7 @@ async fn equivalence_with(
         assert!(d > 10.0 * tol, "the cluster matches a constant rate as well ({d:e}): no schedule was applied");
     }
     // And training did move the parameters (the comparison is not vacuous).
-    let split = data::load(DatasetKind::Digits, None)?;
+    let split = data::load(&DatasetKind::Digits, None)?;
     let init = LocalTrainer::new(
         ModelConfig::for_dataset(shoal_models::ArchKind::Mlp, &split.train),
         opt,

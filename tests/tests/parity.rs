@@ -32,7 +32,7 @@ fn script() -> PathBuf {
 /// Train `steps` steps of `batch` with Shoal and with numpy; return the
 /// largest absolute difference in parameters and in losses.
 fn compare(opt: OptimizerConfig, hidden: Vec<usize>, steps: usize, batch: usize) -> (f64, f64) {
-    let split = data::load(DatasetKind::Digits, None).expect("digits are embedded");
+    let split = data::load(&DatasetKind::Digits, None).expect("digits are embedded");
     let mut config = ModelConfig::for_dataset(ArchKind::Mlp, &split.train);
     config.arch = shoal_models::Arch::Mlp { hidden };
     let mut trainer = LocalTrainer::new(config, opt, 7, batch, &Device::Cpu).expect("model");

@@ -14,7 +14,7 @@ fn trainer_for(split: &shoal_models::Split, kind: OptimizerKind, seed: u64) -> a
 /// settings, reaches 95% on the held-out split within six epochs.
 #[test]
 fn mlp_reaches_95_percent_on_embedded_digits() -> anyhow::Result<()> {
-    let split = data::load(DatasetKind::Digits, None)?;
+    let split = data::load(&DatasetKind::Digits, None)?;
     let mut t = trainer_for(&split, OptimizerKind::Adamw, 42)?;
     let mut accuracies = Vec::new();
     for _ in 0..6 {
@@ -30,7 +30,7 @@ fn mlp_reaches_95_percent_on_embedded_digits() -> anyhow::Result<()> {
 /// SGD with Nesterov momentum also learns the digits.
 #[test]
 fn sgd_nesterov_learns_digits() -> anyhow::Result<()> {
-    let split = data::load(DatasetKind::Digits, None)?;
+    let split = data::load(&DatasetKind::Digits, None)?;
     let mut t = trainer_for(&split, OptimizerKind::Sgd, 42)?;
     for _ in 0..5 {
         t.run_epoch(&split.train, |_| {})?;
@@ -45,7 +45,7 @@ fn sgd_nesterov_learns_digits() -> anyhow::Result<()> {
 /// epoch boundary.
 #[test]
 fn checkpoint_resume_is_bit_identical() -> anyhow::Result<()> {
-    let split = data::load(DatasetKind::Digits, None)?;
+    let split = data::load(&DatasetKind::Digits, None)?;
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("mid.safetensors");
     for kind in [OptimizerKind::Adamw, OptimizerKind::Sgd] {
@@ -85,7 +85,7 @@ fn fashion_mnist_one_epoch_mlp_reaches_82_percent() -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let split = data::load(DatasetKind::FashionMnist, None)?;
+    let split = data::load(&DatasetKind::FashionMnist, None)?;
     assert_eq!((split.train.len(), split.test.len()), (60_000, 10_000));
     let mut t = trainer_for(&split, OptimizerKind::Adamw, 42)?;
     let stats = t.run_epoch(&split.train, |_| {})?;

@@ -4,6 +4,7 @@
 mod digits;
 mod fashion;
 pub mod idx;
+pub mod text;
 
 use std::fmt;
 use std::str::FromStr;
@@ -12,19 +13,34 @@ use candle_core::{Device, Tensor};
 
 pub use digits::{load_digits, DIGITS_CSV_GZ};
 pub use fashion::{fashion_mnist_dir, load_fashion_mnist, FASHION_MNIST_FILES, SYSTEM_FASHION_MNIST_DIR};
+pub use text::{load_text, text_split, unigram_entropy, BYTE_VOCAB, DEFAULT_CONTEXT, SAMPLE_TEXT};
 
 use crate::error::{ModelError, Result};
 use crate::rng::{stable_hash64, DetRng};
 
-/// Which data set to train on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
+/// Which data set to train on. Written and parsed as `digits`,
+/// `fashion-mnist`, `text:PATH` (windows of 64 bytes plus the next one) or
+/// `text@N:PATH` (windows of N bytes).
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum DatasetKind {
     /// UCI handwritten digits, 8x8, embedded in the binary.
     #[default]
     Digits,
     /// Fashion-MNIST, 28x28, from Debian's `dataset-fashion-mnist`.
     FashionMnist,
+    /// A UTF-8 text file, byte by byte, for language models.
+    Text { path: std::path::PathBuf, context: usize },
+}
+
+impl DatasetKind {
+    /// The context length of a text data set; `None` for images.
+    pub fn context(&self) -> Option<usize> {
+        match self {
+            DatasetKind::Text { context, .. } => Some(*context),
+            _ => None,
+        }
+    }
 }
 
 impl FromStr for DatasetKind {
@@ -33,17 +49,49 @@ impl FromStr for DatasetKind {
         match s {
             "digits" => Ok(DatasetKind::Digits),
             "fashion-mnist" | "fashion_mnist" | "fashion" => Ok(DatasetKind::FashionMnist),
-            other => Err(ModelError::Invalid(format!("unknown dataset `{other}`: expected digits or fashion-mnist"))),
+            other => {
+                let text = other.strip_prefix("text").and_then(|rest| {
+                    let (ctx, path) = rest.split_once(':')?;
+                    let context = match ctx.strip_prefix('@') {
+                        Some(n) => n.parse::<usize>().ok().filter(|&n| n > 0)?,
+                        None if ctx.is_empty() => text::DEFAULT_CONTEXT,
+                        None => return None,
+                    };
+                    (!path.is_empty()).then(|| DatasetKind::Text { path: path.into(), context })
+                });
+                text.ok_or_else(|| {
+                    ModelError::Invalid(format!(
+                        "unknown dataset `{other}`: expected digits, fashion-mnist, text:PATH or text@CONTEXT:PATH"
+                    ))
+                })
+            }
         }
     }
 }
 
 impl fmt::Display for DatasetKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DatasetKind::Digits => "digits",
-            DatasetKind::FashionMnist => "fashion-mnist",
-        })
+        match self {
+            DatasetKind::Digits => f.write_str("digits"),
+            DatasetKind::FashionMnist => f.write_str("fashion-mnist"),
+            DatasetKind::Text { path, context } if *context == text::DEFAULT_CONTEXT => {
+                write!(f, "text:{}", path.display())
+            }
+            DatasetKind::Text { path, context } => write!(f, "text@{context}:{}", path.display()),
+        }
+    }
+}
+
+impl TryFrom<String> for DatasetKind {
+    type Error = ModelError;
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<DatasetKind> for String {
+    fn from(k: DatasetKind) -> String {
+        k.to_string()
     }
 }
 
@@ -222,11 +270,13 @@ impl Partition {
 }
 
 /// Load a dataset's train/test split. `data_dir` overrides where
-/// Fashion-MNIST is looked for; digits are embedded and ignore it.
-pub fn load(kind: DatasetKind, data_dir: Option<&std::path::Path>) -> Result<Split> {
+/// Fashion-MNIST is looked for; digits are embedded and ignore it, and a
+/// text names its own file.
+pub fn load(kind: &DatasetKind, data_dir: Option<&std::path::Path>) -> Result<Split> {
     match kind {
         DatasetKind::Digits => load_digits(),
         DatasetKind::FashionMnist => load_fashion_mnist(data_dir),
+        DatasetKind::Text { path, context } => load_text(path, *context),
     }
 }
 
@@ -285,6 +335,18 @@ mod tests {
         assert_eq!(a.len(), 11);
         assert_disjoint_cover(&a, 103);
         assert!(d.epoch_batches(0, 5, 0).is_err());
+    }
+
+    #[test]
+    fn dataset_names_round_trip() {
+        for s in ["digits", "fashion-mnist", "text:/tmp/a.txt", "text@128:rel/b:c.txt"] {
+            let k: Result<DatasetKind> = s.parse();
+            assert_eq!(k.as_ref().map(|k| k.to_string()).ok().as_deref(), Some(s));
+        }
+        assert_eq!("text@16:x".parse::<DatasetKind>().ok(), Some(DatasetKind::Text { path: "x".into(), context: 16 }));
+        for bad in ["text", "text:", "text@0:x", "text@x:y", "textfoo:x", "mnist"] {
+            assert!(bad.parse::<DatasetKind>().is_err(), "{bad} parsed");
+        }
     }
 
     #[test]

@@ -152,8 +152,10 @@ impl StatusActor {
             }
             StatusEvent::PushLatency(ms) => s.push_latency_ms = ema(s.push_latency_ms, ms),
             StatusEvent::PullLatency(ms) => s.pull_latency_ms = ema(s.pull_latency_ms, ms),
-            StatusEvent::Accuracy(a) => {
+            StatusEvent::Evaluated(e) => {
+                let a = e.accuracy;
                 s.last_accuracy = Some(a);
+                s.last_bits_per_byte = e.bits_per_byte;
                 let secs = self.started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
                 if s.accuracy_history.len() < 1000 {
                     s.accuracy_history.push((s.step, secs, a));

@@ -314,8 +314,8 @@ impl Worker {
             });
             if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
                 let e = self.trainer.evaluate().await?;
-                self.status.record(StatusEvent::Accuracy(e.accuracy));
-                debug!(step = step + 1, accuracy = e.accuracy, "evaluated");
+                self.status.record(StatusEvent::Evaluated(e));
+                debug!(step = step + 1, accuracy = e.accuracy, bits_per_byte = e.bits_per_byte, "evaluated");
             }
         }
         Ok(Ran { params, steps: t.steps, left: false })

@@ -83,11 +83,11 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
     }
     let threads = crate::ops::threads::configure_process(crate::ops::threads::resolve(args.threads, 1));
     let device = args.device.open()?;
-    let (kind, split) = match data::load(DatasetKind::FashionMnist, args.data_dir.as_deref()) {
+    let (kind, split) = match data::load(&DatasetKind::FashionMnist, args.data_dir.as_deref()) {
         Ok(s) => (DatasetKind::FashionMnist, s),
         Err(e) => {
             println!("fashion-mnist unavailable ({e}); benchmarking on digits");
-            (DatasetKind::Digits, data::load(DatasetKind::Digits, None)?)
+            (DatasetKind::Digits, data::load(&DatasetKind::Digits, None)?)
         }
     };
     println!(
@@ -225,7 +225,7 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
         // Every scaling case, and the exchange comparison below, trains this.
         let case_config = |run_id: String| {
             let mut cfg = NodeConfig { run_id, ..NodeConfig::default() };
-            cfg.training.dataset = dataset;
+            cfg.training.dataset = dataset.clone();
             cfg.training.data_dir = args.data_dir.clone();
             cfg.training.steps = args.steps;
             cfg.training.batch_size = args.batch_size;
@@ -547,7 +547,7 @@ pub(crate) fn fashion_or_digits(
     target: Option<f32>,
     digits_target: f32,
 ) -> (DatasetKind, f32) {
-    match data::load(DatasetKind::FashionMnist, data_dir) {
+    match data::load(&DatasetKind::FashionMnist, data_dir) {
         Ok(_) => (DatasetKind::FashionMnist, target.unwrap_or(0.80)),
         Err(e) => {
             println!("fashion-mnist unavailable ({e}); benchmarking on digits");

@@ -183,7 +183,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             let mut comm_over_compute = 1.0;
             for case in cases() {
                 let mut cfg = NodeConfig { run_id: format!("bench-comm-{}", rows.len()), ..NodeConfig::default() };
-                cfg.training.dataset = dataset;
+                cfg.training.dataset = dataset.clone();
                 cfg.training.data_dir = args.data_dir.clone();
                 cfg.training.steps = args.steps;
                 cfg.training.batch_size = args.batch_size;

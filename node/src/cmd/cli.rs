@@ -33,6 +33,8 @@ pub enum Command {
     Demo(DemoArgs),
     /// Evaluate a model file on a data set's test split: loss and accuracy.
     Eval(EvalArgs),
+    /// Sample text from a trained language model (a `--model gpt` file).
+    Generate(GenerateArgs),
     /// Manage training data.
     Data {
         #[command(subcommand)]
@@ -86,10 +88,22 @@ pub struct TestnetRunArgs {
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// Model architecture.
+    /// Model architecture: mlp, cnn, or gpt (a transformer language model
+    /// over bytes; needs a text data set).
     #[arg(long, default_value = "mlp", value_parser = parse_arch)]
     pub model: ArchKind,
-    /// Data set: `digits` is built in; `fashion-mnist` needs `shoal data fetch fashion-mnist`.
+    /// GPT: transformer blocks.
+    #[arg(long, default_value_t = shoal_models::GptSize::default().layers)]
+    pub layers: usize,
+    /// GPT: attention heads per block.
+    #[arg(long, default_value_t = shoal_models::GptSize::default().heads)]
+    pub heads: usize,
+    /// GPT: embedding width (a multiple of --heads).
+    #[arg(long, default_value_t = shoal_models::GptSize::default().width)]
+    pub width: usize,
+    /// Data set: `digits` is built in; `fashion-mnist` needs `shoal data
+    /// fetch fashion-mnist`; `text:PATH` is any UTF-8 file, read in windows
+    /// of 64 bytes (`text@N:PATH`: N bytes), for --model gpt.
     #[arg(long, default_value = "digits", value_parser = parse_dataset)]
     pub dataset: DatasetKind,
     /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
@@ -98,6 +112,13 @@ pub struct TrainArgs {
     /// Total epochs to train (a resumed run continues up to this count).
     #[arg(long, default_value_t = 10)]
     pub epochs: u64,
+    /// Total steps to train instead of --epochs (a resumed run continues up
+    /// to this count); evaluates every --eval-every steps.
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    pub steps: Option<u64>,
+    /// With --steps: evaluate on the test (validation) split every this many steps.
+    #[arg(long, default_value_t = 100, value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    pub eval_every: u64,
     /// Samples per step.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
@@ -130,6 +151,29 @@ pub struct TrainArgs {
     /// Compute threads (default: every core).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: Option<usize>,
+}
+
+/// `shoal generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// The model file of a GPT (from `--output` of train, node, demo or testnet run).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The text to continue.
+    #[arg(long, default_value = "")]
+    pub prompt: String,
+    /// How many bytes to generate.
+    #[arg(long, default_value_t = 200)]
+    pub tokens: usize,
+    /// Sampling temperature; 0 always takes the most likely byte.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Seed of the sampling: the same seed gives the same text.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Compute device.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceKind,
 }
 
 /// `shoal eval`.

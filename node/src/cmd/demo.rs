@@ -16,7 +16,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     let mut base = NodeConfig { run_id: "demo".into(), ..NodeConfig::default() };
     base.training.model = args.model;
-    base.training.dataset = args.dataset;
+    base.training.dataset = args.dataset.clone();
     base.training.data_dir = args.data_dir.clone();
     base.training.steps = args.steps;
     base.training.batch_size = args.batch_size;
@@ -80,9 +80,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         let reports = reports?;
         for r in &reports {
             println!(
-                "{}: test accuracy {:.2}% after {} steps, owned shards {:?}{}",
+                "{}: {} after {} steps, owned shards {:?}{}",
                 r.name,
-                r.accuracy * 100.0,
+                r.headline(),
                 r.steps,
                 r.owned_shards,
                 r.status

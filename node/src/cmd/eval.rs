@@ -17,6 +17,9 @@ pub struct EvalReport {
     pub samples: usize,
     pub loss: f32,
     pub accuracy: f32,
+    /// Language models: the loss in bits per byte.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_byte: Option<f32>,
     /// The accuracy the file records from when it was written, if any.
     pub recorded_accuracy: Option<f32>,
 }
@@ -24,13 +27,14 @@ pub struct EvalReport {
 /// Load a model file and evaluate it (the work behind `shoal eval`).
 pub fn evaluate(args: &EvalArgs) -> anyhow::Result<EvalReport> {
     let file = ModelFile::load(&args.model, None)?;
-    let dataset = match args.dataset {
-        Some(d) => d,
+    let dataset = match &args.dataset {
+        Some(d) => d.clone(),
         None => file.meta.dataset.parse::<DatasetKind>().with_context(|| {
             format!("{} names data set `{}`; pass --dataset", args.model.display(), file.meta.dataset)
         })?,
     };
-    let split = data::load(dataset, args.data_dir.as_deref()).with_context(|| format!("loading data set {dataset}"))?;
+    let split =
+        data::load(&dataset, args.data_dir.as_deref()).with_context(|| format!("loading data set {dataset}"))?;
     let (shape, classes) = (split.test.shape, split.test.classes);
     if (shape, classes) != (file.model.input, file.model.classes) {
         bail!(
@@ -56,6 +60,7 @@ pub fn evaluate(args: &EvalArgs) -> anyhow::Result<EvalReport> {
         samples: split.test.len(),
         loss: eval.loss,
         accuracy: eval.accuracy,
+        bits_per_byte: eval.bits_per_byte,
         recorded_accuracy: file.meta.accuracy,
     })
 }
@@ -67,7 +72,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "{} ({}, run {}, step {}) on the {} test split ({} samples): loss {:.4}, accuracy {:.2}%",
+            "{} ({}, run {}, step {}) on the {} test split ({} samples): loss {:.4}, {}",
             r.path,
             r.model,
             r.run_id,
@@ -75,7 +80,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             r.dataset,
             r.samples,
             r.loss,
-            r.accuracy * 100.0
+            match r.bits_per_byte {
+                Some(bpb) => format!("bits/byte {bpb:.3}, next-byte accuracy {:.2}%", r.accuracy * 100.0),
+                None => format!("accuracy {:.2}%", r.accuracy * 100.0),
+            }
         );
     }
     Ok(())

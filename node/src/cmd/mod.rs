@@ -7,6 +7,7 @@ pub mod cli;
 pub mod data;
 pub mod demo;
 pub mod eval;
+pub mod generate;
 pub mod node;
 pub mod testnet;
 pub mod train;

@@ -141,17 +141,17 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         };
         if report.left {
             say!(
-                "{}: left after {} steps, test accuracy {:.2}%",
+                "{}: left after {} steps, {}",
                 report.name,
                 report.steps,
-                report.accuracy * 100.0
+                report.headline()
             );
         } else {
             say!(
-                "{}: finished {} steps, test accuracy {:.2}%, owned shards {:?}",
+                "{}: finished {} steps, {}, owned shards {:?}",
                 report.name,
                 report.steps,
-                report.accuracy * 100.0,
+                report.headline(),
                 report.owned_shards
             );
         }

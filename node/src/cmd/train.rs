@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use shoal_models::{data, Checkpoint, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig};
+use shoal_models::{data, Checkpoint, GptSize, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig};
 use tracing::{debug, info};
 
 use crate::cmd::cli::TrainArgs;
@@ -17,11 +17,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if args.batch_size == 0 {
         anyhow::bail!("--batch-size must be at least 1");
     }
+    args.model.check_dataset(&args.dataset)?;
     let threads = crate::ops::threads::configure_process(crate::ops::threads::resolve(args.threads, 1));
     let device = args.device.open()?;
-    let split = data::load(args.dataset, args.data_dir.as_deref())
+    let split = data::load(&args.dataset, args.data_dir.as_deref())
         .with_context(|| format!("loading data set {}", args.dataset))?;
-    let config = ModelConfig::for_dataset(args.model, &split.train);
+    let config = ModelConfig::for_dataset(args.model, &split.train).with_gpt_size(GptSize {
+        layers: args.layers,
+        heads: args.heads,
+        width: args.width,
+    });
+    config.validate().with_context(|| format!("--model {} on {}", args.model, args.dataset))?;
     let opt_cfg = args
         .lr
         .map(|lr| OptimizerConfig::new(args.optimizer, lr))
@@ -64,37 +70,60 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     .context("progress bar template")?
     .progress_chars("=> ");
 
-    while trainer.epoch(&split.train) < args.epochs {
+    // With --steps, training runs in rounds of --eval-every steps (cut at
+    // epoch ends); with --epochs, in whole epochs.
+    let bpe = trainer.batches_per_epoch(&split.train);
+    let total = args.steps.unwrap_or(args.epochs.saturating_mul(bpe));
+    while trainer.step() < total {
         let epoch = trainer.epoch(&split.train);
+        let in_epoch = trainer.step() % bpe;
+        let mut n = (bpe - in_epoch).min(total - trainer.step());
+        if args.steps.is_some() {
+            n = n.min(args.eval_every - trainer.step() % args.eval_every);
+        }
         let bar = ProgressBar::new(split.train.len() as u64).with_style(style.clone());
         bar.set_prefix(format!("{}", epoch + 1));
-        let bpe = trainer.batches_per_epoch(&split.train);
         // A resumed run starts mid-epoch: show the samples already done.
-        bar.set_position(((trainer.step() % bpe) as usize * args.batch_size) as u64);
+        bar.set_position((in_epoch as usize * args.batch_size).min(split.train.len()) as u64);
         let started = Instant::now();
-        let stats = trainer.run_epoch(&split.train, |p| {
+        let stats = trainer.train_steps(&split.train, n, |p| {
             bar.inc(p.samples as u64);
             bar.set_message(format!("{:.4}", p.loss));
         })?;
         bar.finish_and_clear();
         let secs = started.elapsed().as_secs_f64().max(1e-9);
+        let due = match args.steps {
+            Some(_) => trainer.step() % args.eval_every == 0,
+            None => trainer.step() % bpe == 0,
+        };
+        if !(due || trainer.step() == total) {
+            continue;
+        }
         let eval = trainer.evaluate(&split.test)?;
+        let position = match args.steps {
+            Some(steps) => format!("step {}/{steps}", trainer.step()),
+            None => format!("epoch {}/{}", epoch + 1, args.epochs),
+        };
         println!(
-            "epoch {}/{}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}%, {:.0} samples/s",
-            epoch + 1,
-            args.epochs,
+            "{position}: train loss {:.4}, test loss {:.4}, test {}, {:.0} samples/s",
             stats.mean_loss,
             eval.loss,
-            eval.accuracy * 100.0,
+            eval.headline(),
             stats.samples as f64 / secs
         );
-        debug!(epoch = epoch + 1, step = trainer.step(), accuracy = eval.accuracy, loss = eval.loss, "epoch done");
+        debug!(
+            step = trainer.step(),
+            accuracy = eval.accuracy,
+            loss = eval.loss,
+            bits_per_byte = eval.bits_per_byte,
+            "evaluated"
+        );
         if let Some(path) = &args.checkpoint {
             trainer.checkpoint().save(path).with_context(|| format!("saving checkpoint {}", path.display()))?;
         }
     }
     let eval = trainer.evaluate(&split.test)?;
-    println!("final test accuracy {:.2}% after {} steps", eval.accuracy * 100.0, trainer.step());
+    println!("final test {} after {} steps", eval.headline(), trainer.step());
     if let Some(path) = &args.checkpoint {
         println!("checkpoint saved to {}", path.display());
     }

@@ -38,6 +38,9 @@ pub struct StatusSnapshot {
     pub samples_per_sec: f64,
     pub last_loss: Option<f32>,
     pub last_accuracy: Option<f32>,
+    /// Language models: the last validation loss in bits per byte.
+    #[serde(default)]
+    pub last_bits_per_byte: Option<f32>,
     pub bytes_out: u64,
     pub bytes_in: u64,
     pub push_latency_ms: Option<f64>,
@@ -160,7 +163,8 @@ pub enum StatusEvent {
     },
     PushLatency(f64),
     PullLatency(f64),
-    Accuracy(f32),
+    /// A test-set (validation) evaluation.
+    Evaluated(shoal_models::Evaluation),
     Peers(usize),
     Staleness(u64),
     GossipDistance(f32),

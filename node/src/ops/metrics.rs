@@ -107,6 +107,9 @@ pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
     m.gauge("samples_per_second", "Training samples per second since the first step.", s.samples_per_sec);
     m.gauge("loss", "Training loss of the last step.", s.last_loss.map_or(f64::NAN, f64::from));
     m.gauge("test_accuracy", "Last test-set accuracy, from 0 to 1.", s.last_accuracy.map_or(f64::NAN, f64::from));
+    if let Some(bpb) = s.last_bits_per_byte {
+        m.gauge("test_bits_per_byte", "Language models: last validation loss in bits per byte.", f64::from(bpb));
+    }
     m.counter("bytes_out_total", "Tensor payload bytes sent.", s.bytes_out);
     m.counter("bytes_in_total", "Tensor payload bytes received.", s.bytes_in);
     m.gauge("push_latency_seconds", "Push latency, moving average.", ms_to_seconds(s.push_latency_ms));

@@ -1,0 +1,240 @@
+//! A decoder-only transformer (GPT-2 style, pre-layer-norm) over a
+//! byte-level vocabulary: token and position embeddings, `layers` blocks of
+//! causal self-attention and a 4x MLP with GELU, a final layer norm, and a
+//! head tied to the token embedding.
+//!
+//! Inputs are windows of `context + 1` tokens stored as f32 (see
+//! [`crate::data::text`]): the first `context` are read, and every position
+//! predicts the token after it. Every op used here has a backward pass in
+//! candle on every device (candle's fused softmax and layer-norm kernels
+//! have none, so the composed forms are used).
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, Linear, VarBuilder, VarMap};
+
+use crate::error::{ModelError, Result};
+use crate::layout::ParamLayout;
+use crate::rng::DetRng;
+
+/// The size of a GPT, apart from its context (which the data fixes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GptSize {
+    pub layers: usize,
+    pub heads: usize,
+    /// Embedding width; a multiple of `heads`.
+    pub width: usize,
+}
+
+impl Default for GptSize {
+    /// 4 layers, 4 heads, width 128: about 0.8M parameters, which trains
+    /// at a useful speed on a CPU.
+    fn default() -> Self {
+        Self { layers: 4, heads: 4, width: 128 }
+    }
+}
+
+impl GptSize {
+    pub fn validate(&self, context: usize) -> Result<()> {
+        if self.layers == 0 || self.heads == 0 || self.width == 0 || context == 0 {
+            return Err(ModelError::Config(format!(
+                "GPT layers ({}), heads ({}), width ({}) and context ({context}) must be positive",
+                self.layers, self.heads, self.width
+            )));
+        }
+        if !self.width.is_multiple_of(self.heads) {
+            return Err(ModelError::Config(format!(
+                "GPT width {} is not a multiple of its {} heads",
+                self.width, self.heads
+            )));
+        }
+        Ok(())
+    }
+}
+
+struct Norm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Norm {
+    fn new(width: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self { weight: vb.get(width, "weight")?, bias: vb.get(width, "bias")? })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)?)
+    }
+}
+
+struct Block {
+    ln1: Norm,
+    qkv: Linear,
+    proj: Linear,
+    ln2: Norm,
+    fc: Linear,
+    fc_proj: Linear,
+}
+
+/// The network. Built by [`crate::Model`] for `Arch::Gpt`.
+pub(crate) struct Gpt {
+    wte: Embedding,
+    wpe: Embedding,
+    blocks: Vec<Block>,
+    ln_f: Norm,
+    heads: usize,
+    width: usize,
+    context: usize,
+    /// `[context, context]`: 0 on and below the diagonal, a large negative
+    /// number above it (a position sees only itself and what came before).
+    mask: Tensor,
+}
+
+impl Gpt {
+    pub(crate) fn new(size: GptSize, context: usize, vocab: usize, vb: VarBuilder, device: &Device) -> Result<Self> {
+        size.validate(context)?;
+        let d = size.width;
+        let blocks = (0..size.layers)
+            .map(|i| {
+                let vb = vb.pp(format!("h.{i}"));
+                Ok(Block {
+                    ln1: Norm::new(d, vb.pp("ln1"))?,
+                    qkv: candle_nn::linear(d, 3 * d, vb.pp("attn.qkv"))?,
+                    proj: candle_nn::linear(d, d, vb.pp("attn.proj"))?,
+                    ln2: Norm::new(d, vb.pp("ln2"))?,
+                    fc: candle_nn::linear(d, 4 * d, vb.pp("mlp.fc"))?,
+                    fc_proj: candle_nn::linear(4 * d, d, vb.pp("mlp.proj"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mask: Vec<f32> =
+            (0..context * context).map(|i| if i % context > i / context { -1e9 } else { 0.0 }).collect();
+        Ok(Self {
+            wte: candle_nn::embedding(vocab, d, vb.pp("wte"))?,
+            wpe: candle_nn::embedding(context, d, vb.pp("wpe"))?,
+            blocks,
+            ln_f: Norm::new(d, vb.pp("ln_f"))?,
+            heads: size.heads,
+            width: d,
+            context,
+            mask: Tensor::from_vec(mask, (context, context), device)?,
+        })
+    }
+
+    /// Logits `[n, t, vocab]` for tokens `[n, t]` (u32, `t <= context`).
+    pub(crate) fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (n, t) = tokens.dims2()?;
+        if t == 0 || t > self.context {
+            return Err(ModelError::Invalid(format!("GPT input of {t} tokens; its context is {}", self.context)));
+        }
+        let positions = Tensor::arange(0u32, t as u32, tokens.device())?;
+        let mut x = self.wte.forward(tokens)?.broadcast_add(&self.wpe.forward(&positions)?)?;
+        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        let (h, hd) = (self.heads, self.width / self.heads);
+        let scale = 1.0 / (hd as f64).sqrt();
+        for b in &self.blocks {
+            let qkv = b.qkv.forward(&b.ln1.forward(&x)?)?;
+            let split = |i: usize| -> Result<Tensor> {
+                Ok(qkv.narrow(2, i * self.width, self.width)?.reshape((n, t, h, hd))?.transpose(1, 2)?.contiguous()?)
+            };
+            let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+            let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
+            let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+            let y = att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, self.width))?;
+            x = (x + b.proj.forward(&y)?)?;
+            let m = b.fc_proj.forward(&b.fc.forward(&b.ln2.forward(&x)?)?.gelu()?)?;
+            x = (x + m)?;
+        }
+        let x = self.ln_f.forward(&x)?;
+        Ok(x.broadcast_matmul(&self.wte.embeddings().t()?)?)
+    }
+
+    /// Split windows `[n, .., context + 1]` (f32 token values) into inputs
+    /// `[n, context]` and next-token targets `[n * context]`, both u32.
+    pub(crate) fn inputs_and_targets(&self, windows: &Tensor) -> Result<(Tensor, Tensor)> {
+        let tokens = windows.flatten_from(1)?.to_dtype(DType::U32)?;
+        let w = tokens.dim(1)?;
+        if w != self.context + 1 {
+            return Err(ModelError::Invalid(format!(
+                "GPT windows of {w} tokens; this model reads {} plus the next one",
+                self.context
+            )));
+        }
+        Ok((tokens.narrow(1, 0, self.context)?, tokens.narrow(1, 1, self.context)?.flatten_all()?))
+    }
+}
+
+/// GPT-2's init: weights N(0, 0.02) (here uniform with that deviation), the
+/// residual projections scaled by 1/sqrt(2 layers), biases 0, layer-norm
+/// gains 1. Each tensor gets its own stream derived from (seed, name).
+pub(crate) fn init(varmap: &VarMap, layout: &ParamLayout, layers: usize, seed: u64, device: &Device) -> Result<()> {
+    let data = varmap.data().lock().map_err(|_| ModelError::Invalid("variable map lock poisoned".into()))?;
+    let bound = 0.02 * 3f32.sqrt();
+    let residual = 1.0 / ((2 * layers.max(1)) as f32).sqrt();
+    for entry in layout.entries() {
+        let name = entry.name.as_str();
+        let is_norm = name.starts_with("ln_f") || name.contains(".ln1.") || name.contains(".ln2.");
+        let values: Vec<f32> = if name.ends_with(".bias") {
+            vec![0.0; entry.len]
+        } else if is_norm {
+            vec![1.0; entry.len]
+        } else {
+            let b = if name.ends_with("proj.weight") { bound * residual } else { bound };
+            let mut rng = DetRng::derive(seed, name);
+            (0..entry.len).map(|_| rng.uniform(-b, b)).collect()
+        };
+        let var = data.get(name).ok_or_else(|| ModelError::Invalid(format!("variable {name} vanished")))?;
+        var.set(&Tensor::from_vec(values, entry.shape.as_slice(), device)?)?;
+    }
+    Ok(())
+}
+
+impl Gpt {
+    /// Continue `prompt` by `tokens` bytes, sampling each from the softmax
+    /// of the last position's logits divided by `temperature` (0: the most
+    /// likely byte). The same seed gives the same text on the same device.
+    pub(crate) fn generate(&self, prompt: &[u8], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u8>> {
+        if !(temperature >= 0.0 && temperature.is_finite()) {
+            return Err(ModelError::Invalid(format!("temperature {temperature} must be a finite number >= 0")));
+        }
+        let device = self.mask.device();
+        let mut rng = DetRng::derive(seed, "generate");
+        let mut out: Vec<u8> = prompt.to_vec();
+        if out.is_empty() {
+            out.push(b'\n');
+        }
+        for _ in 0..tokens {
+            let start = out.len().saturating_sub(self.context);
+            let ctx: Vec<u32> = out[start..].iter().map(|&b| b as u32).collect();
+            let t = ctx.len();
+            let input = Tensor::from_vec(ctx, (1, t), device)?;
+            let logits = self.logits(&input)?.narrow(1, t - 1, 1)?.flatten_all()?.to_dtype(DType::F32)?;
+            let logits: Vec<f32> = logits.to_vec1()?;
+            out.push(sample(&logits, temperature, &mut rng) as u8);
+        }
+        Ok(out.split_off(if prompt.is_empty() { 1 } else { prompt.len() }))
+    }
+}
+
+/// Index drawn from softmax(logits / temperature); the argmax at 0.
+fn sample(logits: &[f32], temperature: f64, rng: &mut DetRng) -> usize {
+    let argmax = logits
+        .iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |best, (i, &l)| if l > best.1 { (i, l) } else { best })
+        .0;
+    if temperature == 0.0 {
+        return argmax;
+    }
+    let max = logits[argmax] as f64;
+    let weights: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) / temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut draw = rng.next_f32() as f64 * total;
+    for (i, w) in weights.iter().enumerate() {
+        if draw < *w {
+            return i;
+        }
+        draw -= w;
+    }
+    argmax
+}
