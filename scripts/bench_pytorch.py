@@ -12,6 +12,11 @@ SGD; batch 64 per worker; one epoch split over the workers):
          processes on 127.0.0.1 (scripts/torch_baseline.py);
   mlp-4c: the same at lr 0.2 (0.05 x 4 workers, the linear scaling rule)
          with cosine decay to lr/100, on both sides.
+  gpt-1: `shoal train --model gpt` (4 layers, 4 heads, width 128, context
+         64; AdamW lr 2e-3; 200 steps of 32 windows) on the GPL v3 text that
+         models/data ships, against the same GPT in PyTorch
+         (scripts/torch_gpt.py). Its "samples" are windows of 64 tokens; its
+         "accuracy" column shows validation bits per byte (lower is better).
 Each case runs `--runs` times, alternating Shoal and PyTorch; the table shows
 medians and the ratio Shoal / PyTorch of the medians. Accuracy is the test
 accuracy after the epoch (for mlp-4: the lowest node's).
@@ -54,9 +59,31 @@ def shoal_demo(shoal, data, extra=()):
     return {"samples_per_sec": sum(float(s) for _, s in rows), "accuracy": min(float(a) for a, _ in rows) / 100}
 
 
+GPT_ARGS = ["--layers", "4", "--heads", "4", "--width", "128", "--steps", "200", "--batch-size", "32"]
+GPT_TEXT = os.path.join(HERE, "..", "models", "data", "gpl-3.0.txt")
+
+
+def shoal_gpt(shoal):
+    out = run([shoal, "train", "--model", "gpt", "--dataset", f"text:{GPT_TEXT}", "--eval-every", "200", *GPT_ARGS])
+    sps = float(re.search(r"([0-9.]+) samples/s", out).group(1))
+    bpb = float(re.search(r"final test bits/byte ([0-9.]+)", out).group(1))
+    return {"samples_per_sec": sps, "accuracy": bpb}
+
+
+def torch_gpt():
+    out = run([sys.executable, os.path.join(HERE, "torch_gpt.py"), "--text", GPT_TEXT, *GPT_ARGS])
+    r = json.loads(out.strip().splitlines()[-1])
+    return {"samples_per_sec": r["samples_per_sec"], "accuracy": r["bits_per_byte"]}
+
+
 def torch_case(args_list):
     out = run([sys.executable, os.path.join(HERE, "torch_baseline.py"), "--nesterov", *args_list])
     return json.loads(out.strip().splitlines()[-1])
+
+
+def quality(case, value):
+    """Accuracy as a percentage; a GPT's bits per byte as they are."""
+    return f"{value:>9.3f}b" if case.startswith("gpt") else f"{value * 100:>9.2f}%"
 
 
 def main():
@@ -64,7 +91,7 @@ def main():
     p.add_argument("--shoal", default=os.path.join(HERE, "..", "target", "release", "shoal"))
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4,mlp-4c")
+    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4,mlp-4c,gpt-1")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args()
     if args.runs < 1:
@@ -87,6 +114,7 @@ def main():
         "mlp-4c": (lambda: shoal_demo(args.shoal, args.data, ["--lr", "0.2", "--lr-decay", "cosine"]),
                    lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data,
                                        "--lr", "0.2", "--cosine"])),
+        "gpt-1": (lambda: shoal_gpt(args.shoal), torch_gpt),
     }
     results = {}
     print(f"shoal vs pytorch on {cores} cores, {args.runs} runs per case (medians)")
@@ -111,7 +139,7 @@ def main():
         row["ratio"] = row["shoal_samples_per_sec"] / row["torch_samples_per_sec"]
         results[name] = row
         print(f"{name:<7} {row['shoal_samples_per_sec']:>12.0f} {row['torch_samples_per_sec']:>12.0f} "
-              f"{row['ratio']:>6.2f}x {row['shoal_accuracy'] * 100:>9.2f}% {row['torch_accuracy'] * 100:>9.2f}%",
+              f"{row['ratio']:>6.2f}x {quality(name, row['shoal_accuracy'])} {quality(name, row['torch_accuracy'])}",
               flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -7,6 +7,8 @@
 //!   [`ShardPlan`] (that vector cut into shards).
 //! - [`optim`]: SGD (momentum, Nesterov) and AdamW over flat slices, with
 //!   their state exposed so shard owners can hold and hand it off.
+//! - [`resident`]: the same optimizers as tensor ops on the model's device,
+//!   for single-node training on a GPU.
 //! - [`checkpoint`]: safetensors checkpoints with metadata (resumable
 //!   training state).
 //! - [`modelfile`]: the trained model as one safetensors file under its
@@ -28,6 +30,7 @@ pub mod layout;
 pub mod model;
 pub mod modelfile;
 pub mod optim;
+pub mod resident;
 pub mod rng;
 pub mod shardfile;
 pub mod train;

@@ -227,11 +227,17 @@ pub trait TrainableModel: Send {
     fn forward(&self, images: &Tensor, train: bool) -> Result<Tensor>;
     /// Forward and backward on one batch; gradients of the mean loss.
     fn gradients(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
+        let (loss, store) = self.backward(images, labels)?;
+        let grads = self.layout().flatten_grads(self.varmap(), &store)?;
+        Ok(GradOutput { loss, samples: images.dim(0)?, grads })
+    }
+    /// Forward and backward on one batch, the gradients left on the
+    /// model's device: the mean loss and candle's gradient store.
+    fn backward(&self, images: &Tensor, labels: &Tensor) -> Result<(f32, candle_core::backprop::GradStore)> {
         let (logits, targets) = self.logits_and_targets(images, labels, true)?;
         let loss = candle_nn::loss::cross_entropy(&logits, &targets)?;
         let store = loss.backward()?;
-        let grads = self.layout().flatten_grads(self.varmap(), &store)?;
-        Ok(GradOutput { loss: loss.to_scalar::<f32>()?, samples: images.dim(0)?, grads })
+        Ok((loss.to_scalar::<f32>()?, store))
     }
     /// Logits `[m, classes]` and targets `[m]` of a batch: a classifier's
     /// logits and labels, or a language model's predictions at every

@@ -8,6 +8,7 @@ use crate::data::Dataset;
 use crate::error::{ModelError, Result};
 use crate::model::{Evaluation, Model, ModelConfig, TrainableModel};
 use crate::optim::{Optimizer, OptimizerConfig};
+use crate::resident::ResidentOptimizer;
 
 /// Progress of one batch, for progress bars.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +31,12 @@ pub struct EpochStats {
 }
 
 /// A model, its optimizer and its position in the data.
+///
+/// On the CPU each step flattens the gradients, runs the flat optimizer and
+/// writes the parameters back. On other devices the optimizer runs there
+/// ([`ResidentOptimizer`]) and `params` and `optimizer` are brought up to
+/// date once per call of [`Self::train_steps`] or [`Self::train_batch`],
+/// so what they return is always current.
 pub struct LocalTrainer {
     model: Box<dyn TrainableModel>,
     optimizer: Optimizer,
@@ -38,6 +45,7 @@ pub struct LocalTrainer {
     step: u64,
     seed: u64,
     batch_size: usize,
+    resident: Option<ResidentOptimizer>,
 }
 
 impl std::fmt::Debug for LocalTrainer {
@@ -116,7 +124,29 @@ impl LocalTrainer {
         if batch_size == 0 {
             return Err(ModelError::Invalid("batch size must be at least 1".into()));
         }
-        Ok(Self { model, optimizer, params, step, seed, batch_size })
+        let on_device = !model.device().is_cpu();
+        let t = Self { model, optimizer, params, step, seed, batch_size, resident: None };
+        if on_device {
+            t.keep_on_device()
+        } else {
+            Ok(t)
+        }
+    }
+
+    /// Run the optimizer on the model's device from now on (the default
+    /// off the CPU; on the CPU, for tests of the device path).
+    pub fn keep_on_device(mut self) -> Result<Self> {
+        self.resident = Some(ResidentOptimizer::new(&self.optimizer, self.model.layout(), self.model.varmap())?);
+        Ok(self)
+    }
+
+    /// Bring `params` and `optimizer` up to date with the device.
+    fn sync(&mut self) -> Result<()> {
+        if let Some(r) = &self.resident {
+            self.params = self.model.parameters()?;
+            self.optimizer = Optimizer::from_state(r.to_state(self.model.layout())?)?;
+        }
+        Ok(())
     }
 
     pub fn model(&self) -> &dyn TrainableModel {
@@ -147,23 +177,46 @@ impl LocalTrainer {
 
     /// Set the learning rate of the following steps (a schedule).
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
-        self.optimizer.set_lr(lr)
+        self.optimizer.set_lr(lr)?;
+        if let Some(r) = &mut self.resident {
+            r.set_lr(lr);
+        }
+        Ok(())
     }
 
     /// One optimizer step on the given samples. Returns the batch loss.
     pub fn train_batch(&mut self, data: &Dataset, indices: &[usize]) -> Result<f32> {
+        let loss = self.step_once(data, indices)?;
+        self.sync()?;
+        Ok(loss)
+    }
+
+    fn step_once(&mut self, data: &Dataset, indices: &[usize]) -> Result<f32> {
         let (x, y) = data.batch(indices, self.model.device())?;
-        let out = self.model.gradients(&x, &y)?;
-        if !out.loss.is_finite() {
-            return Err(ModelError::Invalid(format!(
-                "loss became {} at step {}; lower the learning rate",
-                out.loss, self.step
-            )));
-        }
-        self.optimizer.step(&mut self.params, &out.grads)?;
-        self.model.set_parameters(&self.params)?;
+        let check = |loss: f32, step: u64| {
+            if loss.is_finite() {
+                Ok(())
+            } else {
+                Err(ModelError::Invalid(format!("loss became {loss} at step {step}; lower the learning rate")))
+            }
+        };
+        let loss = match &mut self.resident {
+            Some(r) => {
+                let (loss, grads) = self.model.backward(&x, &y)?;
+                check(loss, self.step)?;
+                r.step(self.model.layout(), self.model.varmap(), &grads)?;
+                loss
+            }
+            None => {
+                let out = self.model.gradients(&x, &y)?;
+                check(out.loss, self.step)?;
+                self.optimizer.step(&mut self.params, &out.grads)?;
+                self.model.set_parameters(&self.params)?;
+                out.loss
+            }
+        };
         self.step += 1;
-        Ok(out.loss)
+        Ok(loss)
     }
 
     /// Finish the current epoch (from wherever a resume left it).
@@ -188,12 +241,13 @@ impl LocalTrainer {
         let first = (self.step % bpe) as usize;
         let (mut loss_sum, mut samples, mut taken) = (0.0f64, 0usize, 0usize);
         for (i, idx) in batches.iter().enumerate().skip(first).take(steps.min(usize::MAX as u64) as usize) {
-            let loss = self.train_batch(data, idx)?;
+            let loss = self.step_once(data, idx)?;
             loss_sum += loss as f64 * idx.len() as f64;
             samples += idx.len();
             taken += 1;
             on_batch(BatchProgress { epoch, batch: i, batches: batches.len(), samples: idx.len(), loss });
         }
+        self.sync()?;
         Ok(EpochStats { epoch, mean_loss: (loss_sum / samples.max(1) as f64) as f32, samples, steps: taken })
     }
 
