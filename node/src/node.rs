@@ -229,6 +229,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         &name,
     )?;
     let plan = ShardPlan::new(initial.len(), c.shards as usize)?;
+    check_shard_fits(&plan, &t.optimizer_config(), &config.network.limits)?;
     let hash = config_hash(&config, &model_cfg);
 
     let mut proto = config.network.clone();
@@ -600,6 +601,32 @@ async fn drive(
     })
 }
 
+/// A handoff carries a shard with its optimizer state as f32: it must fit
+/// in one request. A large model needs enough shards (say so before
+/// training starts rather than failing at the first handoff).
+fn check_shard_fits(
+    plan: &ShardPlan,
+    opt: &shoal_models::OptimizerConfig,
+    limits: &shoal_protocol::config::Limits,
+) -> anyhow::Result<()> {
+    let largest = plan.shards().iter().map(|s| s.len() as u64).max().unwrap_or(0);
+    let copies = 1 + opt.slot_names().len() as u64;
+    let bytes = largest * 4 * copies;
+    // Headers and framing: a margin of 1 MiB.
+    if bytes + (1 << 20) > limits.max_request_bytes.min(limits.max_response_bytes) {
+        let total = plan.shards().iter().map(|s| s.len() as u64).sum::<u64>();
+        let per_shard_limit =
+            (limits.max_request_bytes.min(limits.max_response_bytes)).saturating_sub(1 << 20) / (4 * copies);
+        bail!(
+            "cluster.shards = {}: a shard of {largest} parameters with its optimizer state is {bytes} bytes, over the {} bytes a message may carry (network.limits); use at least {} shards for this {total}-parameter model",
+            plan.len(),
+            limits.max_request_bytes.min(limits.max_response_bytes),
+            total.div_ceil(per_shard_limit.max(1))
+        );
+    }
+    Ok(())
+}
+
 /// How this node enters the run.
 enum Start {
     /// It is a member of the roster the run starts with.
@@ -898,4 +925,26 @@ async fn resume_from(
     aggregator.resume(states).await?;
     worker.snapshot.send_modify(|s| s.version = rp.step);
     Ok(Some(rp))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_models::{OptimizerConfig, OptimizerKind};
+
+    /// A 100M-parameter model trains with the default 8 shards and limits
+    /// (50 MB shards, 150 MB with AdamW's state); on one shard it is refused
+    /// with the number of shards it needs (1.2 GB over 256 MiB messages: 5).
+    #[test]
+    fn a_hundred_million_parameters_fit_in_eight_shards_but_not_one() -> anyhow::Result<()> {
+        let limits = shoal_protocol::Limits::default();
+        let adamw = OptimizerConfig::new(OptimizerKind::Adamw, 1e-3);
+        assert!(check_shard_fits(&ShardPlan::new(100_000_000, 8)?, &adamw, &limits).is_ok());
+        let e = check_shard_fits(&ShardPlan::new(100_000_000, 1)?, &adamw, &limits)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("use at least 5 shards"), "{e}");
+        Ok(())
+    }
 }
