@@ -9,7 +9,7 @@
 //! candle on every device (candle's fused softmax and layer-norm kernels
 //! have none, so the composed forms are used).
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder, VarMap};
 
 use crate::error::{ModelError, Result};
@@ -63,17 +63,35 @@ impl Norm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)?)
+        crate::kernels::layer_norm(x, &self.weight, &self.bias, 1e-5)
     }
 }
 
 struct Block {
     ln1: Norm,
-    qkv: Linear,
-    proj: Linear,
+    qkv: Dense,
+    proj: Dense,
     ln2: Norm,
-    fc: Linear,
-    fc_proj: Linear,
+    fc: Dense,
+    fc_proj: Dense,
+}
+
+/// A linear layer (candle's `weight [out, in]` and `bias [out]`, so names
+/// and shapes are candle's) over a matrix of rows, with the fused bias add.
+struct Dense(Linear);
+
+impl Dense {
+    fn new(inputs: usize, outputs: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self(candle_nn::linear(inputs, outputs, vb)?))
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.0.weight().t()?)?;
+        match self.0.bias() {
+            Some(b) => crate::kernels::add_bias(&y, b),
+            None => Ok(y),
+        }
+    }
 }
 
 /// The network. Built by [`crate::Model`] for `Arch::Gpt`.
@@ -99,11 +117,11 @@ impl Gpt {
                 let vb = vb.pp(format!("h.{i}"));
                 Ok(Block {
                     ln1: Norm::new(d, vb.pp("ln1"))?,
-                    qkv: candle_nn::linear(d, 3 * d, vb.pp("attn.qkv"))?,
-                    proj: candle_nn::linear(d, d, vb.pp("attn.proj"))?,
+                    qkv: Dense::new(d, 3 * d, vb.pp("attn.qkv"))?,
+                    proj: Dense::new(d, d, vb.pp("attn.proj"))?,
                     ln2: Norm::new(d, vb.pp("ln2"))?,
-                    fc: candle_nn::linear(d, 4 * d, vb.pp("mlp.fc"))?,
-                    fc_proj: candle_nn::linear(4 * d, d, vb.pp("mlp.proj"))?,
+                    fc: Dense::new(d, 4 * d, vb.pp("mlp.fc"))?,
+                    fc_proj: Dense::new(4 * d, d, vb.pp("mlp.proj"))?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -122,31 +140,38 @@ impl Gpt {
     }
 
     /// Logits `[n, t, vocab]` for tokens `[n, t]` (u32, `t <= context`).
+    ///
+    /// The residual stream is kept as one matrix `[n * t, width]`, so that
+    /// every linear layer is one matrix product (candle multiplies a 3-D
+    /// input by a weight broadcast over the batch, and its backward pass
+    /// then builds one weight gradient per sample and sums them).
     pub(crate) fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
         let (n, t) = tokens.dims2()?;
         if t == 0 || t > self.context {
             return Err(ModelError::Invalid(format!("GPT input of {t} tokens; its context is {}", self.context)));
         }
+        let d = self.width;
         let positions = Tensor::arange(0u32, t as u32, tokens.device())?;
-        let mut x = self.wte.forward(tokens)?.broadcast_add(&self.wpe.forward(&positions)?)?;
+        let x = self.wte.forward(&tokens.flatten_all()?)?.reshape((n, t * d))?;
+        let mut x = crate::kernels::add_bias(&x, &self.wpe.forward(&positions)?)?.reshape((n * t, d))?;
         let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-        let (h, hd) = (self.heads, self.width / self.heads);
+        let (h, hd) = (self.heads, d / self.heads);
         let scale = 1.0 / (hd as f64).sqrt();
         for b in &self.blocks {
             let qkv = b.qkv.forward(&b.ln1.forward(&x)?)?;
             let split = |i: usize| -> Result<Tensor> {
-                Ok(qkv.narrow(2, i * self.width, self.width)?.reshape((n, t, h, hd))?.transpose(1, 2)?.contiguous()?)
+                Ok(qkv.narrow(1, i * d, d)?.reshape((n, t, h, hd))?.transpose(1, 2)?.contiguous()?)
             };
             let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-            let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
-            let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-            let y = att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, self.width))?;
+            let att = crate::kernels::causal_softmax(&q.matmul(&k.t()?)?, scale, &mask)?;
+            let y = att.matmul(&v)?.transpose(1, 2)?.reshape((n * t, d))?;
             x = (x + b.proj.forward(&y)?)?;
-            let m = b.fc_proj.forward(&b.fc.forward(&b.ln2.forward(&x)?)?.gelu()?)?;
+            let m = b.fc_proj.forward(&crate::kernels::gelu(&b.fc.forward(&b.ln2.forward(&x)?)?)?)?;
             x = (x + m)?;
         }
         let x = self.ln_f.forward(&x)?;
-        Ok(x.broadcast_matmul(&self.wte.embeddings().t()?)?)
+        let vocab = self.wte.embeddings().dim(0)?;
+        Ok(x.matmul(&self.wte.embeddings().t()?)?.reshape((n, t, vocab))?)
     }
 
     /// Split windows `[n, .., context + 1]` (f32 token values) into inputs

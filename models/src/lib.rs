@@ -26,6 +26,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod gpt;
+pub mod kernels;
 pub mod layout;
 pub mod model;
 pub mod modelfile;

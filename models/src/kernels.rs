@@ -1,0 +1,542 @@
+//! Fused CPU kernels, each with its backward pass, for the transformer.
+//!
+//! candle's CPU backend builds GELU's and softmax's gradients out of many
+//! element-wise tensor ops, each allocating a tensor as large as the input
+//! (and its fused softmax has no backward pass at all). Here each of them
+//! is one pass over memory forwards and one backwards. Other devices, and
+//! dtypes other than f32, use candle's composed ops.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::error::Result;
+
+/// sqrt(2 / pi), GELU's tanh approximation.
+const GELU_K: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044_715;
+
+/// Rows per rayon task: enough work to outweigh the scheduling.
+const MIN_CHUNK: usize = 4096;
+
+/// tanh through one `exp` (glibc's `tanhf` goes through `expm1f` and was
+/// a fifth of a GPT step); exact to a few ulps, saturating cleanly.
+#[inline]
+fn tanh(u: f32) -> f32 {
+    1.0 - 2.0 / ((2.0 * u).exp() + 1.0)
+}
+
+fn fast_path(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == candle_core::DType::F32
+}
+
+fn contiguous<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+    let data = storage.as_slice::<f32>()?;
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("fused kernel needs a contiguous input"),
+    }
+}
+
+/// GELU (tanh approximation), as candle's `Tensor::gelu`.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if fast_path(x) {
+        Ok(x.contiguous()?.apply_op1(Gelu)?)
+    } else {
+        Ok(x.gelu()?)
+    }
+}
+
+/// Softmax over the last dimension, as `candle_nn::ops::softmax(x, D::Minus1)`.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if fast_path(x) {
+        let cols = x.dim(D::Minus1)?;
+        Ok(x.contiguous()?.apply_op1(Softmax { cols, scale: 1.0, causal: false })?)
+    } else {
+        Ok(candle_nn::ops::softmax(x, D::Minus1)?)
+    }
+}
+
+/// Attention weights from scores `[.., t, t]`: the softmax of
+/// `scale * scores` over the positions at or before each row's own (the
+/// rest get 0). `mask` (`[t, t]`, 0 or a large negative number) serves the
+/// devices without the fused kernel.
+pub fn causal_softmax(scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor> {
+    if fast_path(scores) {
+        let cols = scores.dim(D::Minus1)?;
+        Ok(scores.contiguous()?.apply_op1(Softmax { cols, scale: scale as f32, causal: true })?)
+    } else {
+        Ok(candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(mask)?, D::Minus1)?)
+    }
+}
+
+/// Layer norm over the last dimension with gain and bias, as
+/// `candle_nn::ops::layer_norm_slow`.
+pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
+    if fast_path(x) && fast_path(gain) && fast_path(bias) {
+        let cols = x.dim(D::Minus1)?;
+        Ok(x.contiguous()?.apply_op3(&gain.contiguous()?, &bias.contiguous()?, LayerNorm { cols, eps })?)
+    } else {
+        Ok(candle_nn::ops::layer_norm_slow(x, gain, bias, eps)?)
+    }
+}
+
+struct LayerNorm {
+    cols: usize,
+    eps: f32,
+}
+
+/// `dx` of a layer norm, from `(x, gain, grad)`.
+struct LayerNormInputGrad {
+    cols: usize,
+    eps: f32,
+}
+
+/// `[dgain; dbias]` (`[2, cols]`) of a layer norm, from `(x, grad)`.
+struct LayerNormParamGrad {
+    cols: usize,
+    eps: f32,
+}
+
+/// Mean and 1/sqrt(variance + eps) of a row.
+#[inline]
+fn moments(x: &[f32], eps: f32) -> (f32, f32) {
+    let n = x.len().max(1) as f32;
+    let mean = x.iter().sum::<f32>() / n;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl candle_core::CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, gain, bias) = (contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?);
+        let c = self.cols.max(1);
+        if gain.len() != c || bias.len() != c {
+            candle_core::bail!("layer norm over {c} columns with {} gains and {} biases", gain.len(), bias.len());
+        }
+        let mut out = vec![0f32; x.len()];
+        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
+        out.par_chunks_mut(rows_per_task).zip(x.par_chunks(rows_per_task)).for_each(|(o, x)| {
+            for (o, x) in o.chunks_mut(c).zip(x.chunks(c)) {
+                let (mean, inv) = moments(x, self.eps);
+                for (((o, &x), &g), &b) in o.iter_mut().zip(x).zip(gain).zip(bias) {
+                    *o = (x - mean) * inv * g + b;
+                }
+            }
+        });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gain: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let (cols, eps) = (self.cols, self.eps);
+        let dx = x.apply_op3_no_bwd(gain, &grad, &LayerNormInputGrad { cols, eps })?;
+        let params = x.apply_op2_no_bwd(&grad, &LayerNormParamGrad { cols, eps })?;
+        Ok((Some(dx), Some(params.get(0)?), Some(params.get(1)?)))
+    }
+}
+
+impl candle_core::CustomOp3 for LayerNormInputGrad {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm-input-grad"
+    }
+
+    /// With `h = g * gain` and `x^ = (x - mean) * inv`:
+    /// `dx = inv * (h - mean(h) - x^ * mean(h * x^))`.
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, gain, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?);
+        let c = self.cols.max(1);
+        if gain.len() != c || g.len() != x.len() {
+            candle_core::bail!("layer norm gradient: shapes do not match");
+        }
+        let mut out = vec![0f32; x.len()];
+        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
+        out.par_chunks_mut(rows_per_task).zip(x.par_chunks(rows_per_task).zip(g.par_chunks(rows_per_task))).for_each(
+            |(o, (x, g))| {
+                for ((o, x), g) in o.chunks_mut(c).zip(x.chunks(c)).zip(g.chunks(c)) {
+                    let (mean, inv) = moments(x, self.eps);
+                    let (mut mh, mut mhx) = (0f32, 0f32);
+                    for ((&x, &g), &w) in x.iter().zip(g).zip(gain) {
+                        let h = g * w;
+                        mh += h;
+                        mhx += h * (x - mean) * inv;
+                    }
+                    let (mh, mhx) = (mh / c as f32, mhx / c as f32);
+                    for (((o, &x), &g), &w) in o.iter_mut().zip(x).zip(g).zip(gain) {
+                        *o = inv * (g * w - mh - (x - mean) * inv * mhx);
+                    }
+                }
+            },
+        );
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+impl CustomOp2 for LayerNormParamGrad {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm-param-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        let c = self.cols.max(1);
+        if g.len() != x.len() {
+            candle_core::bail!("layer norm gradient: shapes do not match");
+        }
+        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
+        let sums = x
+            .par_chunks(rows_per_task)
+            .zip(g.par_chunks(rows_per_task))
+            .map(|(x, g)| {
+                let mut acc = vec![0f32; 2 * c];
+                for (x, g) in x.chunks(c).zip(g.chunks(c)) {
+                    let (mean, inv) = moments(x, self.eps);
+                    let (dgain, dbias) = acc.split_at_mut(c);
+                    for (((dw, db), &x), &g) in dgain.iter_mut().zip(dbias.iter_mut()).zip(x).zip(g) {
+                        *dw += g * (x - mean) * inv;
+                        *db += g;
+                    }
+                }
+                acc
+            })
+            .reduce(
+                || vec![0f32; 2 * c],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            );
+        Ok((CpuStorage::F32(sums), Shape::from((2, c))))
+    }
+}
+
+/// `x [.., cols] + bias [cols]`. candle's broadcast add sums the bias
+/// gradient over rows with a strided reduction, a tenth of a GPT step; here
+/// the rows are summed in one contiguous pass.
+pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    if fast_path(x) && fast_path(bias) {
+        let cols = bias.elem_count();
+        Ok(x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias { cols })?)
+    } else {
+        Ok(x.broadcast_add(bias)?)
+    }
+}
+
+struct AddBias {
+    cols: usize,
+}
+
+/// The column sums of `[rows, cols]`.
+struct ColumnSums {
+    cols: usize,
+}
+
+impl CustomOp2 for AddBias {
+    fn name(&self) -> &'static str {
+        "fused-add-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, b) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        let c = self.cols.max(1);
+        if b.len() != c || x.len() % c != 0 {
+            candle_core::bail!("bias of {} values for rows of {c} ({} values)", b.len(), x.len());
+        }
+        let mut out = x.to_vec();
+        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
+        out.par_chunks_mut(rows_per_task).for_each(|o| {
+            for row in o.chunks_mut(c) {
+                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let db = grad.contiguous()?.apply_op1_no_bwd(&ColumnSums { cols: self.cols })?.reshape(bias.shape())?;
+        Ok((Some(grad.clone()), Some(db)))
+    }
+}
+
+impl CustomOp1 for ColumnSums {
+    fn name(&self) -> &'static str {
+        "column-sums"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = contiguous(storage, layout)?;
+        let c = self.cols.max(1);
+        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
+        let sums = g
+            .par_chunks(rows_per_task)
+            .map(|g| {
+                let mut acc = vec![0f32; c];
+                for row in g.chunks(c) {
+                    acc.iter_mut().zip(row).for_each(|(a, g)| *a += g);
+                }
+                acc
+            })
+            .reduce(
+                || vec![0f32; c],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            );
+        Ok((CpuStorage::F32(sums), Shape::from(c)))
+    }
+}
+
+struct Gelu;
+struct GeluGrad;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "fused-gelu"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous(storage, layout)?;
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(MIN_CHUNK).zip(x.par_chunks(MIN_CHUNK)).for_each(|(o, x)| {
+            for (o, &x) in o.iter_mut().zip(x) {
+                let t = tanh(GELU_K * (x + GELU_C * x * x * x));
+                *o = 0.5 * x * (1.0 + t);
+            }
+        });
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(arg.contiguous()?.apply_op2_no_bwd(&grad_res.contiguous()?, &GeluGrad)?))
+    }
+}
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "fused-gelu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        if x.len() != g.len() {
+            candle_core::bail!("gelu gradient: {} inputs, {} gradients", x.len(), g.len());
+        }
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(MIN_CHUNK).zip(x.par_chunks(MIN_CHUNK).zip(g.par_chunks(MIN_CHUNK))).for_each(
+            |(o, (x, g))| {
+                for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
+                    let t = tanh(GELU_K * (x + GELU_C * x * x * x));
+                    let d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
+                    *o = g * d;
+                }
+            },
+        );
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// Softmax of `scale * x` over rows of `cols`; with `causal`, row `r` of
+/// each `cols x cols` block covers only its first `r % cols + 1` columns.
+struct Softmax {
+    cols: usize,
+    scale: f32,
+    causal: bool,
+}
+struct SoftmaxGrad {
+    cols: usize,
+    scale: f32,
+}
+
+impl CustomOp1 for Softmax {
+    fn name(&self) -> &'static str {
+        "fused-softmax"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous(storage, layout)?;
+        let c = self.cols.max(1);
+        let mut out = vec![0f32; x.len()];
+        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
+        let (scale, causal) = (self.scale, self.causal);
+        // A causal task takes whole c x c blocks, so that its row r is row
+        // r % c of its block.
+        let rows_per_task = if causal { (MIN_CHUNK / (c * c)).max(1) * c * c } else { rows_per_task };
+        out.par_chunks_mut(rows_per_task).zip(x.par_chunks(rows_per_task)).for_each(|(o, x)| {
+            for (r, (o, x)) in o.chunks_mut(c).zip(x.chunks(c)).enumerate() {
+                let seen = if causal { r % c + 1 } else { c };
+                let (o, x) = (&mut o[..seen], &x[..seen]);
+                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
+                let mut sum = 0f32;
+                for (o, &x) in o.iter_mut().zip(x) {
+                    *o = (x * scale - max).exp();
+                    sum += *o;
+                }
+                let inv = 1.0 / sum;
+                o.iter_mut().for_each(|o| *o *= inv);
+            }
+        });
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let grad = SoftmaxGrad { cols: self.cols, scale: self.scale };
+        Ok(Some(res.contiguous()?.apply_op2_no_bwd(&grad_res.contiguous()?, &grad)?))
+    }
+}
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "fused-softmax-grad"
+    }
+
+    /// `dx = scale * y * (g - sum(g * y))` per row (0 where y is: the
+    /// columns a causal row does not see).
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (y, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        if y.len() != g.len() {
+            candle_core::bail!("softmax gradient: {} outputs, {} gradients", y.len(), g.len());
+        }
+        let c = self.cols.max(1);
+        let mut out = vec![0f32; y.len()];
+        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
+        out.par_chunks_mut(rows_per_task).zip(y.par_chunks(rows_per_task).zip(g.par_chunks(rows_per_task))).for_each(
+            |(o, (y, g))| {
+                for ((o, y), g) in o.chunks_mut(c).zip(y.chunks(c)).zip(g.chunks(c)) {
+                    let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+                    for ((o, &y), &g) in o.iter_mut().zip(y).zip(g) {
+                        *o = self.scale * y * (g - dot);
+                    }
+                }
+            },
+        );
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// Forward values and input gradients equal candle's composed ops.
+    #[test]
+    fn fused_gelu_and_softmax_match_candle() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&(Tensor::randn(0f32, 2.0, (6, 4, 33), &dev)?))?;
+        let w = Tensor::randn(0f32, 1.0, (6, 4, 33), &dev)?;
+        type Op = fn(&Tensor) -> Result<Tensor>;
+        let cases: [(&str, Op, Op); 2] = [
+            ("gelu", |x| gelu(x), |x| Ok(x.gelu()?)),
+            ("softmax", |x| softmax_last_dim(x), |x| Ok(candle_nn::ops::softmax(x, D::Minus1)?)),
+        ];
+        // Causal softmax against the masked, scaled composed form.
+        let t = 33;
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(mask, (t, t), &dev)?;
+        let s = Var::from_tensor(&(Tensor::randn(0f32, 2.0, (2, 3, t, t), &dev)?))?;
+        let ws = Tensor::randn(0f32, 1.0, (2, 3, t, t), &dev)?;
+        let a = causal_softmax(s.as_tensor(), 0.3, &mask)?;
+        let b = candle_nn::ops::softmax(&(s.as_tensor() * 0.3)?.broadcast_add(&mask)?, D::Minus1)?;
+        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "causal softmax forward differs by {diff}");
+        let (ga, gb) = ((a * &ws)?.sum_all()?.backward()?, (b * &ws)?.sum_all()?.backward()?);
+        let (Some(da), Some(db)) = (ga.get(s.as_tensor()), gb.get(s.as_tensor())) else {
+            panic!("causal: no gradient")
+        };
+        let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "causal softmax gradient differs by {diff}");
+        // A bias added to rows: the gradients of the input and of the bias.
+        let b = Var::from_tensor(&(Tensor::randn(0f32, 1.0, 33, &dev)?))?;
+        let (fa, fb) = (add_bias(x.as_tensor(), b.as_tensor())?, x.as_tensor().broadcast_add(b.as_tensor())?);
+        assert_eq!((&fa - &fb)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        let (ga, gb) = ((fa * &w)?.sum_all()?.backward()?, (fb * &w)?.sum_all()?.backward()?);
+        for t in [x.as_tensor(), b.as_tensor()] {
+            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("add_bias: no gradient") };
+            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-4, "add_bias gradient differs by {diff}");
+        }
+        // Layer norm: the gradients of the input, the gain and the bias.
+        let gain = Var::from_tensor(&(Tensor::randn(1f32, 0.3, 33, &dev)?))?;
+        let bias = Var::from_tensor(&(Tensor::randn(0f32, 0.3, 33, &dev)?))?;
+        let a = layer_norm(x.as_tensor(), gain.as_tensor(), bias.as_tensor(), 1e-5)?;
+        let b = candle_nn::ops::layer_norm_slow(x.as_tensor(), gain.as_tensor(), bias.as_tensor(), 1e-5)?;
+        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "layer norm forward differs by {diff}");
+        let (ga, gb) = ((a * &w)?.sum_all()?.backward()?, (b * &w)?.sum_all()?.backward()?);
+        for (name, t) in [("input", x.as_tensor()), ("gain", gain.as_tensor()), ("bias", bias.as_tensor())] {
+            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("layer norm: no {name} gradient") };
+            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-3, "layer norm {name} gradient differs by {diff}");
+        }
+        for (name, fused, reference) in cases {
+            let (a, b) = (fused(x.as_tensor())?, reference(x.as_tensor())?);
+            let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "{name} forward differs by {diff}");
+            let ga = (a * &w)?.sum_all()?.backward()?;
+            let gb = (b * &w)?.sum_all()?.backward()?;
+            let (Some(ga), Some(gb)) = (ga.get(x.as_tensor()), gb.get(x.as_tensor())) else {
+                panic!("{name}: no gradient")
+            };
+            let diff = (ga - gb)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-4, "{name} gradient differs by {diff}");
+        }
+        Ok(())
+    }
+}
