@@ -263,3 +263,62 @@ fn sample(logits: &[f32], temperature: f64, rng: &mut DetRng) -> usize {
     }
     argmax
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::data::ImageShape;
+    use crate::model::{Arch, Model, ModelConfig, TrainableModel};
+    use crate::rng::DetRng;
+    use candle_core::{Device, Tensor};
+
+    /// Every parameter's analytic gradient (fused kernels and all) agrees
+    /// with a central finite difference of the loss, in f64 arithmetic of
+    /// the f32 loss: a wrong backward pass anywhere shows up here.
+    #[test]
+    fn gradients_match_finite_differences() -> crate::Result<()> {
+        let context = 6;
+        let config = ModelConfig {
+            arch: Arch::Gpt { layers: 2, heads: 2, width: 8, context },
+            input: ImageShape { channels: 1, height: 1, width: context + 1 },
+            classes: 256,
+        };
+        let model = Model::new(config, 3, &Device::Cpu)?;
+        // Larger weights than GPT-2's init, so that every path carries signal.
+        let mut rng = DetRng::new(5);
+        let params: Vec<f32> = model.parameters()?.iter().map(|p| p + rng.uniform(-0.3, 0.3)).collect();
+        model.set_parameters(&params)?;
+        let tokens: Vec<f32> = (0..3 * (context + 1)).map(|i| ((i * 37 + 11) % 256) as f32).collect();
+        let x = Tensor::from_vec(tokens, (3, 1, 1, context + 1), &Device::Cpu)?;
+        let y = Tensor::zeros(3, candle_core::DType::U32, &Device::Cpu)?;
+        let analytic = model.gradients(&x, &y)?.grads;
+        let loss_at = |p: &[f32]| -> crate::Result<f64> {
+            model.set_parameters(p)?;
+            Ok(model.gradients(&x, &y)?.loss as f64)
+        };
+        let mut worst = 0f64;
+        for entry in model.layout().entries() {
+            // Three elements of every tensor.
+            for k in 0..3 {
+                let i = entry.offset + (k * 7919) % entry.len;
+                let h = 1e-2f32;
+                let mut p = params.clone();
+                p[i] += h;
+                let up = loss_at(&p)?;
+                p[i] -= 2.0 * h;
+                let down = loss_at(&p)?;
+                let numeric = (up - down) / (2.0 * h as f64);
+                let err = (numeric - analytic[i] as f64).abs() / (numeric.abs() + analytic[i].abs() as f64 + 1e-2);
+                worst = worst.max(err);
+                assert!(
+                    err < 0.05,
+                    "{}[{}]: analytic {} vs numeric {numeric}",
+                    entry.name,
+                    i - entry.offset,
+                    analytic[i]
+                );
+            }
+        }
+        eprintln!("worst relative gradient error {worst:.4}");
+        Ok(())
+    }
+}
