@@ -37,6 +37,70 @@ fn contiguous<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Resu
     }
 }
 
+/// Elements per rayon task over rows of `cols`: whole blocks of
+/// `block_rows` rows, and at least [`MIN_CHUNK`] elements where rows are short.
+fn task_len(cols: usize, block_rows: usize) -> usize {
+    let block = cols.max(1) * block_rows.max(1);
+    (MIN_CHUNK / block).max(1) * block
+}
+
+/// `f(row index within its task, out row, a row, b row)` over the rows of
+/// `cols` of two equally long inputs, in parallel tasks of `task` elements.
+/// One-input kernels pass their input twice.
+fn map_rows(
+    a: &[f32],
+    b: &[f32],
+    cols: usize,
+    task: usize,
+    f: impl Fn(usize, &mut [f32], &[f32], &[f32]) + Sync,
+) -> candle_core::Result<Vec<f32>> {
+    if a.len() != b.len() {
+        candle_core::bail!("fused kernel: inputs of {} and {} values", a.len(), b.len());
+    }
+    let c = cols.max(1);
+    let mut out = vec![0f32; a.len()];
+    out.par_chunks_mut(task).zip(a.par_chunks(task).zip(b.par_chunks(task))).for_each(|(o, (a, b))| {
+        for (r, ((o, a), b)) in o.chunks_mut(c).zip(a.chunks(c)).zip(b.chunks(c)).enumerate() {
+            f(r, o, a, b);
+        }
+    });
+    Ok(out)
+}
+
+/// `width` sums over the rows of `cols` of two equally long inputs:
+/// `f(sums, a row, b row)` adds each row in, in parallel tasks.
+fn sum_rows(
+    a: &[f32],
+    b: &[f32],
+    cols: usize,
+    width: usize,
+    f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync,
+) -> candle_core::Result<Vec<f32>> {
+    if a.len() != b.len() {
+        candle_core::bail!("fused kernel: inputs of {} and {} values", a.len(), b.len());
+    }
+    let c = cols.max(1);
+    let task = task_len(c, 1);
+    // Partial sums per task, added up in task order: the result does not
+    // depend on how rayon scheduled the tasks (bit-identical runs).
+    let partials: Vec<Vec<f32>> = a
+        .par_chunks(task)
+        .zip(b.par_chunks(task))
+        .map(|(a, b)| {
+            let mut acc = vec![0f32; width];
+            for (a, b) in a.chunks(c).zip(b.chunks(c)) {
+                f(&mut acc, a, b);
+            }
+            acc
+        })
+        .collect();
+    let mut sums = vec![0f32; width];
+    for p in &partials {
+        sums.iter_mut().zip(p).for_each(|(s, p)| *s += p);
+    }
+    Ok(sums)
+}
+
 /// GELU (tanh approximation), as candle's `Tensor::gelu`.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     if fast_path(x) {
@@ -125,16 +189,12 @@ impl candle_core::CustomOp3 for LayerNorm {
         if gain.len() != c || bias.len() != c {
             candle_core::bail!("layer norm over {c} columns with {} gains and {} biases", gain.len(), bias.len());
         }
-        let mut out = vec![0f32; x.len()];
-        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
-        out.par_chunks_mut(rows_per_task).zip(x.par_chunks(rows_per_task)).for_each(|(o, x)| {
-            for (o, x) in o.chunks_mut(c).zip(x.chunks(c)) {
-                let (mean, inv) = moments(x, self.eps);
-                for (((o, &x), &g), &b) in o.iter_mut().zip(x).zip(gain).zip(bias) {
-                    *o = (x - mean) * inv * g + b;
-                }
+        let out = map_rows(x, x, c, task_len(c, 1), |_, o, x, _| {
+            let (mean, inv) = moments(x, self.eps);
+            for (((o, &x), &g), &b) in o.iter_mut().zip(x).zip(gain).zip(bias) {
+                *o = (x - mean) * inv * g + b;
             }
-        });
+        })?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -175,25 +235,19 @@ impl candle_core::CustomOp3 for LayerNormInputGrad {
         if gain.len() != c || g.len() != x.len() {
             candle_core::bail!("layer norm gradient: shapes do not match");
         }
-        let mut out = vec![0f32; x.len()];
-        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
-        out.par_chunks_mut(rows_per_task).zip(x.par_chunks(rows_per_task).zip(g.par_chunks(rows_per_task))).for_each(
-            |(o, (x, g))| {
-                for ((o, x), g) in o.chunks_mut(c).zip(x.chunks(c)).zip(g.chunks(c)) {
-                    let (mean, inv) = moments(x, self.eps);
-                    let (mut mh, mut mhx) = (0f32, 0f32);
-                    for ((&x, &g), &w) in x.iter().zip(g).zip(gain) {
-                        let h = g * w;
-                        mh += h;
-                        mhx += h * (x - mean) * inv;
-                    }
-                    let (mh, mhx) = (mh / c as f32, mhx / c as f32);
-                    for (((o, &x), &g), &w) in o.iter_mut().zip(x).zip(g).zip(gain) {
-                        *o = inv * (g * w - mh - (x - mean) * inv * mhx);
-                    }
-                }
-            },
-        );
+        let out = map_rows(x, g, c, task_len(c, 1), |_, o, x, g| {
+            let (mean, inv) = moments(x, self.eps);
+            let (mut mh, mut mhx) = (0f32, 0f32);
+            for ((&x, &g), &w) in x.iter().zip(g).zip(gain) {
+                let h = g * w;
+                mh += h;
+                mhx += h * (x - mean) * inv;
+            }
+            let (mh, mhx) = (mh / c as f32, mhx / c as f32);
+            for (((o, &x), &g), &w) in o.iter_mut().zip(x).zip(g).zip(gain) {
+                *o = inv * (g * w - mh - (x - mean) * inv * mhx);
+            }
+        })?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -215,29 +269,14 @@ impl CustomOp2 for LayerNormParamGrad {
         if g.len() != x.len() {
             candle_core::bail!("layer norm gradient: shapes do not match");
         }
-        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
-        let sums = x
-            .par_chunks(rows_per_task)
-            .zip(g.par_chunks(rows_per_task))
-            .map(|(x, g)| {
-                let mut acc = vec![0f32; 2 * c];
-                for (x, g) in x.chunks(c).zip(g.chunks(c)) {
-                    let (mean, inv) = moments(x, self.eps);
-                    let (dgain, dbias) = acc.split_at_mut(c);
-                    for (((dw, db), &x), &g) in dgain.iter_mut().zip(dbias.iter_mut()).zip(x).zip(g) {
-                        *dw += g * (x - mean) * inv;
-                        *db += g;
-                    }
-                }
-                acc
-            })
-            .reduce(
-                || vec![0f32; 2 * c],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                    a
-                },
-            );
+        let sums = sum_rows(x, g, c, 2 * c, |acc, x, g| {
+            let (mean, inv) = moments(x, self.eps);
+            let (dgain, dbias) = acc.split_at_mut(c);
+            for (((dw, db), &x), &g) in dgain.iter_mut().zip(dbias.iter_mut()).zip(x).zip(g) {
+                *dw += g * (x - mean) * inv;
+                *db += g;
+            }
+        })?;
         Ok((CpuStorage::F32(sums), Shape::from((2, c))))
     }
 }
@@ -280,13 +319,11 @@ impl CustomOp2 for AddBias {
         if b.len() != c || x.len() % c != 0 {
             candle_core::bail!("bias of {} values for rows of {c} ({} values)", b.len(), x.len());
         }
-        let mut out = x.to_vec();
-        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
-        out.par_chunks_mut(rows_per_task).for_each(|o| {
-            for row in o.chunks_mut(c) {
-                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        let out = map_rows(x, x, c, task_len(c, 1), |_, o, x, _| {
+            for ((o, x), b) in o.iter_mut().zip(x).zip(b) {
+                *o = x + b;
             }
-        });
+        })?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -310,23 +347,7 @@ impl CustomOp1 for ColumnSums {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = contiguous(storage, layout)?;
         let c = self.cols.max(1);
-        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
-        let sums = g
-            .par_chunks(rows_per_task)
-            .map(|g| {
-                let mut acc = vec![0f32; c];
-                for row in g.chunks(c) {
-                    acc.iter_mut().zip(row).for_each(|(a, g)| *a += g);
-                }
-                acc
-            })
-            .reduce(
-                || vec![0f32; c],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                    a
-                },
-            );
+        let sums = sum_rows(g, g, c, c, |acc, g, _| acc.iter_mut().zip(g).for_each(|(a, g)| *a += g))?;
         Ok((CpuStorage::F32(sums), Shape::from(c)))
     }
 }
@@ -341,13 +362,13 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous(storage, layout)?;
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(MIN_CHUNK).zip(x.par_chunks(MIN_CHUNK)).for_each(|(o, x)| {
+        // Element-wise: any row length serves; MIN_CHUNK makes one row per task.
+        let out = map_rows(x, x, MIN_CHUNK, MIN_CHUNK, |_, o, x, _| {
             for (o, &x) in o.iter_mut().zip(x) {
                 let t = tanh(GELU_K * (x + GELU_C * x * x * x));
                 *o = 0.5 * x * (1.0 + t);
             }
-        });
+        })?;
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 
@@ -369,19 +390,13 @@ impl CustomOp2 for GeluGrad {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (x, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        if x.len() != g.len() {
-            candle_core::bail!("gelu gradient: {} inputs, {} gradients", x.len(), g.len());
-        }
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(MIN_CHUNK).zip(x.par_chunks(MIN_CHUNK).zip(g.par_chunks(MIN_CHUNK))).for_each(
-            |(o, (x, g))| {
-                for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
-                    let t = tanh(GELU_K * (x + GELU_C * x * x * x));
-                    let d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
-                    *o = g * d;
-                }
-            },
-        );
+        let out = map_rows(x, g, MIN_CHUNK, MIN_CHUNK, |_, o, x, g| {
+            for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
+                let t = tanh(GELU_K * (x + GELU_C * x * x * x));
+                let d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
+                *o = g * d;
+            }
+        })?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -406,26 +421,22 @@ impl CustomOp1 for Softmax {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous(storage, layout)?;
         let c = self.cols.max(1);
-        let mut out = vec![0f32; x.len()];
-        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
         let (scale, causal) = (self.scale, self.causal);
         // A causal task takes whole c x c blocks, so that its row r is row
         // r % c of its block.
-        let rows_per_task = if causal { (MIN_CHUNK / (c * c)).max(1) * c * c } else { rows_per_task };
-        out.par_chunks_mut(rows_per_task).zip(x.par_chunks(rows_per_task)).for_each(|(o, x)| {
-            for (r, (o, x)) in o.chunks_mut(c).zip(x.chunks(c)).enumerate() {
-                let seen = if causal { r % c + 1 } else { c };
-                let (o, x) = (&mut o[..seen], &x[..seen]);
-                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
-                let mut sum = 0f32;
-                for (o, &x) in o.iter_mut().zip(x) {
-                    *o = (x * scale - max).exp();
-                    sum += *o;
-                }
-                let inv = 1.0 / sum;
-                o.iter_mut().for_each(|o| *o *= inv);
+        let task = task_len(c, if causal { c } else { 1 });
+        let out = map_rows(x, x, c, task, |r, o, x, _| {
+            let seen = if causal { r % c + 1 } else { c };
+            let (o, x) = (&mut o[..seen], &x[..seen]);
+            let max = x.iter().map(|&v| v * scale).fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = (x * scale - max).exp();
+                sum += *o;
             }
-        });
+            let inv = 1.0 / sum;
+            o.iter_mut().for_each(|o| *o *= inv);
+        })?;
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 
@@ -450,22 +461,13 @@ impl CustomOp2 for SoftmaxGrad {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (y, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        if y.len() != g.len() {
-            candle_core::bail!("softmax gradient: {} outputs, {} gradients", y.len(), g.len());
-        }
         let c = self.cols.max(1);
-        let mut out = vec![0f32; y.len()];
-        let rows_per_task = (MIN_CHUNK / c).max(1) * c;
-        out.par_chunks_mut(rows_per_task).zip(y.par_chunks(rows_per_task).zip(g.par_chunks(rows_per_task))).for_each(
-            |(o, (y, g))| {
-                for ((o, y), g) in o.chunks_mut(c).zip(y.chunks(c)).zip(g.chunks(c)) {
-                    let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
-                    for ((o, &y), &g) in o.iter_mut().zip(y).zip(g) {
-                        *o = self.scale * y * (g - dot);
-                    }
-                }
-            },
-        );
+        let out = map_rows(y, g, c, task_len(c, 1), |_, o, y, g| {
+            let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+            for ((o, &y), &g) in o.iter_mut().zip(y).zip(g) {
+                *o = self.scale * y * (g - dot);
+            }
+        })?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }

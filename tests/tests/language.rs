@@ -18,7 +18,11 @@ use shoal_tests::{digits_config, run_cluster};
 
 const CONTEXT: usize = 64;
 const SIZE: GptSize = GptSize { layers: 2, heads: 4, width: 64 };
-const LR: f64 = 3e-3;
+/// AdamW's rate. At 3e-3 this model trains at the edge of stability: the
+/// same 400 steps with the samples of each batch in reverse order (the same
+/// mean gradient, other rounding) ended 0.125 bits/byte apart. At 1e-3 they
+/// end 7e-6 apart, so a cluster can be compared with one node.
+const LR: f64 = 1e-3;
 
 fn sample_text_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/data/gpl-3.0.txt")
@@ -60,7 +64,7 @@ fn a_small_gpt_learns_more_than_letter_frequencies() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_gpt_nodes_over_tcp_end_within_a_tenth_of_a_bit_of_one_node() -> anyhow::Result<()> {
-    const STEPS: u64 = 150;
+    const STEPS: u64 = 400;
     const BATCH: usize = 8;
     let mut base = digits_config("gpt-4", STEPS, SyncPolicy::Bsp, OptimizerKind::Adamw, LR);
     base.training.model = ArchKind::Gpt;
