@@ -9,7 +9,8 @@
 # Environment (all optional):
 #   SHOAL_REPORT_DIR       copy each node's log and a summary there
 #   SHOAL_BIN              use this binary for the image instead of building
-#   SHOAL_STEPS            steps per node (300)
+#   SHOAL_STEPS            steps per node (1500: a release build trains 300 in about 2 s,
+#                          which let node3 finish before the kill landed)
 #   SHOAL_KILL_AFTER       seconds of training before node3 is killed (2)
 #   SHOAL_START_TIMEOUT    seconds to wait for the roster (120)
 #   SHOAL_FINISH_TIMEOUT   seconds to wait for the survivors to exit (600)
@@ -39,7 +40,7 @@ else
     fail "neither 'docker compose' nor 'docker-compose' is installed"
 fi
 
-export SHOAL_STEPS="${SHOAL_STEPS:-300}"
+export SHOAL_STEPS="${SHOAL_STEPS:-1500}"
 export SHOAL_IMAGE="${SHOAL_IMAGE:-shoal:testnet}"
 kill_after="${SHOAL_KILL_AFTER:-2}"
 start_timeout="${SHOAL_START_TIMEOUT:-120}"
