@@ -5,9 +5,10 @@
 //!
 //! Inputs are windows of `context + 1` tokens stored as f32 (see
 //! [`crate::data::text`]): the first `context` are read, and every position
-//! predicts the token after it. Every op used here has a backward pass in
-//! candle on every device (candle's fused softmax and layer-norm kernels
-//! have none, so the composed forms are used).
+//! predicts the token after it. On the CPU, GELU, the causal softmax,
+//! layer norm and bias adds run as the fused kernels of [`crate::kernels`]
+//! (candle's own fused softmax and layer norm have no backward pass); other
+//! devices use candle's composed ops, which do.
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder, VarMap};

@@ -18,6 +18,12 @@ const GELU_C: f32 = 0.044_715;
 /// Rows per rayon task: enough work to outweigh the scheduling.
 const MIN_CHUNK: usize = 4096;
 
+/// GELU's inner tanh, `tanh(k (x + c x^3))`.
+#[inline]
+fn gelu_tanh(x: f32) -> f32 {
+    tanh(GELU_K * (x + GELU_C * x * x * x))
+}
+
 /// tanh through one `exp` (glibc's `tanhf` goes through `expm1f` and was
 /// a fifth of a GPT step); exact to a few ulps, saturating cleanly.
 #[inline]
@@ -125,8 +131,13 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// rest get 0). `mask` (`[t, t]`, 0 or a large negative number) serves the
 /// devices without the fused kernel.
 pub fn causal_softmax(scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = (scores.dim(D::Minus2)?, scores.dim(D::Minus1)?);
+    if rows != cols {
+        return Err(crate::error::ModelError::Invalid(format!(
+            "causal softmax needs square scores, got {rows} x {cols}"
+        )));
+    }
     if fast_path(scores) {
-        let cols = scores.dim(D::Minus1)?;
         Ok(scores.contiguous()?.apply_op1(Softmax { cols, scale: scale as f32, causal: true })?)
     } else {
         Ok(candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(mask)?, D::Minus1)?)
@@ -365,8 +376,7 @@ impl CustomOp1 for Gelu {
         // Element-wise: any row length serves; MIN_CHUNK makes one row per task.
         let out = map_rows(x, x, MIN_CHUNK, MIN_CHUNK, |_, o, x, _| {
             for (o, &x) in o.iter_mut().zip(x) {
-                let t = tanh(GELU_K * (x + GELU_C * x * x * x));
-                *o = 0.5 * x * (1.0 + t);
+                *o = 0.5 * x * (1.0 + gelu_tanh(x));
             }
         })?;
         Ok((CpuStorage::F32(out), layout.shape().clone()))
@@ -392,7 +402,7 @@ impl CustomOp2 for GeluGrad {
         let (x, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
         let out = map_rows(x, g, MIN_CHUNK, MIN_CHUNK, |_, o, x, g| {
             for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
-                let t = tanh(GELU_K * (x + GELU_C * x * x * x));
+                let t = gelu_tanh(x);
                 let d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
                 *o = g * d;
             }

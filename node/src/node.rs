@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use shoal_models::rng::stable_hash64;
-use shoal_models::{data, ModelConfig, ModelFile, ModelMeta, ShardCheckpoint, ShardDir, ShardOf, ShardPlan};
+use shoal_models::{
+    data, Evaluation, ModelConfig, ModelFile, ModelMeta, ShardCheckpoint, ShardDir, ShardOf, ShardPlan,
+};
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
 use shoal_protocol::{build_swarm, Capabilities, Device, Role, RunId, ValidationContext};
@@ -65,13 +67,12 @@ pub struct NodeReport {
 }
 
 impl NodeReport {
-    /// `test accuracy 93.45%`, or `validation bits/byte 2.104` for a
-    /// language model.
+    /// `test accuracy 93.45%`, or `test bits/byte 2.104` for a language
+    /// model (its test split is the text's validation part).
     pub fn headline(&self) -> String {
-        match self.bits_per_byte {
-            Some(bpb) => format!("validation bits/byte {bpb:.3}"),
-            None => format!("test accuracy {:.2}%", self.accuracy * 100.0),
-        }
+        let eval =
+            Evaluation { loss: self.loss, accuracy: self.accuracy, samples: 0, bits_per_byte: self.bits_per_byte };
+        format!("test {}", eval.headline())
     }
 
     /// This node's final model as a model file, with where it came from.
@@ -612,16 +613,15 @@ fn check_shard_fits(
     let largest = plan.shards().iter().map(|s| s.len() as u64).max().unwrap_or(0);
     let copies = 1 + opt.slot_names().len() as u64;
     let bytes = largest * 4 * copies;
+    let message = limits.max_request_bytes.min(limits.max_response_bytes);
     // Headers and framing: a margin of 1 MiB.
-    if bytes + (1 << 20) > limits.max_request_bytes.min(limits.max_response_bytes) {
-        let total = plan.shards().iter().map(|s| s.len() as u64).sum::<u64>();
-        let per_shard_limit =
-            (limits.max_request_bytes.min(limits.max_response_bytes)).saturating_sub(1 << 20) / (4 * copies);
+    let room = message.saturating_sub(1 << 20);
+    if bytes > room {
+        let total = plan.total_len() as u64;
         bail!(
-            "cluster.shards = {}: a shard of {largest} parameters with its optimizer state is {bytes} bytes, over the {} bytes a message may carry (network.limits); use at least {} shards for this {total}-parameter model",
+            "cluster.shards = {}: a shard of {largest} parameters with its optimizer state is {bytes} bytes, over the {message} bytes a message may carry (network.limits); use at least {} shards for this {total}-parameter model",
             plan.len(),
-            limits.max_request_bytes.min(limits.max_response_bytes),
-            total.div_ceil(per_shard_limit.max(1))
+            total.div_ceil((room / (4 * copies)).max(1))
         );
     }
     Ok(())
