@@ -400,6 +400,10 @@ impl AggregatorActor {
             }
             HandoffKind::Transfer => {
                 if let Some(core) = self.cores.get(&shard) {
+                    // On the version number, as every owner compares: a
+                    // restored copy's number counts the rounds its workers
+                    // had seen, which the loss bound covers (see
+                    // `ShardCore::catch_up`).
                     if core.version() >= state.version {
                         info!(shard, mine = core.version(), theirs = state.version, %from, "transfer fenced: ours is as new");
                         return HandoffReply::Fenced { epoch: self.epoch() };
@@ -472,7 +476,11 @@ impl AggregatorActor {
                 // A transfer that arrived early was counted as a handoff in.
                 self.status.record(StatusEvent::Restored { from_replica: true });
             }
+            let restored = !s.transfer;
             self.install(s.state);
+            if restored {
+                self.restored(shard);
+            }
             return;
         }
         if self.resuming {
@@ -504,6 +512,20 @@ impl AggregatorActor {
             self.status.record(StatusEvent::Restored { from_replica: false });
         }
         self.install(ShardState { shard, version: snap.version, params: snap.params[range].to_vec(), optimizer });
+        self.restored(shard);
+    }
+
+    /// The shard was just installed from a copy that may be older than the
+    /// workers' models (a replica, or this node's worker copy): until its
+    /// first full BSP round, its numbering may take up the workers' newer
+    /// one (`ShardCore::restored`). The room covers what one failure can
+    /// lose: `replica_every` versions and those applied while a replica was
+    /// on the wire, with slack.
+    fn restored(&mut self, shard: u32) {
+        let room = self.cfg.replica_every.saturating_mul(4).saturating_add(16);
+        if let Some(core) = self.cores.remove(&shard) {
+            self.cores.insert(shard, core.restored(room));
+        }
     }
 
     /// Apply a new placement: hand off what we lost, take what we gained.
@@ -1173,5 +1195,31 @@ mod tests {
         // Pushed again, the gradient joins the round there.
         let pushed = nodes[1].agg.push(a, 0, 3, 32, vec![0.5; SHARD_LEN]).await.expect("aggregator answers");
         assert!(matches!(pushed, PushReply::Accepted { .. }), "push accepted, got {pushed:?}");
+    }
+
+    /// A shard restored from a replica older than the workers' copies takes
+    /// up their numbering (issue 16's restore stall), and transfers are
+    /// fenced on that number as on any other: the shard's real state at
+    /// the same number is refused (the loss bound, as for any restore),
+    /// and at a newer number it replaces the restored copy.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restored_copy_takes_up_the_workers_numbering_and_is_fenced_on_it() {
+        let (old, b, w) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let (nodes, _log) = start(&[b]);
+        let rx = nodes[0].agg.try_handoff(old, HandoffKind::Replica, 0, state(5)).expect("aggregator has room");
+        assert!(matches!(rx.await.expect("aggregator answers"), HandoffReply::Ack { version: 5 }));
+        nodes[0].placement.send_replace(Some(placement(old, &[old, b, w])));
+        // `old` is gone from the view: `b` restores the shard from its replica.
+        nodes[0].placement.send_replace(Some(placement(b, &[b, w])));
+        assert_eq!(installed(&nodes[0]).await, 5);
+        // Worker `w` had pulled version 8 from `old`: the numbering moves to 8.
+        let pushed = nodes[0].agg.push(w, 0, 8, 32, vec![0.5; SHARD_LEN]).await.expect("aggregator answers");
+        assert!(matches!(pushed, PushReply::Accepted { version: 8, .. }), "got {pushed:?}");
+        let at_8 = nodes[0].agg.try_handoff(old, HandoffKind::Transfer, 0, state(8)).expect("aggregator has room");
+        assert!(matches!(at_8.await.expect("aggregator answers"), HandoffReply::Fenced { .. }));
+        hand(&nodes[0], old, 0, state(9)).await;
+        let pulled = nodes[0].agg.pull(b, 0, 0, Duration::from_secs(5)).await.expect("aggregator answers");
+        let PullReply::State { version, params } = pulled else { panic!("a state, got {pulled:?}") };
+        assert_eq!((version, params.as_slice()), (9, &[9.0f32; SHARD_LEN][..]), "the newer state replaced it");
     }
 }

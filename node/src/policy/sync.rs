@@ -209,6 +209,12 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     rejections: Vec<Rejection<K>>,
     /// The last round's median gradient norm (BSP, norm check on).
     round_median_norm: Option<f32>,
+    /// BSP, restored from an older copy: how far a worker's newer base may
+    /// still move the numbering ([`ShardCore::restored`]); 0 once a full
+    /// round has been applied, and always for a core that was handed over.
+    catch_up_room: u64,
+    /// Versions taken up by catch-up without an optimizer step.
+    skipped: u64,
 }
 
 impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
@@ -234,7 +240,21 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             streaks: BTreeMap::new(),
             rejections: Vec::new(),
             round_median_norm: None,
+            catch_up_room: 0,
+            skipped: 0,
         }
+    }
+
+    /// This core was restored from a copy that may be older than the
+    /// workers' models (a replica, a stored transfer, the worker copy):
+    /// until its first full BSP round, a push against a version up to
+    /// `room` ahead moves the numbering there ([`ShardCore::push`]). The
+    /// room bounds what one bad worker's made-up base can do, and only a
+    /// restored core, not one handed over live or one that met another
+    /// lineage after a partition, takes up a worker's numbering.
+    pub fn restored(mut self, room: u64) -> Self {
+        self.catch_up_room = room;
+        self
     }
 
     /// Combine rounds with `robust.aggregation` after the norm check (BSP),
@@ -354,9 +374,10 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let Some(w) = self.workers.get(worker) else { return PushOutcome::UnknownWorker };
         let lead = w.clock.saturating_sub(min_before);
         if self.policy == SyncPolicy::Bsp {
-            // An older base missed a round. A newer one means this owner was
-            // restored from a replica older than the worker's model (the loss
-            // bound); the gradient still belongs to the round in progress.
+            if base_version > self.version && base_version - self.version <= self.catch_up_room {
+                self.catch_up(base_version);
+            }
+            // An older base missed a round.
             if base_version < self.version {
                 return PushOutcome::Stale { current_version: self.version };
             }
@@ -384,6 +405,8 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             SyncPolicy::Bsp => {
                 if self.round.len() == self.workers.len() {
                     self.apply_round();
+                    // Every worker has pushed here: the numbering is settled.
+                    self.catch_up_room = 0;
                 }
             }
             _ => {
@@ -410,6 +433,39 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         PushOutcome::Accepted { version, staleness: lead }
     }
 
+    /// BSP: a worker pushed against `version`, newer than this core's. This
+    /// owner was restored from a replica older than the workers' copies
+    /// (the loss bound of `replica_every`): every round before `version`
+    /// was applied by the owner that was lost, since the worker pulled its
+    /// result. Numbering jumps to `version`, so that the round in progress
+    /// is the one every worker's next push is for. Without the jump a
+    /// restored round held pushes of two different steps: workers whose
+    /// last answer from the lost owner was missing re-pushed their old step
+    /// while the others pushed the next one, and two restored shards could
+    /// each wait for a worker held by the other's round, a cycle only the
+    /// round timeout broke. A round held here is applied first: those
+    /// gradients are for rounds the lost owner applied, and the workers
+    /// that pushed them are waiting for a version past it. The parameters
+    /// stay the replica's.
+    fn catch_up(&mut self, version: u64) {
+        if !self.round.is_empty() {
+            self.apply_round();
+        }
+        let jump = version.saturating_sub(self.version);
+        self.catch_up_room = self.catch_up_room.saturating_sub(jump);
+        self.skipped += jump;
+        self.version += jump;
+    }
+
+    /// The version less what catch-up skipped: the optimizer steps behind
+    /// these parameters, in the numbering of the copy it was restored from.
+    /// Transfers are fenced on [`ShardCore::version`], as every owner
+    /// compares them (a copy's skip does not travel with it); this says
+    /// how far the number ran ahead of the parameters.
+    pub fn trained_version(&self) -> u64 {
+        self.version - self.skipped
+    }
+
     /// Replace the set of workers (the live members of the view). Workers
     /// that left are dropped, with any gradient they put into the BSP round;
     /// new ones start at the slowest clock so they are not counted as far
@@ -431,6 +487,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         }
         if self.policy == SyncPolicy::Bsp && !self.round.is_empty() && self.round.len() == self.workers.len() {
             self.apply_round();
+            self.catch_up_room = 0;
         }
     }
 
@@ -609,6 +666,126 @@ mod tests {
         assert!(!ssp.lost_push(&"a", 6));
     }
 
+    /// One worker's exchange with one shard, as `worker::exchange` runs it
+    /// under BSP: push (again to a new owner), then pull the version after
+    /// the round. `taken`: some owner has accepted this gradient.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Exchange {
+        Push { base: u64, taken: bool },
+        Pull { base: u64, min: u64, taken: bool },
+        Done(u64),
+    }
+
+    /// Workers `ws` exchange with the BSP cores in `cores`, visiting them in
+    /// `order`, until each holds version `until` of every shard; the rules
+    /// are those of `worker::exchange`. Returns the final versions, or the
+    /// state in which nothing could move (rounds that only the round
+    /// timeout would close).
+    fn run_bsp(
+        cores: &mut [ShardCore<usize>],
+        ws: &mut [Vec<Exchange>],
+        order: &[usize],
+        until: u64,
+    ) -> Result<Vec<u64>, String> {
+        loop {
+            let mut moved = false;
+            for &w in order {
+                for (s, core) in cores.iter_mut().enumerate() {
+                    let next = match ws[w][s] {
+                        Exchange::Push { base, taken } => match core.push(&w, base, 1, vec![0.5], 0) {
+                            PushOutcome::Accepted { version, .. } => {
+                                Exchange::Pull { base, min: version + 1, taken: true }
+                            }
+                            PushOutcome::Stale { current_version } if !taken => {
+                                Exchange::Push { base: current_version, taken }
+                            }
+                            PushOutcome::Stale { current_version } => {
+                                Exchange::Pull { base, min: current_version, taken }
+                            }
+                            other => return Err(format!("worker {w} shard {s}: {other:?}")),
+                        },
+                        Exchange::Pull { base, min, taken } if core.lost_push(&w, min) => {
+                            Exchange::Push { base, taken }
+                        }
+                        Exchange::Pull { min, .. } if core.pull_ready(&w, min, 0) => Exchange::Done(core.version()),
+                        e => e,
+                    };
+                    moved |= next != ws[w][s];
+                    ws[w][s] = next;
+                }
+                let done: Option<Vec<u64>> =
+                    ws[w].iter().map(|e| if let Exchange::Done(v) = e { Some(*v) } else { None }).collect();
+                if let Some(versions) = done.filter(|v| v.iter().any(|&v| v < until)) {
+                    // The next step: its gradient, pushed against what it holds.
+                    ws[w] = versions.iter().map(|&v| Exchange::Push { base: v, taken: false }).collect();
+                    moved = true;
+                }
+            }
+            let finished = |w: &Vec<Exchange>| w.iter().all(|e| matches!(e, Exchange::Done(v) if *v >= until));
+            if ws.iter().all(finished) {
+                return Ok(cores.iter().map(|c| c.version()).collect());
+            }
+            if !moved {
+                return Err(format!(
+                    "stuck: versions {:?}, workers {ws:?}",
+                    cores.iter().map(|c| c.version()).collect::<Vec<_>>()
+                ));
+            }
+        }
+    }
+
+    /// The frozen-owner case (issue 16): an owner held shards 0 and 1 and
+    /// was lost after applying round 419 -> 420 on both, with some answers
+    /// still unsent. Worker 0 got both and pushed step 421; worker 1 got
+    /// shard 0 and waits for shard 1; worker 2 the other way round. The new
+    /// owners restore both from replicas at 416. Before the fix, shard 0's
+    /// round waited for worker 1's next push, which waited for shard 1's
+    /// round, which waited for worker 2's next push, which waited for shard
+    /// 0's round: only the 10 s round timeout broke the cycle. In every
+    /// order of arrival, all three now reach version 423 without it.
+    #[test]
+    fn owners_restored_from_an_older_replica_do_not_leave_rounds_waiting_in_a_cycle() {
+        let orders = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+        for order in orders {
+            let mut cores: Vec<ShardCore<usize>> =
+                (0..2).map(|_| ShardCore::new(vec![0.0], sgd_of(1), 416, SyncPolicy::Bsp, 0..3).restored(16)).collect();
+            let again = |base| Exchange::Push { base, taken: true };
+            let mut ws = vec![
+                vec![Exchange::Push { base: 420, taken: false }, Exchange::Push { base: 420, taken: false }],
+                vec![Exchange::Done(420), again(419)],
+                vec![again(419), Exchange::Done(420)],
+            ];
+            let versions = run_bsp(&mut cores, &mut ws, &order, 423).unwrap_or_else(|e| panic!("order {order:?}: {e}"));
+            // Numbering follows the workers' copies, and both shards agree.
+            assert_eq!(versions, vec![423, 423], "order {order:?}");
+        }
+    }
+
+    /// A restored core takes up a worker's newer numbering, within its
+    /// room and only until its first full round; the parameters stay the
+    /// replica's, and `trained_version` still counts their steps.
+    #[test]
+    fn a_restored_core_takes_up_the_workers_numbering_within_its_room() {
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 10, SyncPolicy::Bsp, ["a", "b"]).restored(8);
+        // A made-up base beyond the room (a bad worker) moves nothing.
+        assert!(matches!(core.push(&"a", 1_000_000, 1, vec![4.0, 0.0], 0), PushOutcome::Accepted { version: 10, .. }));
+        assert_eq!(core.version(), 10);
+        // b pushes against 13, three rounds the lost owner applied: a's
+        // held gradient is applied as the round it was for, then the
+        // numbering moves to 13 and b opens round 13.
+        assert!(matches!(core.push(&"b", 13, 1, vec![2.0, 2.0], 0), PushOutcome::Accepted { version: 13, .. }));
+        assert_eq!(core.params(), &[-4.0, 0.0]);
+        assert_eq!((core.version(), core.trained_version()), (13, 11));
+        // a's push for the round it already joined (base 10) is stale now.
+        assert_eq!(core.push(&"a", 10, 1, vec![4.0, 0.0], 0), PushOutcome::Stale { current_version: 13 });
+        assert!(core.pull_ready(&"a", 11, 0), "a's wait for the round after its gradient is over");
+        assert!(matches!(core.push(&"a", 13, 1, vec![0.0, 2.0], 0), PushOutcome::Accepted { version: 13, .. }));
+        assert_eq!((core.version(), core.params()), (14, &[-5.0f32, -2.0][..]));
+        // A full round settled the numbering: a newer base joins the round.
+        assert!(matches!(core.push(&"a", 16, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { version: 14, .. }));
+        assert_eq!((core.version(), core.trained_version()), (14, 12));
+    }
+
     #[test]
     fn parses_policies() {
         assert_eq!("bsp".parse(), Ok(SyncPolicy::Bsp));
@@ -694,7 +871,8 @@ mod tests {
         assert!(core.pull_ready(&"a", 1, 0) && core.pull_ready(&"b", 1, 0));
         // A push against an old version is refused.
         assert_eq!(core.push(&"a", 0, 1, vec![1.0, 1.0], 0), PushOutcome::Stale { current_version: 1 });
-        // One against a newer version (an owner restored from an older replica) joins the round.
+        // One against a newer version joins the round in progress: this
+        // core was not restored, so it keeps its own numbering.
         assert!(matches!(core.push(&"a", 3, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { version: 1, .. }));
         assert_eq!(core.push(&"z", 1, 1, vec![1.0, 1.0], 0), PushOutcome::UnknownWorker);
         assert_eq!(core.push(&"a", 1, 1, vec![1.0], 0), PushOutcome::BadLength { expected: 2, got: 1 });
