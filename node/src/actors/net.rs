@@ -8,7 +8,7 @@
 //! that this actor polls and sends on the right `ResponseChannel`.
 //! Gossip heartbeats are validated and forwarded to membership the same way.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
@@ -68,6 +68,7 @@ pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle
         parts,
         outbound: HashMap::new(),
         dials: HashMap::new(),
+        failed: HashSet::new(),
         responses: FuturesUnordered::new(),
         kad_bootstrapped: false,
     };
@@ -82,11 +83,24 @@ struct NetworkActor {
     topic: gossipsub::IdentTopic,
     outbound: HashMap<OutboundRequestId, oneshot::Sender<Result<ShardResponse, NetError>>>,
     dials: HashMap<PeerId, DialWaiters>,
+    /// Peers the failure detector declared dead. A request to one that is
+    /// not connected fails at once instead of dialling it: a frozen or
+    /// unplugged machine's listening socket may still take the TCP
+    /// connection, and the handshake then hangs for the whole handshake
+    /// timeout (20 s), holding up the worker whose request it was (and
+    /// every BSP round waiting for that worker). Cleared when the peer
+    /// connects again, is dialled on purpose, or its heartbeat comes back.
+    /// At most [`MAX_FAILED`].
+    failed: HashSet<PeerId>,
     responses: FuturesUnordered<PendingResponse>,
     /// A Kademlia bootstrap query has been started (it needs a peer with a
     /// known address, which the first identify exchange gives).
     kad_bootstrapped: bool,
 }
+
+/// Failed peers remembered. Past this, a failed peer's connections are
+/// still closed, but requests to it dial it as before.
+const MAX_FAILED: usize = 1024;
 
 fn wire_error(code: ErrorCode, msg: impl Into<String>) -> ShardResponse {
     ShardResponse::Error(WireError::new(code, msg))
@@ -140,6 +154,11 @@ impl NetworkActor {
     fn command(&mut self, cmd: NetCommand) {
         match cmd {
             NetCommand::Request { peer, req, reply } => {
+                if self.failed.contains(&peer) && !self.swarm.is_connected(&peer) {
+                    let reason = "the peer failed (no heartbeat within the failure timeout); not dialling it".into();
+                    let _ = reply.send(Err(NetError::Request { peer, reason }));
+                    return;
+                }
                 let id = self.swarm.behaviour_mut().send_request(&peer, req);
                 self.outbound.insert(id, reply);
             }
@@ -163,6 +182,7 @@ impl NetworkActor {
                     let _ = reply.send(Err(NetError::Dial { addr, reason: "no /p2p/<peer id> in the address".into() }));
                     return;
                 };
+                self.failed.remove(&peer);
                 if self.swarm.is_connected(&peer) {
                     let _ = reply.send(Ok(peer));
                     return;
@@ -181,6 +201,9 @@ impl NetworkActor {
             }
             NetCommand::Shutdown => {}
             NetCommand::Disconnect(peer) => {
+                if self.failed.len() < MAX_FAILED {
+                    self.failed.insert(peer);
+                }
                 if self.swarm.disconnect_peer_id(peer).is_ok() {
                     info!(%peer, "closed the connections of a failed peer");
                 }
@@ -204,6 +227,7 @@ impl NetworkActor {
             SwarmEvent::NewListenAddr { address, .. } => info!(%address, "listening"),
             SwarmEvent::ConnectionEstablished { peer_id, endpoint, .. } => {
                 debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
+                self.failed.remove(&peer_id);
                 for (_, reply) in self.dials.remove(&peer_id).unwrap_or_default() {
                     let _ = reply.send(Ok(peer_id));
                 }
@@ -497,6 +521,9 @@ impl NetworkActor {
         match decoded {
             Ok(GossipMessage::Heartbeat(hb)) => {
                 self.swarm.behaviour_mut().report_gossip(&id, &source, true);
+                // Heard from again (a healed partition, a thawed process,
+                // relayed by another peer): requests may dial it again.
+                self.failed.remove(&hb.peer);
                 // Heartbeats are periodic: if membership is behind, drop this one.
                 let _ = self.parts.heartbeats.try_send(hb);
             }
@@ -540,4 +567,99 @@ fn shard_state(
 /// Milliseconds since `since`, for `Exchanged::held_ms`.
 fn held_ms(since: Instant) -> u32 {
     since.elapsed().as_millis().min(u32::MAX as u128) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::ErrorKind;
+    use std::net::TcpListener;
+    use std::sync::Arc;
+
+    use shoal_protocol::libp2p::identity::Keypair;
+    use shoal_protocol::{build_swarm, Encoding, ProtocolConfig, PullShard, RunId, ShardRequest, ValidationContext};
+
+    use super::*;
+    use crate::handles::net::{ModelSnapshot, Routes};
+
+    /// Connections the listener has been given since the last call.
+    fn accepted(listener: &TcpListener) -> usize {
+        let mut n = 0;
+        loop {
+            match listener.accept() {
+                Ok(_) => n += 1,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return n,
+                Err(e) => panic!("accept: {e}"),
+            }
+        }
+    }
+
+    /// A peer that takes TCP connections and never answers the handshake,
+    /// as a frozen process's (or a `docker kill`ed machine's) listening
+    /// socket does. Once the failure detector marks it, a request to it
+    /// fails at once without a connection; before, each request dialled it
+    /// and hung for the handshake timeout (20 s by default), and the
+    /// worker's BSP rounds waited with it (issue 16's freeze runs). Dialled
+    /// on purpose, requests to it go out again. (A heartbeat clears the mark
+    /// too; that needs gossip, and the testnet runs cover it.)
+    #[tokio::test]
+    async fn requests_do_not_dial_a_peer_declared_dead() -> anyhow::Result<()> {
+        let frozen = TcpListener::bind("127.0.0.1:0")?;
+        frozen.set_nonblocking(true)?;
+        let port = frozen.local_addr()?.port();
+        let addr: Multiaddr = format!("/ip4/127.0.0.1/tcp/{port}").parse()?;
+        let peer = Keypair::generate_ed25519().public().to_peer_id();
+        let run = RunId::new("failed-peer".to_string())?;
+        let mut cfg = ProtocolConfig { run_id: run.clone(), listen: Vec::new(), quic: false, ..Default::default() };
+        cfg.discovery.mdns = false;
+        // Short, so that the dials this test expects to hang end soon.
+        cfg.timeouts.handshake_ms = 300;
+        let mut swarm = build_swarm(&cfg, Keypair::generate_ed25519())?;
+        swarm.add_peer_address(peer, addr);
+        let (heartbeats, _hb) = mpsc::channel(4);
+        let (_routes_tx, routes) = watch::channel(Routes { aggregator: None, epoch: 0 });
+        let (_snap_tx, snapshot) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(Vec::new()) });
+        let ctx = ValidationContext::new(run.clone(), 1, cfg.limits.clone(), &cfg.timeouts);
+        let net = spawn(
+            swarm,
+            NetworkParts {
+                config: cfg,
+                ctx,
+                shard_ranges: std::iter::once(0..1).collect(),
+                heartbeats,
+                routes,
+                snapshot,
+                capacity: 16,
+                optimizer: shoal_models::OptimizerConfig::new(shoal_models::OptimizerKind::Sgd, 0.1),
+                faults: Arc::new(crate::ops::faults::Faults::default()),
+            },
+        );
+        let pull = || {
+            ShardRequest::PullShard(PullShard {
+                run: run.clone(),
+                shard: 0,
+                min_version: 0,
+                max_wait_ms: 0,
+                encoding: Encoding::F32,
+            })
+        };
+        // Not marked: the request dials the peer, which takes the TCP
+        // connection and then says nothing until the handshake times out.
+        let e = net.request(peer, pull()).await.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(!e.is_empty() && !e.contains("not dialling"), "{e}");
+        assert!(accepted(&frozen) >= 1, "the first request dialled the peer: {e}");
+        // Declared dead: requests fail at once, and nothing dials it.
+        net.disconnect(peer);
+        for _ in 0..3 {
+            let e = net.request(peer, pull()).await.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("the peer failed") && e.contains("not dialling"), "{e}");
+        }
+        assert_eq!(accepted(&frozen), 0, "a failed peer was dialled");
+        // An explicit dial clears the mark: requests go to libp2p again
+        // (which dropped the address after the failed dial and says so).
+        let _ = net.dial(format!("/ip4/127.0.0.1/tcp/{port}/p2p/{peer}").parse()?).await;
+        assert!(accepted(&frozen) >= 1, "the explicit dial reached the peer");
+        let e = net.request(peer, pull()).await.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(!e.is_empty() && !e.contains("not dialling"), "{e}");
+        Ok(())
+    }
 }

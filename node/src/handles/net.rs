@@ -48,7 +48,8 @@ pub(crate) enum NetCommand {
     },
     Block(PeerId),
     Unblock(PeerId),
-    /// Close every connection with a peer (it may dial again).
+    /// Close every connection with a peer that failed, and send it no
+    /// request until it connects or is heard from again (it may dial us).
     Disconnect(PeerId),
     KadBootstrap,
     /// Drop the swarm now: every connection closes, as when the process dies.
@@ -110,7 +111,8 @@ impl NetworkHandle {
 
     /// Close every connection with a peer that the failure detector declared
     /// dead, so that requests in flight to it fail now rather than at their
-    /// timeouts. A machine that dies without a TCP reset (`docker kill`, a
+    /// timeouts, and fail new requests to it at once rather than dial it,
+    /// until it connects or its heartbeat comes back. A machine that dies without a TCP reset (`docker kill`, a
     /// power cut, a frozen process) leaves connections that look open.
     /// Does not wait: with the network's queue full, the close is skipped
     /// (the requests then end at their own timeouts).
