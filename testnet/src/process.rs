@@ -16,13 +16,15 @@
 //! memory and open file descriptors from `/proc` (process backend on
 //! Linux). It stops when
 //! every node process has exited, or kills them all at the scenario's time
-//! limit.
+//! limit or when it is told to stop ([`RunOptions::stop`]: `shoal testnet
+//! run` sets it on SIGINT or SIGTERM), and writes the report either way.
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -43,6 +45,10 @@ pub struct RunOptions {
     /// Redraw the live table in place (a terminal) or print it every few seconds.
     pub live: Option<bool>,
     pub backend: Backend,
+    /// Set (by a signal handler) to stop the run early: every node is
+    /// killed, the report of what ran is written, and `run` returns an
+    /// error. `None`: run to the end or the time limit.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 /// Where the nodes run.
@@ -575,6 +581,11 @@ impl Launcher<'_> {
     }
 
     fn kill_all(&mut self) {
+        self.kill_all_as("killed at the time limit");
+    }
+
+    /// Kill every node still running; `why` becomes their exit.
+    fn kill_all_as(&mut self, why: &str) {
         for c in &self.containers {
             let _ = docker(&["kill", c]);
         }
@@ -582,7 +593,7 @@ impl Launcher<'_> {
             if let Some(mut c) = n.child.take() {
                 let _ = c.kill();
                 let _ = c.wait();
-                n.exit.get_or_insert_with(|| "killed at the time limit".into());
+                n.exit.get_or_insert_with(|| why.into());
             }
         }
     }
@@ -614,6 +625,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
     }
     let fault_free = match scenario.checks.accuracy_within_points {
         None => None,
+        Some(_) if told_to_stop(opts) => bail!("the testnet was stopped before its fault-free run"),
         Some(_) => {
             let base = scenario.without_events();
             let base_opts = RunOptions { report_dir: opts.report_dir.join("fault-free"), ..opts.clone() };
@@ -676,6 +688,7 @@ fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summar
     let mut t0: Option<f64> = None;
     let mut last_print = f64::NEG_INFINITY;
     let mut timed_out = false;
+    let mut stopped = false;
     loop {
         let t = l.secs();
         l.poll(t, &mut samples, &mut roles);
@@ -752,6 +765,14 @@ fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summar
             print!("{}", l.table(t));
             last_print = t;
         }
+        // Before the end check: Ctrl-C in a terminal reaches the nodes too,
+        // and they may all have left by now.
+        if told_to_stop(opts) {
+            println!("told to stop: stopping every node");
+            stopped = true;
+            l.kill_all_as("killed: the testnet was stopped");
+            break;
+        }
         let all_done = l.nodes.iter().all(|n| !n.alive()) && next_event >= scenario.events.len() && heals.is_empty();
         if all_done {
             break;
@@ -800,12 +821,20 @@ fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summar
     if timed_out {
         bail!("the testnet hit its time limit of {} s", scenario.time_limit.as_secs());
     }
+    if stopped {
+        bail!("the testnet was stopped before it finished; the report holds what ran");
+    }
     let failed: Vec<&str> =
         summary.nodes.iter().filter(|n| n.exit.starts_with("failed")).map(|n| n.name.as_str()).collect();
     if !failed.is_empty() {
         bail!("node(s) failed: {}; see {}", failed.join(", "), opts.report_dir.join("logs").display());
     }
     Ok(summary)
+}
+
+/// [`RunOptions::stop`] is set.
+fn told_to_stop(opts: &RunOptions) -> bool {
+    opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
 }
 
 /// Run a docker command; its stderr becomes the error.

@@ -1,6 +1,8 @@
 //! `shoal testnet`: run and check testnet scenarios (see `shoal-testnet`).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use shoal_testnet::process::Backend;
 use shoal_testnet::{RunOptions, Scenario};
@@ -18,9 +20,48 @@ pub fn run(args: TestnetRunArgs) -> anyhow::Result<()> {
         "docker" => Backend::Docker { image: args.image },
         other => anyhow::bail!("unknown backend `{other}`: processes or docker"),
     };
-    let opts =
-        RunOptions { scenario: args.scenario, report_dir, shoal_bin, live: args.no_live.then_some(false), backend };
+    let stop = Arc::new(AtomicBool::new(false));
+    watch_for_stop(stop.clone())?;
+    let opts = RunOptions {
+        scenario: args.scenario,
+        report_dir,
+        shoal_bin,
+        live: args.no_live.then_some(false),
+        backend,
+        stop: Some(stop),
+    };
     shoal_testnet::run(&opts)?;
+    Ok(())
+}
+
+/// Sets `stop` on Ctrl-C or SIGTERM, from a thread of its own, so that the
+/// launcher kills its nodes and writes the report instead of dying and
+/// leaving them running. A second signal ends the process at once. The
+/// handlers are in place when this returns.
+fn watch_for_stop(stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_io().build()?;
+    #[cfg(unix)]
+    let mut signals = {
+        use tokio::signal::unix::{signal, SignalKind};
+        let _in_runtime = rt.enter();
+        (signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?)
+    };
+    std::thread::Builder::new().name("testnet-signals".into()).spawn(move || {
+        rt.block_on(async {
+            for _ in 0..2 {
+                #[cfg(unix)]
+                tokio::select! {
+                    _ = signals.0.recv() => {}
+                    _ = signals.1.recv() => {}
+                }
+                #[cfg(not(unix))]
+                let _ = tokio::signal::ctrl_c().await;
+                if stop.swap(true, Ordering::SeqCst) {
+                    std::process::exit(130);
+                }
+            }
+        })
+    })?;
     Ok(())
 }
 
