@@ -20,7 +20,7 @@ use tracing::{info, warn};
 
 use crate::actors::aggregator::{self, AggregatorConfig, CheckpointPolicy};
 use crate::actors::election::{self, ElectionConfig};
-use crate::actors::join::{donor_count, fetch_model, join_point, owners_cover, JoinPoint};
+use crate::actors::join::{donor_count, fetch_model, join_point, owners_cover, start_step, JoinPoint};
 use crate::actors::membership::{self, MembershipConfig};
 use crate::actors::net::{self, NetworkParts};
 use crate::actors::worker::{Routing, Worker};
@@ -657,24 +657,35 @@ async fn join_run(
         .await
         .context("joining mid-run: fetching the current model")?;
     let version = fetched.versions.iter().copied().min().unwrap_or(0);
+    // BSP pull: versions count rounds, one per step, so the step the run
+    // is at now follows from them (elsewhere they count pushes or outer
+    // rounds: the join point's step).
+    let lockstep =
+        config.cluster.mode == Mode::Pull && config.cluster.sync == SyncPolicy::Bsp && config.cluster.local_steps <= 1;
+    let start = if lockstep { start_step(&jp, &fetched.versions) } else { jp.step };
+    if start >= steps {
+        bail!(
+            "run `{}` finished while this node fetched its model (it is at step {start}); nothing to join",
+            config.run_id
+        );
+    }
     let params = Arc::new(fetched.params.clone());
     worker.trainer.set_params(params.clone()).await?;
     worker.snapshot.send_replace(ModelSnapshot { version, params });
     routes.send_replace(Routes { aggregator: Some(aggregator.clone()), epoch: jp.epoch });
     let donors = donor_count(&fetched.served_by);
-    worker.status.record(StatusEvent::Joined { step: jp.step, donors });
+    worker.status.record(StatusEvent::Joined { step: start, donors });
     worker.status.record(StatusEvent::Version(version));
     // Taking the run's epoch as ours is what tells every peer we are ready.
     worker.membership.set_self(|s| {
         s.frozen_epoch = Some(jp.epoch);
         s.role = Role::Worker;
-        s.step = jp.step;
+        s.step = start;
         s.model_version = version;
         s.announce += 1;
     });
-    info!(%name, step = jp.step, version, donors, shards = worker.plan.len(), "model fetched; contributing from now on");
-    let routing =
-        Routing { roster: jp.roster.clone(), partition: None, start_step: jp.step, versions: fetched.versions };
+    info!(%name, step = start, version, donors, shards = worker.plan.len(), "model fetched; contributing from now on");
+    let routing = Routing { roster: jp.roster.clone(), partition: None, start_step: start, versions: fetched.versions };
     Ok((jp.roster, routing, fetched.params))
 }
 

@@ -197,14 +197,11 @@ async fn a_node_joins_mid_run_fetches_the_model_from_several_peers_and_its_gradi
             r.owned_shards,
             r.shard_stats.iter().map(|s| s.version).collect::<Vec<_>>()
         );
-        // The joiner's model is the one its own last exchange returned,
-        // which may be a few BSP rounds apart from the others' (it joined
-        // a round apart on some shards, and its last rounds close after the
-        // others have finished): in 25 runs it ended from 3.1 points below
-        // to 0.8 above them, and once (in CI) 6.4 below. The nodes there
-        // from the start end on one model, which must reach 93%.
-        let bar = if r.peer_id == joiner_id { 0.88 } else { 0.93 };
-        assert!(r.accuracy >= bar, "{}: accuracy {:.4} below {bar}", r.name, r.accuracy);
+        // The joiner too: it starts at the step of the round in progress
+        // (`join::start_step`), so it ends with the others instead of
+        // running rounds of its own after they finished (it once ended
+        // 6.4 points below them that way, at 89.69%).
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
         assert_eq!(s.restored_from_worker_copy, 0, "{}: a shard lost its optimizer state", r.name);
         assert_eq!(s.max_version_regression, 0, "{}: version went back", r.name);
     }

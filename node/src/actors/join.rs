@@ -29,8 +29,13 @@ use crate::policy::view::{Roster, View};
 pub struct JoinPoint {
     /// The frozen roster hash the run's nodes announce.
     pub epoch: u64,
-    /// The furthest step any of them has reached: the joiner starts there.
+    /// The furthest step any of them has reached: the joiner starts there
+    /// at the earliest (see [`start_step`]).
     pub step: u64,
+    /// How far that peer's model version runs ahead of its step count
+    /// (BSP rounds closed while a membership change was settling): what
+    /// maps a fetched version back to the step the run is at.
+    pub lead: u64,
     /// Peers to fetch the model from (training under `epoch`, not leaving).
     pub donors: Vec<PeerId>,
     /// The run's live nodes plus this one (for gossip partners).
@@ -63,13 +68,29 @@ pub fn join_point(view: &View, now_ms: u64, timeout_ms: u64) -> Option<JoinPoint
     }
     let (&epoch, _) = counts.iter().max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))?;
     let run: Vec<_> = started.into_iter().filter(|p| p.heartbeat.epoch == epoch).collect();
-    let step = run.iter().map(|p| p.heartbeat.step).max().unwrap_or(0);
+    let furthest = run.iter().max_by_key(|p| p.heartbeat.step)?;
+    let step = furthest.heartbeat.step;
+    let lead = furthest.heartbeat.model_version.saturating_sub(step);
     let donors: Vec<PeerId> =
         run.iter().filter(|p| p.heartbeat.role != Role::Leaving).map(|p| p.heartbeat.peer).collect();
     let mut members: Vec<(PeerId, bool)> =
         run.iter().map(|p| (p.heartbeat.peer, p.heartbeat.capabilities.can_aggregate)).collect();
     members.push((view.me, view.my_can_aggregate));
-    Some(JoinPoint { epoch, step, donors, roster: Roster::new(members) })
+    Some(JoinPoint { epoch, step, lead, donors, roster: Roster::new(members) })
+}
+
+/// BSP: the step a joiner starts at, so that its step count lines up with
+/// the rounds the run is in. The run moved on while the model was fetched:
+/// a joiner starting at the join point's step would push its first
+/// gradient into a later round than the others' same step, and end the
+/// run with rounds of its own after they finished (each one a full SGD
+/// step on a single worker's batch, which cost up to 6 points of accuracy
+/// in the model it ended with). The newest fetched version, less the
+/// run's lead, is the step the round in progress belongs to; never earlier
+/// than the join point.
+pub fn start_step(point: &JoinPoint, fetched_versions: &[u64]) -> u64 {
+    let newest = fetched_versions.iter().copied().max().unwrap_or(0);
+    newest.saturating_sub(point.lead).max(point.step)
 }
 
 /// Do the training peers of `epoch` heard so far own all `shards` shards
@@ -224,6 +245,25 @@ mod tests {
         late.observe(Heartbeat { seq: 2, ..hb(b, Role::Leaving, 99, 43) }, 1);
         let Some(j) = join_point(&late, 1, 1000) else { panic!("no join point") };
         assert_eq!(j.donors, vec![a]);
+    }
+
+    /// The run's models are 3 versions ahead of its steps; while the model
+    /// was fetched the run moved from step 42 to 45 (version 48): the
+    /// joiner starts at step 45, never before the join point.
+    #[test]
+    fn a_joiner_starts_at_the_step_of_the_round_in_progress() {
+        let me = PeerId::random();
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let mut v = View::new(me, false, 7);
+        v.observe(Heartbeat { model_version: 43, ..hb(a, Role::Aggregator, 99, 40) }, 0);
+        v.observe(Heartbeat { model_version: 45, ..hb(b, Role::Worker, 99, 42) }, 0);
+        let Some(j) = join_point(&v, 0, 1000) else { panic!("no join point") };
+        assert_eq!((j.step, j.lead), (42, 3));
+        assert_eq!(start_step(&j, &[47, 48, 48]), 45);
+        // Nothing newer than the join point (or versions that count
+        // something other than steps): the join point's step.
+        assert_eq!(start_step(&j, &[44, 45]), 42);
+        assert_eq!(start_step(&j, &[]), 42);
     }
 
     /// One peer heard of a run of owners a and b: the shards it owns do not
