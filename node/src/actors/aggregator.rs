@@ -272,6 +272,7 @@ impl AggregatorActor {
                     return;
                 };
                 let before = core.version();
+                let skipped = core.skipped();
                 let out = match core.push(&worker, base_version, samples, grad, now) {
                     PushOutcome::Accepted { version, staleness } => {
                         self.status.record(StatusEvent::Staleness(staleness));
@@ -288,6 +289,10 @@ impl AggregatorActor {
                     }
                 };
                 let bumped = core.version() != before;
+                if core.skipped() > skipped {
+                    info!(shard, from = before, to = core.version(), %worker,
+                          "restored shard: numbering moved to the workers' (rounds its lost owner applied)");
+                }
                 report_rejections(&self.status, &self.suspects, shard, core);
                 if let (PushReply::Accepted { version, .. }, Some(then)) = (&out, then_pull) {
                     self.park(worker, shard, self.cfg.policy.pull_after_push(*version), then.wait, then.reply);

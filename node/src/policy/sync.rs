@@ -457,13 +457,12 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         self.version += jump;
     }
 
-    /// The version less what catch-up skipped: the optimizer steps behind
-    /// these parameters, in the numbering of the copy it was restored from.
-    /// Transfers are fenced on [`ShardCore::version`], as every owner
-    /// compares them (a copy's skip does not travel with it); this says
-    /// how far the number ran ahead of the parameters.
-    pub fn trained_version(&self) -> u64 {
-        self.version - self.skipped
+    /// Versions taken up by catch-up without an optimizer step: how far
+    /// the number runs ahead of the parameters' own steps (logged by the
+    /// aggregator). Transfers are fenced on [`ShardCore::version`], as
+    /// every owner compares them; a copy's skip does not travel with it.
+    pub fn skipped(&self) -> u64 {
+        self.skipped
     }
 
     /// Replace the set of workers (the live members of the view). Workers
@@ -763,7 +762,7 @@ mod tests {
 
     /// A restored core takes up a worker's newer numbering, within its
     /// room and only until its first full round; the parameters stay the
-    /// replica's, and `trained_version` still counts their steps.
+    /// replica's, and `skipped` counts the versions taken up without a step.
     #[test]
     fn a_restored_core_takes_up_the_workers_numbering_within_its_room() {
         let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 10, SyncPolicy::Bsp, ["a", "b"]).restored(8);
@@ -775,7 +774,7 @@ mod tests {
         // numbering moves to 13 and b opens round 13.
         assert!(matches!(core.push(&"b", 13, 1, vec![2.0, 2.0], 0), PushOutcome::Accepted { version: 13, .. }));
         assert_eq!(core.params(), &[-4.0, 0.0]);
-        assert_eq!((core.version(), core.trained_version()), (13, 11));
+        assert_eq!((core.version(), core.skipped()), (13, 2));
         // a's push for the round it already joined (base 10) is stale now.
         assert_eq!(core.push(&"a", 10, 1, vec![4.0, 0.0], 0), PushOutcome::Stale { current_version: 13 });
         assert!(core.pull_ready(&"a", 11, 0), "a's wait for the round after its gradient is over");
@@ -783,7 +782,7 @@ mod tests {
         assert_eq!((core.version(), core.params()), (14, &[-5.0f32, -2.0][..]));
         // A full round settled the numbering: a newer base joins the round.
         assert!(matches!(core.push(&"a", 16, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { version: 14, .. }));
-        assert_eq!((core.version(), core.trained_version()), (14, 12));
+        assert_eq!((core.version(), core.skipped()), (14, 2));
     }
 
     #[test]
