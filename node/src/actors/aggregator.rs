@@ -481,9 +481,9 @@ impl AggregatorActor {
                 // A transfer that arrived early was counted as a handoff in.
                 self.status.record(StatusEvent::Restored { from_replica: true });
             }
-            let restored = !s.transfer;
+            let from_replica = !s.transfer;
             self.install(s.state);
-            if restored {
+            if from_replica {
                 self.restored(shard);
             }
             return;
@@ -523,13 +523,13 @@ impl AggregatorActor {
     /// The shard was just installed from a copy that may be older than the
     /// workers' models (a replica, or this node's worker copy): until its
     /// first full BSP round, its numbering may take up the workers' newer
-    /// one (`ShardCore::restored`). The room covers what one failure can
+    /// one (`ShardCore::mark_restored`). The room covers what one failure can
     /// lose: `replica_every` versions and those applied while a replica was
     /// on the wire, with slack.
     fn restored(&mut self, shard: u32) {
         let room = self.cfg.replica_every.saturating_mul(4).saturating_add(16);
-        if let Some(core) = self.cores.remove(&shard) {
-            self.cores.insert(shard, core.restored(room));
+        if let Some(core) = self.cores.get_mut(&shard) {
+            core.mark_restored(room);
         }
     }
 

@@ -210,7 +210,7 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     /// The last round's median gradient norm (BSP, norm check on).
     round_median_norm: Option<f32>,
     /// BSP, restored from an older copy: how far a worker's newer base may
-    /// still move the numbering ([`ShardCore::restored`]); 0 once a full
+    /// still move the numbering ([`ShardCore::mark_restored`]); 0 once a full
     /// round has been applied, and always for a core that was handed over.
     catch_up_room: u64,
     /// Versions taken up by catch-up without an optimizer step.
@@ -252,9 +252,8 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     /// room bounds what one bad worker's made-up base can do, and only a
     /// restored core, not one handed over live or one that met another
     /// lineage after a partition, takes up a worker's numbering.
-    pub fn restored(mut self, room: u64) -> Self {
+    pub fn mark_restored(&mut self, room: u64) {
         self.catch_up_room = room;
-        self
     }
 
     /// Combine rounds with `robust.aggregation` after the norm check (BSP),
@@ -746,8 +745,13 @@ mod tests {
     fn owners_restored_from_an_older_replica_do_not_leave_rounds_waiting_in_a_cycle() {
         let orders = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
         for order in orders {
-            let mut cores: Vec<ShardCore<usize>> =
-                (0..2).map(|_| ShardCore::new(vec![0.0], sgd_of(1), 416, SyncPolicy::Bsp, 0..3).restored(16)).collect();
+            let mut cores: Vec<ShardCore<usize>> = (0..2)
+                .map(|_| {
+                    let mut core = ShardCore::new(vec![0.0], sgd_of(1), 416, SyncPolicy::Bsp, 0..3);
+                    core.mark_restored(16);
+                    core
+                })
+                .collect();
             let again = |base| Exchange::Push { base, taken: true };
             let mut ws = vec![
                 vec![Exchange::Push { base: 420, taken: false }, Exchange::Push { base: 420, taken: false }],
@@ -765,7 +769,8 @@ mod tests {
     /// replica's, and `skipped` counts the versions taken up without a step.
     #[test]
     fn a_restored_core_takes_up_the_workers_numbering_within_its_room() {
-        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 10, SyncPolicy::Bsp, ["a", "b"]).restored(8);
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 10, SyncPolicy::Bsp, ["a", "b"]);
+        core.mark_restored(8);
         // A made-up base beyond the room (a bad worker) moves nothing.
         assert!(matches!(core.push(&"a", 1_000_000, 1, vec![4.0, 0.0], 0), PushOutcome::Accepted { version: 10, .. }));
         assert_eq!(core.version(), 10);
