@@ -118,6 +118,8 @@ pub struct RunningNode {
     pub task: JoinHandle<anyhow::Result<NodeReport>>,
     /// Where the HTTP endpoint listens (`None`: turned off).
     pub http: Option<std::net::SocketAddr>,
+    /// Fault injection, live (what `/control/fault` sets).
+    pub faults: Arc<crate::ops::faults::Faults>,
     leave: LeaveSwitch,
 }
 
@@ -375,7 +377,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         snapshot: snap_tx,
         membership: membership.clone(),
         placement: election.subscribe(),
-        service: std::sync::Mutex::new(ServiceTracker::default()),
+        service: Arc::new(std::sync::Mutex::new(ServiceTracker::default())),
         leave: leave_rx,
         faults: faults.clone(),
         old_wire: Default::default(),
@@ -422,7 +424,19 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         report.status = status_for_task.snapshot().await;
         Ok(report)
     });
-    Ok(RunningNode { peer_id: me, name, listen, net, status, progress, placement: placement_view, task, leave, http })
+    Ok(RunningNode {
+        peer_id: me,
+        name,
+        listen,
+        net,
+        status,
+        progress,
+        placement: placement_view,
+        task,
+        leave,
+        http,
+        faults,
+    })
 }
 
 async fn drive(

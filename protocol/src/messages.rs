@@ -17,8 +17,12 @@ use crate::payload::{Encoding, Payload};
 
 /// Minor revision of the `/shoal/shard/1.0.0` wire (frame prefix `version`
 /// field and `Heartbeat::protocol_minor`). 2 added `ShardRequest::PushPull`
-/// and `ShardResponse::Exchanged`.
-pub const WIRE_VERSION: u16 = 2;
+/// and `ShardResponse::Exchanged`; 3 added `ShardRequest::Probe` and
+/// `ShardResponse::Probed`.
+pub const WIRE_VERSION: u16 = 3;
+
+/// Most elements of a `Probe`'s padding (16 MiB of f32).
+pub const MAX_PROBE_ELEMENTS: u64 = 4 << 20;
 
 /// Shard index into the model's `ParamLayout`.
 pub type ShardId = u32;
@@ -247,6 +251,22 @@ pub struct ManifestRequest {
     pub run: RunId,
 }
 
+/// Time a demoted owner's service without giving it a shard (wire minor
+/// 3). Workers send one now and then to each owner the placement keeps out
+/// as a straggler, with padding the size of their typical push, so that the
+/// verdict about it rests on fresh measurements: it stays out while it is
+/// slow and comes back once it is not, instead of being handed shards again
+/// whenever the old reports about it age out. The owner answers `Probed`
+/// after the delays a push would meet there.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Probe {
+    /// Run id.
+    pub run: RunId,
+    /// Bytes to carry, as a push would (f32 zeros; at most
+    /// [`MAX_PROBE_ELEMENTS`]).
+    pub padding: Payload,
+}
+
 /// A request on `/shoal/shard/1.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardRequest {
@@ -262,6 +282,8 @@ pub enum ShardRequest {
     Manifest(ManifestRequest),
     /// Variant 5 (wire minor 2).
     PushPull(PushPull),
+    /// Variant 6 (wire minor 3).
+    Probe(Probe),
     /// Never on the wire: the codec hands this to the node when a frame was
     /// well formed (within limits) but its header or tensors could not be
     /// understood — for example a newer peer's message. The node answers it
@@ -288,6 +310,7 @@ impl ShardRequest {
             ShardRequest::StateSync(m) => Some(&m.run),
             ShardRequest::Manifest(m) => Some(&m.run),
             ShardRequest::PushPull(m) => Some(&m.push.run),
+            ShardRequest::Probe(m) => Some(&m.run),
             ShardRequest::Undecodable { .. } => None,
         }
     }
@@ -300,7 +323,7 @@ impl ShardRequest {
             ShardRequest::Handoff(m) => Some(m.shard),
             ShardRequest::StateSync(m) => Some(m.shard),
             ShardRequest::PushPull(m) => Some(m.push.shard),
-            ShardRequest::Manifest(_) | ShardRequest::Undecodable { .. } => None,
+            ShardRequest::Manifest(_) | ShardRequest::Probe(_) | ShardRequest::Undecodable { .. } => None,
         }
     }
 
@@ -313,6 +336,7 @@ impl ShardRequest {
             ShardRequest::StateSync(_) => "state_sync",
             ShardRequest::Manifest(_) => "manifest",
             ShardRequest::PushPull(_) => "push_pull",
+            ShardRequest::Probe(_) => "probe",
             ShardRequest::Undecodable { .. } => "undecodable",
         }
     }
@@ -518,6 +542,11 @@ pub enum ShardResponse {
     Error(WireError),
     /// Variant 9 (wire minor 2): a `PushPull` was accepted.
     Exchanged(Exchanged),
+    /// Variant 10 (wire minor 3): the answer to a `Probe`.
+    Probed {
+        /// Padding bytes the responder received.
+        bytes: u64,
+    },
 }
 
 impl ShardResponse {
@@ -534,6 +563,7 @@ impl ShardResponse {
             ShardResponse::Manifest(_) => "manifest",
             ShardResponse::Error(_) => "error",
             ShardResponse::Exchanged(_) => "exchanged",
+            ShardResponse::Probed { .. } => "probed",
         }
     }
 
@@ -789,6 +819,7 @@ impl HasPayloads for ShardRequest {
         match self {
             ShardRequest::PushGrad(m) => vec![&m.grad],
             ShardRequest::PushPull(m) => vec![&m.push.grad],
+            ShardRequest::Probe(m) => vec![&m.padding],
             ShardRequest::Handoff(m) => {
                 let mut v = vec![&m.params];
                 v.extend(m.optimizer.slots.iter().map(|s| &s.tensor));
@@ -805,6 +836,7 @@ impl HasPayloads for ShardRequest {
         match self {
             ShardRequest::PushGrad(m) => vec![&mut m.grad],
             ShardRequest::PushPull(m) => vec![&mut m.push.grad],
+            ShardRequest::Probe(m) => vec![&mut m.padding],
             ShardRequest::Handoff(m) => {
                 let mut v = vec![&mut m.params];
                 v.extend(m.optimizer.slots.iter_mut().map(|s| &mut s.tensor));

@@ -190,6 +190,21 @@ fn check_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext, b
             ctx.check_shard(m.shard)
         }
         ShardRequest::Manifest(m) => ctx.check_run(&m.run),
+        ShardRequest::Probe(m) => {
+            ctx.check_run(&m.run)?;
+            let dtype = m.padding.meta().check(ctx.limits.max_tensor_elements)?;
+            if dtype != Dtype::F32 || m.padding.numel() > MAX_PROBE_ELEMENTS {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "probe padding must be at most {MAX_PROBE_ELEMENTS} f32 elements, got {} of {}",
+                    m.padding.numel(),
+                    dtype.name()
+                )));
+            }
+            match bodies {
+                Bodies::Verify => m.padding.verify(),
+                Bodies::LeaveToDecode => Ok(()),
+            }
+        }
         ShardRequest::Undecodable { code, reason, .. } => {
             Err(ProtocolError::Undecodable { code: *code, reason: reason.clone() })
         }
@@ -244,6 +259,7 @@ fn check_response(resp: &ShardResponse, ctx: &ValidationContext, bodies: Bodies)
             }
             Ok(())
         }
+        ShardResponse::Probed { .. } => Ok(()),
         ShardResponse::Error(e) => {
             if e.message.len() > MAX_ERROR_MESSAGE_LEN {
                 return Err(ProtocolError::InvalidField {

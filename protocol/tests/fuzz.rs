@@ -229,7 +229,7 @@ fn response_run_shard(resp: &ShardResponse) -> (Option<&RunId>, Option<u32>) {
         | ShardResponse::NotReady { shard, .. }
         | ShardResponse::Fenced { shard, .. }
         | ShardResponse::HandoffAck { shard, .. } => (None, Some(*shard)),
-        ShardResponse::Error(_) => (None, None),
+        ShardResponse::Error(_) | ShardResponse::Probed { .. } => (None, None),
     }
 }
 

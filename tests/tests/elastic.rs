@@ -69,6 +69,19 @@ async fn slowed_aggregator_is_demoted_its_shards_move_and_accuracy_reaches_93_pe
         s.role_changes
     );
     assert!(slow_report.owned_shards.is_empty(), "node3 still owns {:?}", slow_report.owned_shards);
+    // Demoted once, for good: its probes keep the reports about it fresh,
+    // so they never age out and hand it shards again (the old flapping).
+    let demoted = s.role_changes.iter().position(|c| c.role == RoleView::Worker && c.owned.is_empty());
+    let after: Vec<_> = demoted
+        .map(|i| {
+            s.role_changes[i + 1..]
+                .iter()
+                .filter(|c| c.role != RoleView::Done)
+                .map(|c| (c.step, c.role, c.owned.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(after.is_empty(), "node3 changed role again after its demotion: {after:?}");
     assert!(s.handoffs_out >= 1, "node3 handed nothing over");
     assert!(handed_in >= s.handoffs_out, "transfers out {} but only {handed_in} received", s.handoffs_out);
     // Every shard is owned by exactly one of the healthy nodes at the end.
@@ -81,6 +94,60 @@ async fn slowed_aggregator_is_demoted_its_shards_move_and_accuracy_reaches_93_pe
         assert_eq!(st.restored_from_worker_copy, 0, "{}", r.name);
         assert_eq!(st.max_version_regression, 0, "{}: version went back", r.name);
     }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_owner_is_readmitted_by_its_probes_once_its_slowdown_ends() -> anyhow::Result<()> {
+    let mut base = elastic_config("elastic-readmit");
+    // Reports never age out in this run: only fresh measurements (the
+    // probes) can bring the demoted owner back.
+    base.cluster.service_forget_steps = 100_000;
+    let mut spec = ClusterSpec::new(4, base);
+    spec.overrides = vec![NodeOverride::default(); 4];
+    spec.overrides[3].fault_delay_ms = Some(25);
+    let cluster = Cluster::start(&spec).await?;
+    let slow = cluster.nodes[3].peer_id;
+    let mut placement = cluster.nodes[0].placement.subscribe();
+    let mut progress = cluster.nodes[0].progress.clone();
+    // Until node0's placement demotes node3 (or node0 finishes training).
+    tokio::select! {
+        r = placement.wait_for(|p| p.as_ref().is_some_and(|p| p.stragglers.contains(&slow))) => { r?; }
+        r = progress.wait_for(|s| s.step >= STEPS) => { r?; anyhow::bail!("node3 was never demoted"); }
+        _ = tokio::time::sleep(Duration::from_secs(300)) => anyhow::bail!("node3 not demoted within 300 s"),
+    }
+    let ended_at = cluster.nodes[3].progress.borrow().step;
+    cluster.nodes[3].faults.set_serve_delay_ms(0);
+    let mut progress = cluster.nodes[0].progress.clone();
+    let eligible = |p: &Option<std::sync::Arc<shoal_node::policy::placement::Placement>>| {
+        p.as_ref().is_some_and(|p| !p.stragglers.contains(&slow) && p.levels.iter().any(|(q, _)| *q == slow))
+    };
+    tokio::select! {
+        r = placement.wait_for(eligible) => { r?; }
+        r = progress.wait_for(|s| s.step >= STEPS) => {
+            r?;
+            anyhow::bail!("node3 still out at the end of the run (its slowdown ended at step {ended_at})");
+        }
+        _ = tokio::time::sleep(Duration::from_secs(300)) => anyhow::bail!("node3 not readmitted within 300 s"),
+    }
+    let back_at = cluster.nodes[3].progress.borrow().step;
+    eprintln!("node3: slowdown ended at step {ended_at}, eligible again at step {back_at}");
+    let reports = wait_all(cluster).await?;
+    for r in &reports {
+        let s = status(r)?;
+        eprintln!(
+            "{}: accuracy {:.2}%, owns {:?}, role changes {:?}",
+            r.name,
+            r.accuracy * 100.0,
+            r.owned_shards,
+            s.role_changes.iter().map(|c| (c.step, c.role, c.owned.clone())).collect::<Vec<_>>(),
+        );
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
+    }
+    // And it stayed in: node0's last placement still counts it eligible.
+    // (Whether it owns a shard there is the rendezvous's draw among 4.)
+    let last = placement.borrow().clone();
+    assert!(eligible(&last), "node3 was demoted again: {last:?}");
     Ok(())
 }
 

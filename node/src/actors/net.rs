@@ -505,6 +505,25 @@ impl NetworkActor {
                     })),
                 }
             }
+            ShardRequest::Probe(p) => {
+                // Checksum and finiteness, as a push's decode would check them.
+                if let Err(e) = p.padding.verify() {
+                    return self.respond_now(channel, ShardResponse::error(&e));
+                }
+                let bytes = p.padding.byte_len();
+                // The delays a push of this size meets here (a slow owner,
+                // an emulated link), so the probe times what a push would.
+                let delay = self.parts.faults.serve_delay()
+                    + self.parts.faults.receive_delay(bytes)
+                    + self.parts.faults.send_delay(0);
+                if delay.is_zero() {
+                    return self.respond_now(channel, ShardResponse::Probed { bytes });
+                }
+                self.responses.push(Box::pin(async move {
+                    hold(delay).await;
+                    (channel, ShardResponse::Probed { bytes })
+                }));
+            }
             other => {
                 let kind = other.kind();
                 self.respond_now(

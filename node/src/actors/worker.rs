@@ -22,7 +22,9 @@ use futures::future::try_join_all;
 use shoal_models::data::shuffled_batches;
 use shoal_models::{Optimizer, Partition, ShardPlan};
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{Encoding, Payload, PullShard, PushGrad, PushPull, RunId, ShardRequest, ShardResponse, StateSync};
+use shoal_protocol::{
+    Encoding, Payload, Probe, PullShard, PushGrad, PushPull, RunId, ShardRequest, ShardResponse, StateSync,
+};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -103,8 +105,8 @@ pub struct Worker {
     pub snapshot: watch::Sender<ModelSnapshot>,
     pub membership: MembershipHandle,
     pub placement: watch::Receiver<Option<Arc<Placement>>>,
-    /// Service times of the owners this worker pushes to.
-    pub service: std::sync::Mutex<ServiceTracker>,
+    /// Service times of the owners this worker pushes to (and probes).
+    pub service: Arc<std::sync::Mutex<ServiceTracker>>,
     /// Set when the node is asked to leave: the worker stops after the step in hand.
     pub leave: watch::Receiver<bool>,
     /// Fault injection (a slowdown stretches each gradient computation).
@@ -367,6 +369,52 @@ impl Worker {
             let forget = self.config.cluster.service_forget_steps;
             let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
             self.membership.set_self(|me| me.service = report);
+            self.probe_stragglers(step);
+        }
+    }
+
+    /// Probe each owner the placement keeps out as a straggler (at most one
+    /// probe on the wire per owner), so the reports about it stay fresh
+    /// while nobody pushes to it. The probe runs beside training; its answer
+    /// is timed as a push of its size would be.
+    fn probe_stragglers(&self, step: u64) {
+        let Some(placement) = self.placement.borrow().clone() else { return };
+        let Some(bytes) = self.service.lock().ok().and_then(|t| t.probe_bytes()) else { return };
+        for &owner in placement.stragglers.iter().filter(|p| **p != self.me) {
+            if !self.service.lock().is_ok_and(|mut t| t.begin_probe(owner)) {
+                continue;
+            }
+            let padding = match Payload::encode(&vec![0.0f32; (bytes / 4) as usize], Encoding::F32) {
+                Ok(p) => p,
+                Err(e) => {
+                    warn!(error = %e, "cannot build a probe");
+                    if let Ok(mut t) = self.service.lock() {
+                        t.end_probe(owner, None, step);
+                    }
+                    return;
+                }
+            };
+            let sent_bytes = padding.byte_len();
+            let req = ShardRequest::Probe(Probe { run: self.run.clone(), padding });
+            let (net, service, faults) = (self.net.clone(), self.service.clone(), self.faults.clone());
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                hold(faults.send_delay(sent_bytes)).await;
+                let answered = match net.request(owner, req).await {
+                    Ok(ShardResponse::Probed { .. }) => Some((sent_bytes, sent.elapsed().as_secs_f64() * 1e6)),
+                    Ok(other) => {
+                        debug!(%owner, answer = other.kind(), "probe not answered (an older peer?)");
+                        None
+                    }
+                    Err(e) => {
+                        debug!(%owner, error = %e, "probe failed");
+                        None
+                    }
+                };
+                if let Ok(mut t) = service.lock() {
+                    t.end_probe(owner, answered, step);
+                }
+            });
         }
     }
 

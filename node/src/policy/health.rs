@@ -10,9 +10,11 @@
 //! [`stragglers`] compares each owner's median with the lower median over all
 //! owners (the cluster's norm), with hysteresis: an owner is demoted when it
 //! is `demote_ratio` times slower than the norm, and a demoted owner comes
-//! back only once it is within `restore_ratio` of the norm, or once the
-//! reports about it have aged out (nobody pushes to a demoted owner, so its
-//! reporters forget it after `forget_steps` steps and it gets another try).
+//! back only once it is within `restore_ratio` of the norm. Nobody pushes
+//! to a demoted owner, so workers *probe* it (see [`ServiceTracker`]) to keep
+//! the reports about it fresh; only if the probes fail (a peer of an older
+//! wire revision) do its reports age out after `forget_steps` steps and it
+//! gets another try with shards.
 //! Everything here is pure: the same reports give the same verdicts on every node.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -184,24 +186,107 @@ struct Tracked {
     micros_per_mib: f64,
     samples: u32,
     last_step: u64,
+    /// Consecutive samples under the average by [`RECOVERY_FACTOR`], and
+    /// their sum.
+    fast_run: u32,
+    fast_sum: f64,
 }
 
+/// A sample this many times under an owner's average is "fast". Delays
+/// only ever add to a measurement (a starved CPU, a queue), so fast samples
+/// are not noise: [`MIN_SAMPLES`] of them in a row mean the owner's speed
+/// changed (its slowdown ended), and its average restarts from them instead
+/// of decaying there over dozens of samples at [`SERVICE_ALPHA`].
+pub const RECOVERY_FACTOR: f64 = 2.0;
+
+/// Largest padding a probe carries: above a MiB the fixed cost of a
+/// request is lost in the per-MiB figure anyway.
+pub const MAX_PROBE_BYTES: u64 = 1 << 20;
+
 /// A worker's measurements of the owners it pushes to.
+///
+/// Nobody pushes to an owner the placement keeps out as a straggler, so
+/// without more its reports would age out after `forget_steps` and it
+/// would get shards back only to be demoted again (the flapping of elastic
+/// round 1). Workers therefore *probe* such owners: a request padded to the
+/// size of their typical push, timed like a push ([`ServiceTracker::begin_probe`],
+/// [`ServiceTracker::end_probe`]). The reports about a demoted owner stay
+/// fresh: it stays out while it is slow and comes back once its probes are
+/// fast again.
 #[derive(Debug, Clone, Default)]
 pub struct ServiceTracker {
     owners: BTreeMap<PeerId, Tracked>,
+    /// Moving average of the bytes of this worker's pushes (the probe size).
+    typical_bytes: f64,
+    /// Owners with a probe on the wire.
+    probing: BTreeSet<PeerId>,
 }
 
 impl ServiceTracker {
+    /// The padding of a probe: this worker's typical push, at most
+    /// [`MAX_PROBE_BYTES`]; `None` before its first timed push.
+    pub fn probe_bytes(&self) -> Option<u64> {
+        (self.typical_bytes >= 1.0).then(|| (self.typical_bytes as u64).min(MAX_PROBE_BYTES))
+    }
+
+    /// Whether to probe `owner` now: not while a probe to it is on the wire.
+    /// Marks it as probed; [`ServiceTracker::end_probe`] ends that.
+    pub fn begin_probe(&mut self, owner: PeerId) -> bool {
+        self.probing.insert(owner)
+    }
+
+    /// The probe to `owner` came back: `Some((bytes, micros))` if it was
+    /// answered (and is timed as a push of that size at `step`), `None` if
+    /// it failed (not measured).
+    pub fn end_probe(&mut self, owner: PeerId, answered: Option<(u64, f64)>, step: u64) {
+        self.probing.remove(&owner);
+        if let Some((bytes, micros)) = answered {
+            self.time(owner, bytes, micros, step);
+        }
+    }
+
     /// Record one push of `bytes` to `owner` that took `micros` to be answered.
     pub fn observe(&mut self, owner: PeerId, bytes: u64, micros: f64, step: u64) {
+        if bytes > 0 {
+            let b = bytes as f64;
+            self.typical_bytes = if self.typical_bytes < 1.0 {
+                b
+            } else {
+                self.typical_bytes + SERVICE_ALPHA * (b - self.typical_bytes)
+            };
+        }
+        self.time(owner, bytes, micros, step);
+    }
+
+    fn time(&mut self, owner: PeerId, bytes: u64, micros: f64, step: u64) {
         if bytes == 0 || !micros.is_finite() || micros < 0.0 {
             return;
         }
         let per_mib = micros * (1024.0 * 1024.0) / bytes as f64;
-        let t = self.owners.entry(owner).or_insert(Tracked { micros_per_mib: per_mib, samples: 0, last_step: step });
-        t.micros_per_mib =
-            if t.samples == 0 { per_mib } else { t.micros_per_mib + SERVICE_ALPHA * (per_mib - t.micros_per_mib) };
+        let t = self.owners.entry(owner).or_insert(Tracked {
+            micros_per_mib: per_mib,
+            samples: 0,
+            last_step: step,
+            fast_run: 0,
+            fast_sum: 0.0,
+        });
+        if t.samples > 0 && per_mib * RECOVERY_FACTOR <= t.micros_per_mib {
+            t.fast_run += 1;
+            t.fast_sum += per_mib;
+        } else {
+            t.fast_run = 0;
+            t.fast_sum = 0.0;
+        }
+        t.micros_per_mib = if t.samples == 0 {
+            per_mib
+        } else if t.fast_run >= MIN_SAMPLES {
+            let mean = t.fast_sum / f64::from(t.fast_run);
+            t.fast_run = 0;
+            t.fast_sum = 0.0;
+            mean
+        } else {
+            t.micros_per_mib + SERVICE_ALPHA * (per_mib - t.micros_per_mib)
+        };
         t.samples = t.samples.saturating_add(1);
         t.last_step = step;
     }
@@ -345,5 +430,57 @@ mod tests {
         assert!((r[0].micros_per_mib - 110.0).abs() < 1e-3, "{}", r[0].micros_per_mib);
         assert_eq!(r[0].samples, 2);
         assert!(t.report(13, 10).is_empty(), "not pushed to for 11 steps: forgotten");
+    }
+
+    #[test]
+    fn probes_keep_a_demoted_owner_measured_one_at_a_time() {
+        let slow = PeerId::random();
+        let mut t = ServiceTracker::default();
+        assert_eq!(t.probe_bytes(), None, "no push timed yet: nothing to size a probe by");
+        t.observe(slow, 4096, 100.0, 1);
+        t.observe(slow, 8192, 100.0, 2);
+        assert_eq!(t.probe_bytes(), Some(4505), "the pushes' moving average (4096 + 0.1 x 4096)");
+        t.observe(slow, 64 << 20, 1e6, 3);
+        assert_eq!(t.probe_bytes(), Some(MAX_PROBE_BYTES), "capped");
+        // One probe at a time per owner.
+        assert!(t.begin_probe(slow));
+        assert!(!t.begin_probe(slow));
+        // Steps later, with no push: the probe's answer keeps the report.
+        t.end_probe(slow, Some((1 << 20, 50_000.0)), 20);
+        let r = t.report(25, 10);
+        assert_eq!(r.len(), 1, "probed at step 20: still reported at 25");
+        assert_eq!(r[0].samples, 4);
+        // A failed probe measures nothing but frees the slot.
+        assert!(t.begin_probe(slow));
+        t.end_probe(slow, None, 40);
+        assert!(t.report(40, 10).is_empty(), "last measured at 20: forgotten by 40");
+        assert!(t.begin_probe(slow));
+    }
+
+    #[test]
+    fn an_owner_whose_slowdown_ends_is_measured_fast_after_three_fast_samples() {
+        let o = PeerId::random();
+        let mut t = ServiceTracker::default();
+        let mib = 1024 * 1024;
+        for step in 0..20 {
+            t.observe(o, mib, 50_000.0, step);
+        }
+        // One fast sample, then a slow one: noise, the average barely moves.
+        t.observe(o, mib, 100.0, 20);
+        t.observe(o, mib, 50_000.0, 21);
+        let avg = t.report(21, 100)[0].micros_per_mib;
+        assert!(avg > 40_000.0, "{avg}");
+        // Three fast samples in a row: the slowdown ended.
+        for (i, v) in [100.0, 120.0, 110.0].into_iter().enumerate() {
+            t.observe(o, mib, v, 22 + i as u64);
+        }
+        let avg = t.report(24, 100)[0].micros_per_mib;
+        assert!((avg - 110.0).abs() < 1e-3, "restarted from the fast samples: {avg}");
+        // A slowdown still takes the slow path up (about seven pushes to 3x).
+        for step in 25..32 {
+            t.observe(o, mib, 550.0, step);
+        }
+        let avg = t.report(31, 100)[0].micros_per_mib;
+        assert!(avg > 300.0 && avg < 550.0, "{avg}");
     }
 }

@@ -86,7 +86,8 @@ pub fn request() -> impl Strategy<Value = ShardRequest> {
     let manifest = run_id().prop_map(|run| ShardRequest::Manifest(ManifestRequest { run }));
     let push_pull = (push_grad(), any::<u32>(), encoding())
         .prop_map(|(push, max_wait_ms, encoding)| ShardRequest::PushPull(PushPull { push, max_wait_ms, encoding }));
-    prop_oneof![push, pull, handoff, sync, manifest, push_pull]
+    let probe = (run_id(), f32_payload()).prop_map(|(run, padding)| ShardRequest::Probe(Probe { run, padding }));
+    prop_oneof![push, pull, handoff, sync, manifest, push_pull, probe]
 }
 
 pub fn response() -> impl Strategy<Value = ShardResponse> {
@@ -135,6 +136,7 @@ pub fn response() -> impl Strategy<Value = ShardResponse> {
                     state: state.map(|(run, v, epoch, params)| ShardState { run, shard, version: v, epoch, params }),
                 })
             }),
+        any::<u64>().prop_map(|bytes| ShardResponse::Probed { bytes }),
     ]
 }
 
