@@ -18,6 +18,8 @@ pub struct NodeOverride {
     pub can_aggregate: Option<bool>,
     /// Fault injection: this node answers pushes and pulls this many ms late.
     pub fault_delay_ms: Option<u64>,
+    /// Fault injection: this node computes this many times slower.
+    pub slowdown: Option<f64>,
     /// Fault injection: this node pushes bad gradients.
     pub byzantine: Option<crate::ops::faults::Byzantine>,
     /// This node's own push and pull encodings.
@@ -64,6 +66,9 @@ impl ClusterSpec {
             }
             if let Some(d) = o.fault_delay_ms {
                 c.cluster.fault_delay_ms = d;
+            }
+            if let Some(s) = o.slowdown {
+                c.cluster.slowdown = s;
             }
             if let Some(k) = o.compression {
                 c.cluster.compression = k;

@@ -322,6 +322,14 @@ pub struct ClusterConfig {
     /// `ssp:N` with N >= 1, `dssp:LO-HI` with LO >= 1, or `asp`: under BSP
     /// the next forward pass needs every shard's new version. Default false.
     pub overlap: bool,
+    /// A slow worker under BSP trains on a smaller batch, sized so that its
+    /// step computes in about the time the other workers' steps take (their
+    /// step time less communication, from heartbeats), instead of holding
+    /// every round back; owners weigh its gradient by its samples. Only a
+    /// worker at least 2x slower than the others shrinks, to at least a
+    /// sixteenth of `training.batch_size` (`policy::fit`). Needs
+    /// `mode = "pull"`, `sync = "bsp"` and `local_steps = 1`. Default false.
+    pub fit_batch: bool,
     /// DiLoCo: each worker takes this many local steps with its own
     /// optimizer (`training.optimizer`, AdamW in DiLoCo) before it pushes
     /// the pseudo-gradient (its parameters at the start of the H steps
@@ -396,6 +404,7 @@ impl Default for ClusterConfig {
             fault_byzantine: crate::ops::faults::Byzantine::None,
             compression: Default::default(),
             overlap: false,
+            fit_batch: false,
             local_steps: 1,
             outer_lr: 0.7,
             outer_momentum: 0.9,
@@ -670,6 +679,15 @@ impl NodeConfig {
                 c.mode,
                 c.local_steps,
                 c.sync
+            );
+        }
+        if c.fit_batch && (c.mode != Mode::Pull || c.sync != SyncPolicy::Bsp || c.local_steps > 1) {
+            bail!(
+                "cluster.fit_batch sizes a slow worker's batch to the pace of BSP rounds: it needs mode = \"pull\", \
+                 sync = \"bsp\" and local_steps = 1 (this config has {:?}, sync {}, local_steps {})",
+                c.mode,
+                c.sync,
+                c.local_steps
             );
         }
         if c.local_steps == 0 {

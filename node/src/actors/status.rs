@@ -109,6 +109,10 @@ impl StatusActor {
             }
             StatusEvent::ResidualBytes(b) => s.residual_bytes = b,
             StatusEvent::Overlapped => s.overlapped_steps += 1,
+            StatusEvent::FittedBatch(n) => {
+                s.fitted_steps += 1;
+                s.fitted_samples += n as u64;
+            }
             StatusEvent::Explore { step, decision } => {
                 use crate::policy::explore::Decision;
                 let (action, from, to, before, after) = match decision {

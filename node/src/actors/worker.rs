@@ -23,7 +23,7 @@ use shoal_models::data::shuffled_batches;
 use shoal_models::{Optimizer, Partition, ShardPlan};
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::{
-    Encoding, Payload, Probe, PullShard, PushGrad, PushPull, RunId, ShardRequest, ShardResponse, StateSync,
+    Encoding, Payload, Probe, PullShard, PushGrad, PushPull, Role, RunId, ShardRequest, ShardResponse, StateSync,
 };
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -31,12 +31,13 @@ use tracing::{debug, info, warn};
 
 use crate::config::{Mode, NodeConfig};
 use crate::handles::aggregator::{AggregatorHandle, PullReply, PushReply};
-use crate::handles::membership::MembershipHandle;
+use crate::handles::membership::{MembershipHandle, ViewSnapshot};
 use crate::handles::net::{ModelSnapshot, NetError, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::handles::trainer::{Gradients, TrainerHandle};
 use crate::ops::faults::hold;
 use crate::policy::compress::ErrorFeedback;
+use crate::policy::fit::BatchFit;
 use crate::policy::health::ServiceTracker;
 use crate::policy::placement::Placement;
 use crate::policy::sync::SyncPolicy;
@@ -221,6 +222,9 @@ impl Worker {
         // while this step's exchange was in flight, and how long they took.
         let overlap = self.config.cluster.overlap;
         let mut prefetched: Option<(Gradients, f64)> = None;
+        // A slow worker's batch fitted to the others' pace (cluster.fit_batch).
+        let mut fit = self.config.cluster.fit_batch.then(|| BatchFit::new(t.batch_size));
+        let view = self.membership.subscribe();
         for step in routing.start_step..t.steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");
@@ -229,7 +233,14 @@ impl Worker {
             let started = Instant::now();
             let (g, compute) = match prefetched.take() {
                 Some(ready) => ready,
-                None => self.compute(step, &mut batches, &mut momentum).await?,
+                None => {
+                    let limit = fit.as_ref().map(|f| f.batch(&self.others_compute_micros(&view, t.steps)));
+                    let (g, secs) = self.compute(step, &mut batches, &mut momentum, limit).await?;
+                    if let Some(f) = fit.as_mut() {
+                        f.observe(g.samples, secs * 1e6);
+                    }
+                    (g, secs)
+                }
             };
             let comm_started = Instant::now();
             // With overlap: the exchange's own time (the step also waited
@@ -244,7 +255,7 @@ impl Worker {
                         // while step t's pushes and pulls are on the wire. The
                         // owners' clock bound is one lower to pay for it
                         // (`SyncPolicy::pipelined`).
-                        let next = self.compute(step + 1, &mut batches, &mut momentum);
+                        let next = self.compute(step + 1, &mut batches, &mut momentum, None);
                         let timed = async {
                             let t0 = Instant::now();
                             let v = exchange.await;
@@ -326,13 +337,20 @@ impl Worker {
     /// One step's gradients on the model the trainer holds now: the batch,
     /// forward and backward, worker momentum, and the fault injections.
     /// Returns them with the seconds they took.
+    /// `limit`: train on at most this many of the step's samples (a fitted
+    /// batch; the rest of the batch is skipped this epoch).
     async fn compute(
         &self,
         step: u64,
         batches: &mut WorkerBatches,
         momentum: &mut Option<Vec<f32>>,
+        limit: Option<usize>,
     ) -> anyhow::Result<(Gradients, f64)> {
-        let indices = batches.for_step(step)?;
+        let mut indices = batches.for_step(step)?;
+        if let Some(n) = limit.filter(|&n| n < indices.len()) {
+            indices.truncate(n.max(1));
+            self.status.record(StatusEvent::FittedBatch(indices.len()));
+        }
         let started = Instant::now();
         let mut g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
         if let Some(m) = momentum.as_mut() {
@@ -353,6 +371,25 @@ impl Worker {
             tokio::time::sleep(extra).await;
         }
         Ok((g, started.elapsed().as_secs_f64()))
+    }
+
+    /// The other training workers' compute time per step (µs): step time
+    /// less communication, from their heartbeats' pace.
+    fn others_compute_micros(&self, view: &watch::Receiver<ViewSnapshot>, steps: u64) -> Vec<f64> {
+        let v = view.borrow();
+        let timeout = self.config.cluster.failure_timeout_ms;
+        v.view
+            .live(v.now_ms, timeout)
+            .into_iter()
+            .map(|p| &p.heartbeat)
+            .filter(|hb| {
+                hb.peer != self.me
+                    && matches!(hb.role, Role::Worker | Role::Aggregator)
+                    && hb.step < steps
+                    && hb.pace.step_micros > 0
+            })
+            .map(|hb| f64::from(hb.pace.step_micros.saturating_sub(hb.pace.comm_micros)))
+            .collect()
     }
 
     /// After an exchange of every shard: the residuals' memory to status,

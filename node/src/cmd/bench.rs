@@ -397,6 +397,107 @@ async fn straggler_case(
     })
 }
 
+/// One slow-worker case: node3 computes `slowdown` times slower (1: none).
+struct SlowWorkerCase {
+    steps_per_sec: f64,
+    samples_per_sec: f64,
+    accuracy: f32,
+    /// node3's mean batch over its steps.
+    slow_batch: f64,
+}
+
+async fn slow_worker_case(
+    args: &crate::cmd::cli::BenchStragglerArgs,
+    run: &str,
+    slowdown: f64,
+    sync: crate::policy::sync::SyncPolicy,
+    fit_batch: bool,
+) -> anyhow::Result<SlowWorkerCase> {
+    use crate::cluster::{Cluster, ClusterSpec, NodeOverride};
+
+    let mut cfg = cluster_bench_config(run, args.steps, args.batch_size);
+    cfg.cluster.sync = sync;
+    cfg.cluster.fit_batch = fit_batch;
+    let mut spec = ClusterSpec::new(4, cfg);
+    spec.overrides = vec![NodeOverride::default(); 4];
+    spec.overrides[3].slowdown = Some(slowdown);
+    let cluster = Cluster::start(&spec).await?;
+    let slow = cluster.nodes[3].peer_id;
+    let reports = cluster.wait().await?;
+    let secs =
+        reports.iter().filter_map(|r| r.status.as_ref().map(|s| s.compute_secs + s.comm_secs)).fold(0.0f64, f64::max);
+    let samples: u64 = reports.iter().filter_map(|r| r.status.as_ref().map(|s| s.samples)).sum();
+    let slow_samples =
+        reports.iter().find(|r| r.peer_id == slow).and_then(|r| r.status.as_ref()).map_or(0, |s| s.samples);
+    Ok(SlowWorkerCase {
+        steps_per_sec: args.steps as f64 / secs.max(1e-9),
+        samples_per_sec: samples as f64 / secs.max(1e-9),
+        accuracy: reports.iter().map(|r| r.accuracy).fold(f32::INFINITY, f32::min),
+        slow_batch: slow_samples as f64 / args.steps as f64,
+    })
+}
+
+/// `shoal bench straggler --worker`: a slow worker under BSP, waited for,
+/// against a fitted batch and DSSP.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+async fn slow_worker(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()> {
+    use crate::policy::sync::SyncPolicy;
+    println!(
+        "shoal bench straggler --worker: 4 nodes on loopback TCP, digits MLP, batch {} per node, {} steps per case; \
+         node3 computes {}x slower",
+        args.batch_size, args.steps, args.slowdown
+    );
+    let dssp: SyncPolicy = "dssp:1-4".parse().map_err(|e: String| anyhow::anyhow!(e))?;
+    let base = slow_worker_case(&args, "slow-worker-none", 1.0, SyncPolicy::Bsp, false).await?;
+    let wait = slow_worker_case(&args, "slow-worker-bsp", args.slowdown, SyncPolicy::Bsp, false).await?;
+    let fit = slow_worker_case(&args, "slow-worker-fit", args.slowdown, SyncPolicy::Bsp, true).await?;
+    let ds = slow_worker_case(&args, "slow-worker-dssp", args.slowdown, dssp, false).await?;
+    println!("{:<32} {:>9} {:>10} {:>10} {:>12}", "case", "steps/s", "samples/s", "accuracy", "node3 batch");
+    let cases = [
+        ("no slow worker (bsp)", &base),
+        ("slow worker, bsp waits", &wait),
+        ("slow worker, bsp + fit_batch", &fit),
+        ("slow worker, dssp:1-4", &ds),
+    ];
+    for (name, c) in cases {
+        println!(
+            "{name:<32} {:>9.1} {:>10.0} {:>9.2}% {:>12.1}",
+            c.steps_per_sec,
+            c.samples_per_sec,
+            c.accuracy * 100.0,
+            c.slow_batch
+        );
+    }
+    let ratio = |c: &SlowWorkerCase| c.samples_per_sec / base.samples_per_sec;
+    println!("bsp waits / no slow worker: {:.2}x samples/s (the injected slowdown)", ratio(&wait));
+    println!("fit_batch / no slow worker: {:.2}x samples/s (goal >= 0.8x)", ratio(&fit));
+    println!("dssp / no slow worker: {:.2}x samples/s", ratio(&ds));
+    println!(
+        "accuracy: fit_batch {:+.2} points, dssp {:+.2} points against no slow worker (goal within 0.5)",
+        (fit.accuracy - base.accuracy) * 100.0,
+        (ds.accuracy - base.accuracy) * 100.0
+    );
+    let case = |c: &SlowWorkerCase| {
+        serde_json::json!({
+            "steps_per_sec": c.steps_per_sec, "samples_per_sec": c.samples_per_sec,
+            "accuracy": c.accuracy, "slow_worker_mean_batch": c.slow_batch,
+        })
+    };
+    write_json(
+        args.json.as_deref(),
+        &serde_json::json!({
+            "bench": "straggler_worker", "steps": args.steps, "batch_size": args.batch_size,
+            "slowdown": args.slowdown,
+            "no_slow_worker": case(&base), "bsp_waits": case(&wait), "fit_batch": case(&fit), "dssp": case(&ds),
+            "bsp_waits_over_no_slow_worker": ratio(&wait),
+            "fit_batch_over_no_slow_worker": ratio(&fit),
+            "dssp_over_no_slow_worker": ratio(&ds),
+            "fit_batch_accuracy_delta": fit.accuracy - base.accuracy,
+            "dssp_accuracy_delta": ds.accuracy - base.accuracy,
+        }),
+    )
+}
+
 /// `shoal bench straggler`: the PSLD comparison on one machine.
 #[allow(clippy::print_stdout)] // The CLI's own output.
 pub fn straggler(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()> {
@@ -407,6 +508,9 @@ pub fn straggler(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()
     // node's share, as the nodes' own pools are (see `ops::threads`).
     crate::ops::threads::configure_process(crate::ops::threads::share(4));
     let rt = tokio::runtime::Runtime::new()?;
+    if args.worker {
+        return rt.block_on(slow_worker(args));
+    }
     rt.block_on(async move {
         println!(
             "shoal bench straggler: 4 nodes on loopback TCP, digits MLP, BSP, batch {} per node, {} steps per case",

@@ -510,9 +510,15 @@ pub struct BenchStragglerArgs {
     /// Samples per step per node.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// How much slower the straggling aggregator makes a step under static roles.
+    /// How much slower the straggling aggregator makes a step under static
+    /// roles (with --worker: how many times slower node3 computes).
     #[arg(long, default_value_t = 5.0)]
     pub slowdown: f64,
+    /// A slow worker instead of a slow owner: node3 computes --slowdown
+    /// times slower; BSP waiting for it against `cluster.fit_batch` and
+    /// DSSP.
+    #[arg(long)]
+    pub worker: bool,
     /// Also write the numbers as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -113,6 +113,10 @@ pub struct StatusSnapshot {
     /// Steps whose next gradients were computed while their exchange was in
     /// flight (`cluster.overlap`).
     pub overlapped_steps: u64,
+    /// Steps trained on a batch fitted below `training.batch_size`
+    /// (`cluster.fit_batch`), and the samples they held.
+    pub fitted_steps: u64,
+    pub fitted_samples: u64,
 }
 
 /// One decision of this node's explorer (see [`crate::policy::explore`]).
@@ -211,6 +215,9 @@ pub enum StatusEvent {
     /// A step whose next gradients were computed while its exchange was in
     /// flight (`cluster.overlap`).
     Overlapped,
+    /// A step trained on a fitted batch of this many samples
+    /// (`cluster.fit_batch`).
+    FittedBatch(usize),
 }
 
 /// The status actor's mailbox.

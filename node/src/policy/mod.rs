@@ -5,6 +5,7 @@
 pub mod assign;
 pub mod compress;
 pub mod explore;
+pub mod fit;
 pub mod health;
 pub mod placement;
 pub mod resume;

@@ -1,0 +1,171 @@
+//! A slow worker under BSP (`cluster.fit_batch`): every round waits for the
+//! slowest worker's gradient, so one machine computing 4x slower holds the
+//! whole cluster at a quarter of its speed. Instead, the slow worker trains
+//! on a smaller batch, sized so that its step computes in about the time
+//! the other workers' steps take. Owners average a round's gradients
+//! weighted by samples, so the smaller batch counts for what it holds.
+//!
+//! [`BatchFit`] keeps the worker's own compute time per sample (a moving
+//! average over its steps, at whatever batch it used) and picks the batch
+//! for the next step from the others' compute time per step (from their
+//! heartbeats: step time less communication time). The iteration
+//! `b <- b x target / time(b)` settles where `time(b)` meets the target even
+//! when part of a step's cost does not scale with the batch. Pure: no clock,
+//! no runtime.
+//!
+//! The target is the *slowest* of the other workers that are not slow
+//! themselves (within [`SLOW_FACTOR`] of their lower median), not their
+//! median: a fitted worker computes in about the target's time, so with the
+//! median as the target one fitted worker that came out a little fast
+//! lowered it for everybody, healthy workers shrank to meet it, and batches
+//! spiralled down (seen on 4 nodes on 2 cores, where steps compute in 2 ms
+//! with 1 ms of jitter).
+
+/// Weight of the newest step in the per-sample compute average.
+pub const FIT_ALPHA: f64 = 0.2;
+
+/// A worker keeps its full batch unless it is this many times slower than
+/// the target: noise between equal machines must not shrink batches (on 4
+/// nodes sharing 2 cores, 1.5x was crossed for a few steps now and then).
+pub const FIT_MARGIN: f64 = 2.0;
+
+/// Other workers slower than this many times their lower median are slow
+/// themselves and are not a target.
+pub const SLOW_FACTOR: f64 = 2.0;
+
+/// The smallest batch a fitted worker trains on, as a fraction of the full
+/// one (a worker 16x slower than the others still contributes something).
+pub const MIN_FRACTION: f64 = 1.0 / 16.0;
+
+/// The first steps a worker times are not counted: they pay for
+/// allocations and cold caches (in the TCP test the first step took 10x the
+/// others, and every healthy worker fitted its first 25 steps to it).
+pub const WARMUP_STEPS: u32 = 5;
+
+/// A worker's batch fitted to the cluster's pace.
+#[derive(Debug, Clone)]
+pub struct BatchFit {
+    full: usize,
+    micros_per_sample: Option<f64>,
+    seen: u32,
+}
+
+impl BatchFit {
+    /// `full`: the configured batch size (at least 1).
+    pub fn new(full: usize) -> Self {
+        Self { full: full.max(1), micros_per_sample: None, seen: 0 }
+    }
+
+    /// One step computed `samples` samples in `micros` (the first
+    /// [`WARMUP_STEPS`] are not counted).
+    pub fn observe(&mut self, samples: usize, micros: f64) {
+        if samples == 0 || !micros.is_finite() || micros <= 0.0 {
+            return;
+        }
+        if self.seen < WARMUP_STEPS {
+            self.seen += 1;
+            return;
+        }
+        let v = micros / samples as f64;
+        self.micros_per_sample = Some(match self.micros_per_sample {
+            None => v,
+            Some(m) => m + FIT_ALPHA * (v - m),
+        });
+    }
+
+    /// The batch for the next step, given the other workers' compute time
+    /// per step (µs). The full batch while nothing is measured, or while
+    /// this worker's full batch would take at most [`FIT_MARGIN`] times the
+    /// target (see the module's notes).
+    pub fn batch(&self, others_micros: &[f64]) -> usize {
+        let Some(per_sample) = self.micros_per_sample else { return self.full };
+        let mut v: Vec<f64> = others_micros.iter().copied().filter(|x| x.is_finite() && *x > 0.0).collect();
+        if v.is_empty() {
+            return self.full;
+        }
+        v.sort_by(f64::total_cmp);
+        let median = v[(v.len() - 1) / 2];
+        let target = v.iter().copied().filter(|x| *x <= SLOW_FACTOR * median).fold(median, f64::max);
+        if per_sample * self.full as f64 <= FIT_MARGIN * target {
+            return self.full;
+        }
+        let min = ((self.full as f64 * MIN_FRACTION).ceil() as usize).max(1);
+        ((target / per_sample).round() as usize).clamp(min, self.full)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past warm-up, whose (huge) times must not count.
+    fn warmed(full: usize) -> BatchFit {
+        let mut f = BatchFit::new(full);
+        for _ in 0..WARMUP_STEPS {
+            f.observe(full, 1e12);
+        }
+        f
+    }
+
+    #[test]
+    fn equal_workers_keep_their_batch() {
+        let mut f = warmed(32);
+        assert_eq!(f.batch(&[1000.0]), 32, "nothing measured yet");
+        f.observe(32, 1100.0);
+        assert_eq!(f.batch(&[]), 32, "no peer measured");
+        assert_eq!(f.batch(&[1000.0, 900.0, 1200.0]), 32, "1.1x the others: noise");
+        f.observe(32, 2400.0);
+        assert_eq!(f.batch(&[1000.0, 900.0]), 32, "1.4x the slowest of them (the average): noise");
+    }
+
+    #[test]
+    fn a_fitted_worker_that_came_out_fast_does_not_shrink_the_others() {
+        // node0 at its natural 1,000 µs; node1 too; node2 fitted, 700 µs this
+        // time; node3 slow (4,000) and not yet fitted.
+        let mut f = warmed(32);
+        f.observe(32, 1000.0);
+        assert_eq!(f.batch(&[1000.0, 700.0, 4000.0]), 32, "the target is node1's 1,000, not 700");
+        assert_eq!(f.batch(&[700.0, 650.0, 4000.0]), 32, "1000 / 700 < 2");
+        // Two slow workers: each takes the healthy ones as its target.
+        let mut slow = warmed(32);
+        slow.observe(32, 4000.0);
+        assert_eq!(slow.batch(&[1000.0, 1000.0, 4000.0]), 8);
+    }
+
+    #[test]
+    fn a_4x_slower_worker_fits_its_batch_to_the_others_and_settles() {
+        // Compute time = 200 µs fixed + 400 µs per sample here, 4x the
+        // others' (50 + 100 per sample) at batch 32: others take 3,250 µs.
+        let time = |b: usize| 200.0 + 400.0 * b as f64;
+        let target = 50.0 + 100.0 * 32.0;
+        let mut f = warmed(32);
+        let mut b = 32;
+        for _ in 0..40 {
+            f.observe(b, time(b));
+            b = f.batch(&[target, target, 4.0 * target]);
+        }
+        assert!((7..=8).contains(&b), "settles near (3250 - 200) / 400 = 7.6: {b}");
+        assert!(time(b) <= target * FIT_MARGIN, "{} µs against {target}", time(b));
+        // The slowdown ends: back to the full batch.
+        for _ in 0..40 {
+            f.observe(b, 50.0 + 100.0 * b as f64);
+            b = f.batch(&[target, target, target]);
+        }
+        assert_eq!(b, 32);
+    }
+
+    #[test]
+    fn a_very_slow_worker_keeps_a_sixteenth() {
+        let mut f = warmed(32);
+        f.observe(32, 1e9);
+        assert_eq!(f.batch(&[100.0]), 2);
+        let mut one = warmed(1);
+        one.observe(1, 1e9);
+        assert_eq!(one.batch(&[100.0]), 1);
+        // Bad measurements are ignored.
+        let mut g = warmed(8);
+        g.observe(0, 5.0);
+        g.observe(8, f64::NAN);
+        assert_eq!(g.batch(&[1.0]), 8);
+    }
+}
