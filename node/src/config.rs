@@ -244,6 +244,11 @@ pub struct ClusterConfig {
     /// With `aggregators = "auto"`: steps per measurement window; a change
     /// of the number of aggregators is judged one settled window later. Default 60.
     pub explore_window_steps: u64,
+    /// With `aggregators = "auto"`: an aggregator is removed (in a trial)
+    /// when the median share of step time spent exchanging shards is at
+    /// most this, from 0 up to (not including) 0.5, the share at which one
+    /// is added. Default 0.05.
+    pub explore_idle_share: f64,
     /// Workers forget an owner's service time after this many steps without
     /// pushing to it, so a demoted owner gets another try. Default 100.
     pub service_forget_steps: u64,
@@ -387,6 +392,7 @@ impl Default for ClusterConfig {
             aggregators: Aggregators::Auto,
             start_aggregators: 0,
             explore_window_steps: 60,
+            explore_idle_share: crate::policy::explore::ExplorePolicy::default().idle_share,
             service_forget_steps: 100,
             replicas: 2,
             push_pull: true,
@@ -629,6 +635,14 @@ impl NodeConfig {
         }
         if !(c.straggler_min_excess_ms.is_finite() && c.straggler_min_excess_ms >= 0.0) {
             bail!("cluster.straggler_min_excess_ms must be a non-negative number");
+        }
+        let dominate = crate::policy::explore::ExplorePolicy::default().dominate_share;
+        if !(0.0..dominate).contains(&c.explore_idle_share) {
+            bail!(
+                "cluster.explore_idle_share must be at least 0 and below {dominate} (the share at which an aggregator \
+                 is added), got {}",
+                c.explore_idle_share
+            );
         }
         if c.explore_window_steps == 0 {
             bail!("cluster.explore_window_steps must be at least 1");

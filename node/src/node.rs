@@ -182,8 +182,19 @@ pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
         c.outer_lr,
         c.outer_momentum,
         c.overlap
-    );
+    ) + &idle_share_key(c.explore_idle_share);
     stable_hash64(key.as_bytes())
+}
+
+/// The idle share joins the config hash only when it is not the default, so
+/// that the hash of every config that leaves it alone is what it was before
+/// the setting existed (nodes of the previous release still agree).
+fn idle_share_key(share: f64) -> String {
+    if share == crate::policy::explore::ExplorePolicy::default().idle_share {
+        String::new()
+    } else {
+        format!("|idle{share}")
+    }
 }
 
 /// Load an identity file (32-byte ed25519 secret), creating it if missing.
@@ -516,7 +527,11 @@ async fn drive(
                 shards: worker.plan.len() as u32,
                 policy: ElectPolicy { health },
                 explore: (c.elastic && c.aggregators == Aggregators::Auto).then(|| {
-                    let policy = ExplorePolicy { window_steps: c.explore_window_steps, ..ExplorePolicy::default() };
+                    let policy = ExplorePolicy {
+                        window_steps: c.explore_window_steps,
+                        idle_share: c.explore_idle_share,
+                        ..ExplorePolicy::default()
+                    };
                     (policy, (c.start_aggregators > 0).then_some(c.start_aggregators as usize))
                 }),
                 can_aggregate: c.can_aggregate,

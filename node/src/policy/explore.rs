@@ -16,10 +16,13 @@
 //!   (median share at least `dominate_share`) and a capable node is spare;
 //! - **remove** one when aggregation is idle (median share at most
 //!   `idle_share`) and more than one owns shards;
-//! - each change is a **trial**: one settled window later it is kept only if
-//!   the median step time improved by at least `min_gain`; otherwise k goes
-//!   back and that direction is not tried again for a back-off that doubles
-//!   with each failed trial (up to `max_backoff_windows` windows).
+//! - each change is a **trial**: one settled window later an added
+//!   aggregator is kept only if the median step time improved by at least
+//!   `min_gain`, and a removed one only if it did not get slower by more
+//!   than `min_gain` (an idle owner freed at no cost in speed is the gain);
+//!   otherwise k goes back and that direction is not tried again for a
+//!   back-off that doubles with each failed trial (up to
+//!   `max_backoff_windows` windows).
 //!
 //! [`Explorer::observe`] has no clock, no RNG and no I/O: its time is the
 //! cluster's step counter.
@@ -157,7 +160,8 @@ impl Explorer {
             }
             self.trial = None;
             let adding = t.to > t.from;
-            if o.step_micros <= t.baseline_micros * (1.0 - self.policy.min_gain) {
+            let bar = if adding { 1.0 - self.policy.min_gain } else { 1.0 + self.policy.min_gain };
+            if o.step_micros <= t.baseline_micros * bar {
                 if adding {
                     self.add_backoff = 1;
                 } else {
@@ -325,6 +329,21 @@ mod tests {
         assert_eq!(one.observe(&obs(10, 1, 1000.0, 0.01), Some(1)), None);
         let mut full = Explorer::new(policy(), None);
         assert_eq!(full.observe(&obs(10, 4, 1000.0, 0.99), None), None, "no spare candidate");
+    }
+
+    #[test]
+    fn a_removal_is_kept_unless_steps_get_slower_by_more_than_the_margin() {
+        let mut e = Explorer::new(policy(), None);
+        assert!(matches!(e.observe(&obs(10, 4, 1000.0, 0.01), None), Some(Decision::Try { from: 4, to: 3, .. })));
+        e.observe(&obs(11, 3, 1050.0, 0.01), Some(3));
+        assert_eq!(
+            e.observe(&obs(21, 3, 1080.0, 0.01), Some(3)),
+            Some(Decision::Keep { from: 4, k: 3, before_micros: 1000.0, after_micros: 1080.0 }),
+            "8% slower is within the 10% margin: the idle owner stays freed"
+        );
+        assert!(matches!(e.observe(&obs(31, 3, 1080.0, 0.01), Some(3)), Some(Decision::Try { from: 3, to: 2, .. })));
+        e.observe(&obs(32, 2, 1300.0, 0.01), Some(2));
+        assert!(matches!(e.observe(&obs(42, 2, 1300.0, 0.01), Some(2)), Some(Decision::Revert { tried: 2, k: 3, .. })));
     }
 
     #[test]
