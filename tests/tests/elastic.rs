@@ -447,8 +447,9 @@ async fn the_number_of_aggregators_grows_while_one_owner_is_the_bottleneck() -> 
     // Every owner serves shard states over an emulated 40 Mbit/s uplink,
     // starting from a single owner: four workers pull the whole model
     // through that one link each step, so communication dominates and a
-    // second owner halves the pull time. The explorer must try it, see the
-    // steps get faster, keep it, and lose nothing on the way.
+    // second owner halves the pull time. The explorer must try more owners
+    // (as many as the communication share predicts), see the steps get
+    // faster, keep them, and lose nothing on the way.
     let mut base = elastic_config("elastic-explore");
     base.training.mlp_hidden = Some(vec![256, 256]);
     base.training.steps = 240;
@@ -472,7 +473,7 @@ async fn the_number_of_aggregators_grows_while_one_owner_is_the_bottleneck() -> 
             s.role_changes.iter().map(|c| (c.step, c.role, c.owned.clone())).collect::<Vec<_>>(),
         );
         assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
-        assert!(s.exploration.first().is_some_and(|e| e.action == "try" && e.from == 1 && e.to == 2), "{}", r.name);
+        assert!(s.exploration.first().is_some_and(|e| e.action == "try" && e.from == 1 && e.to >= 2), "{}", r.name);
         kept += s.exploration.iter().filter(|e| e.action == "keep").count();
         if s.role_changes.iter().any(|c| c.role == RoleView::Aggregator && !c.owned.is_empty()) {
             owners_seen.insert(r.peer_id);

@@ -12,8 +12,13 @@
 //! cluster (the lower median of the members' step counters, so every node
 //! evaluates at the same step boundaries), and only once k has held for a
 //! whole window (the moving averages then describe the current k):
-//! - **add** an aggregator when communication dominates step time
-//!   (median share at least `dominate_share`) and a capable node is spare;
+//! - **add** aggregators when communication dominates step time
+//!   (median share at least `dominate_share`) and a capable node is spare:
+//!   at once, as many as bring k to [`predicted_k`] (where communication,
+//!   falling as 1/k, would take as long as computation), and at least one at
+//!   first, then twice as many after each kept addition (1, 2, 4, …, capped
+//!   at the spare candidates); after a failed addition of more than one,
+//!   half as many (bisection) before any back-off, and no more predictions;
 //! - **remove** one when aggregation is idle (median share at most
 //!   `idle_share`) and more than one owns shards;
 //! - each change is a **trial**: one settled window later an added
@@ -86,6 +91,21 @@ struct Trial {
     started: u64,
 }
 
+impl Trial {
+    /// Whether a placement with `k` distinct owners is this trial's change:
+    /// the weighted rendezvous may leave a candidate with no shard (8 shards
+    /// among a limit of 4 owners can land on 3), so any k past `from`
+    /// towards `to` is the change taken up. (Before, only `to` itself
+    /// counted, and a 1 -> 4 trial that placed 3 owners was cancelled.)
+    fn taken_up(&self, k: usize) -> bool {
+        if self.to > self.from {
+            k > self.from && k <= self.to
+        } else {
+            k < self.from && k >= self.to
+        }
+    }
+}
+
 /// One node's explorer. Its proposal is gossiped in [`Pace::aggregators`].
 #[derive(Debug, Clone)]
 pub struct Explorer {
@@ -99,6 +119,15 @@ pub struct Explorer {
     /// Last window evaluated.
     window: u64,
     next_add: u64,
+    /// How many aggregators the next addition adds (doubles after a kept
+    /// addition, halves after a failed one).
+    add_step: usize,
+    /// During a bisection: the smallest k an addition failed at.
+    add_ceiling: Option<usize>,
+    /// An addition failed: from then on additions follow doubling and
+    /// bisection only, not the prediction (which, with communication still
+    /// the larger share near the best k, would keep jumping past it).
+    add_failed: bool,
     next_remove: u64,
     add_backoff: u64,
     remove_backoff: u64,
@@ -115,6 +144,9 @@ impl Explorer {
             last_k: None,
             window: 0,
             next_add: 0,
+            add_step: 1,
+            add_ceiling: None,
+            add_failed: false,
             next_remove: 0,
             add_backoff: 1,
             remove_backoff: 1,
@@ -136,7 +168,7 @@ impl Explorer {
             }
             self.last_k = Some(o.aggregators);
             if let Some(t) = self.trial {
-                if o.aggregators != t.to && o.aggregators != t.from {
+                if !t.taken_up(o.aggregators) && o.aggregators != t.from {
                     // Something else moved k (a failure, a straggler): the
                     // trial no longer measures what it meant to.
                     self.trial = None;
@@ -150,7 +182,7 @@ impl Explorer {
         }
         self.window = window;
         if let Some(t) = self.trial {
-            if o.aggregators != t.to {
+            if !t.taken_up(o.aggregators) {
                 // The others have not taken the change up within a window: drop it.
                 if o.step >= t.started.saturating_add(2 * w) {
                     self.trial = None;
@@ -164,6 +196,19 @@ impl Explorer {
             if o.step_micros <= t.baseline_micros * bar {
                 if adding {
                     self.add_backoff = 1;
+                    match self.add_ceiling {
+                        // Galloping: twice as many next time.
+                        None => self.add_step = (t.to - t.from).saturating_mul(2),
+                        // Bisecting: half the interval left below the failed k.
+                        Some(c) if c > t.to + 1 => self.add_step = (c - t.to) / 2,
+                        // The next k up is the one that failed: done; that
+                        // direction rests as after a failed trial.
+                        Some(_) => {
+                            self.add_ceiling = None;
+                            self.add_step = 1;
+                            self.next_add = o.step.saturating_add(self.add_backoff * w);
+                        }
+                    }
                 } else {
                     self.remove_backoff = 1;
                 }
@@ -173,6 +218,27 @@ impl Explorer {
                     before_micros: t.baseline_micros,
                     after_micros: o.step_micros,
                 });
+            }
+            self.proposal = t.prior;
+            if adding {
+                self.add_failed = true;
+            }
+            if adding && t.to - t.from > 1 {
+                // Too far at once: bisect (half as many, from where it was)
+                // at the next window, with no back-off.
+                self.add_step = (t.to - t.from) / 2;
+                self.add_ceiling = Some(t.to);
+                return Some(Decision::Revert {
+                    tried: t.to,
+                    k: t.from,
+                    before_micros: t.baseline_micros,
+                    after_micros: o.step_micros,
+                    backoff_windows: 0,
+                });
+            }
+            if adding {
+                self.add_step = 1;
+                self.add_ceiling = None;
             }
             let max = self.policy.max_backoff_windows.max(1);
             let backoff = if adding { &mut self.add_backoff } else { &mut self.remove_backoff };
@@ -197,7 +263,15 @@ impl Explorer {
         self.proposal = agreed;
         let k = o.aggregators;
         let to = if o.comm_share >= self.policy.dominate_share && k < o.candidates && o.step >= self.next_add {
-            k + 1
+            let cap = self.add_ceiling.map_or(o.candidates, |c| c.saturating_sub(1)).min(o.candidates);
+            // Outside a bisection, jump at least to the k whose share of
+            // communication, if it falls as 1/k, matches the computation.
+            let step = if self.add_ceiling.is_none() && !self.add_failed {
+                self.add_step.max(predicted_k(k, o.comm_share).saturating_sub(k))
+            } else {
+                self.add_step
+            };
+            k.saturating_add(step.max(1)).min(cap.max(k + 1))
         } else if o.comm_share <= self.policy.idle_share && k > 1 && o.step >= self.next_remove {
             k - 1
         } else {
@@ -207,6 +281,14 @@ impl Explorer {
         self.proposal = Some(to);
         Some(Decision::Try { from: k, to, baseline_micros: o.step_micros })
     }
+}
+
+/// The number of aggregators at which communication, if it falls as 1/k
+/// with more owners, takes as long as the computation: `k x share / (1 -
+/// share)`, rounded up (a share over 0.95 counts as 0.95).
+pub fn predicted_k(k: usize, comm_share: f64) -> usize {
+    let s = if comm_share.is_finite() { comm_share.clamp(0.0, 0.95) } else { 0.0 };
+    ((k as f64) * s / (1.0 - s)).ceil() as usize
 }
 
 /// The limit the election uses: the lower median of the members' proposals
@@ -275,9 +357,9 @@ mod tests {
         let mut e = Explorer::new(policy(), Some(1));
         assert_eq!(e.proposal(), 1);
         // Not before a whole window has passed with this k.
-        assert_eq!(e.observe(&obs(5, 1, 1000.0, 0.8), Some(1)), None);
+        assert_eq!(e.observe(&obs(5, 1, 1000.0, 0.55), Some(1)), None);
         assert_eq!(
-            e.observe(&obs(10, 1, 1000.0, 0.8), Some(1)),
+            e.observe(&obs(10, 1, 1000.0, 0.55), Some(1)),
             Some(Decision::Try { from: 1, to: 2, baseline_micros: 1000.0 })
         );
         assert_eq!(e.proposal(), 2);
@@ -289,17 +371,17 @@ mod tests {
             Some(Decision::Keep { from: 1, k: 2, before_micros: 1000.0, after_micros: 700.0 })
         );
         assert_eq!(e.proposal(), 2);
-        // Still dominated: the next window tries 3.
+        // Still dominated: the next window tries twice as many more (4).
         assert_eq!(
             e.observe(&obs(30, 2, 700.0, 0.6), Some(2)),
-            Some(Decision::Try { from: 2, to: 3, baseline_micros: 700.0 })
+            Some(Decision::Try { from: 2, to: 4, baseline_micros: 700.0 })
         );
     }
 
     #[test]
     fn a_trial_that_does_not_help_is_reverted_and_backs_off() {
         let mut e = Explorer::new(policy(), Some(2));
-        assert!(matches!(e.observe(&obs(10, 2, 1000.0, 0.9), Some(2)), Some(Decision::Try { to: 3, .. })));
+        assert!(matches!(e.observe(&obs(10, 2, 1000.0, 0.55), Some(2)), Some(Decision::Try { to: 3, .. })));
         e.observe(&obs(11, 3, 990.0, 0.9), Some(3));
         assert_eq!(
             e.observe(&obs(21, 3, 950.0, 0.9), Some(3)),
@@ -332,6 +414,65 @@ mod tests {
     }
 
     #[test]
+    fn additions_double_while_they_pay_and_bisect_after_one_that_does_not() {
+        let obs8 = |step, k, micros| Observation {
+            step,
+            aggregators: k,
+            candidates: 8,
+            step_micros: micros,
+            comm_share: 0.55,
+        };
+        let mut e = Explorer::new(policy(), Some(1));
+        let mut k = 1;
+        let mut micros = 1000.0;
+        let mut tried = Vec::new();
+        // Steps get faster up to 5 owners, slower past them.
+        let speed = |k: usize| if k <= 5 { 1000.0 / k as f64 } else { 200.0 + 50.0 * (k - 5) as f64 };
+        for window in 1..=17u64 {
+            let step = window * 10;
+            match e.observe(&obs8(step, k, micros), Some(k)) {
+                Some(Decision::Try { to, .. }) => {
+                    tried.push(to);
+                    k = to;
+                    micros = speed(k);
+                    // The cluster takes the change up at once.
+                    e.observe(&obs8(step + 1, k, micros), Some(k));
+                }
+                Some(Decision::Revert { k: back, .. }) => {
+                    k = back;
+                    micros = speed(k);
+                    e.observe(&obs8(step + 1, k, micros), Some(k));
+                }
+                _ => {}
+            }
+        }
+        // 1 -> 2 -> 4 -> 8 (slower: back to 4) -> 6 (slower: back) -> 5, kept.
+        assert_eq!(tried, vec![2, 4, 8, 6, 5], "{tried:?}");
+        assert_eq!(k, 5);
+    }
+
+    #[test]
+    fn a_dominant_share_predicts_the_first_jump() {
+        assert_eq!(predicted_k(1, 0.85), 6, "1 x 0.85 / 0.15 = 5.7");
+        assert_eq!(predicted_k(2, 0.5), 2);
+        assert_eq!(predicted_k(1, 1.0), 19, "capped at a share of 0.95");
+        assert_eq!(predicted_k(3, f64::NAN), 0);
+        // From one owner at a share of 0.85, the first trial takes every
+        // candidate (4) at once.
+        let mut e = Explorer::new(policy(), Some(1));
+        assert!(matches!(e.observe(&obs(10, 1, 1000.0, 0.85), Some(1)), Some(Decision::Try { from: 1, to: 4, .. })));
+    }
+
+    #[test]
+    fn a_trial_that_places_fewer_owners_than_its_limit_still_counts() {
+        let mut e = Explorer::new(policy(), Some(1));
+        assert!(matches!(e.observe(&obs(10, 1, 1000.0, 0.85), Some(1)), Some(Decision::Try { from: 1, to: 4, .. })));
+        // The limit is 4 but the rendezvous placed 3 owners.
+        e.observe(&obs(11, 3, 400.0, 0.6), Some(4));
+        assert!(matches!(e.observe(&obs(21, 3, 400.0, 0.6), Some(4)), Some(Decision::Keep { from: 1, k: 4, .. })));
+    }
+
+    #[test]
     fn a_removal_is_kept_unless_steps_get_slower_by_more_than_the_margin() {
         let mut e = Explorer::new(policy(), None);
         assert!(matches!(e.observe(&obs(10, 4, 1000.0, 0.01), None), Some(Decision::Try { from: 4, to: 3, .. })));
@@ -349,7 +490,7 @@ mod tests {
     #[test]
     fn an_outside_change_cancels_a_trial_and_the_agreed_k_is_followed() {
         let mut e = Explorer::new(policy(), Some(2));
-        assert!(matches!(e.observe(&obs(10, 2, 1000.0, 0.9), Some(2)), Some(Decision::Try { to: 3, .. })));
+        assert!(matches!(e.observe(&obs(10, 2, 1000.0, 0.55), Some(2)), Some(Decision::Try { to: 3, .. })));
         // A node failed: 1 aggregator left, not the trial's 3.
         e.observe(&obs(11, 1, 1000.0, 0.9), Some(2));
         assert_eq!(e.proposal(), 2);
