@@ -338,9 +338,7 @@ impl NetworkActor {
                 let shard = p.shard;
                 // Link emulation: the gradient came in over this node's
                 // downlink, and the answer leaves over its uplink.
-                let delay = self.parts.faults.serve_delay()
-                    + self.parts.faults.receive_delay(p.grad.byte_len())
-                    + self.parts.faults.send_delay(0);
+                let delay = self.parts.faults.push_answer_delay(p.grad.byte_len());
                 match agg.try_push(peer, shard, p.base_version, p.samples, grad) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
@@ -513,12 +511,7 @@ impl NetworkActor {
                 let bytes = p.padding.byte_len();
                 // The delays a push of this size meets here (a slow owner,
                 // an emulated link), so the probe times what a push would.
-                let delay = self.parts.faults.serve_delay()
-                    + self.parts.faults.receive_delay(bytes)
-                    + self.parts.faults.send_delay(0);
-                if delay.is_zero() {
-                    return self.respond_now(channel, ShardResponse::Probed { bytes });
-                }
+                let delay = self.parts.faults.push_answer_delay(bytes);
                 self.responses.push(Box::pin(async move {
                     hold(delay).await;
                     (channel, ShardResponse::Probed { bytes })

@@ -416,23 +416,22 @@ impl Worker {
     /// is timed as a push of its size would be.
     fn probe_stragglers(&self, step: u64) {
         let Some(placement) = self.placement.borrow().clone() else { return };
+        let mut stragglers = placement.stragglers.iter().filter(|p| **p != self.me).peekable();
+        if stragglers.peek().is_none() {
+            return;
+        }
         let Some(bytes) = self.service.lock().ok().and_then(|t| t.probe_bytes()) else { return };
-        for &owner in placement.stragglers.iter().filter(|p| **p != self.me) {
+        // One padding for every probe of this heartbeat.
+        let padding = match Payload::encode(&vec![0.0f32; (bytes / 4) as usize], Encoding::F32) {
+            Ok(p) => p,
+            Err(e) => return warn!(error = %e, "cannot build a probe"),
+        };
+        let sent_bytes = padding.byte_len();
+        for &owner in stragglers {
             if !self.service.lock().is_ok_and(|mut t| t.begin_probe(owner)) {
                 continue;
             }
-            let padding = match Payload::encode(&vec![0.0f32; (bytes / 4) as usize], Encoding::F32) {
-                Ok(p) => p,
-                Err(e) => {
-                    warn!(error = %e, "cannot build a probe");
-                    if let Ok(mut t) = self.service.lock() {
-                        t.end_probe(owner, None, step);
-                    }
-                    return;
-                }
-            };
-            let sent_bytes = padding.byte_len();
-            let req = ShardRequest::Probe(Probe { run: self.run.clone(), padding });
+            let req = ShardRequest::Probe(Probe { run: self.run.clone(), padding: padding.clone() });
             let (net, service, faults) = (self.net.clone(), self.service.clone(), self.faults.clone());
             tokio::spawn(async move {
                 let sent = Instant::now();

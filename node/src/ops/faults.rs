@@ -227,6 +227,13 @@ impl Faults {
         self.down.delay(bytes)
     }
 
+    /// What answering a push of `bytes` costs here beyond the work: the
+    /// serve delay, the gradient coming in over the downlink, and the
+    /// (empty) answer going out over the uplink. Probes meet the same.
+    pub fn push_answer_delay(&self, bytes: u64) -> Duration {
+        self.serve_delay() + self.receive_delay(bytes) + self.send_delay(0)
+    }
+
     /// Extra time to add to a step whose gradients took `compute`.
     pub fn extra_compute(&self, compute: Duration) -> Duration {
         compute.mul_f64(self.slowdown() - 1.0)
