@@ -222,22 +222,22 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
     let t = config.training.clone();
     let c = config.cluster.clone();
     let device = t.device.open()?;
-    let split = {
+    let data = {
         let (kind, dir) = (t.dataset.clone(), t.data_dir.clone());
-        tokio::task::spawn_blocking(move || data::load(&kind, dir.as_deref()))
+        tokio::task::spawn_blocking(move || data::open(&kind, dir.as_deref()))
             .await
             .context("data loader panicked")?
             .with_context(|| format!("loading data set {}", t.dataset))?
     };
-    let model_cfg = config.model_config(&split.train);
+    let model_cfg = config.model_config(&data.test);
     let me = keypair.public().to_peer_id();
     let name = config.name.clone().unwrap_or_else(|| short(&me));
-    let train_len = split.train.len();
+    let train_len = data.train_len;
     let (trainer, _thread, initial) = trainer::spawn(
         model_cfg.clone(),
         t.seed,
         device,
-        split,
+        data,
         c.channel_capacity,
         crate::ops::threads::resolve(t.threads, 1),
         &name,

@@ -88,6 +88,17 @@ fn fashion_mnist_one_epoch_mlp_reaches_82_percent() -> anyhow::Result<()> {
     }
     let split = data::load(&DatasetKind::FashionMnist, None)?;
     assert_eq!((split.train.len(), split.test.len()), (60_000, 10_000));
+    // A node opens the set and reads only its partition: the same bytes
+    // and labels as those rows of the whole set, and the same test split.
+    let mut opened = data::open(&DatasetKind::FashionMnist, None)?;
+    assert_eq!(opened.train_len, 60_000);
+    assert_eq!((opened.test.raw == split.test.raw, opened.test.labels == split.test.labels), (true, true));
+    let rows = shoal_models::Partition::Rank { rank: 1, world: 4 }.indices(60_000)?;
+    let part = opened.take_train(&rows)?;
+    let expected = split.train.select(&rows)?;
+    assert_eq!(part.len(), 15_000);
+    assert!(part.raw == expected.raw && part.labels == expected.labels, "the partition read from the files differs");
+    assert!(opened.take_train(&rows).is_err(), "the training samples are taken once");
     let mut t = trainer_for(&split, OptimizerKind::Adamw, 42)?;
     let stats = t.run_epoch(&split.train, |_| {})?;
     assert_eq!(stats.samples, 60_000);

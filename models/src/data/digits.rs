@@ -29,7 +29,7 @@ pub fn parse_digits_csv_gz(gz: &[u8]) -> Result<Dataset> {
         .take(16 << 20)
         .read_to_string(&mut text)
         .map_err(|e| ModelError::bad_file(name, format!("corrupt gzip/utf-8: {e}")))?;
-    let mut images = Vec::new();
+    let mut raw = Vec::new();
     let mut labels = Vec::new();
     for (lineno, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -48,10 +48,13 @@ pub fn parse_digits_csv_gz(gz: &[u8]) -> Result<Dataset> {
                 ModelError::bad_file(name, format!("line {} column {}: `{f}` is not a number", lineno + 1, col + 1))
             })?;
             if col < 64 {
-                if !(0.0..=16.0).contains(&v) {
-                    return Err(ModelError::bad_file(name, format!("line {}: pixel {v} outside 0..16", lineno + 1)));
+                if !(0.0..=16.0).contains(&v) || v.fract() != 0.0 {
+                    return Err(ModelError::bad_file(
+                        name,
+                        format!("line {}: pixel {v} is not a whole number in 0..16", lineno + 1),
+                    ));
                 }
-                images.push(v / 16.0);
+                raw.push(v as u8);
             } else {
                 if !(0.0..=9.0).contains(&v) || v.fract() != 0.0 {
                     return Err(ModelError::bad_file(name, format!("line {}: label {v} outside 0..9", lineno + 1)));
@@ -67,7 +70,8 @@ pub fn parse_digits_csv_gz(gz: &[u8]) -> Result<Dataset> {
         name: "digits".into(),
         shape: ImageShape { channels: 1, height: 8, width: 8 },
         classes: 10,
-        images,
+        raw,
+        divisor: 16.0,
         labels,
     })
 }

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::idx::read_idx_file;
+use super::idx::read_idx_file_rows;
 use super::{Dataset, ImageShape, Split};
 use crate::error::{ModelError, Result};
 
@@ -40,7 +40,14 @@ pub fn fashion_mnist_dir(data_dir: Option<&Path>) -> Option<PathBuf> {
 
 /// Load Fashion-MNIST: 60,000 training and 10,000 test images of 28x28.
 pub fn load_fashion_mnist(data_dir: Option<&Path>) -> Result<Split> {
-    let dir = fashion_mnist_dir(data_dir).ok_or_else(|| ModelError::DatasetMissing {
+    let dir = fashion_dir_or_hint(data_dir)?;
+    let train = load_pair(&dir, TRAIN_IMAGES, TRAIN_LABELS, None)?.0;
+    let test = load_pair(&dir, TEST_IMAGES, TEST_LABELS, None)?.0;
+    Ok(Split { train, test })
+}
+
+fn fashion_dir_or_hint(data_dir: Option<&Path>) -> Result<PathBuf> {
+    fashion_mnist_dir(data_dir).ok_or_else(|| ModelError::DatasetMissing {
         name: "fashion-mnist".into(),
         hint: format!(
             "looked in {}; run `shoal data fetch fashion-mnist` or `scripts/fetch-data.sh`, \
@@ -50,38 +57,61 @@ pub fn load_fashion_mnist(data_dir: Option<&Path>) -> Result<Split> {
                 None => format!("./data and {SYSTEM_FASHION_MNIST_DIR}"),
             }
         ),
-    })?;
-    let train = load_pair(&dir, "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz")?;
-    let test = load_pair(&dir, "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")?;
-    Ok(Split { train, test })
+    })
 }
 
-/// Load one images/labels pair and check that they agree.
-pub fn load_pair(dir: &Path, images: &str, labels: &str) -> Result<Dataset> {
+const TRAIN_IMAGES: &str = "train-images-idx3-ubyte.gz";
+const TRAIN_LABELS: &str = "train-labels-idx1-ubyte.gz";
+const TEST_IMAGES: &str = "t10k-images-idx3-ubyte.gz";
+const TEST_LABELS: &str = "t10k-labels-idx1-ubyte.gz";
+
+/// Fashion-MNIST with its training images left on disk: the folder, the
+/// test split, and the number of training samples. The training files are
+/// read through once and checked, but no training sample is kept;
+/// [`load_fashion_train_rows`] reads the samples a worker trains on.
+pub fn open_fashion_mnist(data_dir: Option<&Path>) -> Result<(PathBuf, Dataset, usize)> {
+    let dir = fashion_dir_or_hint(data_dir)?;
+    let (_, train_len) = load_pair(&dir, TRAIN_IMAGES, TRAIN_LABELS, Some(&[]))?;
+    let (test, _) = load_pair(&dir, TEST_IMAGES, TEST_LABELS, None)?;
+    Ok((dir, test, train_len))
+}
+
+/// The training samples `rows` (ascending, no repeats) of the Fashion-MNIST
+/// files in `dir`, and no others.
+pub fn load_fashion_train_rows(dir: &Path, rows: &[usize]) -> Result<Dataset> {
+    Ok(load_pair(dir, TRAIN_IMAGES, TRAIN_LABELS, Some(rows))?.0)
+}
+
+/// Load one images/labels pair (only `rows` of them, when given) and check
+/// that they agree; also returns how many samples the files hold.
+pub fn load_pair(dir: &Path, images: &str, labels: &str, rows: Option<&[usize]>) -> Result<(Dataset, usize)> {
     let ipath = dir.join(images);
     let lpath = dir.join(labels);
-    let imgs = read_idx_file(&ipath)?;
-    let labs = read_idx_file(&lpath)?;
+    let imgs = read_idx_file_rows(&ipath, rows)?;
+    let labs = read_idx_file_rows(&lpath, rows)?;
     if imgs.dims.len() != 3 {
         return Err(ModelError::bad_file(&ipath, format!("expected 3 dims, got {:?}", imgs.dims)));
     }
     if labs.dims.len() != 1 {
         return Err(ModelError::bad_file(&lpath, format!("expected 1 dim, got {:?}", labs.dims)));
     }
-    if imgs.dims[0] != labs.dims[0] {
+    if imgs.file_rows != labs.file_rows {
         return Err(ModelError::bad_file(
             &lpath,
-            format!("{} labels for {} images in {}", labs.dims[0], imgs.dims[0], ipath.display()),
+            format!("{} labels for {} images in {}", labs.file_rows, imgs.file_rows, ipath.display()),
         ));
     }
     if let Some(bad) = labs.data.iter().find(|&&l| l > 9) {
         return Err(ModelError::bad_file(&lpath, format!("label {bad} outside 0..9")));
     }
-    Ok(Dataset {
+    let samples = imgs.file_rows;
+    let data = Dataset {
         name: "fashion-mnist".into(),
         shape: ImageShape { channels: 1, height: imgs.dims[1], width: imgs.dims[2] },
         classes: 10,
-        images: imgs.data.iter().map(|&p| p as f32 / 255.0).collect(),
+        raw: imgs.data,
+        divisor: 255.0,
         labels: labs.data,
-    })
+    };
+    Ok((data, samples))
 }

@@ -8,10 +8,8 @@
 //! declared sizes fit in memory limits, and that the data length matches the
 //! header exactly (a truncated or padded file is an error).
 
-use std::io::Read;
+use std::io::{BufRead, Read};
 use std::path::Path;
-
-use flate2::read::GzDecoder;
 
 use crate::error::{ModelError, Result};
 
@@ -22,72 +20,150 @@ pub const MAX_IDX_BYTES: u64 = 1 << 30;
 /// A decoded IDX array of u8.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdxArray {
+    /// The dimensions of `data` (the first counts the rows kept).
     pub dims: Vec<usize>,
     pub data: Vec<u8>,
+    /// Rows (first dimension) in the file, kept or not.
+    pub file_rows: usize,
 }
 
-/// Read and decode an IDX file (raw or gzip).
+/// Read and decode an IDX file (raw or gzip), streaming: the only large
+/// allocation is the data itself, sized from the header (Fashion-MNIST's
+/// training images take 47 MB while loading, not the compressed file plus
+/// a growing buffer plus a copy).
 pub fn read_idx_file(path: &Path) -> Result<IdxArray> {
-    let raw = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
-    let bytes = decompress_if_gzip(&raw).map_err(|reason| ModelError::bad_file(path, reason))?;
-    parse_idx(&bytes).map_err(|reason| ModelError::bad_file(path, reason))
+    read_idx_file_rows(path, None)
 }
 
-fn decompress_if_gzip(raw: &[u8]) -> std::result::Result<Vec<u8>, String> {
-    if raw.len() >= 2 && raw[0] == 0x1f && raw[1] == 0x8b {
-        let mut out = Vec::new();
-        GzDecoder::new(raw)
-            .take(MAX_IDX_BYTES + 1)
-            .read_to_end(&mut out)
-            .map_err(|e| format!("corrupt gzip stream: {e}"))?;
-        if out.len() as u64 > MAX_IDX_BYTES {
-            return Err(format!("decompresses to more than {MAX_IDX_BYTES} bytes"));
-        }
-        Ok(out)
+/// Read an IDX file keeping only `rows` of its first dimension (ascending, no
+/// repeats); `None`: all of it.
+pub fn read_idx_file_rows(path: &Path, rows: Option<&[usize]>) -> Result<IdxArray> {
+    let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    let mut reader = std::io::BufReader::new(file);
+    let head = reader.fill_buf().map_err(|e| ModelError::io(path, e))?;
+    let gzip = head.len() >= 2 && head[0] == 0x1f && head[1] == 0x8b;
+    let parsed = if gzip {
+        read_idx_rows(&mut flate2::bufread::GzDecoder::new(reader), rows).map_err(|reason| {
+            match reason.strip_prefix(READ_ERROR) {
+                Some(e) => format!("corrupt gzip stream: {e}"),
+                None => reason,
+            }
+        })
     } else {
-        Ok(raw.to_vec())
-    }
+        read_idx_rows(&mut reader, rows)
+    };
+    parsed.map_err(|reason| ModelError::bad_file(path, reason))
 }
 
 /// Parse IDX bytes that are already decompressed.
 pub fn parse_idx(bytes: &[u8]) -> std::result::Result<IdxArray, String> {
-    if bytes.len() < 4 {
-        return Err(format!("too short for an IDX header ({} bytes)", bytes.len()));
+    read_idx(&mut &bytes[..])
+}
+
+/// Read as many bytes as `buf` holds, or fewer at the end of the stream;
+/// returns how many.
+fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::result::Result<usize, String> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(stream_error(e)),
+        }
     }
-    if bytes[0] != 0 || bytes[1] != 0 {
+    Ok(n)
+}
+
+const READ_ERROR: &str = "read error: ";
+
+fn stream_error(e: std::io::Error) -> String {
+    format!("{READ_ERROR}{e}")
+}
+
+/// Decode one IDX array from a stream, checking the header before the data
+/// is allocated and that the stream ends exactly where the data does.
+pub fn read_idx(r: &mut impl Read) -> std::result::Result<IdxArray, String> {
+    read_idx_rows(r, None)
+}
+
+/// Like [`read_idx`], keeping only `rows` (ascending, no repeats) of the
+/// first dimension when given: the others are read and dropped, so memory
+/// holds only the rows kept.
+pub fn read_idx_rows(r: &mut impl Read, rows: Option<&[usize]>) -> std::result::Result<IdxArray, String> {
+    let mut magic = [0u8; 4];
+    let got = read_up_to(r, &mut magic)?;
+    if got < 4 {
+        return Err(format!("too short for an IDX header ({got} bytes)"));
+    }
+    if magic[0] != 0 || magic[1] != 0 {
         return Err(format!(
             "bad IDX magic {:02x}{:02x}{:02x}{:02x}: not an IDX file",
-            bytes[0], bytes[1], bytes[2], bytes[3]
+            magic[0], magic[1], magic[2], magic[3]
         ));
     }
-    if bytes[2] != 0x08 {
-        return Err(format!("IDX element type 0x{:02x} unsupported (only u8, 0x08)", bytes[2]));
+    if magic[2] != 0x08 {
+        return Err(format!("IDX element type 0x{:02x} unsupported (only u8, 0x08)", magic[2]));
     }
-    let rank = bytes[3] as usize;
+    let rank = magic[3] as usize;
     if rank == 0 || rank > 4 {
         return Err(format!("IDX rank {rank} unsupported (1 to 4)"));
     }
     let header = 4 + 4 * rank;
-    if bytes.len() < header {
-        return Err(format!("truncated IDX header: {} bytes, need {header}", bytes.len()));
+    let mut sizes = [0u8; 16];
+    let got = read_up_to(r, &mut sizes[..4 * rank])?;
+    if got < 4 * rank {
+        return Err(format!("truncated IDX header: {} bytes, need {header}", 4 + got));
     }
-    let mut dims = Vec::with_capacity(rank);
+    let mut dims: Vec<usize> = Vec::with_capacity(rank);
     let mut total: u64 = 1;
-    for d in 0..rank {
-        let o = 4 + 4 * d;
-        let v = u32::from_be_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+    for d in sizes[..4 * rank].chunks_exact(4) {
+        let v = u32::from_be_bytes([d[0], d[1], d[2], d[3]]);
         total = total.saturating_mul(v as u64);
         dims.push(v as usize);
     }
     if total > MAX_IDX_BYTES {
         return Err(format!("IDX dims {dims:?} declare {total} bytes, over the {MAX_IDX_BYTES} limit"));
     }
-    let body = &bytes[header..];
-    if (body.len() as u64) != total {
-        let what = if (body.len() as u64) < total { "truncated" } else { "trailing bytes" };
-        return Err(format!("{what}: dims {dims:?} need {total} data bytes, file has {}", body.len()));
+    let file_rows = dims[0];
+    let data = match rows {
+        None => {
+            let mut data = Vec::with_capacity(total as usize);
+            r.take(total).read_to_end(&mut data).map_err(stream_error)?;
+            if (data.len() as u64) < total {
+                return Err(format!("truncated: dims {dims:?} need {total} data bytes, file has {}", data.len()));
+            }
+            data
+        }
+        Some(rows) => {
+            let n = dims[0];
+            if let Some(w) = rows.windows(2).find(|w| w[0] >= w[1]) {
+                return Err(format!("rows must be ascending without repeats ({} then {})", w[0], w[1]));
+            }
+            if let Some(&last) = rows.last().filter(|&&l| l >= n) {
+                return Err(format!("row {last} out of range: the file has {n} rows"));
+            }
+            let row_len = if n == 0 { 0 } else { (total / n as u64) as usize };
+            let mut data = Vec::with_capacity(rows.len() * row_len);
+            let mut row = vec![0u8; row_len];
+            let mut wanted = rows.iter().peekable();
+            for i in 0..n {
+                if read_up_to(r, &mut row)? < row_len {
+                    return Err(format!("truncated: dims {dims:?} need {total} data bytes, the file ends in row {i}"));
+                }
+                if wanted.next_if_eq(&&i).is_some() {
+                    data.extend_from_slice(&row);
+                }
+            }
+            dims[0] = rows.len();
+            data
+        }
+    };
+    let mut probe = [0u8; 1];
+    if read_up_to(r, &mut probe)? > 0 {
+        return Err(format!("trailing bytes: dims {dims:?} need {total} data bytes, the file has more"));
     }
-    Ok(IdxArray { dims, data: body.to_vec() })
+    Ok(IdxArray { dims, data, file_rows })
 }
 
 #[cfg(test)]
@@ -139,6 +215,51 @@ mod tests {
     }
 
     #[test]
+    fn gzipped_and_raw_files_read_the_same_and_a_cut_gzip_is_truncated() -> Result<()> {
+        use std::io::Write;
+        let dir = tempfile::tempdir().map_err(|e| ModelError::Invalid(e.to_string()))?;
+        let raw = images(5, 3, 4);
+        let gz = |bytes: &[u8]| -> Vec<u8> {
+            let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            enc.write_all(bytes).ok();
+            enc.finish().unwrap_or_default()
+        };
+        let (p_raw, p_gz, p_cut) = (dir.path().join("a"), dir.path().join("a.gz"), dir.path().join("cut.gz"));
+        std::fs::write(&p_raw, &raw).map_err(|e| ModelError::io(&p_raw, e))?;
+        std::fs::write(&p_gz, gz(&raw)).map_err(|e| ModelError::io(&p_gz, e))?;
+        std::fs::write(&p_cut, gz(&raw[..raw.len() - 7])).map_err(|e| ModelError::io(&p_cut, e))?;
+        let expected = parse_idx(&raw).map_err(ModelError::Invalid)?;
+        assert_eq!(expected.data.len(), 60);
+        assert_eq!(read_idx_file(&p_raw)?, expected);
+        assert_eq!(read_idx_file(&p_gz)?, expected);
+        let e = read_idx_file(&p_cut).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("truncated") && e.contains("53"), "{e}");
+        Ok(())
+    }
+
+    #[test]
+    fn only_the_rows_asked_for_are_kept() -> std::result::Result<(), String> {
+        let raw = images(6, 2, 3);
+        let all = parse_idx(&raw)?;
+        let some = read_idx_rows(&mut &raw[..], Some(&[1, 4, 5]))?;
+        assert_eq!(some.dims, vec![3, 2, 3]);
+        let row = |i: usize| all.data[i * 6..(i + 1) * 6].to_vec();
+        assert_eq!(some.data, [row(1), row(4), row(5)].concat());
+        assert_eq!(read_idx_rows(&mut &raw[..], Some(&[]))?.data.len(), 0);
+        let e = read_idx_rows(&mut &raw[..], Some(&[2, 1])).err().unwrap_or_default();
+        assert!(e.contains("ascending"), "{e}");
+        let e = read_idx_rows(&mut &raw[..], Some(&[6])).err().unwrap_or_default();
+        assert!(e.contains("out of range"), "{e}");
+        let e = read_idx_rows(&mut &raw[..raw.len() - 1], Some(&[0])).err().unwrap_or_default();
+        assert!(e.contains("truncated"), "{e}");
+        let mut padded = raw;
+        padded.push(1);
+        let e = read_idx_rows(&mut &padded[..], Some(&[0])).err().unwrap_or_default();
+        assert!(e.contains("trailing"), "{e}");
+        Ok(())
+    }
+
+    #[test]
     fn corrupt_gzip_is_an_error() {
         let dir = tempfile::tempdir().ok();
         let Some(dir) = dir else { return };
@@ -154,7 +275,7 @@ mod tests {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = parse_idx(&bytes);
-            let _ = decompress_if_gzip(&bytes);
+            let _ = read_idx(&mut flate2::read::GzDecoder::new(&bytes[..]));
         }
     }
 }

@@ -92,15 +92,16 @@ pub fn text_split(bytes: &[u8], context: usize, name: &str) -> Result<Split> {
 }
 
 fn windows(bytes: &[u8], starts: &[usize], window: usize, name: String) -> Dataset {
-    let mut images = Vec::with_capacity(starts.len() * window);
+    let mut raw = Vec::with_capacity(starts.len() * window);
     for &s in starts {
-        images.extend(bytes[s..s + window].iter().map(|&b| b as f32));
+        raw.extend_from_slice(&bytes[s..s + window]);
     }
     Dataset {
         name,
         shape: ImageShape { channels: 1, height: 1, width: window },
         classes: BYTE_VOCAB,
-        images,
+        raw,
+        divisor: 1.0,
         labels: vec![0; starts.len()],
     }
 }
@@ -129,15 +130,15 @@ mod tests {
         assert_eq!(split.train.len(), 2 * 900 / 8);
         assert_eq!(split.test.len(), 100 / 9);
         // Every window is a run of the alphabet: consecutive bytes differ by 1 mod 26.
-        for w in split.train.images.chunks(9).chain(split.test.images.chunks(9)) {
+        for w in split.train.raw.chunks(9).chain(split.test.raw.chunks(9)) {
             for pair in w.windows(2) {
                 assert_eq!((pair[1] as i32 - pair[0] as i32).rem_euclid(26), 1);
             }
         }
         // The validation windows are the last 100 bytes, back to back.
-        assert_eq!(split.test.images[0], text[900] as f32);
+        assert_eq!(split.test.value(0, 0), text[900] as f32);
         // The same text gives the same windows.
-        assert_eq!(text_split(&text, 8, "abc")?.train.images, split.train.images);
+        assert_eq!(text_split(&text, 8, "abc")?.train.raw, split.train.raw);
         Ok(())
     }
 

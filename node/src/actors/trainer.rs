@@ -11,7 +11,8 @@ use std::thread::JoinHandle;
 
 use anyhow::Context;
 use candle_core::Device;
-use shoal_models::{Dataset, Model, ModelConfig, Split, TrainableModel};
+use shoal_models::data::OpenedData;
+use shoal_models::{Dataset, Model, ModelConfig, TrainableModel};
 use tokio::sync::mpsc;
 use tracing::debug;
 
@@ -19,8 +20,10 @@ use crate::handles::trainer::{Gradients, TrainerCommand, TrainerHandle};
 
 struct TrainerActor {
     model: Model,
-    train: Dataset,
-    test: Dataset,
+    /// The data set, until its training samples are loaded.
+    data: OpenedData,
+    /// This node's training samples (none before `LoadTrain`).
+    train: Option<Dataset>,
     receiver: mpsc::Receiver<TrainerCommand>,
 }
 
@@ -30,16 +33,15 @@ pub fn spawn(
     config: ModelConfig,
     seed: u64,
     device: Device,
-    data: Split,
+    data: OpenedData,
     capacity: usize,
     threads: usize,
     name: &str,
 ) -> anyhow::Result<(TrainerHandle, JoinHandle<()>, Vec<f32>)> {
-    let Split { train, test } = data;
     let model = Model::new(config, seed, &device)?;
     let initial = model.parameters()?;
     let (sender, receiver) = mpsc::channel(capacity.max(1));
-    let actor = TrainerActor { model, train, test, receiver };
+    let actor = TrainerActor { model, data, train: None, receiver };
     let pool = crate::ops::threads::compute_pool(threads, name)?;
     let thread = std::thread::Builder::new()
         .name(format!("trainer-{name}"))
@@ -62,7 +64,15 @@ impl TrainerActor {
                     let _ = reply.send(self.model.set_parameters(&params).map_err(Into::into));
                 }
                 TrainerCommand::Evaluate { reply } => {
-                    let _ = reply.send(self.model.evaluate(&self.test, 512).map_err(Into::into));
+                    let _ = reply.send(self.model.evaluate(&self.data.test, 512).map_err(Into::into));
+                }
+                TrainerCommand::LoadTrain { rows, reply } => {
+                    let loaded = self.data.take_train(&rows).map_err(anyhow::Error::from).map(|train| {
+                        let bytes = train.memory_bytes();
+                        self.train = Some(train);
+                        bytes
+                    });
+                    let _ = reply.send(loaded);
                 }
             }
         }
@@ -70,7 +80,8 @@ impl TrainerActor {
     }
 
     fn gradients(&self, indices: &[usize]) -> anyhow::Result<Gradients> {
-        let (x, y) = self.train.batch(indices, self.model.device())?;
+        let train = self.train.as_ref().context("the training samples are not loaded yet")?;
+        let (x, y) = train.batch(indices, self.model.device())?;
         let out = self.model.gradients(&x, &y)?;
         if !out.loss.is_finite() {
             anyhow::bail!("loss became {}; lower the learning rate", out.loss);

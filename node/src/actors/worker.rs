@@ -89,6 +89,21 @@ impl WorkerBatches {
         }
         self.batches.get((step % per_epoch) as usize).cloned().context("batch index out of range")
     }
+
+    /// The samples of the partition, ascending: what the trainer loads.
+    pub fn rows(&self) -> &[usize] {
+        &self.part
+    }
+
+    /// The batch of `step` as positions in [`Self::rows`] (the trainer holds
+    /// only those samples, in that order).
+    pub fn local_for_step(&mut self, step: u64) -> anyhow::Result<Vec<usize>> {
+        let global = self.for_step(step)?;
+        global
+            .iter()
+            .map(|g| self.part.binary_search(g).map_err(|_| anyhow::anyhow!("sample {g} is not in this partition")))
+            .collect()
+    }
 }
 
 /// Everything the step loop talks to.
@@ -191,6 +206,9 @@ impl Worker {
                 WorkerBatches::new(self.train_len, 0, 1, t.batch_size, seed)?
             }
         };
+        // Only this partition's samples are read into memory.
+        let loaded = self.trainer.load_train(batches.rows().to_vec()).await.context("loading the training samples")?;
+        info!(samples = batches.rows().len(), of = self.train_len, bytes = loaded, "training samples loaded");
         let mut versions = routing.versions.clone();
         if versions.len() != self.plan.len() {
             bail!("{} shard versions for {} shards", versions.len(), self.plan.len());
@@ -346,7 +364,7 @@ impl Worker {
         momentum: &mut Option<Vec<f32>>,
         limit: Option<usize>,
     ) -> anyhow::Result<(Gradients, f64)> {
-        let mut indices = batches.for_step(step)?;
+        let mut indices = batches.local_for_step(step)?;
         if let Some(n) = limit.filter(|&n| n < indices.len()) {
             indices.truncate(n.max(1));
             self.status.record(StatusEvent::FittedBatch(indices.len()));
@@ -992,6 +1010,11 @@ mod tests {
             let b = cached.for_step(step)?;
             assert_eq!(b, batch_for_step(100, 1, 3, 8, 7, step)?, "step {step}");
             assert!(b.iter().all(|i| i % 3 == 1), "rank 1 takes i % 3 == 1");
+            // The trainer holds only the partition: the batch as positions
+            // in it names the same samples.
+            let local = cached.local_for_step(step)?;
+            assert_eq!(local.iter().map(|&k| cached.rows()[k]).collect::<Vec<_>>(), b, "step {step}");
+            assert!(local.iter().all(|&k| k < 34));
             seen.push(b);
         }
         assert_ne!(seen[0], seen[5], "the next epoch is reshuffled");

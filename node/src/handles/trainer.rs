@@ -19,6 +19,7 @@ pub(crate) enum TrainerCommand {
     Gradients { indices: Vec<usize>, reply: oneshot::Sender<anyhow::Result<Gradients>> },
     SetParams { params: Arc<Vec<f32>>, reply: oneshot::Sender<anyhow::Result<()>> },
     Evaluate { reply: oneshot::Sender<anyhow::Result<Evaluation>> },
+    LoadTrain { rows: Vec<usize>, reply: oneshot::Sender<anyhow::Result<usize>> },
 }
 
 /// Cloneable handle to the trainer thread.
@@ -41,7 +42,16 @@ impl TrainerHandle {
         rx.await.map_err(|_| anyhow::anyhow!("trainer thread dropped the request"))?
     }
 
-    /// Forward and backward on the given samples of this node's training set.
+    /// Read the training samples `rows` (ascending, no repeats) of the data
+    /// set, the only ones this node will train on: afterwards, index `k` of
+    /// [`Self::gradients`] is sample `rows[k]`. Once per node. Returns the
+    /// bytes they take in memory.
+    pub async fn load_train(&self, rows: Vec<usize>) -> anyhow::Result<usize> {
+        self.call(|reply| TrainerCommand::LoadTrain { rows, reply }).await
+    }
+
+    /// Forward and backward on the given samples of this node's training
+    /// set (positions in what [`Self::load_train`] loaded).
     pub async fn gradients(&self, indices: Vec<usize>) -> anyhow::Result<Gradients> {
         self.call(|reply| TrainerCommand::Gradients { indices, reply }).await
     }
