@@ -418,10 +418,52 @@ impl Default for ClusterConfig {
     }
 }
 
+/// A preset of settings for a kind of machine. It sits under the config
+/// file: what the file sets wins, and flags win over both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Profile {
+    /// A small board: no shard ownership and bounded buffers
+    /// ([`EDGE_PROFILE`]).
+    Edge,
+}
+
+impl Profile {
+    /// The preset, as the TOML it stands for.
+    pub fn toml(self) -> &'static str {
+        match self {
+            Profile::Edge => EDGE_PROFILE,
+        }
+    }
+}
+
+/// `profile = "edge"`: what a node on a small board holds is bounded. It
+/// trains and exchanges like any worker, but owns no shard, so it keeps no
+/// optimizer state, replicas or checkpoints of others; every frame it reads
+/// or sends is at most 16 MiB and at most 32 MiB of frames are read at once;
+/// queues between actors are short. The shard size must fit the frames: the
+/// built-in models (the Fashion-MNIST MLP is under 1 MB) fit many times
+/// over. See `docs/operations.md`, "Edge devices".
+pub const EDGE_PROFILE: &str = r#"
+[cluster]
+can_aggregate = false
+channel_capacity = 16
+
+[network.limits]
+max_request_bytes = 16777216
+max_response_bytes = 16777216
+max_inflight_read_bytes = 33554432
+max_concurrent_streams = 8
+max_established = 32
+max_pending_incoming = 8
+"#;
+
 /// The whole node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NodeConfig {
+    /// A preset under this file's settings (`edge`). Default none.
+    pub profile: Option<Profile>,
     /// Name of the run; nodes of different runs ignore each other. Default `default`.
     pub run_id: String,
     /// A node name for logs and status (default: the last 6 characters of the peer id).
@@ -501,6 +543,7 @@ impl HttpConfig {
 impl Default for NodeConfig {
     fn default() -> Self {
         Self {
+            profile: None,
             run_id: "default".into(),
             name: None,
             identity: None,
@@ -514,11 +557,48 @@ impl Default for NodeConfig {
     }
 }
 
+/// Lay `top` over `base`: tables merge key by key, any other value of `top`
+/// replaces `base`'s.
+fn merge_tables(base: &mut toml::Table, top: toml::Table) {
+    for (key, value) in top {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge_tables(b, t),
+            (_, v) => {
+                base.insert(key, v);
+            }
+        }
+    }
+}
+
 impl NodeConfig {
     /// Read a TOML file; unknown keys are errors that name the key.
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+        Self::load(Some(path), None)
+    }
+
+    /// The config file (or the defaults) with a profile under it: `profile`
+    /// (a flag) or the file's own `profile` key. The file's settings win
+    /// over the profile's.
+    pub fn load(path: Option<&Path>, profile: Option<Profile>) -> anyhow::Result<Self> {
+        let (text, name) = match path {
+            Some(p) => (
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+                p.display().to_string(),
+            ),
+            None => (String::new(), "the defaults".to_string()),
+        };
+        Self::from_toml(&text, profile).with_context(|| format!("parsing {name}"))
+    }
+
+    /// Parse a config's TOML text with a profile under it (see [`Self::load`]).
+    pub fn from_toml(text: &str, profile: Option<Profile>) -> anyhow::Result<Self> {
+        // Parsed on its own first, so that errors point at the file's lines.
+        let mine: NodeConfig = toml::from_str(text)?;
+        let Some(profile) = profile.or(mine.profile) else { return Ok(mine) };
+        let mut merged: toml::Table = toml::from_str(profile.toml()).context("the built-in profile")?;
+        merge_tables(&mut merged, toml::from_str(text)?);
+        merged.insert("profile".into(), toml::Value::try_from(profile)?);
+        Ok(merged.try_into()?)
     }
 
     /// The policy shard owners enforce: the run's, or with
@@ -772,6 +852,43 @@ impl NodeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_edge_profile_sits_under_the_file_and_the_file_wins() -> anyhow::Result<()> {
+        // From the file's own key.
+        let c = NodeConfig::from_toml(
+            "profile = \"edge\"\nrun_id = \"r\"\n[network.limits]\nmax_request_bytes = 8388608\n",
+            None,
+        )?;
+        assert_eq!(c.profile, Some(Profile::Edge));
+        assert!(!c.cluster.can_aggregate);
+        assert_eq!(c.cluster.channel_capacity, 16);
+        assert_eq!(c.network.limits.max_request_bytes, 8 << 20, "the file's value wins");
+        assert_eq!(c.network.limits.max_response_bytes, 16 << 20, "the profile's value where the file is silent");
+        assert_eq!(c.network.limits.max_inflight_read_bytes, 32 << 20);
+        assert_eq!(c.run_id, "r");
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        // From a flag, with no file: the profile over the defaults.
+        let c = NodeConfig::from_toml("", Some(Profile::Edge))?;
+        assert!(!c.cluster.can_aggregate);
+        assert_eq!(c.training, TrainingConfig::default());
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        // The file may still make an edge node an owner.
+        let c = NodeConfig::from_toml("[cluster]\ncan_aggregate = true\n", Some(Profile::Edge))?;
+        assert!(c.cluster.can_aggregate);
+        // No profile: the defaults.
+        assert_eq!(NodeConfig::from_toml("", None)?, NodeConfig::default());
+        // An unknown profile is an error that names it.
+        let e = NodeConfig::from_toml("profile = \"tiny\"\n", None).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("tiny") && e.contains("edge"), "{e}");
+        // A mistake in the file is reported as before, with the profile on too.
+        let e = NodeConfig::from_toml("[cluster]\ncan_agregate = true\n", Some(Profile::Edge))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("can_agregate"), "{e}");
+        Ok(())
+    }
 
     #[test]
     fn a_language_model_needs_text_and_text_needs_a_language_model() {

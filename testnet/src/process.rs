@@ -31,8 +31,10 @@ use anyhow::{bail, Context};
 
 use crate::checks;
 use crate::http;
-use crate::report::{vm_rss_bytes, FaultRecord, NodeOutcome, ResourceSample, RoleRecord, Sample, Summary};
-use crate::scenario::{Action, Scenario};
+use crate::report::{
+    vm_hwm_bytes, vm_rss_bytes, FaultRecord, NodeOutcome, ResourceSample, RoleRecord, Sample, Summary,
+};
+use crate::scenario::{Action, Arch, Discovery, Scenario};
 
 /// How to run a scenario.
 #[derive(Debug, Clone)]
@@ -42,6 +44,9 @@ pub struct RunOptions {
     pub report_dir: PathBuf,
     /// The `shoal` binary to start nodes with.
     pub shoal_bin: PathBuf,
+    /// The aarch64 `shoal` binary for nodes with `arch = "aarch64"`, run
+    /// under user-mode emulation (`qemu-aarch64-static` or `qemu-aarch64`).
+    pub aarch64_bin: Option<PathBuf>,
     /// Redraw the live table in place (a terminal) or print it every few seconds.
     pub live: Option<bool>,
     pub backend: Backend,
@@ -99,12 +104,12 @@ fn parse_line(line: &str) -> Option<Line> {
 /// How often the launcher samples each node process's memory and open files.
 pub const RESOURCE_EVERY_SECS: f64 = 10.0;
 
-/// Resident memory and open file descriptors of process `pid`, from `/proc`
-/// (`None` off Linux or once the process is gone).
-fn proc_resources(pid: u32) -> Option<(u64, u64)> {
+/// Resident memory now and at its peak, and open file descriptors, of
+/// process `pid`, from `/proc` (`None` off Linux or once the process is gone).
+fn proc_resources(pid: u32) -> Option<(u64, u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64;
-    Some((vm_rss_bytes(&status)?, fds))
+    Some((vm_rss_bytes(&status)?, vm_hwm_bytes(&status)?, fds))
 }
 
 struct NodeProc {
@@ -203,6 +208,9 @@ impl Launcher<'_> {
         if let Some(d) = spec.serve_delay_ms {
             cluster.insert("fault_delay_ms".into(), (d as i64).into());
         }
+        if let Some(p) = &spec.profile {
+            cfg.insert("profile".into(), p.clone().into());
+        }
         cfg.insert("training".into(), training.into());
         cfg.insert("cluster".into(), cluster.into());
         if cfg.contains_key("checkpoint") {
@@ -230,8 +238,18 @@ impl Launcher<'_> {
     /// addresses.
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
         let config = self.write_config(i)?;
-        let bootstrap: Option<String> =
-            self.nodes.iter().filter(|n| n.alive() && n.index != i).find_map(|n| n.p2p_addr());
+        let spec = self.scenario.node_spec(i);
+        if spec.arch != Arch::Native && matches!(self.opts.backend, Backend::Docker { .. }) {
+            bail!("node{i} has arch = \"{}\": emulated nodes run on the process backend only", spec.arch);
+        }
+        let bootstrap: Option<String> = match self.scenario.discovery {
+            Discovery::Bootstrap => self.nodes.iter().filter(|n| n.alive() && n.index != i).find_map(|n| n.p2p_addr()),
+            Discovery::Mdns => None,
+        };
+        let mdns_flag: &[&str] = match self.scenario.discovery {
+            Discovery::Bootstrap => &["--no-mdns"],
+            Discovery::Mdns => &[],
+        };
         let logs = self.opts.report_dir.join("logs");
         std::fs::create_dir_all(&logs)?;
         let keys = self.opts.report_dir.join("keys");
@@ -248,12 +266,30 @@ impl Launcher<'_> {
         let container = self.container_name(i);
         let mut cmd = match &self.opts.backend {
             Backend::Processes => {
-                let mut cmd = Command::new(&self.opts.shoal_bin);
+                let mut cmd = match spec.arch {
+                    Arch::Native => Command::new(&self.opts.shoal_bin),
+                    Arch::Aarch64 => {
+                        let bin = self.opts.aarch64_bin.as_ref().with_context(|| {
+                            format!(
+                                "{name} has arch = \"aarch64\": pass --aarch64-bin (or SHOAL_AARCH64_BIN) with the \
+                                 binary scripts/build-aarch64.sh builds"
+                            )
+                        })?;
+                        let mut cmd = Command::new(qemu_aarch64()?);
+                        cmd.arg(bin);
+                        if std::env::var_os("QEMU_LD_PREFIX").is_none() && Path::new(AARCH64_SYSROOT).is_dir() {
+                            // Where the emulated binary's dynamic loader and
+                            // glibc are (Debian's libc6-arm64-cross).
+                            cmd.env("QEMU_LD_PREFIX", AARCH64_SYSROOT);
+                        }
+                        cmd
+                    }
+                };
                 cmd.arg("node")
                     .arg("--config")
                     .arg(&config)
                     .args(["--name", &name, "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--control"])
-                    .arg("--no-mdns")
+                    .args(mdns_flag)
                     .arg("--identity")
                     .arg(keys.join(format!("{name}.key")))
                     .arg("--output")
@@ -285,7 +321,8 @@ impl Launcher<'_> {
                 cmd.args(["-e", &format!("RUST_LOG={log_filter}"), "-e", "NO_COLOR=1", image, "node"])
                     .args(["--config", &format!("/configs/{name}.toml"), "--name", &name])
                     .args(["--listen", &format!("/ip4/0.0.0.0/tcp/{DOCKER_P2P_PORT}")])
-                    .args(["--http", &format!("0.0.0.0:{DOCKER_HTTP_PORT}"), "--control", "--no-mdns"])
+                    .args(["--http", &format!("0.0.0.0:{DOCKER_HTTP_PORT}"), "--control"])
+                    .args(mdns_flag)
                     .args(["--identity", &format!("/keys/{name}.key")])
                     .args(["--output", &format!("/models/{name}.safetensors")]);
                 if let Some(b) = &bootstrap {
@@ -504,8 +541,8 @@ impl Launcher<'_> {
         }
         for n in &self.nodes {
             let Some(pid) = n.child.as_ref().map(Child::id) else { continue };
-            if let Some((rss_bytes, open_fds)) = proc_resources(pid) {
-                out.push(ResourceSample { secs: t, node: n.name.clone(), pid, rss_bytes, open_fds });
+            if let Some((rss_bytes, peak_rss_bytes, open_fds)) = proc_resources(pid) {
+                out.push(ResourceSample { secs: t, node: n.name.clone(), pid, rss_bytes, peak_rss_bytes, open_fds });
             }
         }
     }
@@ -654,6 +691,12 @@ fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summar
     std::fs::create_dir_all(&opts.report_dir)
         .with_context(|| format!("creating the report directory {}", opts.report_dir.display()))?;
     let live = opts.live.unwrap_or_else(|| std::io::stdout().is_terminal());
+    if scenario.discovery == Discovery::Mdns && opts.backend == Backend::Processes {
+        bail!(
+            "scenario {}: discovery = \"mdns\" needs --backend docker (loopback carries no multicast)",
+            scenario.name
+        );
+    }
     let docker_net = match &opts.backend {
         Backend::Processes => None,
         Backend::Docker { image } => {
@@ -803,6 +846,8 @@ fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summar
             left: n.finished.is_some_and(|f| f.2),
             resumed_at_step: n.last.as_ref().and_then(|s| s.get("resumed_at_step")).and_then(|v| v.as_u64()),
             model: Some(format!("models/{}.safetensors", n.name)).filter(|m| opts.report_dir.join(m).is_file()),
+            arch: scenario.node_spec(n.index).arch.to_string(),
+            profile: scenario.node_spec(n.index).profile,
         })
         .collect();
     let summary =
@@ -838,6 +883,22 @@ fn told_to_stop(opts: &RunOptions) -> bool {
 }
 
 /// Run a docker command; its stderr becomes the error.
+/// Debian's aarch64 glibc for cross builds (`libc6-arm64-cross`), which
+/// qemu needs to run a dynamically linked aarch64 `shoal`.
+pub const AARCH64_SYSROOT: &str = "/usr/aarch64-linux-gnu";
+
+/// The user-mode emulator for aarch64 binaries: Debian's `qemu-user-static`
+/// installs `qemu-aarch64-static`, `qemu-user` installs `qemu-aarch64`.
+pub fn qemu_aarch64() -> anyhow::Result<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for name in ["qemu-aarch64-static", "qemu-aarch64"] {
+        if let Some(found) = std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file()) {
+            return Ok(found);
+        }
+    }
+    bail!("an aarch64 node needs qemu-aarch64-static or qemu-aarch64 on PATH (apt-get install qemu-user-static)")
+}
+
 fn docker(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("docker").args(args).stdin(Stdio::null()).output().context("running docker")?;
     if !out.status.success() {

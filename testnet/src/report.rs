@@ -47,14 +47,25 @@ pub struct ResourceSample {
     pub pid: u32,
     /// Resident set size (`VmRSS`).
     pub rss_bytes: u64,
+    /// The most the process has had resident in its life (`VmHWM`).
+    pub peak_rss_bytes: u64,
     /// Open file descriptors (entries of `/proc/PID/fd`).
     pub open_fds: u64,
 }
 
 /// `VmRSS` from the text of `/proc/PID/status`, in bytes.
 pub fn vm_rss_bytes(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let mut parts = line["VmRSS:".len()..].split_whitespace();
+    vm_field_bytes(status, "VmRSS:")
+}
+
+/// The `VmHWM` (peak resident set) of a `/proc/PID/status` text, in bytes.
+pub fn vm_hwm_bytes(status: &str) -> Option<u64> {
+    vm_field_bytes(status, "VmHWM:")
+}
+
+fn vm_field_bytes(status: &str, key: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let mut parts = line[key.len()..].split_whitespace();
     let value: u64 = parts.next()?.parse().ok()?;
     match parts.next() {
         Some("kB") => Some(value * 1024),
@@ -105,6 +116,10 @@ pub struct NodeOutcome {
     /// The node's trained model, relative to the report directory
     /// (`models/<name>.safetensors`), if it wrote one.
     pub model: Option<String>,
+    /// The architecture of the binary the node ran (`aarch64` under qemu).
+    pub arch: String,
+    /// The config preset it ran with (`edge`), if any.
+    pub profile: Option<String>,
 }
 
 /// `summary.json`.
@@ -355,6 +370,7 @@ mod tests {
                 node: "a".into(),
                 pid: 7,
                 rss_bytes: (40 + i) << 20,
+                peak_rss_bytes: (41 + i) << 20,
                 open_fds: 30,
             })
             .collect();

@@ -4,6 +4,7 @@
 //! ```toml
 //! nodes = 4                 # nodes started at once (indices 0..3)
 //! time_limit_secs = 600     # the whole testnet is stopped after this
+//! discovery = "bootstrap"   # or "mdns": no bootstrap addresses (docker backend)
 //!
 //! [node_config]             # a node config (see testnet/node.example.toml)
 //! training = { steps = 1200, eval_every = 100 }
@@ -15,6 +16,9 @@
 //! slowdown = 2.0            # compute takes twice as long
 //! can_aggregate = true
 //! serve_delay_ms = 0        # delay on every push/pull it answers as an owner
+//! profile = "edge"          # a config preset (`shoal node --profile`)
+//! arch = "aarch64"          # run the aarch64 binary under qemu (process backend)
+//! max_peak_rss_mib = 64     # check: the node's peak resident memory
 //!
 //! [[event]]                 # seconds after training starts on every node
 //! at_secs = 10
@@ -38,6 +42,7 @@
 //! Errors name the line: `scenario.toml:14: event: node 7 does not exist
 //! (nodes 0..3 at that time)`.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 use std::time::Duration;
@@ -74,7 +79,45 @@ pub struct NodeSpec {
     pub slowdown: Option<f64>,
     pub can_aggregate: Option<bool>,
     pub serve_delay_ms: Option<u64>,
+    /// A config preset: the node's `profile` (`edge`).
+    pub profile: Option<String>,
+    pub arch: Arch,
 }
+
+/// The architecture a node's `shoal` binary is built for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Arch {
+    /// The launcher's own `shoal` binary, run directly.
+    #[default]
+    Native,
+    /// An aarch64 Linux build (`scripts/build-aarch64.sh`), run under
+    /// user-mode emulation (`qemu-aarch64`) on the process backend.
+    Aarch64,
+}
+
+impl fmt::Display for Arch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Arch::Native => std::env::consts::ARCH,
+            Arch::Aarch64 => "aarch64",
+        })
+    }
+}
+
+/// How the nodes of a testnet find each other.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Discovery {
+    /// Each node is started with the address of a live one (`--bootstrap`),
+    /// and mDNS is off.
+    #[default]
+    Bootstrap,
+    /// No addresses: mDNS on the nodes' network. Loopback carries no
+    /// multicast, so this needs the docker backend.
+    Mdns,
+}
+
+/// The profiles a node accepts (`shoal node --profile`).
+pub const PROFILES: &[&str] = &["edge"];
 
 /// What happens at an event.
 #[derive(Debug, Clone, PartialEq)]
@@ -147,6 +190,8 @@ pub struct Scenario {
     pub name: String,
     pub nodes: usize,
     pub run_id: String,
+    /// How nodes find each other.
+    pub discovery: Discovery,
     pub time_limit: Duration,
     /// Passed to every node as its config file (then overridden per node).
     pub node_config: toml::Table,
@@ -163,6 +208,7 @@ pub struct Scenario {
 struct RawScenario {
     nodes: Spanned<i64>,
     run_id: Option<String>,
+    discovery: Option<Spanned<String>>,
     time_limit_secs: Option<Spanned<f64>>,
     #[serde(default)]
     node_config: toml::Table,
@@ -191,6 +237,9 @@ struct RawNode {
     slowdown: Option<Spanned<f64>>,
     can_aggregate: Option<bool>,
     serve_delay_ms: Option<Spanned<i64>>,
+    profile: Option<Spanned<String>>,
+    arch: Option<Spanned<String>>,
+    max_peak_rss_mib: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -442,6 +491,7 @@ impl Scenario {
         }
 
         let mut overrides = Vec::new();
+        let mut peak_limits = Vec::new();
         for n in &raw.node {
             let r = n.get_ref();
             let idx = *r.index.get_ref();
@@ -465,12 +515,35 @@ impl Scenario {
                 Some(d) => return Err(err(d.span(), format!("serve_delay_ms = {} is negative", d.get_ref()))),
             };
             let slowdown = check_slowdown(&r.slowdown).map_err(|(s, m)| err(s, m))?;
+            let profile = match &r.profile {
+                None => None,
+                Some(p) if PROFILES.contains(&p.get_ref().as_str()) => Some(p.get_ref().clone()),
+                Some(p) => {
+                    return Err(err(
+                        p.span(),
+                        format!("profile = \"{}\" is not one of: {}", p.get_ref(), PROFILES.join(", ")),
+                    ))
+                }
+            };
+            let arch = match r.arch.as_ref().map(|a| (a, a.get_ref().as_str())) {
+                None | Some((_, "native")) => Arch::Native,
+                Some((_, "aarch64" | "arm64")) => Arch::Aarch64,
+                Some((a, other)) => {
+                    return Err(err(a.span(), format!("arch = \"{other}\" is not one of: native, aarch64")))
+                }
+            };
+            if let Some(m) = &r.max_peak_rss_mib {
+                if !(m.get_ref().is_finite() && *m.get_ref() > 0.0) {
+                    return Err(err(m.span(), format!("max_peak_rss_mib = {} must be positive", m.get_ref())));
+                }
+                peak_limits.push((format!("node{idx}"), (*m.get_ref() * 1024.0 * 1024.0) as u64));
+            }
             overrides.push((
                 idx as usize,
-                NodeSpec { batch_size, slowdown, can_aggregate: r.can_aggregate, serve_delay_ms },
+                NodeSpec { batch_size, slowdown, can_aggregate: r.can_aggregate, serve_delay_ms, profile, arch },
             ));
         }
-        let checks = match &raw.checks {
+        let mut checks = match &raw.checks {
             None => Checks::default(),
             Some(c) => {
                 let c = c.get_ref();
@@ -486,6 +559,7 @@ impl Scenario {
                     max_rss_growth: positive(&c.max_rss_growth, "max_rss_growth", 100.0)?,
                     no_forced_rounds: c.no_forced_rounds,
                     accuracy_within_points: positive(&c.accuracy_within_points, "accuracy_within_points", 100.0)?,
+                    max_peak_rss: BTreeMap::new(),
                 };
                 if checks.warmup_secs >= time_limit {
                     return Err(err(
@@ -499,10 +573,19 @@ impl Scenario {
                 checks
             }
         };
+        checks.max_peak_rss = peak_limits.into_iter().collect();
+        let discovery = match raw.discovery.as_ref().map(|d| (d, d.get_ref().as_str())) {
+            None | Some((_, "bootstrap")) => Discovery::Bootstrap,
+            Some((_, "mdns")) => Discovery::Mdns,
+            Some((d, other)) => {
+                return Err(err(d.span(), format!("discovery = \"{other}\" is not one of: bootstrap, mdns")))
+            }
+        };
         Ok(Scenario {
             name: name.to_string(),
             nodes,
             run_id: raw.run_id.unwrap_or_else(|| format!("testnet-{name}")),
+            discovery,
             time_limit: Duration::from_secs_f64(time_limit),
             node_config: raw.node_config,
             overrides,
@@ -511,15 +594,26 @@ impl Scenario {
         })
     }
 
-    /// The same testnet with no events: the fault-free run a soak compares
-    /// its accuracy with (named `<name>-fault-free`, same run id and nodes).
+    /// The same testnet with no events and every node native: the
+    /// fault-free run a soak (or a mixed-architecture run) compares its
+    /// accuracy with (named `<name>-fault-free`, same run id and nodes).
     pub fn without_events(&self) -> Scenario {
         Scenario {
             name: format!("{}-fault-free", self.name),
             events: Vec::new(),
             checks: Checks::default(),
+            overrides: self
+                .overrides
+                .iter()
+                .map(|(i, spec)| (*i, NodeSpec { arch: Arch::Native, ..spec.clone() }))
+                .collect(),
             ..self.clone()
         }
+    }
+
+    /// Whether any node runs an emulated architecture.
+    pub fn has_arch(&self, arch: Arch) -> bool {
+        self.overrides.iter().any(|(_, s)| s.arch == arch)
     }
 
     pub fn node_spec(&self, index: usize) -> NodeSpec {
@@ -579,6 +673,35 @@ action = "add"
 
     fn parse(text: &str) -> Result<Scenario, ScenarioError> {
         Scenario::parse(text, "s.toml", "s")
+    }
+
+    #[test]
+    fn edge_arm_and_mdns_nodes_parse_and_mistakes_name_their_line() -> Result<(), ScenarioError> {
+        let text = "nodes = 4\ndiscovery = \"mdns\"\n\n[[node]]\nindex = 3\nprofile = \"edge\"\narch = \"aarch64\"\nmax_peak_rss_mib = 64\n";
+        let s = parse(text)?;
+        assert_eq!(s.discovery, Discovery::Mdns);
+        let spec = s.node_spec(3);
+        assert_eq!(spec.profile.as_deref(), Some("edge"));
+        assert_eq!(spec.arch, Arch::Aarch64);
+        assert!(s.has_arch(Arch::Aarch64));
+        assert_eq!(s.checks.max_peak_rss.get("node3"), Some(&(64 << 20)));
+        assert!(!s.checks.is_empty());
+        // The all-native baseline keeps the profile and drops the emulation.
+        let base = s.without_events();
+        assert_eq!(base.node_spec(3).arch, Arch::Native);
+        assert_eq!(base.node_spec(3).profile.as_deref(), Some("edge"));
+        assert_eq!(parse("nodes = 2\n")?.discovery, Discovery::Bootstrap);
+        for (bad, line, says) in [
+            ("nodes = 4\n[[node]]\nindex = 1\nprofile = \"tiny\"\n", 4, "not one of: edge"),
+            ("nodes = 4\n[[node]]\nindex = 1\narch = \"riscv\"\n", 4, "native, aarch64"),
+            ("nodes = 4\n[[node]]\nindex = 1\nmax_peak_rss_mib = 0\n", 4, "must be positive"),
+            ("nodes = 4\ndiscovery = \"dht\"\n", 2, "bootstrap, mdns"),
+        ] {
+            let e = parse(bad).err().unwrap_or_else(|| panic!("accepted: {bad}"));
+            assert_eq!(e.line, line, "{e}");
+            assert!(e.message.contains(says), "{e}");
+        }
+        Ok(())
     }
 
     #[test]
@@ -646,7 +769,8 @@ action = "add"
                 warmup_secs: 60.0,
                 max_rss_growth: Some(0.1),
                 no_forced_rounds: true,
-                accuracy_within_points: Some(0.5)
+                accuracy_within_points: Some(0.5),
+                max_peak_rss: BTreeMap::new(),
             }
         );
         let base = s.without_events();

@@ -248,6 +248,7 @@ impl NetworkActor {
                 for (peer, addr) in found {
                     self.swarm.add_peer_address(peer, addr.clone());
                     if !self.swarm.is_connected(&peer) {
+                        info!(%peer, %addr, "found by mDNS, dialling");
                         if let Err(e) = self.swarm.dial(addr.clone()) {
                             debug!(%peer, %addr, error = %e, "mdns dial");
                         }

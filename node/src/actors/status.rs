@@ -49,6 +49,9 @@ impl StatusActor {
                     self.snap.pushes_accepted = self.pushes.iter().map(|(p, n)| (p.to_string(), *n)).collect();
                     self.snap.rejected_contributions = self.rejected.iter().map(|(p, n)| (p.to_string(), *n)).collect();
                     self.snap.suspects = self.suspects.iter().map(ToString::to_string).collect();
+                    let memory = crate::ops::memory::current();
+                    self.snap.rss_bytes = memory.map(|m| m.rss_bytes);
+                    self.snap.peak_rss_bytes = memory.map(|m| m.peak_rss_bytes);
                     let _ = reply.send(self.snap.clone());
                 }
                 StatusCommand::Event(e) => self.apply(e),

@@ -74,6 +74,10 @@ pub struct TestnetRunArgs {
     /// The `shoal` binary the nodes run (default: this one).
     #[arg(long)]
     pub shoal_bin: Option<PathBuf>,
+    /// The aarch64 `shoal` binary that nodes with `arch = "aarch64"` run
+    /// under qemu-aarch64 (build it with scripts/build-aarch64.sh).
+    #[arg(long, env = "SHOAL_AARCH64_BIN")]
+    pub aarch64_bin: Option<PathBuf>,
     /// Print the table every 5 s instead of redrawing it in place.
     #[arg(long)]
     pub no_live: bool,
@@ -202,6 +206,10 @@ pub struct NodeArgs {
     /// TOML config file (see testnet/node.example.toml). Without it, defaults apply.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// A preset under the config file: `edge` (a small board: owns no
+    /// shards, bounded frames and queues; docs/operations.md, "Edge devices").
+    #[arg(long, value_enum)]
+    pub profile: Option<crate::config::Profile>,
     /// Run name; nodes of different runs ignore each other.
     #[arg(long)]
     pub run_id: Option<String>,

@@ -6,10 +6,7 @@ use crate::node::{load_identity, start};
 
 /// Apply command-line overrides on top of the file (or defaults).
 pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
-    let mut c = match &args.config {
-        Some(p) => NodeConfig::from_file(p)?,
-        None => NodeConfig::default(),
-    };
+    let mut c = NodeConfig::load(args.config.as_deref(), args.profile)?;
     macro_rules! set {
         ($field:expr, $val:expr) => {
             if let Some(v) = $val.clone() {

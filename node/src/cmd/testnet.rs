@@ -26,6 +26,7 @@ pub fn run(args: TestnetRunArgs) -> anyhow::Result<()> {
         scenario: args.scenario,
         report_dir,
         shoal_bin,
+        aarch64_bin: args.aarch64_bin,
         live: args.no_live.then_some(false),
         backend,
         stop: Some(stop),

@@ -117,6 +117,10 @@ pub struct StatusSnapshot {
     /// (`cluster.fit_batch`), and the samples they held.
     pub fitted_steps: u64,
     pub fitted_samples: u64,
+    /// This process's resident memory now and its peak since it started
+    /// (Linux's `VmRSS` and `VmHWM`; none on other systems).
+    pub rss_bytes: Option<u64>,
+    pub peak_rss_bytes: Option<u64>,
 }
 
 /// One decision of this node's explorer (see [`crate::policy::explore`]).

@@ -385,6 +385,7 @@ async function tick(){
    row('handoffs out / in',s.handoffs_out+' / '+s.handoffs_in)+
    row('aggregators in the placement',s.aggregators)+
    row('faults','serve delay '+s.serve_delay_ms+' ms, slowdown '+s.slowdown+'x')+
+   row('memory (now / peak)',s.rss_bytes==null?'-':(s.rss_bytes/1048576).toFixed(1)+' / '+(s.peak_rss_bytes/1048576).toFixed(1)+' MiB')+
    row('compression (push / pull)',(s.compress_push||'-')+' / '+(s.compress_pull||'-')+', residuals '+s.residual_bytes+' B')+
    row('suspects (named by)',Object.entries(s.suspected_by).map(([p,by])=>p.slice(-6)+' ('+by.map(b=>b.slice(-6)).join(', ')+')').join('<br>')||'-')+
    row('listen',s.listen.join('<br>'));

@@ -96,6 +96,10 @@ fn ms_to_seconds(ms: Option<f64>) -> f64 {
 pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
     let mut m = Exposition::default();
     m.gauge("step", "Training steps done.", s.step as f64);
+    if let (Some(rss), Some(peak)) = (s.rss_bytes, s.peak_rss_bytes) {
+        m.gauge("resident_memory_bytes", "Resident memory of this process (VmRSS).", rss as f64);
+        m.gauge("resident_memory_peak_bytes", "Most resident memory since this process started (VmHWM).", peak as f64);
+    }
     m.gauge(
         "error_feedback_residual_bytes",
         "Memory held by the residuals of error feedback (a lossy push encoding).",

@@ -4,5 +4,6 @@
 pub mod faults;
 pub mod http;
 pub mod logging;
+pub mod memory;
 pub mod metrics;
 pub mod threads;
