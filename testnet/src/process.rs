@@ -704,7 +704,15 @@ fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summar
             docker(&["image", "inspect", image])
                 .with_context(|| format!("no image {image}: build it with testnet/docker/build-image.sh"))?;
             let net = format!("shoal-{}-{}", scenario.name, std::process::id());
-            docker(&["network", "create", "--internal", &net]).context("creating the docker network")?;
+            // `--internal`: no route out of the network. Docker enforces it
+            // by dropping every packet addressed outside the subnet, mDNS's
+            // multicast group (224.0.0.251) too, so an mDNS testnet gets a
+            // plain bridge network; its nodes still dial only each other.
+            let create: &[&str] = match scenario.discovery {
+                Discovery::Bootstrap => &["network", "create", "--internal"],
+                Discovery::Mdns => &["network", "create"],
+            };
+            docker(&[create, &[net.as_str()]].concat()).context("creating the docker network")?;
             Some(net)
         }
     };
