@@ -22,16 +22,25 @@ fn docker_ok(args: &[&str]) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-#[test]
-#[ignore = "needs a docker engine and the shoal:testnet image; run from .ci/run"]
-fn docker_testnet_runs_the_same_scenario_file() -> anyhow::Result<()> {
+/// A docker engine and the `shoal:testnet` image (built when missing);
+/// `false`, with a line saying the test skipped, without an engine.
+fn docker_ready() -> anyhow::Result<bool> {
     if !docker_ok(&["info"]) {
         eprintln!("skipped: no docker engine");
-        return Ok(());
+        return Ok(false);
     }
     if !docker_ok(&["image", "inspect", "shoal:testnet"]) {
         let built = Command::new(repo().join("testnet/docker/build-image.sh")).status()?;
-        assert!(built.success(), "building the image failed");
+        anyhow::ensure!(built.success(), "building the image failed");
+    }
+    Ok(true)
+}
+
+#[test]
+#[ignore = "needs a docker engine and the shoal:testnet image; run from .ci/run"]
+fn docker_testnet_runs_the_same_scenario_file() -> anyhow::Result<()> {
+    if !docker_ready()? {
+        return Ok(());
     }
     let (report, summary) =
         run_testnet(&["--backend", "docker"], &repo().join("testnet/scenarios/slow-then-kill.toml"))?;
@@ -53,13 +62,8 @@ fn docker_testnet_runs_the_same_scenario_file() -> anyhow::Result<()> {
 #[test]
 #[ignore = "needs a docker engine and the shoal:testnet image; run from .ci/run"]
 fn docker_nodes_with_no_bootstrap_address_find_each_other_by_mdns_and_train() -> anyhow::Result<()> {
-    if !docker_ok(&["info"]) {
-        eprintln!("skipped: no docker engine");
+    if !docker_ready()? {
         return Ok(());
-    }
-    if !docker_ok(&["image", "inspect", "shoal:testnet"]) {
-        let built = Command::new(repo().join("testnet/docker/build-image.sh")).status()?;
-        assert!(built.success(), "building the image failed");
     }
     let scenario = repo().join("testnet/scenarios/mdns.toml");
     let text = std::fs::read_to_string(&scenario)?;

@@ -72,18 +72,27 @@ fn process_testnet_goes_on_past_an_owner_frozen_without_a_reset() -> anyhow::Res
     Ok(())
 }
 
+/// Whether Fashion-MNIST is installed; without it a test prints that it
+/// skipped, unless CI (`SHOAL_REQUIRE_FASHION_MNIST`) requires the data.
+fn fashion_mnist_installed() -> anyhow::Result<bool> {
+    if shoal_models::data::fashion_mnist_dir(None).is_some() {
+        return Ok(true);
+    }
+    eprintln!("skipped: fashion-mnist not installed (run `scripts/fetch-data.sh`)");
+    anyhow::ensure!(
+        std::env::var_os("SHOAL_REQUIRE_FASHION_MNIST").is_none(),
+        "SHOAL_REQUIRE_FASHION_MNIST is set but fashion-mnist is missing"
+    );
+    Ok(false)
+}
+
 /// An edge node (`profile = "edge"`) in a 4-node Fashion-MNIST run: it
 /// trains as a worker, owns no shard, and its peak resident memory, read
 /// from /proc by the launcher, stays under the scenario's
 /// `max_peak_rss_mib` (64 MiB; 57.1 MiB measured).
 #[test]
 fn an_edge_node_trains_without_owning_shards_within_its_memory_bound() -> anyhow::Result<()> {
-    if shoal_models::data::fashion_mnist_dir(None).is_none() {
-        eprintln!("skipped: fashion-mnist not installed (run `scripts/fetch-data.sh`)");
-        anyhow::ensure!(
-            std::env::var_os("SHOAL_REQUIRE_FASHION_MNIST").is_none(),
-            "SHOAL_REQUIRE_FASHION_MNIST is set but fashion-mnist is missing"
-        );
+    if !fashion_mnist_installed()? {
         return Ok(());
     }
     let (_report, summary) = run_testnet(&[], &repo().join("testnet/scenarios/edge.toml"))?;
@@ -262,12 +271,7 @@ fn process_testnet_resumes_after_every_node_stopped_at_once() -> anyhow::Result<
 #[test]
 #[ignore = "a 10-minute soak; .ci/run runs it"]
 fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<()> {
-    if shoal_models::data::fashion_mnist_dir(None).is_none() {
-        eprintln!("skipped: fashion-mnist not installed (run `scripts/fetch-data.sh`)");
-        anyhow::ensure!(
-            std::env::var_os("SHOAL_REQUIRE_FASHION_MNIST").is_none(),
-            "SHOAL_REQUIRE_FASHION_MNIST is set but fashion-mnist is missing"
-        );
+    if !fashion_mnist_installed()? {
         return Ok(());
     }
     // The launcher exits non-zero when a check fails; the checks are read
