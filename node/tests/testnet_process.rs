@@ -266,7 +266,7 @@ fn process_testnet_resumes_after_every_node_stopped_at_once() -> anyhow::Result<
 /// The 5-minute soak (`.ci/run` runs it; about 10 minutes with its
 /// fault-free run): every kind of fault on Fashion-MNIST, then the
 /// scenario's `[checks]`: after warm-up no node process's RSS grows more
-/// than 10%, no BSP round is forced by the timeout, and the survivors end
+/// than 20%, no BSP round is forced by the timeout, and the survivors end
 /// within 0.5 points of the same testnet run without faults.
 #[test]
 #[ignore = "a 10-minute soak; .ci/run runs it"]
@@ -291,7 +291,7 @@ fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<
     }
     assert_eq!(rss.iter().filter(|g| g["node"] == "node2").count(), 2, "{rss:?}");
     for g in &rss {
-        assert!(g["growth"].as_f64().is_some_and(|x| x <= 0.10), "{g}");
+        assert!(g["growth"].as_f64().is_some_and(|x| x <= 0.20), "{g}");
     }
     assert!(checks["rounds_forced"].as_object().is_some_and(|m| m.len() >= 4), "{checks}");
     let (a, b) = (checks["survivors_accuracy"].as_f64(), checks["fault_free_accuracy"].as_f64());
