@@ -37,12 +37,7 @@ fn arm_binary() -> anyhow::Result<PathBuf> {
 /// Run the aarch64 `shoal` with `args` under qemu.
 fn run_arm(args: &[&str]) -> anyhow::Result<Output> {
     let bin = arm_binary()?;
-    let mut cmd = Command::new(shoal_testnet::process::qemu_aarch64()?);
-    cmd.arg(&bin).args(args).env("NO_COLOR", "1");
-    if std::env::var_os("QEMU_LD_PREFIX").is_none() {
-        cmd.env("QEMU_LD_PREFIX", shoal_testnet::process::AARCH64_SYSROOT);
-    }
-    let out = cmd.output()?;
+    let out = shoal_testnet::process::qemu_aarch64_command(&bin)?.args(args).env("NO_COLOR", "1").output()?;
     eprintln!("aarch64 shoal {}:\n{}", args.join(" "), String::from_utf8_lossy(&out.stdout));
     anyhow::ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     Ok(out)

@@ -275,14 +275,7 @@ impl Launcher<'_> {
                                  binary scripts/build-aarch64.sh builds"
                             )
                         })?;
-                        let mut cmd = Command::new(qemu_aarch64()?);
-                        cmd.arg(bin);
-                        if std::env::var_os("QEMU_LD_PREFIX").is_none() && Path::new(AARCH64_SYSROOT).is_dir() {
-                            // Where the emulated binary's dynamic loader and
-                            // glibc are (Debian's libc6-arm64-cross).
-                            cmd.env("QEMU_LD_PREFIX", AARCH64_SYSROOT);
-                        }
-                        cmd
+                        qemu_aarch64_command(bin)?
                     }
                 };
                 cmd.arg("node")
@@ -895,9 +888,21 @@ fn told_to_stop(opts: &RunOptions) -> bool {
 /// qemu needs to run a dynamically linked aarch64 `shoal`.
 pub const AARCH64_SYSROOT: &str = "/usr/aarch64-linux-gnu";
 
+/// A command that runs the aarch64 binary `bin` under qemu, with
+/// `QEMU_LD_PREFIX` pointing at [`AARCH64_SYSROOT`] (where the emulated
+/// binary's dynamic loader and glibc are) unless it is already set.
+pub fn qemu_aarch64_command(bin: &Path) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(qemu_aarch64()?);
+    cmd.arg(bin);
+    if std::env::var_os("QEMU_LD_PREFIX").is_none() && Path::new(AARCH64_SYSROOT).is_dir() {
+        cmd.env("QEMU_LD_PREFIX", AARCH64_SYSROOT);
+    }
+    Ok(cmd)
+}
+
 /// The user-mode emulator for aarch64 binaries: Debian's `qemu-user-static`
 /// installs `qemu-aarch64-static`, `qemu-user` installs `qemu-aarch64`.
-pub fn qemu_aarch64() -> anyhow::Result<PathBuf> {
+fn qemu_aarch64() -> anyhow::Result<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     for name in ["qemu-aarch64-static", "qemu-aarch64"] {
         if let Some(found) = std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file()) {

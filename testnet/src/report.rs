@@ -68,7 +68,7 @@ fn vm_field_bytes(status: &str, key: &str) -> Option<u64> {
     let mut parts = line[key.len()..].split_whitespace();
     let value: u64 = parts.next()?.parse().ok()?;
     match parts.next() {
-        Some("kB") => Some(value * 1024),
+        Some("kB") => value.checked_mul(1024),
         _ => None,
     }
 }

@@ -15,19 +15,13 @@ pub fn current() -> Option<Memory> {
     parse(&status)
 }
 
-/// Parse the `VmRSS` and `VmHWM` lines of a `/proc/PID/status` text.
+/// Parse the `VmRSS` and `VmHWM` lines of a `/proc/PID/status` text (the
+/// testnet launcher reads other processes' memory with the same parsers).
 pub fn parse(status: &str) -> Option<Memory> {
-    Some(Memory { rss_bytes: field_bytes(status, "VmRSS:")?, peak_rss_bytes: field_bytes(status, "VmHWM:")? })
-}
-
-fn field_bytes(status: &str, key: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with(key))?;
-    let mut parts = line[key.len()..].split_whitespace();
-    let value: u64 = parts.next()?.parse().ok()?;
-    match parts.next() {
-        Some("kB") => value.checked_mul(1024),
-        _ => None,
-    }
+    Some(Memory {
+        rss_bytes: shoal_testnet::report::vm_rss_bytes(status)?,
+        peak_rss_bytes: shoal_testnet::report::vm_hwm_bytes(status)?,
+    })
 }
 
 #[cfg(test)]
