@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::idx::read_idx_file_rows;
+use super::idx::{idx_file_dims, read_idx_file_rows};
 use super::{Dataset, ImageShape, Split};
 use crate::error::{ModelError, Result};
 
@@ -66,14 +66,27 @@ const TEST_IMAGES: &str = "t10k-images-idx3-ubyte.gz";
 const TEST_LABELS: &str = "t10k-labels-idx1-ubyte.gz";
 
 /// Fashion-MNIST with its training images left on disk: the folder, the
-/// test split, and the number of training samples. The training files are
-/// read through once and checked, but no training sample is kept;
-/// [`load_fashion_train_rows`] reads the samples a worker trains on.
+/// test split, and the number of training samples. Only the training
+/// images' header is read here (their count must match the labels');
+/// [`load_fashion_train_rows`] reads, and checks, the samples a worker
+/// trains on.
 pub fn open_fashion_mnist(data_dir: Option<&Path>) -> Result<(PathBuf, Dataset, usize)> {
     let dir = fashion_dir_or_hint(data_dir)?;
-    let (_, train_len) = load_pair(&dir, TRAIN_IMAGES, TRAIN_LABELS, Some(&[]))?;
+    let ipath = dir.join(TRAIN_IMAGES);
+    let dims = idx_file_dims(&ipath)?;
+    if dims.len() != 3 {
+        return Err(ModelError::bad_file(&ipath, format!("expected 3 dims, got {dims:?}")));
+    }
+    let lpath = dir.join(TRAIN_LABELS);
+    let labels = read_idx_file_rows(&lpath, Some(&[]))?;
+    if labels.file_rows != dims[0] {
+        return Err(ModelError::bad_file(
+            &lpath,
+            format!("{} labels for {} images in {}", labels.file_rows, dims[0], ipath.display()),
+        ));
+    }
     let (test, _) = load_pair(&dir, TEST_IMAGES, TEST_LABELS, None)?;
-    Ok((dir, test, train_len))
+    Ok((dir, test, dims[0]))
 }
 
 /// The training samples `rows` (ascending, no repeats) of the Fashion-MNIST

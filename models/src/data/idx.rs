@@ -38,19 +38,23 @@ pub fn read_idx_file(path: &Path) -> Result<IdxArray> {
 /// Read an IDX file keeping only `rows` of its first dimension (ascending, no
 /// repeats); `None`: all of it.
 pub fn read_idx_file_rows(path: &Path, rows: Option<&[usize]>) -> Result<IdxArray> {
+    with_idx_reader(path, |r| read_idx_rows(r, rows))
+}
+
+/// Run `read` on the decompressed stream of an IDX file (raw or gzip,
+/// detected by the gzip magic); its errors name the file.
+fn with_idx_reader<T>(path: &Path, read: impl FnOnce(&mut dyn Read) -> std::result::Result<T, String>) -> Result<T> {
     let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
     let mut reader = std::io::BufReader::new(file);
     let head = reader.fill_buf().map_err(|e| ModelError::io(path, e))?;
     let gzip = head.len() >= 2 && head[0] == 0x1f && head[1] == 0x8b;
     let parsed = if gzip {
-        read_idx_rows(&mut flate2::bufread::GzDecoder::new(reader), rows).map_err(|reason| {
-            match reason.strip_prefix(READ_ERROR) {
-                Some(e) => format!("corrupt gzip stream: {e}"),
-                None => reason,
-            }
+        read(&mut flate2::bufread::GzDecoder::new(reader)).map_err(|reason| match reason.strip_prefix(READ_ERROR) {
+            Some(e) => format!("corrupt gzip stream: {e}"),
+            None => reason,
         })
     } else {
-        read_idx_rows(&mut reader, rows)
+        read(&mut reader)
     };
     parsed.map_err(|reason| ModelError::bad_file(path, reason))
 }
@@ -62,7 +66,7 @@ pub fn parse_idx(bytes: &[u8]) -> std::result::Result<IdxArray, String> {
 
 /// Read as many bytes as `buf` holds, or fewer at the end of the stream;
 /// returns how many.
-fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::result::Result<usize, String> {
+fn read_up_to(r: &mut (impl Read + ?Sized), buf: &mut [u8]) -> std::result::Result<usize, String> {
     let mut n = 0;
     while n < buf.len() {
         match r.read(&mut buf[n..]) {
@@ -81,16 +85,9 @@ fn stream_error(e: std::io::Error) -> String {
     format!("{READ_ERROR}{e}")
 }
 
-/// Decode one IDX array from a stream, checking the header before the data
-/// is allocated and that the stream ends exactly where the data does.
-pub fn read_idx(r: &mut impl Read) -> std::result::Result<IdxArray, String> {
-    read_idx_rows(r, None)
-}
-
-/// Like [`read_idx`], keeping only `rows` (ascending, no repeats) of the
-/// first dimension when given: the others are read and dropped, so memory
-/// holds only the rows kept.
-pub fn read_idx_rows(r: &mut impl Read, rows: Option<&[usize]>) -> std::result::Result<IdxArray, String> {
+/// Read and check an IDX header: the dimensions and the data bytes they
+/// declare (at most [`MAX_IDX_BYTES`]). The stream is left at the data.
+fn read_idx_header(r: &mut (impl Read + ?Sized)) -> std::result::Result<(Vec<usize>, u64), String> {
     let mut magic = [0u8; 4];
     let got = read_up_to(r, &mut magic)?;
     if got < 4 {
@@ -125,11 +122,31 @@ pub fn read_idx_rows(r: &mut impl Read, rows: Option<&[usize]>) -> std::result::
     if total > MAX_IDX_BYTES {
         return Err(format!("IDX dims {dims:?} declare {total} bytes, over the {MAX_IDX_BYTES} limit"));
     }
+    Ok((dims, total))
+}
+
+/// The dimensions of an IDX file (raw or gzip), from its header alone: the
+/// data is neither read nor checked.
+pub fn idx_file_dims(path: &Path) -> Result<Vec<usize>> {
+    with_idx_reader(path, |r| read_idx_header(r).map(|(dims, _)| dims))
+}
+
+/// Decode one IDX array from a stream, checking the header before the data
+/// is allocated and that the stream ends exactly where the data does.
+pub fn read_idx(r: &mut impl Read) -> std::result::Result<IdxArray, String> {
+    read_idx_rows(r, None)
+}
+
+/// Like [`read_idx`], keeping only `rows` (ascending, no repeats) of the
+/// first dimension when given: the others are read and dropped, so memory
+/// holds only the rows kept.
+pub fn read_idx_rows(r: &mut (impl Read + ?Sized), rows: Option<&[usize]>) -> std::result::Result<IdxArray, String> {
+    let (mut dims, total) = read_idx_header(r)?;
     let file_rows = dims[0];
     let data = match rows {
         None => {
             let mut data = Vec::with_capacity(total as usize);
-            r.take(total).read_to_end(&mut data).map_err(stream_error)?;
+            (&mut *r).take(total).read_to_end(&mut data).map_err(stream_error)?;
             if (data.len() as u64) < total {
                 return Err(format!("truncated: dims {dims:?} need {total} data bytes, file has {}", data.len()));
             }
@@ -234,6 +251,9 @@ mod tests {
         assert_eq!(read_idx_file(&p_gz)?, expected);
         let e = read_idx_file(&p_cut).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("truncated") && e.contains("53"), "{e}");
+        // The header alone: the cut data is not read.
+        assert_eq!(idx_file_dims(&p_cut)?, vec![5, 3, 4]);
+        assert_eq!(idx_file_dims(&p_raw)?, vec![5, 3, 4]);
         Ok(())
     }
 
