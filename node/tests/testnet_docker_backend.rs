@@ -78,3 +78,31 @@ fn docker_nodes_with_no_bootstrap_address_find_each_other_by_mdns_and_train() ->
     }
     Ok(())
 }
+
+/// Relay (circuit relay v2), tested by leaving no other way: node3 sits on
+/// a docker network that only node0, the relay, shares; node0 owns no shard,
+/// so node3 can only push and pull, and be pushed to, through the relay.
+#[test]
+#[ignore = "needs a docker engine and the shoal:testnet image; run from .ci/run"]
+fn a_node_on_a_network_the_others_cannot_reach_trains_through_a_relay() -> anyhow::Result<()> {
+    if !docker_ready()? {
+        return Ok(());
+    }
+    let scenario = repo().join("testnet/scenarios/relay.toml");
+    let text = std::fs::read_to_string(&scenario)?;
+    assert!(text.lines().any(|l| l.trim() == "discovery = \"relay\""), "the scenario no longer tests the relay");
+    let (report, summary) = run_testnet(&["--backend", "docker"], &scenario)?;
+    assert_survivors(&summary, 4, None, 600);
+    let log = |i: usize| std::fs::read_to_string(report.path().join("logs").join(format!("node{i}.log")));
+    let far = log(3)?;
+    assert!(far.contains("reservation accepted"), "node3 took no reservation on the relay");
+    assert!(far.contains("connected through a relay"), "node3 reached no peer through the relay");
+    let relay = log(0)?;
+    assert!(relay.contains("relay: circuit opened"), "node0 relayed no circuit");
+    // The far node owned shards or pushed to owners on the other network:
+    // every peer it exchanged with beyond the relay was reached through it.
+    for i in 1..3 {
+        assert!(log(i)?.contains("reservation accepted"), "node{i} took no reservation on the relay");
+    }
+    Ok(())
+}

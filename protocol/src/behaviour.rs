@@ -212,6 +212,8 @@ pub struct ShoalBehaviour {
     pub relay_client: Toggle<relay::client::Behaviour>,
     /// Hole punching over relayed connections.
     pub dcutr: Toggle<dcutr::Behaviour>,
+    /// Circuit relay v2 server, for peers that cannot reach each other.
+    pub relay_server: Toggle<relay::Behaviour>,
     /// Reachability probing.
     pub autonat: Toggle<autonat::Behaviour>,
 }
@@ -223,6 +225,7 @@ impl fmt::Debug for ShoalBehaviour {
             .field("mdns", &self.mdns.is_enabled())
             .field("kademlia", &self.kademlia.is_enabled())
             .field("relay_client", &self.relay_client.is_enabled())
+            .field("relay_server", &self.relay_server.is_enabled())
             .finish_non_exhaustive()
     }
 }
@@ -308,7 +311,10 @@ fn build_behaviour(
 
     let identify = identify::Behaviour::new(
         identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_owned(), keypair.public())
-            .with_agent_version(format!("shoal/{}", env!("CARGO_PKG_VERSION"))),
+            .with_agent_version(format!("shoal/{}", env!("CARGO_PKG_VERSION")))
+            // A relayed listen address appears once the reservation is
+            // taken, after the first identify exchange: tell peers.
+            .with_push_listen_addr_updates(cfg.discovery.relay_client),
     );
     let ping = ping::Behaviour::new(ping::Config::new());
 
@@ -330,6 +336,7 @@ fn build_behaviour(
         kad
     });
     let dcutr = cfg.discovery.dcutr.then(|| dcutr::Behaviour::new(peer_id));
+    let relay_server = cfg.discovery.relay_server.then(|| relay::Behaviour::new(peer_id, relay_server_config(limits)));
     let autonat = cfg.discovery.autonat.then(|| autonat::Behaviour::new(peer_id, autonat::Config::default()));
 
     Ok(ShoalBehaviour {
@@ -343,8 +350,30 @@ fn build_behaviour(
         kademlia: kademlia.into(),
         relay_client: relay_client.into(),
         dcutr: dcutr.into(),
+        relay_server: relay_server.into(),
         autonat: autonat.into(),
     })
+}
+
+/// A circuit is closed after this long (the client dials a new one).
+pub const RELAY_CIRCUIT_SECS: u64 = 24 * 3600;
+
+/// The relay server's bounds. libp2p's defaults suit a public relay that
+/// only brokers hole punching (128 KiB and 2 minutes per circuit); this one
+/// carries its run's pushes and pulls, so a circuit has no byte bound and
+/// lasts a day. Reservations and circuits are bounded by the connection
+/// limits; the per-peer and per-IP rate limiters stay libp2p's.
+fn relay_server_config(limits: &crate::config::Limits) -> relay::Config {
+    let established = limits.max_established as usize;
+    relay::Config {
+        max_reservations: established,
+        max_reservations_per_peer: 4,
+        max_circuits: established,
+        max_circuits_per_peer: (limits.max_established_per_peer as usize).max(4),
+        max_circuit_duration: Duration::from_secs(RELAY_CIRCUIT_SECS),
+        max_circuit_bytes: 0,
+        ..relay::Config::default()
+    }
 }
 
 fn transport_err(what: &str) -> impl FnOnce(noise::Error) -> ProtocolError + '_ {
@@ -403,7 +432,10 @@ fn build_transport(
         ),
         None => OptionalTransport::none(),
     };
-    Ok(direct.or_transport(relayed).map(|either, _| either.into_inner()).boxed())
+    // The relay transport first: it turns down a direct address at once
+    // (`MultiaddrNotSupported`), so the next is tried. The DNS transport
+    // takes every address and fails later, so after it nothing would be.
+    Ok(relayed.or_transport(direct).map(|either, _| either.into_inner()).boxed())
 }
 
 /// Builds the swarm: validates `cfg`, sets up the transports and behaviours,
@@ -428,6 +460,14 @@ pub fn build_swarm(cfg: &ProtocolConfig, keypair: Keypair) -> Result<Swarm<Shoal
             return Err(ProtocolError::Config(format!("{addr} needs quic = true")));
         }
         swarm.listen_on(addr.clone()).map_err(|e| ProtocolError::Transport(format!("listen on {addr}: {e}")))?;
+    }
+    for relay in &cfg.discovery.relays {
+        // Dials the relay and asks it for a reservation; once accepted, the
+        // circuit address is a listen address like any other.
+        let circuit = relay.clone().with(libp2p::multiaddr::Protocol::P2pCircuit);
+        swarm
+            .listen_on(circuit.clone())
+            .map_err(|e| ProtocolError::Transport(format!("reservation on relay {circuit}: {e}")))?;
     }
     tracing::info!(peer = %peer_id, run = %cfg.run_id, listen = ?cfg.listen, "swarm built");
     Ok(swarm)
@@ -460,12 +500,23 @@ mod tests {
         // mDNS stays off: it would multicast on the LAN.
         let mut cfg = ProtocolConfig::local(RunId::new("opt").unwrap());
         cfg.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap(), "/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap()];
-        cfg.discovery =
-            crate::config::Discovery { mdns: false, kademlia: true, relay_client: true, dcutr: true, autonat: true };
+        cfg.discovery = crate::config::Discovery {
+            mdns: false,
+            kademlia: true,
+            relay_client: true,
+            dcutr: true,
+            autonat: true,
+            relay_server: true,
+            relays: Vec::new(),
+        };
         let swarm = build_swarm(&cfg, Keypair::generate_ed25519()).unwrap();
         let b = swarm.behaviour();
         assert!(
-            b.kademlia.is_enabled() && b.relay_client.is_enabled() && b.dcutr.is_enabled() && b.autonat.is_enabled()
+            b.kademlia.is_enabled()
+                && b.relay_client.is_enabled()
+                && b.dcutr.is_enabled()
+                && b.autonat.is_enabled()
+                && b.relay_server.is_enabled()
         );
         assert!(!b.mdns.is_enabled());
     }
@@ -482,6 +533,20 @@ mod tests {
         let mut cfg = ProtocolConfig::local(RunId::new("bad").unwrap());
         cfg.limits.max_inflight_read_bytes = 1;
         assert!(matches!(build_swarm(&cfg, Keypair::generate_ed25519()), Err(ProtocolError::Config(_))));
+        // Relays: the client must be on, and each address names the relay
+        // directly (not through another circuit).
+        let relay = Keypair::generate_ed25519().public().to_peer_id();
+        let direct: Multiaddr = format!("/ip4/10.0.0.1/tcp/7000/p2p/{relay}").parse().unwrap();
+        let mut cfg = ProtocolConfig::local(RunId::new("bad").unwrap());
+        cfg.discovery.relays = vec![direct.clone()];
+        let err = cfg.validate().unwrap_err();
+        assert!(err.to_string().contains("needs discovery.relay_client"), "{err}");
+        cfg.discovery.relay_client = true;
+        for bad in ["/ip4/10.0.0.1/tcp/7000".to_string(), format!("{direct}/p2p-circuit")] {
+            cfg.discovery.relays = vec![bad.parse().unwrap()];
+            let err = cfg.validate().unwrap_err();
+            assert!(err.to_string().contains("must be a direct address ending in /p2p/"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -190,11 +190,28 @@ pub struct Discovery {
     pub dcutr: bool,
     /// AutoNAT (v1) reachability probing. Default off.
     pub autonat: bool,
+    /// Relay server (circuit relay v2): peers that cannot reach each other
+    /// directly, each reaching this node, connect through it. Circuits are
+    /// bounded in number and length (a day) but not in bytes: this relay
+    /// serves its own run, whose shards are megabytes. Default off.
+    pub relay_server: bool,
+    /// Relays to take a reservation on (`/ip4/../tcp/../p2p/<relay id>`),
+    /// so peers that cannot dial this node reach it through one; requests
+    /// to a peer also try each relay. Needs `relay_client`. Default none.
+    pub relays: Vec<Multiaddr>,
 }
 
 impl Default for Discovery {
     fn default() -> Self {
-        Discovery { mdns: true, kademlia: true, relay_client: false, dcutr: false, autonat: false }
+        Discovery {
+            mdns: true,
+            kademlia: true,
+            relay_client: false,
+            dcutr: false,
+            autonat: false,
+            relay_server: false,
+            relays: Vec::new(),
+        }
     }
 }
 
@@ -313,6 +330,18 @@ impl ProtocolConfig {
         }
         if self.discovery.dcutr && !self.discovery.relay_client {
             return bad("discovery.dcutr needs discovery.relay_client".into());
+        }
+        if !self.discovery.relays.is_empty() && !self.discovery.relay_client {
+            return bad("discovery.relays needs discovery.relay_client".into());
+        }
+        for relay in &self.discovery.relays {
+            let circuit = relay.iter().any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit));
+            if circuit || !matches!(relay.iter().last(), Some(libp2p::multiaddr::Protocol::P2p(_))) {
+                return bad(format!(
+                    "relay address {relay} must be a direct address ending in /p2p/<relay's peer id> \
+                     (no /p2p-circuit)"
+                ));
+            }
         }
         Ok(())
     }

@@ -161,6 +161,11 @@ struct Launcher<'a> {
     opts: &'a RunOptions,
     /// Docker backend: the network and the containers made (removed on drop).
     docker_net: Option<String>,
+    /// A relay scenario's second network, which only the relay node shares
+    /// with the far nodes (removed on drop).
+    far_net: Option<String>,
+    /// The relay node's address on the far network.
+    relay_far_addr: Option<String>,
     containers: Vec<String>,
     nodes: Vec<NodeProc>,
     begun: Instant,
@@ -242,13 +247,34 @@ impl Launcher<'_> {
         if spec.arch != Arch::Native && matches!(self.opts.backend, Backend::Docker { .. }) {
             bail!("node{i} has arch = \"{}\": emulated nodes run on the process backend only", spec.arch);
         }
+        let far = self.scenario.is_far(i);
         let bootstrap: Option<String> = match self.scenario.discovery {
             Discovery::Bootstrap => self.nodes.iter().filter(|n| n.alive() && n.index != i).find_map(|n| n.p2p_addr()),
+            Discovery::Relay if far => self.relay_far_addr.clone(),
+            // Any live node this one can reach: not a far one.
+            Discovery::Relay => self
+                .nodes
+                .iter()
+                .filter(|n| n.alive() && n.index != i && !self.scenario.is_far(n.index))
+                .find_map(|n| n.p2p_addr()),
             Discovery::Mdns => None,
         };
         let mdns_flag: &[&str] = match self.scenario.discovery {
-            Discovery::Bootstrap => &["--no-mdns"],
+            Discovery::Bootstrap | Discovery::Relay => &["--no-mdns"],
             Discovery::Mdns => &[],
+        };
+        // The relay serves; every other node reserves on it, by the address
+        // on its own network, so that the far nodes reach it and it them.
+        let relay_args: Vec<String> = match &self.scenario.relay {
+            None => Vec::new(),
+            Some(r) if r.node == i => vec!["--relay-server".into()],
+            Some(r) => {
+                let addr = if far { self.relay_far_addr.clone() } else { self.node(r.node)?.p2p_addr() };
+                vec![
+                    "--relay".into(),
+                    addr.with_context(|| format!("node{i} starts before its relay, node{}", r.node))?,
+                ]
+            }
         };
         let logs = self.opts.report_dir.join("logs");
         std::fs::create_dir_all(&logs)?;
@@ -290,11 +316,13 @@ impl Launcher<'_> {
                 if let Some(b) = &bootstrap {
                     cmd.args(["--bootstrap", b]);
                 }
+                cmd.args(&relay_args);
                 cmd.env("RUST_LOG", &log_filter).env("NO_COLOR", "1");
                 cmd
             }
             Backend::Docker { image } => {
-                let net = self.docker_net.clone().context("no docker network")?;
+                let net = if far { self.far_net.clone() } else { self.docker_net.clone() };
+                let net = net.context("no docker network")?;
                 // A restart reuses the container: same identity, new incarnation.
                 let _ = docker(&["rm", "-f", &container]);
                 let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
@@ -321,6 +349,7 @@ impl Launcher<'_> {
                 if let Some(b) = &bootstrap {
                     cmd.args(["--bootstrap", b]);
                 }
+                cmd.args(&relay_args);
                 if !self.containers.contains(&container) {
                     self.containers.push(container.clone());
                 }
@@ -366,16 +395,20 @@ impl Launcher<'_> {
         }
         let deadline = Instant::now() + START_TIMEOUT;
         let docker = matches!(self.opts.backend, Backend::Docker { .. });
+        let own_net = if far { self.far_net.clone() } else { self.docker_net.clone() };
         loop {
             let n = self.node_mut(i)?;
             n.drain_lines();
             if docker && n.http.is_some() && n.peer_id.is_some() {
                 // Inside a container the node reports 0.0.0.0 and loopback:
                 // peers and the launcher use the container's address.
-                if let Some(ip) = container_ip(&container) {
+                if let Some(ip) = own_net.as_deref().and_then(|net| container_ip(&container, net)) {
                     let n = self.node_mut(i)?;
                     n.listen = Some(format!("/ip4/{ip}/tcp/{DOCKER_P2P_PORT}"));
                     n.http = Some(SocketAddr::new(ip, DOCKER_HTTP_PORT));
+                    if self.scenario.relay.as_ref().is_some_and(|r| r.node == i) {
+                        self.join_far_network(i, &container)?;
+                    }
                     return Ok(());
                 }
             }
@@ -394,6 +427,17 @@ impl Launcher<'_> {
             // Waiting for a child process's output: nothing to wait on but time.
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Attach the relay node's container to the far network too (it listens
+    /// on every interface) and note its address there for the far nodes.
+    fn join_far_network(&mut self, i: usize, container: &str) -> anyhow::Result<()> {
+        let far = self.far_net.clone().context("a relay scenario without its far network")?;
+        docker(&["network", "connect", &far, container]).context("attaching the relay to the far network")?;
+        let ip = container_ip(container, &far).context("the relay got no address on the far network")?;
+        let peer = self.node(i)?.peer_id.clone().context("the relay printed no peer id")?;
+        self.relay_far_addr = Some(format!("/ip4/{ip}/tcp/{DOCKER_P2P_PORT}/p2p/{peer}"));
+        Ok(())
     }
 
     fn node_mut(&mut self, i: usize) -> anyhow::Result<&mut NodeProc> {
@@ -636,7 +680,7 @@ impl Drop for Launcher<'_> {
         for c in &self.containers {
             let _ = docker(&["rm", "-f", c]);
         }
-        if let Some(net) = &self.docker_net {
+        for net in self.docker_net.iter().chain(&self.far_net) {
             let _ = docker(&["network", "rm", net]);
         }
     }
@@ -690,6 +734,13 @@ fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summar
             scenario.name
         );
     }
+    if scenario.discovery == Discovery::Relay && opts.backend == Backend::Processes {
+        bail!(
+            "scenario {}: discovery = \"relay\" needs --backend docker (every process reaches every other on \
+             loopback, so nothing would need the relay)",
+            scenario.name
+        );
+    }
     let docker_net = match &opts.backend {
         Backend::Processes => None,
         Backend::Docker { image } => {
@@ -702,15 +753,30 @@ fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summar
             // multicast group (224.0.0.251) too, so an mDNS testnet gets a
             // plain bridge network; its nodes still dial only each other.
             let create: &[&str] = match scenario.discovery {
-                Discovery::Bootstrap => &["network", "create", "--internal"],
+                Discovery::Bootstrap | Discovery::Relay => &["network", "create", "--internal"],
                 Discovery::Mdns => &["network", "create"],
             };
             docker(&[create, &[net.as_str()]].concat()).context("creating the docker network")?;
             Some(net)
         }
     };
-    let mut l =
-        Launcher { scenario, opts, docker_net, containers: Vec::new(), nodes: Vec::new(), begun: Instant::now() };
+    // Made here so that the launcher's drop removes it whatever happens next.
+    let mut l = Launcher {
+        scenario,
+        opts,
+        docker_net,
+        far_net: None,
+        relay_far_addr: None,
+        containers: Vec::new(),
+        nodes: Vec::new(),
+        begun: Instant::now(),
+    };
+    if let (Some(main), Discovery::Relay) = (&l.docker_net, scenario.discovery) {
+        // Two internal networks: no route between them, nor out.
+        let far = format!("{main}-far");
+        docker(&["network", "create", "--internal", &far]).context("creating the far docker network")?;
+        l.far_net = Some(far);
+    }
     println!(
         "testnet `{}`: {} nodes, {} events, logs in {}",
         scenario.name,
@@ -920,9 +986,10 @@ fn docker(args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// The container's address on its network, once it has one.
-fn container_ip(container: &str) -> Option<std::net::IpAddr> {
-    docker(&["inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", container]).ok()?.parse().ok()
+/// The container's address on network `net`, once it has one.
+fn container_ip(container: &str, net: &str) -> Option<std::net::IpAddr> {
+    let format = format!("{{{{(index .NetworkSettings.Networks \"{net}\").IPAddress}}}}");
+    docker(&["inspect", "-f", &format, container]).ok()?.parse().ok()
 }
 
 /// Default report directory: `testnet-reports/<scenario>-<unix time>`.

@@ -5,6 +5,7 @@
 //! nodes = 4                 # nodes started at once (indices 0..3)
 //! time_limit_secs = 600     # the whole testnet is stopped after this
 //! discovery = "bootstrap"   # or "mdns": no bootstrap addresses (docker backend)
+//!                           # or "relay": see [relay] (docker backend)
 //!
 //! [node_config]             # a node config (see testnet/node.example.toml)
 //! training = { steps = 1200, eval_every = 100 }
@@ -19,6 +20,10 @@
 //! profile = "edge"          # a config preset (`shoal node --profile`)
 //! arch = "aarch64"          # run the aarch64 binary under qemu (process backend)
 //! max_peak_rss_mib = 64     # check: the node's peak resident memory
+//!
+//! [relay]                   # with discovery = "relay" only
+//! node = 0                  # serves as the relay, on both networks (node 0 only)
+//! far = [3]                 # on a second network that only the relay reaches
 //!
 //! [[event]]                 # seconds after training starts on every node
 //! at_secs = 10
@@ -114,6 +119,19 @@ pub enum Discovery {
     /// No addresses: mDNS on the nodes' network. Loopback carries no
     /// multicast, so this needs the docker backend.
     Mdns,
+    /// Two docker networks, joined only by a relay node ([`Scenario::relay`]):
+    /// the far nodes reach the others, and are reached, through it.
+    Relay,
+}
+
+/// The relayed topology of a `discovery = "relay"` scenario.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelaySpec {
+    /// The node that serves as the relay (`--relay-server`): node 0, on
+    /// both networks, started before every other node reserves on it.
+    pub node: usize,
+    /// Nodes on the far network, which only the relay node shares.
+    pub far: Vec<usize>,
 }
 
 /// The profiles a node accepts (`shoal node --profile`).
@@ -192,6 +210,8 @@ pub struct Scenario {
     pub run_id: String,
     /// How nodes find each other.
     pub discovery: Discovery,
+    /// With [`Discovery::Relay`]: which node relays and which are far.
+    pub relay: Option<RelaySpec>,
     pub time_limit: Duration,
     /// Passed to every node as its config file (then overridden per node).
     pub node_config: toml::Table,
@@ -209,6 +229,7 @@ struct RawScenario {
     nodes: Spanned<i64>,
     run_id: Option<String>,
     discovery: Option<Spanned<String>>,
+    relay: Option<Spanned<RawRelay>>,
     time_limit_secs: Option<Spanned<f64>>,
     #[serde(default)]
     node_config: toml::Table,
@@ -217,6 +238,13 @@ struct RawScenario {
     #[serde(default)]
     event: Vec<Spanned<RawEvent>>,
     checks: Option<Spanned<RawChecks>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRelay {
+    node: Spanned<i64>,
+    far: Spanned<Vec<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -577,8 +605,49 @@ impl Scenario {
         let discovery = match raw.discovery.as_ref().map(|d| (d, d.get_ref().as_str())) {
             None | Some((_, "bootstrap")) => Discovery::Bootstrap,
             Some((_, "mdns")) => Discovery::Mdns,
+            Some((_, "relay")) => Discovery::Relay,
             Some((d, other)) => {
-                return Err(err(d.span(), format!("discovery = \"{other}\" is not one of: bootstrap, mdns")))
+                return Err(err(d.span(), format!("discovery = \"{other}\" is not one of: bootstrap, mdns, relay")))
+            }
+        };
+        let relay = match (&raw.relay, discovery) {
+            (None, Discovery::Relay) => {
+                let span = raw.discovery.as_ref().map_or(0..0, |d| d.span());
+                return Err(err(span, "discovery = \"relay\" needs a [relay] table (node, far)".into()));
+            }
+            (Some(r), d) if d != Discovery::Relay => {
+                return Err(err(r.span(), "[relay] needs discovery = \"relay\"".into()));
+            }
+            (None, _) => None,
+            (Some(r), _) => {
+                let r = r.get_ref();
+                let node = *r.node.get_ref();
+                if node != 0 {
+                    return Err(err(
+                        r.node.span(),
+                        format!(
+                            "relay.node = {node}: the relay must be node 0, started first (every other node takes \
+                             a reservation on it as it starts)"
+                        ),
+                    ));
+                }
+                let mut far = Vec::new();
+                for &f in r.far.get_ref() {
+                    if !(0..nodes as i64).contains(&f) || f == node || far.contains(&(f as usize)) {
+                        return Err(err(
+                            r.far.span(),
+                            format!("relay.far: {f} is not a node other than the relay (nodes 0..{}), once", nodes - 1),
+                        ));
+                    }
+                    far.push(f as usize);
+                }
+                if far.is_empty() {
+                    return Err(err(r.far.span(), "relay.far names no node: nothing would be relayed".into()));
+                }
+                if let Some(e) = raw.event.first() {
+                    return Err(err(e.span(), "a relay scenario takes no events (its topology is fixed)".into()));
+                }
+                Some(RelaySpec { node: node as usize, far })
             }
         };
         Ok(Scenario {
@@ -586,6 +655,7 @@ impl Scenario {
             nodes,
             run_id: raw.run_id.unwrap_or_else(|| format!("testnet-{name}")),
             discovery,
+            relay,
             time_limit: Duration::from_secs_f64(time_limit),
             node_config: raw.node_config,
             overrides,
@@ -609,6 +679,11 @@ impl Scenario {
                 .collect(),
             ..self.clone()
         }
+    }
+
+    /// Whether node `i` sits on the far network of a relay scenario.
+    pub fn is_far(&self, i: usize) -> bool {
+        self.relay.as_ref().is_some_and(|r| r.far.contains(&i))
     }
 
     /// Whether any node runs an emulated architecture.
@@ -676,6 +751,22 @@ action = "add"
     }
 
     #[test]
+    fn a_relay_topology_parses() -> Result<(), ScenarioError> {
+        let s = parse("nodes = 4\ndiscovery = \"relay\"\n\n[relay]\nnode = 0\nfar = [3, 2]\n")?;
+        assert_eq!(s.discovery, Discovery::Relay);
+        assert_eq!(s.relay, Some(RelaySpec { node: 0, far: vec![3, 2] }));
+        assert!(s.is_far(2) && s.is_far(3) && !s.is_far(0) && !s.is_far(1));
+        assert_eq!(parse("nodes = 2\n")?.relay, None);
+        let with_event =
+            "nodes = 4\ndiscovery = \"relay\"\n[relay]\nnode = 0\nfar = [3]\n\n[[event]]\nat_secs = 5\naction = \"kill\"\nnode = 3\n";
+        match parse(with_event) {
+            Err(e) => assert!(e.message.contains("takes no events") && e.line == 7, "{e}"),
+            Ok(_) => panic!("a relay scenario with an event parsed"),
+        }
+        Ok(())
+    }
+
+    #[test]
     fn edge_arm_and_mdns_nodes_parse_and_mistakes_name_their_line() -> Result<(), ScenarioError> {
         let text = "nodes = 4\ndiscovery = \"mdns\"\n\n[[node]]\nindex = 3\nprofile = \"edge\"\narch = \"aarch64\"\nmax_peak_rss_mib = 64\n";
         let s = parse(text)?;
@@ -695,7 +786,13 @@ action = "add"
             ("nodes = 4\n[[node]]\nindex = 1\nprofile = \"tiny\"\n", 4, "not one of: edge"),
             ("nodes = 4\n[[node]]\nindex = 1\narch = \"riscv\"\n", 4, "native, aarch64"),
             ("nodes = 4\n[[node]]\nindex = 1\nmax_peak_rss_mib = 0\n", 4, "must be positive"),
-            ("nodes = 4\ndiscovery = \"dht\"\n", 2, "bootstrap, mdns"),
+            ("nodes = 4\ndiscovery = \"dht\"\n", 2, "bootstrap, mdns, relay"),
+            ("nodes = 4\ndiscovery = \"relay\"\n", 2, "needs a [relay] table"),
+            ("nodes = 4\n[relay]\nnode = 0\nfar = [3]\n", 2, "needs discovery = \"relay\""),
+            ("nodes = 4\ndiscovery = \"relay\"\n[relay]\nnode = 2\nfar = [3]\n", 4, "must be node 0"),
+            ("nodes = 4\ndiscovery = \"relay\"\n[relay]\nnode = 0\nfar = [4]\n", 5, "is not a node"),
+            ("nodes = 4\ndiscovery = \"relay\"\n[relay]\nnode = 0\nfar = [0]\n", 5, "other than the relay"),
+            ("nodes = 4\ndiscovery = \"relay\"\n[relay]\nnode = 0\nfar = []\n", 5, "names no node"),
         ] {
             let e = parse(bad).err().unwrap_or_else(|| panic!("accepted: {bad}"));
             assert_eq!(e.line, line, "{e}");

@@ -15,10 +15,11 @@ use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
+use shoal_protocol::config::is_local_only;
 use shoal_protocol::libp2p::multiaddr::Protocol;
 use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use shoal_protocol::libp2p::swarm::SwarmEvent;
-use shoal_protocol::libp2p::{gossipsub, identify, mdns, Multiaddr, PeerId, Swarm};
+use shoal_protocol::libp2p::{dcutr, gossipsub, identify, mdns, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
     frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, Encoding,
     ErrorCode, Exchanged, GossipMessage, Heartbeat, Payload, ProtocolConfig, RunId, ShardRequest, ShardResponse,
@@ -224,9 +225,27 @@ impl NetworkActor {
 
     fn event(&mut self, event: SwarmEvent<ShoalBehaviourEvent>) {
         match event {
-            SwarmEvent::NewListenAddr { address, .. } => info!(%address, "listening"),
+            SwarmEvent::NewListenAddr { address, .. } => {
+                info!(%address, "listening");
+                // A relay hands its addresses out with each reservation (and
+                // serves only once it has one): its own reachable listen
+                // addresses are what it has.
+                if self.parts.config.discovery.relay_server
+                    && !is_local_only(&address)
+                    && !address.iter().any(|p| p == Protocol::P2pCircuit)
+                {
+                    self.swarm.add_external_address(address);
+                }
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } if self.parts.config.discovery.relay_server => {
+                self.swarm.remove_external_address(&address);
+            }
             SwarmEvent::ConnectionEstablished { peer_id, endpoint, .. } => {
-                debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
+                if endpoint.is_relayed() {
+                    info!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected through a relay");
+                } else {
+                    debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
+                }
                 self.failed.remove(&peer_id);
                 for (_, reply) in self.dials.remove(&peer_id).unwrap_or_default() {
                     let _ = reply.send(Ok(peer_id));
@@ -252,6 +271,16 @@ impl NetworkActor {
                         if let Err(e) = self.swarm.dial(addr.clone()) {
                             debug!(%peer, %addr, error = %e, "mdns dial");
                         }
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::RelayClient(ev)) => relay_client_event(ev),
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::RelayServer(ev)) => relay_server_event(ev),
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::Dcutr(dcutr::Event { remote_peer_id, result })) => {
+                match result {
+                    Ok(_) => info!(peer = %remote_peer_id, "hole punched: a direct connection beside the relayed one"),
+                    Err(e) => {
+                        info!(peer = %remote_peer_id, error = %e, "no hole punched: the connection stays relayed")
                     }
                 }
             }
@@ -537,6 +566,7 @@ impl NetworkActor {
                 // Heard from again (a healed partition, a thawed process,
                 // relayed by another peer): requests may dial it again.
                 self.failed.remove(&hb.peer);
+                self.route_through_relays(hb.peer);
                 // Heartbeats are periodic: if membership is behind, drop this one.
                 let _ = self.parts.heartbeats.try_send(hb);
             }
@@ -546,6 +576,67 @@ impl NetworkActor {
                 self.swarm.behaviour_mut().report_gossip(&id, &source, false);
             }
         }
+    }
+}
+
+impl NetworkActor {
+    /// Gives a peer this node is not connected to an address through each
+    /// configured relay (`<relay>/p2p-circuit/p2p/<peer>`), so that a
+    /// request to a peer it cannot dial directly goes through a relay. The
+    /// swarm dials every address it knows for a peer at once and keeps the
+    /// first connection, so a direct route still wins where there is one. A
+    /// circuit to a peer with no reservation (yet) on that relay fails at
+    /// the relay at once, and a failed dial drops the address from the
+    /// swarm's cache: hence again on each heartbeat while not connected.
+    fn route_through_relays(&mut self, peer: PeerId) {
+        let relays = &self.parts.config.discovery.relays;
+        if relays.is_empty() || self.swarm.is_connected(&peer) {
+            return;
+        }
+        for relay in relays.clone() {
+            if relay.iter().any(|p| p == Protocol::P2p(peer)) {
+                continue; // The relay itself.
+            }
+            let route = relay.with(Protocol::P2pCircuit).with(Protocol::P2p(peer));
+            self.swarm.add_peer_address(peer, route);
+        }
+    }
+}
+
+fn relay_client_event(ev: relay::client::Event) {
+    match ev {
+        relay::client::Event::ReservationReqAccepted { relay_peer_id, renewal: false, .. } => {
+            info!(relay = %relay_peer_id, "reservation accepted: peers can reach this node through the relay");
+        }
+        relay::client::Event::ReservationReqAccepted { .. } => {}
+        relay::client::Event::OutboundCircuitEstablished { relay_peer_id, .. } => {
+            debug!(relay = %relay_peer_id, "circuit to a peer opened through the relay");
+        }
+        relay::client::Event::InboundCircuitEstablished { src_peer_id, .. } => {
+            debug!(peer = %src_peer_id, "circuit from a peer accepted through a relay");
+        }
+    }
+}
+
+fn relay_server_event(ev: relay::Event) {
+    match ev {
+        relay::Event::ReservationReqAccepted { src_peer_id, renewed: false } => {
+            info!(peer = %src_peer_id, "relay: reservation accepted");
+        }
+        relay::Event::CircuitReqAccepted { src_peer_id, dst_peer_id } => {
+            info!(src = %src_peer_id, dst = %dst_peer_id, "relay: circuit opened");
+        }
+        relay::Event::CircuitClosed { src_peer_id, dst_peer_id, error } => {
+            debug!(src = %src_peer_id, dst = %dst_peer_id, error = ?error, "relay: circuit closed");
+        }
+        relay::Event::ReservationReqDenied { src_peer_id, status } => {
+            warn!(peer = %src_peer_id, ?status, "relay: reservation denied");
+        }
+        // NO_RESERVATION is routine: peers try every relay for a peer.
+        relay::Event::CircuitReqDenied { src_peer_id, dst_peer_id, status } => {
+            debug!(src = %src_peer_id, dst = %dst_peer_id, ?status, "relay: circuit denied");
+        }
+        other => debug!(event = ?other, "relay"),
     }
 }
 

@@ -228,6 +228,15 @@ pub struct NodeArgs {
     /// Disable mDNS LAN discovery.
     #[arg(long)]
     pub no_mdns: bool,
+    /// Relay to take a reservation on, repeatable
+    /// (/ip4/../tcp/../p2p/<relay id>): peers that cannot dial this node reach
+    /// it through the relay, and it reaches them the same way. Turns on the
+    /// relay client and DCUtR hole punching.
+    #[arg(long)]
+    pub relay: Vec<shoal_protocol::libp2p::Multiaddr>,
+    /// Serve as a circuit relay (v2) for peers that cannot reach each other.
+    #[arg(long)]
+    pub relay_server: bool,
     #[arg(long, value_parser = parse_arch)]
     pub model: Option<ArchKind>,
     #[arg(long, value_parser = parse_dataset)]

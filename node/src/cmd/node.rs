@@ -30,6 +30,15 @@ pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     if args.no_mdns {
         c.network.discovery.mdns = false;
     }
+    if !args.relay.is_empty() {
+        let d = &mut c.network.discovery;
+        d.relays = args.relay.clone();
+        d.relay_client = true;
+        d.dcutr = true;
+    }
+    if args.relay_server {
+        c.network.discovery.relay_server = true;
+    }
     let t = &mut c.training;
     set!(t.model, args.model);
     set!(t.dataset, args.dataset);
