@@ -462,6 +462,9 @@ pub fn build_swarm(cfg: &ProtocolConfig, keypair: Keypair) -> Result<Swarm<Shoal
         swarm.listen_on(addr.clone()).map_err(|e| ProtocolError::Transport(format!("listen on {addr}: {e}")))?;
     }
     for relay in &cfg.discovery.relays {
+        if relay.iter().any(|p| p == libp2p::multiaddr::Protocol::P2p(peer_id)) {
+            return Err(ProtocolError::Config(format!("relay {relay} is this node itself")));
+        }
         // Dials the relay and asks it for a reservation; once accepted, the
         // circuit address is a listen address like any other.
         let circuit = relay.clone().with(libp2p::multiaddr::Protocol::P2pCircuit);
@@ -546,6 +549,14 @@ mod tests {
             cfg.discovery.relays = vec![bad.parse().unwrap()];
             let err = cfg.validate().unwrap_err();
             assert!(err.to_string().contains("must be a direct address ending in /p2p/"), "{bad}: {err}");
+        }
+        let me = Keypair::generate_ed25519();
+        cfg.discovery.relays =
+            vec![format!("/ip4/127.0.0.1/tcp/7000/p2p/{}", me.public().to_peer_id()).parse().unwrap()];
+        match build_swarm(&cfg, me) {
+            Err(ProtocolError::Config(m)) => assert!(m.contains("is this node itself"), "{m}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("a node took itself as its relay"),
         }
     }
 
