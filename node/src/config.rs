@@ -211,7 +211,8 @@ pub struct ClusterConfig {
     pub failure_timeout_ms: u64,
     /// Give up (non-zero exit) if the roster has not formed by then. Default 60000 ms.
     pub start_timeout_ms: u64,
-    /// How long to wait to dial each bootstrap peer. Default 10000 ms.
+    /// How long to keep dialling the bootstrap peers (each failed dial is
+    /// retried with backoff; one that answers is enough). Default 10000 ms.
     pub dial_timeout_ms: u64,
     /// Gossip mode: average with a random peer every this many steps. Default 5.
     pub gossip_every: u64,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use futures::StreamExt;
 use shoal_models::rng::stable_hash64;
 use shoal_models::{
     data, Evaluation, ModelConfig, ModelFile, ModelMeta, ShardCheckpoint, ShardDir, ShardOf, ShardPlan,
@@ -214,6 +215,49 @@ pub fn load_identity(path: Option<&std::path::Path>) -> anyhow::Result<Keypair> 
     }
 }
 
+/// Dial every bootstrap peer at once, each retried with backoff until
+/// `within` has passed: a peer still starting refuses the connection, and two
+/// nodes dialling each other at the same moment from their listening ports
+/// can meet in one TCP connection where both run the initiator's handshake,
+/// which fails (`Handshake failed: input error`). Returns once one answers
+/// (the others are found through it); an error naming each failure when
+/// none does.
+async fn dial_bootstrap(net: &NetworkHandle, peers: &[Multiaddr], within: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + within;
+    let dial = |addr: Multiaddr| async move {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let why = match tokio::time::timeout_at(deadline, net.dial(addr.clone())).await {
+                Ok(Ok(peer)) => return Ok(peer),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("did not answer within {} ms", within.as_millis()),
+            };
+            if Instant::now() + backoff >= deadline {
+                return Err(format!("bootstrap peer {addr} is unreachable: {why}"));
+            }
+            warn!(%addr, error = %why, retry_in_ms = backoff.as_millis() as u64, "bootstrap dial failed; retrying");
+            // Backoff before the next attempt against a peer outside this process.
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    };
+    let mut dials: futures::stream::FuturesUnordered<_> = peers.iter().cloned().map(dial).collect();
+    let mut failures = Vec::new();
+    while let Some(result) = dials.next().await {
+        match result {
+            // The rest are dropped: the run's other nodes are found through this one.
+            Ok(_) => {
+                for f in &failures {
+                    warn!("{f}; starting with a bootstrap peer that answered");
+                }
+                return Ok(());
+            }
+            Err(e) => failures.push(e),
+        }
+    }
+    bail!("no bootstrap peer answered: {}", failures.join("; "))
+}
+
 /// Build every actor, start listening, dial the bootstrap peers, and spawn
 /// the training task. Errors in config, data or bootstrap come back here.
 pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<RunningNode> {
@@ -328,13 +372,8 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
             .await
             .context("no listen address came up")??
     };
-    for addr in &c.bootstrap {
-        tokio::time::timeout(Duration::from_millis(c.dial_timeout_ms), net.dial(addr.clone()))
-            .await
-            .map_err(|_| anyhow::anyhow!("bootstrap peer {addr} did not answer within {} ms", c.dial_timeout_ms))?
-            .with_context(|| format!("bootstrap peer {addr} is unreachable"))?;
-    }
     if !c.bootstrap.is_empty() {
+        dial_bootstrap(&net, &c.bootstrap, Duration::from_millis(c.dial_timeout_ms)).await?;
         net.kad_bootstrap().await?;
     }
     let (placement_tx, election) = ElectionHandle::channel();

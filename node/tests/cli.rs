@@ -256,8 +256,12 @@ fn three_node_processes_train_together_over_tcp() {
     let common =
         ["--min-peers", "3", "--run-id", "procs", "--steps", "150", "--lr", "0.1", "--start-timeout-ms", "30000"];
     let (mut a, lines, addr) = spawn_listening(&mut node_cmd(&common));
-    let others: Vec<_> = (0..2)
-        .map(|_| node_cmd(&common).args(["--bootstrap", &addr]).stdout(std::process::Stdio::piped()).spawn())
+    // One of them also lists a bootstrap peer that is down, first: one
+    // that answers is enough.
+    let dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWE54zcAJi8KBgsrkiLYdhnwPWLmxSj7RHddoJ4dVNpcEg";
+    let others: Vec<_> = [vec!["--bootstrap", &addr], vec!["--bootstrap", dead, "--bootstrap", &addr]]
+        .into_iter()
+        .map(|boot| node_cmd(&common).args(boot).stdout(std::process::Stdio::piped()).spawn())
         .map(|c| c.unwrap_or_else(|e| panic!("{e}")))
         .collect();
     let mut finals: Vec<String> = lines.filter(|l| l.contains("test accuracy")).collect();
