@@ -183,8 +183,9 @@ impl Launcher<'_> {
     /// Write node `i`'s config file from the scenario.
     fn write_config(&self, i: usize) -> anyhow::Result<PathBuf> {
         let mut cfg = self.scenario.node_config.clone();
-        cfg.insert("run_id".into(), self.scenario.run_id.clone().into());
         let spec = self.scenario.node_spec(i);
+        merge_tables(&mut cfg, &spec.config);
+        cfg.insert("run_id".into(), self.scenario.run_id.clone().into());
         let table = |cfg: &mut toml::Table, key: &str| -> anyhow::Result<toml::Table> {
             match cfg.remove(key) {
                 None => Ok(toml::Table::new()),
@@ -949,6 +950,18 @@ fn told_to_stop(opts: &RunOptions) -> bool {
     opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
 }
 
+/// Merge `over` into `base`: tables key by key, any other value replaced.
+fn merge_tables(base: &mut toml::Table, over: &toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge_tables(b, o),
+            _ => {
+                base.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
 /// Run a docker command; its stderr becomes the error.
 /// Debian's aarch64 glibc for cross builds (`libc6-arm64-cross`), which
 /// qemu needs to run a dynamically linked aarch64 `shoal`.
@@ -1002,6 +1015,17 @@ pub fn default_report_dir(scenario: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_config_table_merges_key_by_key() -> Result<(), toml::de::Error> {
+        let mut base: toml::Table = toml::from_str("[training]\nsteps = 10\nlr = 0.1\n[cluster]\nmode = \"pull\"\n")?;
+        let over: toml::Table = toml::from_str("[training]\nlr = 0.5\n[network]\nquic = false\n")?;
+        merge_tables(&mut base, &over);
+        let want: toml::Table =
+            toml::from_str("[training]\nsteps = 10\nlr = 0.5\n[cluster]\nmode = \"pull\"\n[network]\nquic = false\n")?;
+        assert_eq!(base, want);
+        Ok(())
+    }
 
     #[test]
     fn node_stdout_lines_are_understood() {

@@ -19,6 +19,7 @@
 //! serve_delay_ms = 0        # delay on every push/pull it answers as an owner
 //! profile = "edge"          # a config preset (`shoal node --profile`)
 //! arch = "aarch64"          # run the aarch64 binary under qemu (process backend)
+//! config = { cluster = { compression = { push = "int8" } } }  # merged over node_config
 //! max_peak_rss_mib = 64     # check: the node's peak resident memory
 //!
 //! [relay]                   # with discovery = "relay" only
@@ -86,6 +87,9 @@ pub struct NodeSpec {
     pub serve_delay_ms: Option<u64>,
     /// A config preset: the node's `profile` (`edge`).
     pub profile: Option<String>,
+    /// Config tables merged over `node_config` for this node only
+    /// (`[node.config]`, same layout as the node's config file).
+    pub config: toml::Table,
     pub arch: Arch,
 }
 
@@ -266,6 +270,8 @@ struct RawNode {
     can_aggregate: Option<bool>,
     serve_delay_ms: Option<Spanned<i64>>,
     profile: Option<Spanned<String>>,
+    #[serde(default)]
+    config: toml::Table,
     arch: Option<Spanned<String>>,
     max_peak_rss_mib: Option<Spanned<f64>>,
 }
@@ -568,7 +574,15 @@ impl Scenario {
             }
             overrides.push((
                 idx as usize,
-                NodeSpec { batch_size, slowdown, can_aggregate: r.can_aggregate, serve_delay_ms, profile, arch },
+                NodeSpec {
+                    batch_size,
+                    slowdown,
+                    can_aggregate: r.can_aggregate,
+                    serve_delay_ms,
+                    profile,
+                    config: r.config.clone(),
+                    arch,
+                },
             ));
         }
         let mut checks = match &raw.checks {
@@ -768,11 +782,12 @@ action = "add"
 
     #[test]
     fn edge_arm_and_mdns_nodes_parse_and_mistakes_name_their_line() -> Result<(), ScenarioError> {
-        let text = "nodes = 4\ndiscovery = \"mdns\"\n\n[[node]]\nindex = 3\nprofile = \"edge\"\narch = \"aarch64\"\nmax_peak_rss_mib = 64\n";
+        let text = "nodes = 4\ndiscovery = \"mdns\"\n\n[[node]]\nindex = 3\nprofile = \"edge\"\narch = \"aarch64\"\nmax_peak_rss_mib = 64\n\n[node.config.cluster]\nheartbeat_ms = 50\n";
         let s = parse(text)?;
         assert_eq!(s.discovery, Discovery::Mdns);
         let spec = s.node_spec(3);
         assert_eq!(spec.profile.as_deref(), Some("edge"));
+        assert_eq!(spec.config["cluster"]["heartbeat_ms"].as_integer(), Some(50));
         assert_eq!(spec.arch, Arch::Aarch64);
         assert!(s.has_arch(Arch::Aarch64));
         assert_eq!(s.checks.max_peak_rss.get("node3"), Some(&(64 << 20)));

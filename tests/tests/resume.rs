@@ -110,18 +110,25 @@ async fn a_lost_folder_and_a_truncated_file_still_resume_from_the_copies() -> an
     let spec = spec("resume-damaged", Some(dir.path()));
     let reached = first_life_killed(&spec).await?;
     // node2 comes back with an empty folder: its shards' backups wrote the
-    // same versions. node0's newest file that has a copy on node1 or node3
-    // is cut short: it is skipped and the copy used.
+    // same versions. The newest file on node0, node1 or node3 that has a
+    // copy on another of them is cut short: it is skipped and the copy used.
+    // (Which node holds it depends on the placement, which follows the
+    // random peer ids: node0's shards may all be backed up on node2.)
     std::fs::remove_dir_all(dir.path().join("node2"))?;
     let names = |node: &str| -> Vec<String> {
         std::fs::read_dir(dir.path().join(node))
             .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
             .unwrap_or_default()
     };
-    let elsewhere: Vec<String> = names("node1").into_iter().chain(names("node3")).collect();
-    let mut mine: Vec<String> = names("node0").into_iter().filter(|n| elsewhere.contains(n)).collect();
-    mine.sort_by_key(|n| n.rsplit('-').next().map(str::to_string));
-    let newest = dir.path().join("node0").join(mine.last().ok_or_else(|| anyhow::anyhow!("no shared file"))?);
+    let kept = ["node0", "node1", "node3"].map(|n| (n, names(n)));
+    let mut shared: Vec<(&str, &String)> = kept
+        .iter()
+        .flat_map(|(n, files)| files.iter().map(move |f| (*n, f)))
+        .filter(|(n, f)| kept.iter().any(|(o, files)| o != n && files.contains(f)))
+        .collect();
+    shared.sort_by_key(|(_, f)| f.rsplit('-').next().map(str::to_string));
+    let (node, file) = shared.last().ok_or_else(|| anyhow::anyhow!("no file has a copy outside node2"))?;
+    let newest = dir.path().join(node).join(file);
     let bytes = std::fs::read(&newest)?;
     std::fs::write(&newest, &bytes[..bytes.len() / 2])?;
     eprintln!("removed node2's folder, truncated {}", newest.display());

@@ -69,7 +69,7 @@ pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle
         parts,
         outbound: HashMap::new(),
         dials: HashMap::new(),
-        failed: HashSet::new(),
+        failed: FailedPeers::default(),
         responses: FuturesUnordered::new(),
         kad_bootstrapped: false,
     };
@@ -91,17 +91,52 @@ struct NetworkActor {
     /// timeout (20 s), holding up the worker whose request it was (and
     /// every BSP round waiting for that worker). Cleared when the peer
     /// connects again, is dialled on purpose, or its heartbeat comes back.
-    /// At most [`MAX_FAILED`].
-    failed: HashSet<PeerId>,
+    /// At most [`MAX_FAILED`], the oldest forgotten first.
+    failed: FailedPeers,
     responses: FuturesUnordered<PendingResponse>,
     /// A Kademlia bootstrap query has been started (it needs a peer with a
     /// known address, which the first identify exchange gives).
     kad_bootstrapped: bool,
 }
 
-/// Failed peers remembered. Past this, a failed peer's connections are
-/// still closed, but requests to it dial it as before.
+/// Failed peers remembered. Past this, the one marked longest ago is
+/// forgotten (requests to it dial it as before).
 const MAX_FAILED: usize = 1024;
+
+/// The peers marked failed, at most [`MAX_FAILED`], forgetting the oldest
+/// mark first (a long run with churn marks more peers than that, and the
+/// ones that matter are the recent ones).
+#[derive(Debug, Default)]
+struct FailedPeers {
+    set: HashSet<PeerId>,
+    /// Marking order, oldest first; holds exactly the peers in `set`.
+    order: std::collections::VecDeque<PeerId>,
+}
+
+impl FailedPeers {
+    fn contains(&self, peer: &PeerId) -> bool {
+        self.set.contains(peer)
+    }
+
+    fn insert(&mut self, peer: PeerId) {
+        if self.set.contains(&peer) {
+            // Marked again: it becomes the newest.
+            self.order.retain(|p| *p != peer);
+        } else if self.set.len() >= MAX_FAILED {
+            if let Some(oldest) = self.order.pop_front() {
+                self.set.remove(&oldest);
+            }
+        }
+        self.set.insert(peer);
+        self.order.push_back(peer);
+    }
+
+    fn remove(&mut self, peer: &PeerId) {
+        if self.set.remove(peer) {
+            self.order.retain(|p| p != peer);
+        }
+    }
+}
 
 fn wire_error(code: ErrorCode, msg: impl Into<String>) -> ShardResponse {
     ShardResponse::Error(WireError::new(code, msg))
@@ -202,9 +237,7 @@ impl NetworkActor {
             }
             NetCommand::Shutdown => {}
             NetCommand::Disconnect(peer) => {
-                if self.failed.len() < MAX_FAILED {
-                    self.failed.insert(peer);
-                }
+                self.failed.insert(peer);
                 if self.swarm.disconnect_peer_id(peer).is_ok() {
                     info!(%peer, "closed the connections of a failed peer");
                 }
@@ -684,6 +717,25 @@ mod tests {
 
     use super::*;
     use crate::handles::net::{ModelSnapshot, Routes};
+
+    #[test]
+    fn the_failed_set_forgets_the_oldest_mark_first() {
+        let peers: Vec<PeerId> =
+            (0..MAX_FAILED + 2).map(|_| Keypair::generate_ed25519().public().to_peer_id()).collect();
+        let mut failed = FailedPeers::default();
+        for p in &peers[..MAX_FAILED] {
+            failed.insert(*p);
+        }
+        // Marked again, the first becomes the newest; the second is then the oldest.
+        failed.insert(peers[0]);
+        failed.insert(peers[MAX_FAILED]);
+        assert!(failed.contains(&peers[0]) && !failed.contains(&peers[1]) && failed.contains(&peers[MAX_FAILED]));
+        // A cleared mark frees its place: nothing else is forgotten.
+        failed.remove(&peers[2]);
+        failed.insert(peers[MAX_FAILED + 1]);
+        assert!(failed.contains(&peers[3]) && !failed.contains(&peers[2]));
+        assert_eq!((failed.set.len(), failed.order.len()), (MAX_FAILED, MAX_FAILED));
+    }
 
     /// Connections the listener has been given since the last call.
     fn accepted(listener: &TcpListener) -> usize {
