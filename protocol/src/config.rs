@@ -335,8 +335,7 @@ impl ProtocolConfig {
             return bad("discovery.relays needs discovery.relay_client".into());
         }
         for relay in &self.discovery.relays {
-            let circuit = relay.iter().any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit));
-            if circuit || !matches!(relay.iter().last(), Some(libp2p::multiaddr::Protocol::P2p(_))) {
+            if is_circuit_addr(relay) || !matches!(relay.iter().last(), Some(libp2p::multiaddr::Protocol::P2p(_))) {
                 return bad(format!(
                     "relay address {relay} must be a direct address ending in /p2p/<relay's peer id> \
                      (no /p2p-circuit)"
@@ -370,6 +369,11 @@ pub fn is_local_only(addr: &Multiaddr) -> bool {
         Some(Protocol::Memory(_)) => true,
         _ => false,
     }
+}
+
+/// True when `addr` goes through a relay (`/p2p-circuit`).
+pub fn is_circuit_addr(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit))
 }
 
 /// True when `addr` selects the QUIC transport.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
-use shoal_protocol::config::is_local_only;
+use shoal_protocol::config::{is_circuit_addr, is_local_only};
 use shoal_protocol::libp2p::multiaddr::Protocol;
 use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use shoal_protocol::libp2p::swarm::SwarmEvent;
@@ -263,10 +263,7 @@ impl NetworkActor {
                 // A relay hands its addresses out with each reservation (and
                 // serves only once it has one): its own reachable listen
                 // addresses are what it has.
-                if self.parts.config.discovery.relay_server
-                    && !is_local_only(&address)
-                    && !address.iter().any(|p| p == Protocol::P2pCircuit)
-                {
+                if self.parts.config.discovery.relay_server && !is_local_only(&address) && !is_circuit_addr(&address) {
                     self.swarm.add_external_address(address);
                 }
             }
