@@ -10,6 +10,8 @@
 #
 # Needs: rustup's aarch64-unknown-linux-gnu target and Debian's
 # gcc-aarch64-linux-gnu (installed here when missing and running as root).
+# Only the path goes to stdout (callers take it with `$(...)`): everything
+# else, the installers' output included, goes to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,12 +25,14 @@ done
 
 target=aarch64-unknown-linux-gnu
 if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
-  rustup target add "$target"
+  rustup target add "$target" >&2
 fi
 if ! command -v aarch64-linux-gnu-gcc >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross \
-      || { apt-get update && apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross; }
+    {
+      apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross \
+        || { apt-get update && apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross; }
+    } >&2
   else
     echo "build-aarch64.sh: aarch64-linux-gnu-gcc is missing: apt-get install gcc-aarch64-linux-gnu" >&2
     exit 1
