@@ -66,21 +66,59 @@ impl DetRng {
 
 /// FNV-1a, 64-bit: a stable hash for names and peer ids (never for security).
 pub fn stable_hash64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    StableHasher::new().update(bytes).finish()
+}
+
+/// [`stable_hash64`] in parts: `StableHasher::new().update(a).update(b).finish()`
+/// equals `stable_hash64` of `a` followed by `b`. A hasher fed a common
+/// prefix once can be copied and finished with each suffix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StableHasher(u64);
+
+impl Default for StableHasher {
+    fn default() -> Self {
+        Self::new()
     }
-    // One SplitMix finaliser round so that nearby inputs spread over all bits.
-    let mut z = h;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+}
+
+impl StableHasher {
+    pub const fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+
+    #[must_use]
+    pub fn update(mut self, bytes: &[u8]) -> Self {
+        for &b in bytes {
+            self.0 ^= b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self
+    }
+
+    /// FNV's state through one SplitMix finaliser round, so that nearby
+    /// inputs spread over all bits.
+    pub fn finish(self) -> u64 {
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hasher_in_parts_gives_the_hash_of_the_whole() {
+        // Pinned: placements (and so shard ownership) hang on these values.
+        assert_eq!(stable_hash64(b""), StableHasher::new().finish());
+        let whole = stable_hash64(b"peer-7\x03\x00\x00\x00");
+        assert_eq!(whole, 12_083_070_938_269_055_430);
+        let prefix = StableHasher::new().update(b"peer-7");
+        assert_eq!(prefix.update(&3u32.to_le_bytes()).finish(), whole);
+        assert_ne!(prefix.update(&4u32.to_le_bytes()).finish(), whole);
+    }
 
     #[test]
     fn splitmix_matches_reference_vector() {

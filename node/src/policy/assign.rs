@@ -11,7 +11,7 @@
 //! shards over 4 equal nodes one node often got 4 or more); the bound makes
 //! the shares exact, and a change of view still moves few shards.
 
-use shoal_models::rng::stable_hash64;
+use shoal_models::rng::{stable_hash64, StableHasher};
 
 /// A node as the assignment sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,41 +71,48 @@ pub fn assign<K: AsRef<[u8]> + Clone + PartialEq>(
     num_shards: u32,
     policy: AssignPolicy,
 ) -> Option<Assignment<K>> {
-    let mut eligible: Vec<&Candidate<K>> =
-        candidates.iter().filter(|c| c.weight > 0.0 && c.weight.is_finite()).collect();
+    // Each candidate's hash is computed once (the sort would hash on every
+    // comparison).
+    let mut eligible: Vec<(u64, &Candidate<K>)> = candidates
+        .iter()
+        .filter(|c| c.weight > 0.0 && c.weight.is_finite())
+        .map(|c| (stable_hash64(c.peer.as_ref()), c))
+        .collect();
     // Canonical order, independent of how the view was collected.
-    eligible.sort_by(|a, b| {
-        b.weight
-            .total_cmp(&a.weight)
-            .then_with(|| stable_hash64(a.peer.as_ref()).cmp(&stable_hash64(b.peer.as_ref())))
-            .then_with(|| a.peer.as_ref().cmp(b.peer.as_ref()))
+    eligible.sort_by(|(ha, a), (hb, b)| {
+        b.weight.total_cmp(&a.weight).then_with(|| ha.cmp(hb)).then_with(|| a.peer.as_ref().cmp(b.peer.as_ref()))
     });
-    eligible.dedup_by(|a, b| a.peer == b.peer);
+    eligible.dedup_by(|(_, a), (_, b)| a.peer == b.peer);
     if policy.max_aggregators > 0 {
         eligible.truncate(policy.max_aggregators);
     }
+    let eligible: Vec<&Candidate<K>> = eligible.into_iter().map(|(_, c)| c).collect();
     if eligible.is_empty() {
         return None;
     }
     let total: f64 = eligible.iter().map(|c| c.weight).sum();
     let caps: Vec<usize> =
         eligible.iter().map(|c| ((num_shards as f64) * c.weight / total).ceil().max(1.0) as usize).collect();
+    // A candidate's score for shard `s` hashes its id followed by `s`: the
+    // id's part is hashed once.
+    let prefixes: Vec<StableHasher> = eligible.iter().map(|c| StableHasher::new().update(c.peer.as_ref())).collect();
     let mut load = vec![0usize; eligible.len()];
     let mut owners: Vec<K> = Vec::with_capacity(num_shards as usize);
     for s in 0..num_shards {
-        let mut ranked: Vec<(f64, usize)> = eligible
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut key = c.peer.as_ref().to_vec();
-                key.extend_from_slice(&s.to_le_bytes());
-                (-c.weight / unit(stable_hash64(&key)).ln(), i)
-            })
-            .collect();
-        // Highest score first; ties (astronomically unlikely) by canonical order.
-        ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        // The highest score among candidates with room; ties (astronomically
+        // unlikely) go to the earlier candidate in canonical order.
+        let mut best: Option<(f64, usize)> = None;
+        for (i, c) in eligible.iter().enumerate() {
+            if load[i] >= caps[i] {
+                continue;
+            }
+            let score = -c.weight / unit(prefixes[i].update(&s.to_le_bytes()).finish()).ln();
+            if best.is_none_or(|(b, _)| score.total_cmp(&b).is_gt()) {
+                best = Some((score, i));
+            }
+        }
         // The caps add up to at least num_shards, so some candidate has room.
-        let &(_, i) = ranked.iter().find(|&&(_, i)| load[i] < caps[i])?;
+        let (_, i) = best?;
         load[i] += 1;
         owners.push(eligible[i].peer.clone());
     }
@@ -183,5 +190,63 @@ mod tests {
     fn max_aggregators_caps_the_set() {
         let Some(a) = assign(&cands(6), 100, AssignPolicy { max_aggregators: 2 }) else { panic!() };
         assert_eq!(a.aggregators().len(), 2);
+    }
+
+    /// The assignment as first written: every score hashed in full, every
+    /// shard's candidates sorted. `assign` must give the same owners, or
+    /// nodes of two versions would disagree on the placement.
+    fn reference(candidates: &[Candidate<Vec<u8>>], num_shards: u32, max: usize) -> Option<Vec<Vec<u8>>> {
+        let mut eligible: Vec<&Candidate<Vec<u8>>> =
+            candidates.iter().filter(|c| c.weight > 0.0 && c.weight.is_finite()).collect();
+        eligible.sort_by(|a, b| {
+            b.weight
+                .total_cmp(&a.weight)
+                .then_with(|| stable_hash64(&a.peer).cmp(&stable_hash64(&b.peer)))
+                .then_with(|| a.peer.cmp(&b.peer))
+        });
+        eligible.dedup_by(|a, b| a.peer == b.peer);
+        if max > 0 {
+            eligible.truncate(max);
+        }
+        let total: f64 = eligible.iter().map(|c| c.weight).sum();
+        let caps: Vec<usize> =
+            eligible.iter().map(|c| ((num_shards as f64) * c.weight / total).ceil().max(1.0) as usize).collect();
+        let mut load = vec![0usize; eligible.len()];
+        let mut owners = Vec::new();
+        for s in 0..num_shards {
+            let mut ranked: Vec<(f64, usize)> = eligible
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let mut key = c.peer.clone();
+                    key.extend_from_slice(&s.to_le_bytes());
+                    (-c.weight / unit(stable_hash64(&key)).ln(), i)
+                })
+                .collect();
+            ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            let &(_, i) = ranked.iter().find(|&&(_, i)| load[i] < caps[i])?;
+            load[i] += 1;
+            owners.push(eligible[i].peer.clone());
+        }
+        Some(owners)
+    }
+
+    #[test]
+    fn the_assignment_matches_the_reference_on_random_views() {
+        let mut rng = shoal_models::rng::DetRng::new(42);
+        for _ in 0..300 {
+            let n = 1 + rng.below(40) as usize;
+            let mut c: Vec<Candidate<Vec<u8>>> = (0..n)
+                .map(|_| Candidate {
+                    peer: format!("peer-{}", rng.below(60)).into_bytes(),
+                    weight: [0.0, 0.5, 1.0, 1.0, 2.0, 4.0][rng.below(6) as usize],
+                })
+                .collect();
+            rng.shuffle(&mut c);
+            let shards = 1 + rng.below(64) as u32;
+            let max = rng.below(4) as usize;
+            let got = assign(&c, shards, AssignPolicy { max_aggregators: max }).map(|a| a.owners);
+            assert_eq!(got, reference(&c, shards, max), "{n} candidates, {shards} shards, at most {max}");
+        }
     }
 }

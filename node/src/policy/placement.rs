@@ -104,7 +104,7 @@ impl Placement {
 }
 
 fn sorted(mut v: Vec<PeerId>) -> Vec<PeerId> {
-    v.sort_by_key(|p| p.to_bytes());
+    v.sort_by_cached_key(|p| p.to_bytes());
     v.dedup();
     v
 }
@@ -123,7 +123,7 @@ pub fn elect(
     policy: ElectPolicy,
 ) -> Option<Placement> {
     let mut members: Vec<&Member> = members.iter().collect();
-    members.sort_by_key(|m| m.peer.to_bytes());
+    members.sort_by_cached_key(|m| m.peer.to_bytes());
     members.dedup_by_key(|m| m.peer);
     let capable: Vec<&Member> = members.iter().copied().filter(|m| m.can_aggregate && !m.leaving).collect();
     let capable_service: BTreeMap<PeerId, f64> =
@@ -147,11 +147,9 @@ pub fn elect(
     let max = limit.unwrap_or(0);
     let (assign_epoch, owners) = owners_of(&candidates, shards, max)?;
     let mut backups: Vec<Option<PeerId>> = vec![None; shards as usize];
-    let mut distinct = owners.clone();
-    distinct.sort_by_key(|p| p.to_bytes());
-    distinct.dedup();
-    for o in &distinct {
-        let without: Vec<Candidate<Vec<u8>>> = candidates.iter().filter(|c| c.peer != o.to_bytes()).cloned().collect();
+    for o in &sorted(owners.clone()) {
+        let o_bytes = o.to_bytes();
+        let without: Vec<Candidate<Vec<u8>>> = candidates.iter().filter(|c| c.peer != o_bytes).cloned().collect();
         if let Some((_, next)) = owners_of(&without, shards, max) {
             for (s, owner) in owners.iter().enumerate() {
                 if owner == o {
