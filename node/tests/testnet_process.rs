@@ -263,13 +263,13 @@ fn process_testnet_resumes_after_every_node_stopped_at_once() -> anyhow::Result<
     Ok(())
 }
 
-/// The 5-minute soak (`.ci/run` runs it; about 10 minutes with its
-/// fault-free run): every kind of fault on Fashion-MNIST, then the
+/// The soak (`.ci/run` runs it; 5 to 14 minutes with its fault-free run,
+/// by host): every kind of fault on Fashion-MNIST, then the
 /// scenario's `[checks]`: after warm-up no node process's RSS grows more
 /// than 20%, no BSP round is forced by the timeout, and the survivors end
 /// within 0.5 points of the same testnet run without faults.
 #[test]
-#[ignore = "a 10-minute soak; .ci/run runs it"]
+#[ignore = "a soak of minutes; .ci/run runs it"]
 fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<()> {
     if !fashion_mnist_installed()? {
         return Ok(());
@@ -282,14 +282,19 @@ fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<
     }
     let checks = &summary["checks"];
     assert_eq!(checks["failures"].as_array().map(Vec::len), Some(0), "{checks}");
-    // Every initial node's first life was judged for memory, and node2's
-    // second life too (killed at 80 s, restarted at 95 s, with about
-    // 140 s of run left at 13,000 steps on the fastest host seen).
+    // Every initial node was judged for memory: node0, node1 and node3 in
+    // their first life, node2 in its second (killed at 15 s, before the
+    // warm-up ended, and restarted at 20 s from the replicas).
     let rss = checks["rss"].as_array().cloned().unwrap_or_default();
     for node in ["node0", "node1", "node2", "node3"] {
         assert!(rss.iter().any(|g| g["node"] == node), "{node} not judged: {rss:?}");
     }
-    assert_eq!(rss.iter().filter(|g| g["node"] == "node2").count(), 2, "{rss:?}");
+    let restart = fault(&summary, "restart node2").0;
+    let node2: Vec<&serde_json::Value> = rss.iter().filter(|g| g["node"] == "node2").collect();
+    assert!(
+        node2.len() == 1 && node2[0]["from_secs"].as_f64().is_some_and(|t| t >= restart),
+        "node2's second life (from {restart} s) is the one judged: {rss:?}"
+    );
     for g in &rss {
         assert!(g["growth"].as_f64().is_some_and(|x| x <= 0.20), "{g}");
     }
