@@ -3,7 +3,9 @@
 //! One test per kind of attack; each runs the plain mean without the norm
 //! check (the unprotected baseline, whose accuracy is printed), then
 //! `trimmed_mean`, `median` and `centered_clip`, and asserts that the four
-//! honest nodes reach 93% on digits with each (the mean of `RUNS` clusters).
+//! honest nodes reach 93% on digits with each (the mean of `RUNS` clusters
+//! under `sign_flip`, the closest to the line, and of `RUNS_WIDE_MARGIN`
+//! under the others).
 //!
 //! With the norm check on, the attacker is caught: every owner rejects it
 //! and names it a suspect, in its status and in its heartbeat, so every
@@ -16,7 +18,7 @@
 //! Without worker momentum, a sign-flipping peer held `trimmed_mean` and
 //! `median` to 92.8-94.7% at batch 32 (docs/benchmarks.md).
 //!
-//! About a minute each: `#[ignore]`d in the README's test command and run
+//! Minutes each (32 clusters in all): `#[ignore]`d in the README's test command and run
 //! by `.ci/run`:
 //!
 //! ```text
@@ -41,8 +43,13 @@ const WORKER_MOMENTUM: f32 = 0.9;
 /// other cluster tests use with momentum 0.9 (0.1).
 const LR: f64 = 1.0;
 const TARGET: f32 = 0.93;
-/// Clusters per robust rule and attack; their mean accuracy is judged.
+/// Clusters per robust rule under `sign_flip`; their mean accuracy is
+/// judged. Single runs take a few discrete values (93.04 to 96.66%), so
+/// the mean of several is what clears the line.
 const RUNS: usize = 5;
+/// Clusters per robust rule under the other attacks, whose runs sit 2 to 4
+/// points above the line (95.26 to 97.21%, docs/benchmarks.md).
+const RUNS_WIDE_MARGIN: usize = 2;
 
 /// The run with node `BAD` attacking with `attack`; owners use `rule` and
 /// the norm check with factor `norm_check` (0: off).
@@ -66,17 +73,18 @@ fn honest_accuracy(reports: &[NodeReport]) -> f32 {
     reports.iter().take(BAD).map(|r| r.accuracy).fold(f32::INFINITY, f32::min)
 }
 
-/// The unprotected mean, then each robust rule. Returns the mean's accuracy.
-async fn defend_against(attack: Byzantine, tau: f32) -> anyhow::Result<f32> {
+/// The unprotected mean, then each robust rule over `runs` clusters.
+/// Returns the mean's accuracy.
+async fn defend_against(attack: Byzantine, tau: f32, runs: usize) -> anyhow::Result<f32> {
     let mean = honest_accuracy(&run(attack, Aggregation::Mean, 0.0).await?);
     eprintln!("{attack}: mean without the norm check: honest nodes reach {:.2}%", 100.0 * mean);
     for rule in [Aggregation::TrimmedMean { trim: 0.2 }, Aggregation::Median, Aggregation::CenteredClip { tau }] {
         // The norm check off, so the rule alone is tested. One run's final
         // accuracy on digits' 359 test images swings by about 1.5 points
         // with the identities (which set the data slices), so the figure is
-        // the mean of RUNS clusters.
+        // the mean of `runs` clusters.
         let mut accs = Vec::new();
-        for _ in 0..RUNS {
+        for _ in 0..runs {
             accs.push(honest_accuracy(&run(attack, rule, 0.0).await?));
         }
         let acc = accs.iter().sum::<f32>() / accs.len() as f32;
@@ -93,7 +101,7 @@ async fn a_peer_scaling_its_gradients_by_100_is_outvoted_and_caught() -> anyhow:
     let honest = honest_accuracy(&run(Byzantine::None, Aggregation::Mean, 10.0).await?);
     eprintln!("no attacker: mean with the norm check: the four nodes reach {:.2}%", 100.0 * honest);
     let attack = Byzantine::Scale(100.0);
-    let mean = defend_against(attack, 0.01).await?;
+    let mean = defend_against(attack, 0.01, RUNS_WIDE_MARGIN).await?;
     assert!(mean < 0.5, "the unprotected mean should fail visibly under a 100x attacker, reached {mean}");
 
     // The norm check at K = 10 (tighter than the default 50, and safe with
@@ -142,11 +150,11 @@ async fn a_peer_scaling_its_gradients_by_100_is_outvoted_and_caught() -> anyhow:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "5-node clusters for minutes: .ci/run runs it"]
 async fn a_peer_flipping_its_gradients_signs_is_outvoted() -> anyhow::Result<()> {
-    defend_against(Byzantine::SignFlip, 0.01).await.map(|_| ())
+    defend_against(Byzantine::SignFlip, 0.01, RUNS).await.map(|_| ())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "5-node clusters for minutes: .ci/run runs it"]
 async fn a_peer_sending_random_gradients_of_the_honest_norm_is_outvoted() -> anyhow::Result<()> {
-    defend_against(Byzantine::Random, 0.01).await.map(|_| ())
+    defend_against(Byzantine::Random, 0.01, RUNS_WIDE_MARGIN).await.map(|_| ())
 }
