@@ -109,8 +109,8 @@ fn the_aarch64_binary_runs_a_two_node_cluster_over_loopback_tcp() -> anyhow::Res
 
 /// Three native nodes and one emulated aarch64 worker
 /// (`testnet/scenarios/mixed-arch.toml`). The scenario's own checks compare
-/// the final accuracy with the same testnet run all native (within 0.5
-/// points) and bound the edge node's peak memory; here the report must also
+/// the final accuracy with the same testnet run all native (at most 0.5
+/// points below it) and bound the edge node's peak memory; here the report must also
 /// name each node's architecture, and the native nodes must not be held to
 /// the emulated node's pace.
 #[test]
@@ -138,7 +138,7 @@ fn a_mixed_testnet_with_an_emulated_arm_worker_trains_to_the_all_native_accuracy
     assert_eq!(checks["failures"].as_array().map(Vec::len), Some(0), "{checks}");
     let (mixed, native) = (checks["survivors_accuracy"].as_f64(), checks["fault_free_accuracy"].as_f64());
     let (Some(mixed), Some(native)) = (mixed, native) else { panic!("no accuracies: {checks}") };
-    assert!((mixed - native).abs() <= 0.005, "mixed {mixed} against all-native {native}");
+    assert!(mixed >= native - 0.005, "mixed {mixed} against all-native {native}");
     // The emulated node trained its samples and owned no shard.
     let roles = summary["role_changes"].as_array().cloned().unwrap_or_default();
     assert!(

@@ -8,6 +8,7 @@
 //! max_rss_growth = 0.10        # each node process's RSS after warm-up grows at most 10%
 //! no_forced_rounds = true      # no BSP round is closed by its timeout
 //! accuracy_within_points = 0.5 # survivors' mean accuracy within 0.5 points of a fault-free run
+//! max_accuracy_drop_points = 0.5 # or: at most 0.5 points below it (any amount above)
 //!
 //! [[node]]
 //! index = 3
@@ -37,6 +38,11 @@ pub struct Checks {
     /// Run the scenario again without events; fail when the survivors' mean
     /// final accuracy differs from that run's by more than this many points.
     pub accuracy_within_points: Option<f64>,
+    /// Run the scenario again without events; fail when the survivors' mean
+    /// final accuracy is more than this many points below that run's. For
+    /// runs whose events may help as well as hurt (a mixed testnet under
+    /// ASP ended 0.34 to 0.73 points above its all-native twin).
+    pub max_accuracy_drop_points: Option<f64>,
     /// Largest allowed peak resident memory (`VmHWM`), in bytes, by node
     /// name (from `max_peak_rss_mib` of a `[[node]]` table).
     pub max_peak_rss: BTreeMap<String, u64>,
@@ -47,7 +53,13 @@ impl Checks {
         self.max_rss_growth.is_none()
             && !self.no_forced_rounds
             && self.accuracy_within_points.is_none()
+            && self.max_accuracy_drop_points.is_none()
             && self.max_peak_rss.is_empty()
+    }
+
+    /// Whether judging needs the same scenario run again without events.
+    pub fn needs_fault_free_run(&self) -> bool {
+        self.accuracy_within_points.is_some() || self.max_accuracy_drop_points.is_some()
     }
 }
 
@@ -239,14 +251,18 @@ pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> Ch
             ));
         }
     }
-    if let Some(points) = checks.accuracy_within_points {
+    if checks.needs_fault_free_run() {
         match (r.survivors_accuracy, r.fault_free_accuracy) {
             (Some(a), Some(b)) => {
                 let diff = (a - b) * 100.0;
-                if diff.abs() > points {
+                let limits = [
+                    checks.accuracy_within_points.filter(|p| diff.abs() > *p).map(|p| format!("±{p}")),
+                    checks.max_accuracy_drop_points.filter(|p| diff < -*p).map(|p| format!("at most {p} below")),
+                ];
+                for limit in limits.into_iter().flatten() {
                     r.failures.push(format!(
                         "accuracy: the survivors reached {:.2}%, the fault-free run {:.2}%: {diff:+.2} points \
-                         (limit ±{points})",
+                         (limit {limit})",
                         a * 100.0,
                         b * 100.0
                     ));
@@ -438,6 +454,17 @@ mod tests {
         assert!(!none.passed());
         let memory = Checks { max_rss_growth: Some(0.1), ..Checks::default() };
         assert!(!judge(&memory, &close, None).passed(), "no memory samples: the check cannot pass");
+
+        // One-sided: any gain passes, a drop past the limit fails.
+        let drop = Checks { max_accuracy_drop_points: Some(0.5), ..Checks::default() };
+        assert!(drop.needs_fault_free_run() && !drop.is_empty());
+        let above = summary(vec![outcome("node0", "exited", Some(0.900), false)], vec![], &[]);
+        assert!(judge(&drop, &above, Some(&base)).passed(), "+1.6 points is no drop");
+        assert!(!judge(&checks, &above, Some(&base)).passed(), "but it is outside ±0.5");
+        let r = judge(&drop, &run, Some(&base));
+        assert_eq!(r.failures.len(), 1, "{:?}", r.failures);
+        assert!(r.failures[0].contains("-0.90 points (limit at most 0.5 below)"), "{}", r.failures[0]);
+        assert!(!judge(&drop, &close, None).passed(), "no fault-free run to compare with");
 
         // Rounds forced just after a heal are counted and excused; the same
         // rounds long after it are not.

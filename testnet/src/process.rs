@@ -698,10 +698,10 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
     if scenario.checks.is_empty() {
         return Ok(summary);
     }
-    let fault_free = match scenario.checks.accuracy_within_points {
-        None => None,
-        Some(_) if told_to_stop(opts) => bail!("the testnet was stopped before its fault-free run"),
-        Some(_) => {
+    let fault_free = match scenario.checks.needs_fault_free_run() {
+        false => None,
+        true if told_to_stop(opts) => bail!("the testnet was stopped before its fault-free run"),
+        true => {
             let base = scenario.without_events();
             let base_opts = RunOptions { report_dir: opts.report_dir.join("fault-free"), ..opts.clone() };
             println!(

@@ -43,6 +43,7 @@
 //! max_rss_growth = 0.10
 //! no_forced_rounds = true
 //! accuracy_within_points = 0.5   # also runs the scenario without events
+//! max_accuracy_drop_points = 0.5 # the same, one-sided: at most 0.5 points below
 //! ```
 //!
 //! Errors name the line: `scenario.toml:14: event: node 7 does not exist
@@ -259,6 +260,7 @@ struct RawChecks {
     #[serde(default)]
     no_forced_rounds: bool,
     accuracy_within_points: Option<Spanned<f64>>,
+    max_accuracy_drop_points: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -601,6 +603,7 @@ impl Scenario {
                     max_rss_growth: positive(&c.max_rss_growth, "max_rss_growth", 100.0)?,
                     no_forced_rounds: c.no_forced_rounds,
                     accuracy_within_points: positive(&c.accuracy_within_points, "accuracy_within_points", 100.0)?,
+                    max_accuracy_drop_points: positive(&c.max_accuracy_drop_points, "max_accuracy_drop_points", 100.0)?,
                     max_peak_rss: BTreeMap::new(),
                 };
                 if checks.warmup_secs >= time_limit {
@@ -873,7 +876,7 @@ action = "add"
     #[test]
     fn checks_parse_and_bad_values_point_at_their_line() {
         let text = "nodes = 2\ntime_limit_secs = 300\n[checks]\nwarmup_secs = 60\nmax_rss_growth = 0.1\n\
-                    no_forced_rounds = true\naccuracy_within_points = 0.5\n";
+                    no_forced_rounds = true\naccuracy_within_points = 0.5\nmax_accuracy_drop_points = 0.25\n";
         let s = parse(text).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             s.checks,
@@ -882,6 +885,7 @@ action = "add"
                 max_rss_growth: Some(0.1),
                 no_forced_rounds: true,
                 accuracy_within_points: Some(0.5),
+                max_accuracy_drop_points: Some(0.25),
                 max_peak_rss: BTreeMap::new(),
             }
         );

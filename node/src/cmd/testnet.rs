@@ -85,6 +85,9 @@ pub fn check(path: &Path) -> anyhow::Result<()> {
         if let Some(p) = c.accuracy_within_points {
             what.push(format!("accuracy within {p} points of the same run without events (run after it)"));
         }
+        if let Some(p) = c.max_accuracy_drop_points {
+            what.push(format!("accuracy at most {p} points below the same run without events (run after it)"));
+        }
         println!("  checks: {}", what.join("; "));
     }
     Ok(())
