@@ -104,7 +104,7 @@ impl Placement {
 }
 
 fn sorted(mut v: Vec<PeerId>) -> Vec<PeerId> {
-    v.sort_by_cached_key(|p| p.to_bytes());
+    v.sort_by_key(|p| p.to_bytes());
     v.dedup();
     v
 }
@@ -123,7 +123,7 @@ pub fn elect(
     policy: ElectPolicy,
 ) -> Option<Placement> {
     let mut members: Vec<&Member> = members.iter().collect();
-    members.sort_by_cached_key(|m| m.peer.to_bytes());
+    members.sort_by_key(|m| m.peer.to_bytes());
     members.dedup_by_key(|m| m.peer);
     let capable: Vec<&Member> = members.iter().copied().filter(|m| m.can_aggregate && !m.leaving).collect();
     let capable_service: BTreeMap<PeerId, f64> =
