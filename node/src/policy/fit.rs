@@ -5,8 +5,8 @@
 //! the other workers' steps take. Owners average a round's gradients
 //! weighted by samples, so the smaller batch counts for what it holds.
 //!
-//! [`BatchFit`] keeps the worker's own compute time per sample (a moving
-//! average over its steps, at whatever batch it used) and picks the batch
+//! [`BatchFit`] keeps the worker's own compute time per sample (the median
+//! of its last [`FIT_WINDOW`] steps, at whatever batch each used) and picks the batch
 //! for the next step from the others' compute time per step (from their
 //! heartbeats: step time less communication time). The iteration
 //! `b <- b x target / time(b)` settles where `time(b)` meets the target even
@@ -21,8 +21,12 @@
 //! spiralled down (seen on 4 nodes on 2 cores, where steps compute in 2 ms
 //! with 1 ms of jitter).
 
-/// Weight of the newest step in the per-sample compute average.
-pub const FIT_ALPHA: f64 = 0.2;
+/// The worker's compute time per sample is the median of its last this
+/// many steps. A median, not a moving average: one step held up 10x by the
+/// scheduler pulled an average (weight 0.2) to 2.8x and shrank a healthy
+/// worker's next batch (CI, 4 nodes on 2 cores: 2 of 300 steps), while a
+/// median moves only when most of the window is slow.
+pub const FIT_WINDOW: usize = 9;
 
 /// A worker keeps its full batch unless it is this many times slower than
 /// the target: noise between equal machines must not shrink batches (on 4
@@ -46,14 +50,16 @@ pub const WARMUP_STEPS: u32 = 5;
 #[derive(Debug, Clone)]
 pub struct BatchFit {
     full: usize,
-    micros_per_sample: Option<f64>,
+    /// The last [`FIT_WINDOW`] steps' compute time per sample (µs), oldest
+    /// first.
+    recent: std::collections::VecDeque<f64>,
     seen: u32,
 }
 
 impl BatchFit {
     /// `full`: the configured batch size (at least 1).
     pub fn new(full: usize) -> Self {
-        Self { full: full.max(1), micros_per_sample: None, seen: 0 }
+        Self { full: full.max(1), recent: std::collections::VecDeque::with_capacity(FIT_WINDOW), seen: 0 }
     }
 
     /// One step computed `samples` samples in `micros` (the first
@@ -66,11 +72,22 @@ impl BatchFit {
             self.seen += 1;
             return;
         }
-        let v = micros / samples as f64;
-        self.micros_per_sample = Some(match self.micros_per_sample {
-            None => v,
-            Some(m) => m + FIT_ALPHA * (v - m),
-        });
+        if self.recent.len() == FIT_WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(micros / samples as f64);
+    }
+
+    /// The median of the last [`FIT_WINDOW`] per-sample times, or `None`
+    /// until that many steps are counted (a window of one stalled step would
+    /// be all stall).
+    fn micros_per_sample(&self) -> Option<f64> {
+        if self.recent.len() < FIT_WINDOW {
+            return None;
+        }
+        let mut v: Vec<f64> = self.recent.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
     }
 
     /// The batch for the next step, given the other workers' compute time
@@ -78,7 +95,7 @@ impl BatchFit {
     /// this worker's full batch would take at most [`FIT_MARGIN`] times the
     /// target (see the module's notes).
     pub fn batch(&self, others_micros: &[f64]) -> usize {
-        let Some(per_sample) = self.micros_per_sample else { return self.full };
+        let Some(per_sample) = self.micros_per_sample() else { return self.full };
         let mut v: Vec<f64> = others_micros.iter().copied().filter(|x| x.is_finite() && *x > 0.0).collect();
         if v.is_empty() {
             return self.full;
@@ -107,15 +124,43 @@ mod tests {
         f
     }
 
+    /// A full window of steps of `samples` in `micros`.
+    fn observe_window(f: &mut BatchFit, samples: usize, micros: f64) {
+        for _ in 0..FIT_WINDOW {
+            f.observe(samples, micros);
+        }
+    }
+
     #[test]
     fn equal_workers_keep_their_batch() {
         let mut f = warmed(32);
         assert_eq!(f.batch(&[1000.0]), 32, "nothing measured yet");
-        f.observe(32, 1100.0);
+        for _ in 0..FIT_WINDOW - 1 {
+            f.observe(32, 4000.0);
+        }
+        assert_eq!(f.batch(&[1000.0]), 32, "the window is not full yet");
+        observe_window(&mut f, 32, 1100.0);
         assert_eq!(f.batch(&[]), 32, "no peer measured");
         assert_eq!(f.batch(&[1000.0, 900.0, 1200.0]), 32, "1.1x the others: noise");
-        f.observe(32, 2400.0);
-        assert_eq!(f.batch(&[1000.0, 900.0]), 32, "1.4x the slowest of them (the average): noise");
+        observe_window(&mut f, 32, 1400.0);
+        assert_eq!(f.batch(&[1000.0, 900.0]), 32, "1.4x the slowest of them: noise");
+    }
+
+    #[test]
+    fn a_few_stalled_steps_do_not_shrink_a_healthy_worker() {
+        // Steps of 1,000 µs with every third held up 10x by the scheduler
+        // (three in any window of nine): the median stays at 1,000.
+        let mut f = warmed(32);
+        for i in 0..60 {
+            let stalled = i % 3 == 0;
+            f.observe(32, if stalled { 10_000.0 } else { 1000.0 });
+            assert_eq!(f.batch(&[1000.0, 1000.0, 4000.0]), 32, "step {i}");
+        }
+        // Once most of the window is slow, it is slow.
+        for _ in 0..FIT_WINDOW / 2 + 1 {
+            f.observe(32, 4000.0);
+        }
+        assert_eq!(f.batch(&[1000.0, 1000.0]), 8);
     }
 
     #[test]
@@ -123,12 +168,12 @@ mod tests {
         // node0 at its natural 1,000 µs; node1 too; node2 fitted, 700 µs this
         // time; node3 slow (4,000) and not yet fitted.
         let mut f = warmed(32);
-        f.observe(32, 1000.0);
+        observe_window(&mut f, 32, 1000.0);
         assert_eq!(f.batch(&[1000.0, 700.0, 4000.0]), 32, "the target is node1's 1,000, not 700");
         assert_eq!(f.batch(&[700.0, 650.0, 4000.0]), 32, "1000 / 700 < 2");
         // Two slow workers: each takes the healthy ones as its target.
         let mut slow = warmed(32);
-        slow.observe(32, 4000.0);
+        observe_window(&mut slow, 32, 4000.0);
         assert_eq!(slow.batch(&[1000.0, 1000.0, 4000.0]), 8);
     }
 
@@ -157,15 +202,17 @@ mod tests {
     #[test]
     fn a_very_slow_worker_keeps_a_sixteenth() {
         let mut f = warmed(32);
-        f.observe(32, 1e9);
+        observe_window(&mut f, 32, 1e9);
         assert_eq!(f.batch(&[100.0]), 2);
         let mut one = warmed(1);
-        one.observe(1, 1e9);
+        observe_window(&mut one, 1, 1e9);
         assert_eq!(one.batch(&[100.0]), 1);
         // Bad measurements are ignored.
         let mut g = warmed(8);
-        g.observe(0, 5.0);
-        g.observe(8, f64::NAN);
+        for _ in 0..FIT_WINDOW {
+            g.observe(0, 5.0);
+            g.observe(8, f64::NAN);
+        }
         assert_eq!(g.batch(&[1.0]), 8);
     }
 }
