@@ -63,6 +63,10 @@ pub struct NodeReport {
     /// At the end: each suspect in this node's view, with the peers that
     /// name it (this node included); see [`crate::policy::view::View::suspected_by`].
     pub suspected_by: BTreeMap<PeerId, Vec<PeerId>>,
+    /// At the end: the capabilities each peer in this node's view last
+    /// gossiped (memory left at its start, measured compute and exchange
+    /// rates).
+    pub peer_capabilities: BTreeMap<PeerId, Capabilities>,
     /// The model the run trains (its config rebuilds the layer shapes).
     pub model: ModelConfig,
 }
@@ -345,7 +349,9 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
                     shoal_models::DeviceKind::Cuda(_) => Device::Cuda,
                     shoal_models::DeviceKind::Metal(_) => Device::Metal,
                 },
-                memory_bytes: 0,
+                // At start; the rates are the worker's measurements
+                // (SelfState), filled in as it trains.
+                memory_bytes: crate::ops::memory::available_bytes().unwrap_or(0),
                 compute_samples_per_sec: 0.0,
                 net_bytes_per_sec: 0.0,
                 can_aggregate: c.can_aggregate,
@@ -431,6 +437,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
         leave: leave_rx,
         faults: faults.clone(),
         old_wire: Default::default(),
+        step_bytes: Default::default(),
     };
     let leave = LeaveSwitch::new(leave_tx);
     let http = match config.http.addr()? {
@@ -643,6 +650,7 @@ async fn drive(
         roster: roster.peers(),
         status: None,
         suspected_by: BTreeMap::new(),
+        peer_capabilities: BTreeMap::new(),
         model,
     };
     // Written before lingering: a node stopped while it waits for its peers
@@ -662,10 +670,12 @@ async fn drive(
         linger(membership, me, ran.steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
     }
     let mine = aggregator.suspects().borrow().clone();
+    let view = membership.snapshot().view;
     Ok(NodeReport {
         owned_shards: election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
         shard_stats: aggregator.stats().await,
-        suspected_by: membership.snapshot().view.suspected_by(&mine),
+        suspected_by: view.suspected_by(&mine),
+        peer_capabilities: view.peers.iter().map(|(id, p)| (*id, p.heartbeat.capabilities.clone())).collect(),
         ..report
     })
 }

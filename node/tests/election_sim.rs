@@ -126,6 +126,8 @@ impl Sim {
                         service: vec![],
                         leaving: false,
                         pace: Default::default(),
+                        compute_samples_per_sec: 0.0,
+                        net_bytes_per_sec: 0.0,
                         checkpoints: vec![],
                         suspects: vec![],
                     },

@@ -55,16 +55,18 @@ pub struct ResourceSample {
 
 /// `VmRSS` from the text of `/proc/PID/status`, in bytes.
 pub fn vm_rss_bytes(status: &str) -> Option<u64> {
-    vm_field_bytes(status, "VmRSS:")
+    kb_field_bytes(status, "VmRSS:")
 }
 
 /// The `VmHWM` (peak resident set) of a `/proc/PID/status` text, in bytes.
 pub fn vm_hwm_bytes(status: &str) -> Option<u64> {
-    vm_field_bytes(status, "VmHWM:")
+    kb_field_bytes(status, "VmHWM:")
 }
 
-fn vm_field_bytes(status: &str, key: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with(key))?;
+/// The line of `text` that starts with `key` (`VmRSS:`, `MemAvailable:`),
+/// as in `/proc/PID/status` and `/proc/meminfo`: a count of kB, in bytes.
+pub fn kb_field_bytes(text: &str, key: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(key))?;
     let mut parts = line[key.len()..].split_whitespace();
     let value: u64 = parts.next()?.parse().ok()?;
     match parts.next() {

@@ -143,6 +143,40 @@ async fn four_node_bsp_cluster_reaches_95_percent_on_digits() -> anyhow::Result<
         let rejected = r.status.as_ref().map(|s| s.rejected_contributions.clone()).unwrap_or_default();
         assert!(rejected.is_empty(), "{}: honest gradients rejected: {rejected:?}", r.name);
     }
+    // Capabilities are measured and gossiped: every node's view holds the
+    // others' memory and rates, and each peer's rates agree with what its
+    // own status counted (moving averages of per-step rates against the
+    // totals' ratio, so within a factor of 3).
+    for r in &reports {
+        for peer in reports.iter().filter(|p| p.peer_id != r.peer_id) {
+            let c = r
+                .peer_capabilities
+                .get(&peer.peer_id)
+                .ok_or_else(|| anyhow::anyhow!("{}: no {}", r.name, peer.name))?;
+            let s = peer.status.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no status", peer.name))?;
+            let compute = s.samples as f64 / s.compute_secs;
+            let net = (s.bytes_in + s.bytes_out) as f64 / s.comm_secs;
+            eprintln!(
+                "{} sees {}: {} MB of memory, {:.0} samples/s ({compute:.0} by its status), {:.1} MB/s ({:.1})",
+                r.name,
+                peer.name,
+                c.memory_bytes >> 20,
+                c.compute_samples_per_sec,
+                c.net_bytes_per_sec / 1e6,
+                net / 1e6
+            );
+            assert!(c.memory_bytes > 1 << 20, "{}: {} gossiped {} bytes of memory", r.name, peer.name, c.memory_bytes);
+            let within =
+                |gossiped: f32, counted: f64| gossiped as f64 >= counted / 3.0 && gossiped as f64 <= counted * 3.0;
+            assert!(
+                within(c.compute_samples_per_sec, compute),
+                "{}: {} compute {c:?} against {compute}",
+                r.name,
+                peer.name
+            );
+            assert!(within(c.net_bytes_per_sec, net), "{}: {} exchange {c:?} against {net}", r.name, peer.name);
+        }
+    }
     Ok(())
 }
 

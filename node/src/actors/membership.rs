@@ -45,6 +45,8 @@ pub fn spawn(cfg: MembershipConfig, net: NetworkHandle, inbound: mpsc::Receiver<
         service: Vec::new(),
         leaving: false,
         pace: Pace::default(),
+        compute_samples_per_sec: 0.0,
+        net_bytes_per_sec: 0.0,
         checkpoints: cfg.checkpoints.clone(),
         suspects: Vec::new(),
     };
@@ -156,7 +158,12 @@ impl MembershipActor {
             epoch,
             config_hash: self.cfg.config_hash,
             protocol_minor: WIRE_VERSION,
-            capabilities: self.cfg.capabilities.clone(),
+            // The configured capabilities, with the worker's measurements.
+            capabilities: Capabilities {
+                compute_samples_per_sec: me.compute_samples_per_sec,
+                net_bytes_per_sec: me.net_bytes_per_sec,
+                ..self.cfg.capabilities.clone()
+            },
             role: if me.leaving { Role::Leaving } else { me.role },
             owned_shards: me.owned_shards.iter().copied().take(shoal_protocol::MAX_OWNED_SHARDS).collect(),
             step: me.step,

@@ -129,6 +129,9 @@ pub struct Worker {
     pub faults: Arc<crate::ops::faults::Faults>,
     /// Owners that answered a `PushPull` as an older wire revision.
     pub old_wire: std::sync::Mutex<std::collections::HashSet<PeerId>>,
+    /// Shard bytes pushed and pulled since the last step ended (the
+    /// measured exchange rate in this node's capabilities).
+    pub step_bytes: std::sync::atomic::AtomicU64,
 }
 
 /// One shard's gradient as this step pushes it: the values an owner gets
@@ -227,6 +230,7 @@ impl Worker {
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
         let mut last_report: Option<Instant> = None;
         let mut pace = crate::policy::explore::PaceMeter::default();
+        let mut rates = crate::policy::explore::RateMeter::default();
         // Error feedback of the lossy push encodings (cluster.compression).
         let mut feedback = ErrorFeedback::new(self.plan.len());
         let compression = self.config.cluster.compression;
@@ -337,11 +341,15 @@ impl Worker {
             });
             self.status.record(StatusEvent::Version(version));
             let p = pace.observe(started.elapsed().as_secs_f64(), comm);
+            let moved = self.step_bytes.swap(0, std::sync::atomic::Ordering::Relaxed);
+            let (compute_rate, net_rate) = rates.observe(g.samples, compute, moved, comm);
             self.membership.set_self(|me| {
                 me.step = step + 1;
                 me.model_version = version;
                 me.pace.step_micros = p.step_micros;
                 me.pace.comm_micros = p.comm_micros;
+                me.compute_samples_per_sec = compute_rate;
+                me.net_bytes_per_sec = net_rate;
             });
             if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
                 let e = self.trainer.evaluate().await?;
@@ -746,7 +754,7 @@ impl Worker {
             // Not served: nothing to time.
             return Ok(reply);
         }
-        self.status.record(StatusEvent::Bytes { out: bytes, r#in: 0 });
+        self.moved(bytes, 0);
         if let Ok(mut t) = self.service.lock() {
             t.observe(owner, bytes, sent.elapsed().as_secs_f64() * 1e6, step);
         }
@@ -834,7 +842,7 @@ impl Worker {
                     Some(s) => {
                         hold(self.faults.receive_delay(s.params.byte_len())).await;
                         let version = s.version;
-                        self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
+                        self.moved(0, s.params.byte_len());
                         let params = Arc::new(s.params.decode()?);
                         (Pushed::State { version, params }, held)
                     }
@@ -857,7 +865,7 @@ impl Worker {
                 r => (Pushed::Reply(r), 0),
             },
         };
-        self.status.record(StatusEvent::Bytes { out: bytes, r#in: 0 });
+        self.moved(bytes, 0);
         // The owner's service: the round trip less the time it held the
         // answer for the round (which is the slowest worker's, not its own).
         let service = sent.elapsed().saturating_sub(Duration::from_millis(held_ms.into()));
@@ -869,6 +877,13 @@ impl Worker {
             t.observe(owner, bytes, service.as_secs_f64() * 1e6, step);
         }
         Ok(reply)
+    }
+
+    /// Shard bytes sent (`out`) and received (`r#in`): counted in /status
+    /// and in this step's exchange rate.
+    fn moved(&self, out: u64, r#in: u64) {
+        self.status.record(StatusEvent::Bytes { out, r#in });
+        self.step_bytes.fetch_add(out.saturating_add(r#in), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The encoding this worker asks its pulls in (`cluster.compression.pull`).
@@ -906,7 +921,7 @@ impl Worker {
         Ok(match self.net.request(owner, req).await? {
             ShardResponse::ShardState(s) => {
                 hold(self.faults.receive_delay(s.params.byte_len())).await;
-                self.status.record(StatusEvent::Bytes { out: 0, r#in: s.params.byte_len() });
+                self.moved(0, s.params.byte_len());
                 PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) }
             }
             ShardResponse::NotReady { current_version, .. } => PullReply::NotReady { current_version },

@@ -1,6 +1,7 @@
 //! This process's memory as the kernel counts it: resident set now and its
-//! peak (`VmRSS` and `VmHWM` in `/proc/self/status`). Linux only; `None`
-//! elsewhere or when the file cannot be read.
+//! peak (`VmRSS` and `VmHWM` in `/proc/self/status`), and the memory the
+//! machine has left for it. Linux only; `None` elsewhere or when the files
+//! cannot be read.
 
 /// Resident bytes now and the most there have been, in this process's life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +25,29 @@ pub fn parse(status: &str) -> Option<Memory> {
     })
 }
 
+/// Memory left for this process: the kernel's `MemAvailable`, capped by
+/// the headroom of its cgroup (v2: `memory.max` less `memory.current`)
+/// where a limit is set, as in a container.
+pub fn available_bytes() -> Option<u64> {
+    let machine = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| shoal_testnet::report::kb_field_bytes(&t, "MemAvailable:"));
+    match (machine, cgroup_headroom()) {
+        (Some(m), Some(c)) => Some(m.min(c)),
+        (m, c) => m.or(c),
+    }
+}
+
+/// `memory.max` less `memory.current` of this process's cgroup (v2), or
+/// `None` without a limit (`max`) or a cgroup v2 to read.
+fn cgroup_headroom() -> Option<u64> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?.trim().trim_start_matches('/');
+    let dir = std::path::Path::new("/sys/fs/cgroup").join(path);
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok()?.trim().parse::<u64>().ok();
+    Some(read("memory.max")?.saturating_sub(read("memory.current")?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -42,5 +66,14 @@ mod tests {
         let m = current().expect("/proc/self/status");
         assert!(m.rss_bytes > 1 << 20, "{m:?}");
         assert!(m.peak_rss_bytes >= m.rss_bytes, "{m:?}");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_machine_has_memory_left_within_its_total() {
+        let left = available_bytes().expect("/proc/meminfo");
+        let text = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
+        let total = shoal_testnet::report::kb_field_bytes(&text, "MemTotal:").expect("MemTotal");
+        assert!(left > 1 << 20 && left <= total, "{left} of {total}");
     }
 }

@@ -331,6 +331,43 @@ impl PaceMeter {
     }
 }
 
+/// A worker's measured capabilities, as its heartbeat's `Capabilities`
+/// carries them: moving averages of its compute rate (samples per second
+/// of gradient computation) and of its exchange rate (bytes pushed and
+/// pulled per second of a step's communication time, which includes the
+/// waits for a round: a lower bound on the link's rate).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RateMeter {
+    compute: Option<f64>,
+    net: Option<f64>,
+}
+
+impl RateMeter {
+    /// Weight of the newest step in the moving averages.
+    const ALPHA: f64 = 0.1;
+
+    /// One step: `samples` computed in `compute_secs`, `bytes` moved in
+    /// `comm_secs`. Returns samples/s and bytes/s, 0 for what is not
+    /// measured yet; a step with nothing to measure (no samples, no bytes,
+    /// no time) leaves that average as it was.
+    pub fn observe(&mut self, samples: usize, compute_secs: f64, bytes: u64, comm_secs: f64) -> (f32, f32) {
+        fn update(avg: &mut Option<f64>, v: f64) {
+            *avg = Some(match *avg {
+                None => v,
+                Some(a) => a + RateMeter::ALPHA * (v - a),
+            });
+        }
+        if samples > 0 && compute_secs.is_finite() && compute_secs > 0.0 {
+            update(&mut self.compute, samples as f64 / compute_secs);
+        }
+        if bytes > 0 && comm_secs.is_finite() && comm_secs > 0.0 {
+            update(&mut self.net, bytes as f64 / comm_secs);
+        }
+        let out = |a: Option<f64>| a.map_or(0.0, |v| v.min(f64::from(f32::MAX)) as f32);
+        (out(self.compute), out(self.net))
+    }
+}
+
 /// The median of a list (lower median for an even count); `None` if empty.
 pub fn lower_median<T: Copy + PartialOrd>(mut v: Vec<T>) -> Option<T> {
     if v.is_empty() {
@@ -519,5 +556,16 @@ mod tests {
         assert_eq!((p.step_micros, p.comm_micros), (10_000, 4_000));
         let p = m.observe(0.020, 0.030);
         assert_eq!((p.step_micros, p.comm_micros), (11_000, 5_600), "comm clamped to the step");
+    }
+
+    #[test]
+    fn rate_meter_averages_what_it_measured() {
+        let mut m = RateMeter::default();
+        assert_eq!(m.observe(0, 0.0, 0, 0.0), (0.0, 0.0), "nothing measured");
+        assert_eq!(m.observe(64, 0.032, 0, 0.0), (2000.0, 0.0), "no bytes moved yet");
+        let (c, n) = m.observe(64, 0.016, 1_000_000, 0.5);
+        assert!((c - 2200.0).abs() < 1e-3, "2000 + 0.1 x (4000 - 2000): {c}");
+        assert_eq!(n, 2_000_000.0);
+        assert_eq!(m.observe(32, f64::NAN, 10, 0.0), (c, n), "bad times leave the averages");
     }
 }

@@ -229,6 +229,12 @@ pub struct SelfState {
     /// Recent step and communication time (set by the worker) and the number
     /// of aggregators this node proposes (set by the election).
     pub pace: Pace,
+    /// Measured compute rate, samples/s (set by the worker; 0 before its
+    /// first step): the heartbeat's `capabilities.compute_samples_per_sec`.
+    pub compute_samples_per_sec: f32,
+    /// Measured exchange rate, bytes/s (set by the worker; 0 before its
+    /// first exchange): the heartbeat's `capabilities.net_bytes_per_sec`.
+    pub net_bytes_per_sec: f32,
     /// The shard checkpoints in this node's folder when it started.
     pub checkpoints: Vec<CheckpointOffer>,
     /// Workers this node's aggregator marked as suspects (at most
