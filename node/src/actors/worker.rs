@@ -230,7 +230,6 @@ impl Worker {
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
         let mut last_report: Option<Instant> = None;
         let mut pace = crate::policy::explore::PaceMeter::default();
-        let mut rates = crate::policy::explore::RateMeter::default();
         // Error feedback of the lossy push encodings (cluster.compression).
         let mut feedback = ErrorFeedback::new(self.plan.len());
         let compression = self.config.cluster.compression;
@@ -342,7 +341,7 @@ impl Worker {
             self.status.record(StatusEvent::Version(version));
             let p = pace.observe(started.elapsed().as_secs_f64(), comm);
             let moved = self.step_bytes.swap(0, std::sync::atomic::Ordering::Relaxed);
-            let (compute_rate, net_rate) = rates.observe(g.samples, compute, moved, comm);
+            let (compute_rate, net_rate) = pace.rates(g.samples, compute, moved, comm);
             self.membership.set_self(|me| {
                 me.step = step + 1;
                 me.model_version = version;

@@ -303,12 +303,19 @@ pub fn agreed_limit(proposals: impl IntoIterator<Item = u16>) -> Option<usize> {
     (m != usize::MAX).then_some(m)
 }
 
-/// A worker's moving averages of its step time and communication time.
+/// A worker's moving averages of its step time and communication time, and
+/// of its measured capabilities as its heartbeat's `Capabilities` carries
+/// them: its compute rate (samples per second of gradient computation) and
+/// its exchange rate (bytes pushed and pulled per second of a step's
+/// communication time, which includes the waits for a round: a lower bound
+/// on the link's rate).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PaceMeter {
     step: f64,
     comm: f64,
     steps: u64,
+    compute_rate: Option<f64>,
+    net_rate: Option<f64>,
 }
 
 impl PaceMeter {
@@ -329,42 +336,23 @@ impl PaceMeter {
         let step_micros = self.step.min(u32::MAX as f64) as u32;
         Pace { step_micros, comm_micros: (self.comm.min(u32::MAX as f64) as u32).min(step_micros), ..Pace::default() }
     }
-}
 
-/// A worker's measured capabilities, as its heartbeat's `Capabilities`
-/// carries them: moving averages of its compute rate (samples per second
-/// of gradient computation) and of its exchange rate (bytes pushed and
-/// pulled per second of a step's communication time, which includes the
-/// waits for a round: a lower bound on the link's rate).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RateMeter {
-    compute: Option<f64>,
-    net: Option<f64>,
-}
-
-impl RateMeter {
-    /// Weight of the newest step in the moving averages.
-    const ALPHA: f64 = 0.1;
-
-    /// One step: `samples` computed in `compute_secs`, `bytes` moved in
-    /// `comm_secs`. Returns samples/s and bytes/s, 0 for what is not
-    /// measured yet; a step with nothing to measure (no samples, no bytes,
-    /// no time) leaves that average as it was.
-    pub fn observe(&mut self, samples: usize, compute_secs: f64, bytes: u64, comm_secs: f64) -> (f32, f32) {
+    /// The same step's rates: `samples` computed in `compute_secs`, `bytes`
+    /// moved in `comm_secs`. Returns samples/s and bytes/s, 0 for what is
+    /// not measured yet; a step with nothing to measure (no samples, no
+    /// bytes, no time) leaves that average as it was.
+    pub fn rates(&mut self, samples: usize, compute_secs: f64, bytes: u64, comm_secs: f64) -> (f32, f32) {
         fn update(avg: &mut Option<f64>, v: f64) {
-            *avg = Some(match *avg {
-                None => v,
-                Some(a) => a + RateMeter::ALPHA * (v - a),
-            });
+            *avg = Some(avg.map_or(v, |a| a + PaceMeter::ALPHA * (v - a)));
         }
         if samples > 0 && compute_secs.is_finite() && compute_secs > 0.0 {
-            update(&mut self.compute, samples as f64 / compute_secs);
+            update(&mut self.compute_rate, samples as f64 / compute_secs);
         }
         if bytes > 0 && comm_secs.is_finite() && comm_secs > 0.0 {
-            update(&mut self.net, bytes as f64 / comm_secs);
+            update(&mut self.net_rate, bytes as f64 / comm_secs);
         }
         let out = |a: Option<f64>| a.map_or(0.0, |v| v.min(f64::from(f32::MAX)) as f32);
-        (out(self.compute), out(self.net))
+        (out(self.compute_rate), out(self.net_rate))
     }
 }
 
@@ -559,13 +547,13 @@ mod tests {
     }
 
     #[test]
-    fn rate_meter_averages_what_it_measured() {
-        let mut m = RateMeter::default();
-        assert_eq!(m.observe(0, 0.0, 0, 0.0), (0.0, 0.0), "nothing measured");
-        assert_eq!(m.observe(64, 0.032, 0, 0.0), (2000.0, 0.0), "no bytes moved yet");
-        let (c, n) = m.observe(64, 0.016, 1_000_000, 0.5);
+    fn pace_meter_averages_the_rates_it_measured() {
+        let mut m = PaceMeter::default();
+        assert_eq!(m.rates(0, 0.0, 0, 0.0), (0.0, 0.0), "nothing measured");
+        assert_eq!(m.rates(64, 0.032, 0, 0.0), (2000.0, 0.0), "no bytes moved yet");
+        let (c, n) = m.rates(64, 0.016, 1_000_000, 0.5);
         assert!((c - 2200.0).abs() < 1e-3, "2000 + 0.1 x (4000 - 2000): {c}");
         assert_eq!(n, 2_000_000.0);
-        assert_eq!(m.observe(32, f64::NAN, 10, 0.0), (c, n), "bad times leave the averages");
+        assert_eq!(m.rates(32, f64::NAN, 10, 0.0), (c, n), "bad times leave the averages");
     }
 }
