@@ -438,6 +438,13 @@ impl AggregatorActor {
                               "transfer forwarded too often; keeping it until the views agree");
                         self.store(state, true, hops);
                     }
+                } else if owner == Some(self.cfg.me) {
+                    // Our placement already names us, yet nothing here waits
+                    // for the shard: its takeover found no copy to restore
+                    // from (a first placement with no model copy yet). No
+                    // later placement would install a kept copy: take it now.
+                    info!(shard, version, %from, "shard handed over after a takeover with no copy");
+                    self.install(state);
                 } else {
                     // Our view has not made us the owner yet: keep it until it does.
                     self.store(state, true, hops);
@@ -1110,6 +1117,32 @@ mod tests {
             .expect("the shard installed within 10 s")
             .expect("aggregator running");
         node.agg.stats().await.first().map(|s| s.version).expect("one shard served")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_to_an_owner_whose_takeover_found_no_copy_is_installed() {
+        // The CI failure of 2026-11-26: `b` saw only the placement that made
+        // it the owner (watch updates coalesce), found no model copy to take
+        // the shard over from, and then kept `a`'s transfer for a placement
+        // that would never come.
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let (nodes, _log) = start(&[b]);
+        let p = placement(b, &[a, b]);
+        nodes[0].placement.send_replace(Some(p.clone()));
+        // Until the actor has taken the placement up (its refusals carry the
+        // placement's epoch); each try is a round trip to the actor.
+        let taken_up = async {
+            loop {
+                let r = nodes[0].agg.pull(a, 0, 1, Duration::ZERO).await.expect("aggregator answers");
+                if matches!(r, PullReply::NotOwner { epoch, .. } if epoch == p.epoch) {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), taken_up).await.expect("the placement taken up within 10 s");
+        hand(&nodes[0], a, 0, state(3)).await;
+        assert_eq!(installed(&nodes[0]).await, 3);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
