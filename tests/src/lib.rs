@@ -4,6 +4,7 @@
 use shoal_models::OptimizerKind;
 use shoal_node::cluster::{Cluster, ClusterSpec};
 use shoal_node::config::NodeConfig;
+use shoal_node::handles::status::StatusSnapshot;
 use shoal_node::node::NodeReport;
 use shoal_node::policy::sync::SyncPolicy;
 
@@ -30,11 +31,34 @@ pub fn digits_config(run: &str, steps: u64, sync: SyncPolicy, optimizer: Optimiz
 
 /// Start a cluster, wait for it, and return the reports (in node order).
 pub async fn run_cluster(spec: &ClusterSpec) -> anyhow::Result<Vec<NodeReport>> {
-    let cluster = Cluster::start(spec).await?;
+    wait_all(Cluster::start(spec).await?).await
+}
+
+/// Wait for a started cluster and return the reports (in node order).
+pub async fn wait_all(cluster: Cluster) -> anyhow::Result<Vec<NodeReport>> {
     // Bound the whole run: a hung cluster is a failure, not a stuck CI job.
     tokio::time::timeout(std::time::Duration::from_secs(600), cluster.wait())
         .await
         .map_err(|_| anyhow::anyhow!("cluster did not finish within 600 s"))?
+}
+
+/// Steps of the elastic-role scenarios ([`elastic_config`]).
+pub const ELASTIC_STEPS: u64 = 300;
+
+/// The elastic-role scenarios' config: digits, BSP, fast heartbeats and
+/// failure detection, a replica every 4 versions, elastic roles on.
+pub fn elastic_config(run: &str) -> NodeConfig {
+    let mut c = digits_config(run, ELASTIC_STEPS, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
+    c.cluster.heartbeat_ms = 100;
+    c.cluster.failure_timeout_ms = 1_500;
+    c.cluster.replica_every = 4;
+    c.cluster.elastic = true;
+    c
+}
+
+/// A node's final /status.
+pub fn status(r: &NodeReport) -> anyhow::Result<&StatusSnapshot> {
+    r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))
 }
 
 /// `||a - b|| / ||b||`.

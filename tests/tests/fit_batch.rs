@@ -1,0 +1,54 @@
+//! A worker computing 4x slower fits its batch to the BSP rounds
+//! (`cluster.fit_batch`) over real loopback TCP, while the workers at the
+//! cluster's pace keep their full batch.
+//!
+//! Alone in its own test binary: beside the elastic tests (8 clusters on 2
+//! cores at once) a healthy worker was starved for most of 9 steps in a
+//! row and, measured 2x slower than its peers, fitted its batch (CI: 1 to
+//! 5 steps of 300). Test binaries run one after another.
+
+use shoal_node::cluster::{Cluster, ClusterSpec, NodeOverride};
+use shoal_tests::{elastic_config, status, wait_all, ELASTIC_STEPS as STEPS};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_4x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reaches_93_percent() -> anyhow::Result<()> {
+    // node3 computes 4x slower; with cluster.fit_batch it trains on a
+    // smaller batch instead of holding every BSP round back 4x.
+    let mut base = elastic_config("fit-batch");
+    base.cluster.fit_batch = true;
+    let batch = base.training.batch_size as u64;
+    let mut spec = ClusterSpec::new(4, base);
+    spec.overrides = vec![NodeOverride::default(); 4];
+    spec.overrides[3].slowdown = Some(4.0);
+    let cluster = Cluster::start(&spec).await?;
+    let slow = cluster.nodes[3].peer_id;
+    let reports = wait_all(cluster).await?;
+    for r in &reports {
+        let s = status(r)?;
+        eprintln!(
+            "{}: accuracy {:.2}%, {} samples in {} steps, {} steps fitted ({} samples), compute {:.2} s, comm {:.2} s",
+            r.name,
+            r.accuracy * 100.0,
+            s.samples,
+            s.step,
+            s.fitted_steps,
+            s.fitted_samples,
+            s.compute_secs,
+            s.comm_secs
+        );
+    }
+    for r in &reports {
+        let s = status(r)?;
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
+        assert_eq!(s.step, STEPS, "{}", r.name);
+        if r.peer_id != slow {
+            assert_eq!(s.fitted_steps, 0, "{}: a worker at the cluster's pace shrank its batch", r.name);
+        }
+    }
+    let s = status(reports.iter().find(|r| r.peer_id == slow).ok_or_else(|| anyhow::anyhow!("no node3"))?)?;
+    // Most of its steps ran on a fitted batch, on average at most half the
+    // full one (a quarter if compute were all that a step costs).
+    assert!(s.fitted_steps * 2 >= STEPS, "node3 fitted only {} of {STEPS} steps", s.fitted_steps);
+    assert!(s.samples * 2 <= STEPS * batch, "node3 trained {} samples of {}", s.samples, STEPS * batch);
+    Ok(())
+}
