@@ -11,7 +11,11 @@
 //! The rules, evaluated once per window of `window_steps` steps of the
 //! cluster (the lower median of the members' step counters, so every node
 //! evaluates at the same step boundaries), and only once k has held for a
-//! whole window (the moving averages then describe the current k):
+//! whole window (the moving averages then describe the current k). The
+//! first evaluation comes sooner, after a quarter window
+//! ([`Explorer::first_window_steps`]), if k has not moved since the start:
+//! at the starting k every step a poor start costs is a step at the wrong k,
+//! and a trial still judges the change a whole settled window later:
 //! - **add** aggregators when communication dominates step time
 //!   (median share at least `dominate_share`) and a capable node is spare:
 //!   at once, as many as bring k to [`predicted_k`] (where communication,
@@ -118,6 +122,8 @@ pub struct Explorer {
     last_k: Option<usize>,
     /// Last window evaluated.
     window: u64,
+    /// Whether the first evaluation has been made.
+    opened: bool,
     next_add: u64,
     /// How many aggregators the next addition adds (doubles after a kept
     /// addition, halves after a failed one).
@@ -143,6 +149,7 @@ impl Explorer {
             changed_at: 0,
             last_k: None,
             window: 0,
+            opened: false,
             next_add: 0,
             add_step: 1,
             add_ceiling: None,
@@ -151,6 +158,14 @@ impl Explorer {
             add_backoff: 1,
             remove_backoff: 1,
         }
+    }
+
+    /// Steps before the first evaluation: a quarter of a window (at least
+    /// one). The pace averages then cover enough steps to show whether
+    /// communication dominates (they average the first steps equally, see
+    /// [`PaceMeter`]).
+    pub fn first_window_steps(&self) -> u64 {
+        (self.policy.window_steps / 4).max(1)
     }
 
     /// The proposal for the heartbeat: 0 means every capable node.
@@ -177,9 +192,15 @@ impl Explorer {
             }
         }
         let window = o.step / w;
-        if window <= self.window || o.step < self.changed_at.saturating_add(w) || o.step_micros <= 0.0 {
+        let due = if !self.opened && self.trial.is_none() && self.changed_at == 0 {
+            o.step >= self.first_window_steps()
+        } else {
+            window > self.window && o.step >= self.changed_at.saturating_add(w)
+        };
+        if !due || o.step_micros <= 0.0 {
             return None;
         }
+        self.opened = true;
         self.window = window;
         if let Some(t) = self.trial {
             if !t.taken_up(o.aggregators) {
@@ -309,30 +330,39 @@ pub fn agreed_limit(proposals: impl IntoIterator<Item = u16>) -> Option<usize> {
 /// its exchange rate (bytes pushed and pulled per second of a step's
 /// communication time, which includes the waits for a round: a lower bound
 /// on the link's rate).
+///
+/// The averages weigh the newest value by `1/n` over the first `1/ALPHA`
+/// values (a plain mean), then by `ALPHA`: a fixed weight from the first
+/// value on would leave the first step, with its connection set-up and
+/// first pull, at 39% of the average after 10 steps.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PaceMeter {
     step: f64,
     comm: f64,
     steps: u64,
     compute_rate: Option<f64>,
+    compute_n: u64,
     net_rate: Option<f64>,
+    net_n: u64,
 }
 
 impl PaceMeter {
-    /// Weight of the newest step in the moving averages.
+    /// Weight of the newest step in the moving averages (once warmed up).
     const ALPHA: f64 = 0.1;
+
+    /// The weight of the `n`-th value (from 1): `1/n`, at least `ALPHA`.
+    fn weight(n: u64) -> f64 {
+        (1.0 / n.max(1) as f64).max(Self::ALPHA)
+    }
 
     /// Record one step; returns the step and communication times to gossip
     /// (the other fields of the returned pace are left 0).
     pub fn observe(&mut self, step_secs: f64, comm_secs: f64) -> Pace {
         let (s, c) = (step_secs.max(0.0) * 1e6, comm_secs.clamp(0.0, step_secs.max(0.0)) * 1e6);
-        if self.steps == 0 {
-            (self.step, self.comm) = (s, c);
-        } else {
-            self.step += Self::ALPHA * (s - self.step);
-            self.comm += Self::ALPHA * (c - self.comm);
-        }
         self.steps += 1;
+        let a = Self::weight(self.steps);
+        self.step += a * (s - self.step);
+        self.comm += a * (c - self.comm);
         let step_micros = self.step.min(u32::MAX as f64) as u32;
         Pace { step_micros, comm_micros: (self.comm.min(u32::MAX as f64) as u32).min(step_micros), ..Pace::default() }
     }
@@ -342,14 +372,15 @@ impl PaceMeter {
     /// not measured yet; a step with nothing to measure (no samples, no
     /// bytes, no time) leaves that average as it was.
     pub fn rates(&mut self, samples: usize, compute_secs: f64, bytes: u64, comm_secs: f64) -> (f32, f32) {
-        fn update(avg: &mut Option<f64>, v: f64) {
-            *avg = Some(avg.map_or(v, |a| a + PaceMeter::ALPHA * (v - a)));
+        fn update(avg: &mut Option<f64>, n: &mut u64, v: f64) {
+            *n += 1;
+            *avg = Some(avg.map_or(v, |a| a + PaceMeter::weight(*n) * (v - a)));
         }
         if samples > 0 && compute_secs.is_finite() && compute_secs > 0.0 {
-            update(&mut self.compute_rate, samples as f64 / compute_secs);
+            update(&mut self.compute_rate, &mut self.compute_n, samples as f64 / compute_secs);
         }
         if bytes > 0 && comm_secs.is_finite() && comm_secs > 0.0 {
-            update(&mut self.net_rate, bytes as f64 / comm_secs);
+            update(&mut self.net_rate, &mut self.net_n, bytes as f64 / comm_secs);
         }
         let out = |a: Option<f64>| a.map_or(0.0, |v| v.min(f64::from(f32::MAX)) as f32);
         (out(self.compute_rate), out(self.net_rate))
@@ -381,18 +412,19 @@ mod tests {
     fn adds_an_aggregator_when_communication_dominates_and_keeps_it_if_faster() {
         let mut e = Explorer::new(policy(), Some(1));
         assert_eq!(e.proposal(), 1);
-        // Not before a whole window has passed with this k.
-        assert_eq!(e.observe(&obs(5, 1, 1000.0, 0.55), Some(1)), None);
+        // The first evaluation comes after a quarter window (2 steps of 10).
+        assert_eq!(e.first_window_steps(), 2);
+        assert_eq!(e.observe(&obs(1, 1, 1000.0, 0.55), Some(1)), None);
         assert_eq!(
-            e.observe(&obs(10, 1, 1000.0, 0.55), Some(1)),
+            e.observe(&obs(2, 1, 1000.0, 0.55), Some(1)),
             Some(Decision::Try { from: 1, to: 2, baseline_micros: 1000.0 })
         );
         assert_eq!(e.proposal(), 2);
-        // The cluster takes it up at step 12; judged a whole window later.
-        assert_eq!(e.observe(&obs(12, 2, 900.0, 0.6), Some(2)), None);
-        assert_eq!(e.observe(&obs(20, 2, 700.0, 0.6), Some(2)), None, "settling");
+        // The cluster takes it up at step 4; judged a whole window later.
+        assert_eq!(e.observe(&obs(4, 2, 900.0, 0.6), Some(2)), None);
+        assert_eq!(e.observe(&obs(12, 2, 700.0, 0.6), Some(2)), None, "settling");
         assert_eq!(
-            e.observe(&obs(22, 2, 700.0, 0.6), Some(2)),
+            e.observe(&obs(14, 2, 700.0, 0.6), Some(2)),
             Some(Decision::Keep { from: 1, k: 2, before_micros: 1000.0, after_micros: 700.0 })
         );
         assert_eq!(e.proposal(), 2);
@@ -521,10 +553,26 @@ mod tests {
         assert_eq!(e.proposal(), 2);
         // With no trial running, the node adopts whatever the cluster agreed.
         let mut f = Explorer::new(policy(), None);
-        f.observe(&obs(5, 3, 1000.0, 0.3), Some(3));
+        f.observe(&obs(1, 3, 1000.0, 0.3), Some(3));
         assert_eq!(f.proposal(), 0, "only at a window boundary");
-        f.observe(&obs(10, 3, 1000.0, 0.3), Some(3));
+        f.observe(&obs(2, 3, 1000.0, 0.3), Some(3));
         assert_eq!(f.proposal(), 3);
+    }
+
+    #[test]
+    fn only_an_unmoved_start_is_judged_early() {
+        // k moved before the first quarter window ended (a node joined):
+        // the first evaluation waits for a whole window at the new k.
+        let mut e = Explorer::new(policy(), Some(1));
+        assert_eq!(e.observe(&obs(1, 1, 1000.0, 0.85), Some(1)), None);
+        assert_eq!(e.observe(&obs(2, 2, 1000.0, 0.85), Some(1)), None, "k changed at step 2");
+        assert_eq!(e.observe(&obs(11, 2, 1000.0, 0.85), Some(1)), None, "not a whole window at k = 2");
+        assert!(matches!(e.observe(&obs(12, 2, 1000.0, 0.85), Some(1)), Some(Decision::Try { from: 2, .. })));
+        // After the first evaluation, the next one is a whole window later.
+        let mut f = Explorer::new(policy(), Some(1));
+        assert_eq!(f.observe(&obs(3, 1, 1000.0, 0.2), Some(1)), None, "evaluated: nothing to change");
+        assert_eq!(f.observe(&obs(9, 1, 1000.0, 0.85), Some(1)), None, "same window");
+        assert!(matches!(f.observe(&obs(10, 1, 1000.0, 0.85), Some(1)), Some(Decision::Try { from: 1, to: 4, .. })));
     }
 
     #[test]
@@ -543,7 +591,15 @@ mod tests {
         let p = m.observe(0.010, 0.004);
         assert_eq!((p.step_micros, p.comm_micros), (10_000, 4_000));
         let p = m.observe(0.020, 0.030);
-        assert_eq!((p.step_micros, p.comm_micros), (11_000, 5_600), "comm clamped to the step");
+        assert_eq!((p.step_micros, p.comm_micros), (15_000, 12_000), "a mean at first; comm clamped to the step");
+        // After 10 steps the weight is 0.1 and stays there.
+        for _ in 2..10 {
+            m.observe(0.015, 0.012);
+        }
+        let p = m.observe(0.025, 0.012);
+        assert_eq!((p.step_micros, p.comm_micros), (16_000, 12_000), "15 + 0.1 x (25 - 15) ms");
+        let p = m.observe(0.026, 0.012);
+        assert_eq!(p.step_micros, 17_000, "16 + 0.1 x (26 - 16) ms");
     }
 
     #[test]
@@ -552,7 +608,7 @@ mod tests {
         assert_eq!(m.rates(0, 0.0, 0, 0.0), (0.0, 0.0), "nothing measured");
         assert_eq!(m.rates(64, 0.032, 0, 0.0), (2000.0, 0.0), "no bytes moved yet");
         let (c, n) = m.rates(64, 0.016, 1_000_000, 0.5);
-        assert!((c - 2200.0).abs() < 1e-3, "2000 + 0.1 x (4000 - 2000): {c}");
+        assert!((c - 3000.0).abs() < 1e-3, "the mean of 2000 and 4000: {c}");
         assert_eq!(n, 2_000_000.0);
         assert_eq!(m.rates(32, f64::NAN, 10, 0.0), (c, n), "bad times leave the averages");
     }
