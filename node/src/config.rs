@@ -242,8 +242,9 @@ pub struct ClusterConfig {
     /// With `aggregators = "auto"`: how many to start from; 0 starts from
     /// every capable node. Default 0.
     pub start_aggregators: u16,
-    /// With `aggregators = "auto"`: steps per measurement window; a change
-    /// of the number of aggregators is judged one settled window later. Default 60.
+    /// With `aggregators = "auto"`: steps per measurement window (the first
+    /// decision comes after a quarter of one); a change of the number of
+    /// aggregators is judged one settled window later. Default 60.
     pub explore_window_steps: u64,
     /// With `aggregators = "auto"`: an aggregator is removed (in a trial)
     /// when the median share of step time spent exchanging shards is at
@@ -360,6 +361,27 @@ impl ClusterConfig {
         f.set_serve_mbps(self.fault_serve_mbps)?;
         f.set_link(self.link_mbps, self.link_latency_ms)?;
         Ok(f)
+    }
+
+    /// The straggler detector's thresholds for a model of `params` values
+    /// in `shards` shards: the floor `straggler_min_excess_ms` is per push,
+    /// reports are per MiB of the mean shard. Static roles judge nobody slow
+    /// (only failures move shards).
+    pub fn health_policy(&self, params: usize, shards: usize) -> crate::policy::health::HealthPolicy {
+        use crate::policy::health::HealthPolicy;
+        if !self.elastic {
+            return HealthPolicy {
+                demote_ratio: f64::INFINITY,
+                restore_ratio: f64::INFINITY,
+                min_excess_micros_per_mib: f64::INFINITY,
+            };
+        }
+        let shard_mib = (params as f64 * 4.0 / shards.max(1) as f64) / (1024.0 * 1024.0);
+        HealthPolicy {
+            demote_ratio: self.demote_ratio,
+            restore_ratio: self.restore_ratio,
+            min_excess_micros_per_mib: self.straggler_min_excess_ms * 1e3 / shard_mib.max(f64::MIN_POSITIVE),
+        }
     }
 
     /// The norm check's factor K in force (0: off): `norm_check`, or 50

@@ -36,7 +36,7 @@ use crate::handles::net::{ModelSnapshot, NetworkHandle, Routes};
 use crate::handles::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
 use crate::ops::logging::short;
 use crate::policy::explore::ExplorePolicy;
-use crate::policy::health::{HealthPolicy, ServiceTracker};
+use crate::policy::health::ServiceTracker;
 use crate::policy::placement::{ElectPolicy, Placement};
 use crate::policy::resume::{offers_of, resume_point, ResumePoint};
 use crate::policy::sync::SyncPolicy;
@@ -551,22 +551,7 @@ async fn drive(
         if !roster.members.iter().any(|m| m.1) {
             bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
         }
-        let health = if c.elastic {
-            // The floor is per push; reports are per MiB of the mean shard.
-            let shard_mib = (worker.plan.total_len() as f64 * 4.0 / worker.plan.len() as f64) / (1024.0 * 1024.0);
-            HealthPolicy {
-                demote_ratio: c.demote_ratio,
-                restore_ratio: c.restore_ratio,
-                min_excess_micros_per_mib: c.straggler_min_excess_ms * 1e3 / shard_mib.max(f64::MIN_POSITIVE),
-            }
-        } else {
-            // Static roles: nobody is ever judged slow; only failures move shards.
-            HealthPolicy {
-                demote_ratio: f64::INFINITY,
-                restore_ratio: f64::INFINITY,
-                min_excess_micros_per_mib: f64::INFINITY,
-            }
-        };
+        let health = c.health_policy(worker.plan.total_len(), worker.plan.len());
         election::start(
             placement_tx,
             ElectionConfig {

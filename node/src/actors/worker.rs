@@ -36,9 +36,10 @@ use crate::handles::net::{ModelSnapshot, NetError, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::handles::trainer::{Gradients, TrainerHandle};
 use crate::ops::faults::hold;
+use crate::ops::logging::short;
 use crate::policy::compress::ErrorFeedback;
 use crate::policy::fit::BatchFit;
-use crate::policy::health::ServiceTracker;
+use crate::policy::health::{would_demote, ServiceTracker};
 use crate::policy::placement::Placement;
 use crate::policy::sync::SyncPolicy;
 use crate::policy::view::Roster;
@@ -81,13 +82,23 @@ impl WorkerBatches {
     }
 
     pub fn for_step(&mut self, step: u64) -> anyhow::Result<Vec<usize>> {
+        self.batch_of(step).cloned()
+    }
+
+    /// How many samples the batch of `step` holds (the last of an epoch
+    /// holds what is left of the partition).
+    pub fn len_for_step(&mut self, step: u64) -> anyhow::Result<usize> {
+        self.batch_of(step).map(Vec::len)
+    }
+
+    fn batch_of(&mut self, step: u64) -> anyhow::Result<&Vec<usize>> {
         let per_epoch = self.part.len().div_ceil(self.batch_size) as u64;
         let epoch = step / per_epoch;
         if self.epoch != Some(epoch) {
             self.batches = shuffled_batches(&self.part, self.batch_size, self.seed, epoch)?;
             self.epoch = Some(epoch);
         }
-        self.batches.get((step % per_epoch) as usize).cloned().context("batch index out of range")
+        self.batches.get((step % per_epoch) as usize).context("batch index out of range")
     }
 
     /// The samples of the partition, ascending: what the trainer loads.
@@ -177,6 +188,14 @@ pub struct Ran {
     pub left: bool,
 }
 
+/// When this worker last published its service report, and the owners
+/// that report alone would demote (see `Worker::after_exchange`).
+#[derive(Debug, Default)]
+struct ReportClock {
+    at: Option<Instant>,
+    demoting: std::collections::BTreeSet<PeerId>,
+}
+
 /// Wait for the placement to change, at most `backoff` (which then grows):
 /// retries of a failed exchange go as soon as the shard may have moved.
 async fn wait_for_change(placement: &mut watch::Receiver<Option<Arc<Placement>>>, backoff: &mut Duration) {
@@ -228,7 +247,7 @@ impl Worker {
             (self.config.cluster.mode == Mode::Pull && local_steps > 1).then(|| (params.clone(), 0));
         info!(partition = ?routing.partition, from = routing.start_step, steps = t.steps,
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
-        let mut last_report: Option<Instant> = None;
+        let mut last_report = ReportClock::default();
         let mut pace = crate::policy::explore::PaceMeter::default();
         // Error feedback of the lossy push encodings (cluster.compression).
         let mut feedback = ErrorFeedback::new(self.plan.len());
@@ -255,7 +274,12 @@ impl Worker {
             let (g, compute) = match prefetched.take() {
                 Some(ready) => ready,
                 None => {
-                    let limit = fit.as_ref().map(|f| f.batch(&self.others_compute_micros(&view, t.steps)));
+                    let limit = match fit.as_mut() {
+                        Some(f) => {
+                            Some(f.batch(&self.others_compute_micros(&view, t.steps), batches.len_for_step(step)?))
+                        }
+                        None => None,
+                    };
                     let (g, secs) = self.compute(step, &mut batches, &mut momentum, limit).await?;
                     if let Some(f) = fit.as_mut() {
                         f.observe(g.samples, secs * 1e6);
@@ -421,18 +445,43 @@ impl Worker {
     /// and (elastic roles) this worker's view of its owners' service times
     /// to membership, at most once per heartbeat: peers read the report
     /// once per heartbeat, and each refresh wakes this node's election.
-    fn after_exchange(&self, step: u64, feedback: &ErrorFeedback, last_report: &mut Option<Instant>) {
+    ///
+    /// Sooner (at most four times a heartbeat) when the owners this report
+    /// alone would demote change ([`would_demote`]), and then published at
+    /// once, not at the next heartbeat: a slow owner keeps its shards until
+    /// most reports about it say so.
+    fn after_exchange(&self, step: u64, feedback: &ErrorFeedback, last: &mut ReportClock) {
         if self.config.cluster.compression.push.is_lossy() {
             self.status.record(StatusEvent::ResidualBytes(feedback.bytes()));
         }
-        let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
-        if self.config.cluster.elastic && last_report.is_none_or(|t| t.elapsed() >= heartbeat) {
-            *last_report = Some(Instant::now());
-            let forget = self.config.cluster.service_forget_steps;
-            let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
-            self.membership.set_self(|me| me.service = report);
-            self.probe_stragglers(step);
+        if !self.config.cluster.elastic {
+            return;
         }
+        let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
+        let since = last.at.map(|t| t.elapsed());
+        let due = since.is_none_or(|e| e >= heartbeat);
+        if !due && since.is_some_and(|e| e < heartbeat / 4) {
+            return;
+        }
+        let forget = self.config.cluster.service_forget_steps;
+        let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
+        let health = self.config.cluster.health_policy(self.plan.total_len(), self.plan.len());
+        let demoting = would_demote(self.me, &report, health);
+        let urgent = demoting != last.demoting;
+        if !due && !urgent {
+            return;
+        }
+        if urgent {
+            debug!(step, owners = ?demoting.iter().map(short).collect::<Vec<_>>(), "service report: publishing at once");
+        }
+        *last = ReportClock { at: Some(Instant::now()), demoting };
+        self.membership.set_self(|me| {
+            me.service = report;
+            if urgent {
+                me.announce += 1;
+            }
+        });
+        self.probe_stragglers(step);
     }
 
     /// Probe each owner the placement keeps out as a straggler (at most one

@@ -13,6 +13,14 @@
 //! when part of a step's cost does not scale with the batch. Pure: no clock,
 //! no runtime.
 //!
+//! The fit is a *fraction* of each step's own batch, not a count: the
+//! others' compute time is a moving average over their steps, which is the
+//! time of their *mean* batch, while the steps themselves differ (a
+//! partition of 359 samples in batches of 256 gives 256, 103, 256, …). A
+//! fixed count sized to the mean held every short round back (the others
+//! computed 103 samples while the slow worker computed a count sized for
+//! 180) and left the long rounds' slack unused.
+//!
 //! The target is the *slowest* of the other workers that are not slow
 //! themselves (within [`SLOW_FACTOR`] of their lower median), not their
 //! median: a fitted worker computes in about the target's time, so with the
@@ -49,7 +57,10 @@ pub const WARMUP_STEPS: u32 = 5;
 /// A worker's batch fitted to the cluster's pace.
 #[derive(Debug, Clone)]
 pub struct BatchFit {
-    full: usize,
+    /// The mean of the steps' own (unfitted) batch sizes so far; the
+    /// configured batch size before the first step.
+    nominal_mean: f64,
+    nominal_steps: u64,
     /// The last [`FIT_WINDOW`] steps' compute time per sample (µs), oldest
     /// first.
     recent: std::collections::VecDeque<f64>,
@@ -59,7 +70,12 @@ pub struct BatchFit {
 impl BatchFit {
     /// `full`: the configured batch size (at least 1).
     pub fn new(full: usize) -> Self {
-        Self { full: full.max(1), recent: std::collections::VecDeque::with_capacity(FIT_WINDOW), seen: 0 }
+        Self {
+            nominal_mean: full.max(1) as f64,
+            nominal_steps: 0,
+            recent: std::collections::VecDeque::with_capacity(FIT_WINDOW),
+            seen: 0,
+        }
     }
 
     /// One step computed `samples` samples in `micros` (the first
@@ -90,24 +106,30 @@ impl BatchFit {
         v.get(v.len() / 2).copied()
     }
 
-    /// The batch for the next step, given the other workers' compute time
-    /// per step (µs). The full batch while nothing is measured, or while
-    /// this worker's full batch would take at most [`FIT_MARGIN`] times the
-    /// target (see the module's notes).
-    pub fn batch(&self, others_micros: &[f64]) -> usize {
-        let Some(per_sample) = self.micros_per_sample() else { return self.full };
+    /// How many of the next step's `nominal` samples to train on, given the
+    /// other workers' compute time per step (µs, their moving averages: the
+    /// time of their mean batch). All of them while nothing is measured, or
+    /// while this worker's mean batch would take at most [`FIT_MARGIN`]
+    /// times the target; otherwise the fraction of `nominal` that the
+    /// target's time holds at this worker's speed (see the module's notes).
+    pub fn batch(&mut self, others_micros: &[f64], nominal: usize) -> usize {
+        let nominal = nominal.max(1);
+        self.nominal_steps += 1;
+        self.nominal_mean += (nominal as f64 - self.nominal_mean) / self.nominal_steps as f64;
+        let Some(per_sample) = self.micros_per_sample() else { return nominal };
         let mut v: Vec<f64> = others_micros.iter().copied().filter(|x| x.is_finite() && *x > 0.0).collect();
         if v.is_empty() {
-            return self.full;
+            return nominal;
         }
         v.sort_by(f64::total_cmp);
         let median = v[(v.len() - 1) / 2];
         let target = v.iter().copied().filter(|x| *x <= SLOW_FACTOR * median).fold(median, f64::max);
-        if per_sample * self.full as f64 <= FIT_MARGIN * target {
-            return self.full;
+        let mean_time = per_sample * self.nominal_mean;
+        if mean_time <= FIT_MARGIN * target {
+            return nominal;
         }
-        let min = ((self.full as f64 * MIN_FRACTION).ceil() as usize).max(1);
-        ((target / per_sample).round() as usize).clamp(min, self.full)
+        let min = ((nominal as f64 * MIN_FRACTION).ceil() as usize).max(1);
+        ((nominal as f64 * target / mean_time).round() as usize).clamp(min, nominal)
     }
 }
 
@@ -134,16 +156,16 @@ mod tests {
     #[test]
     fn equal_workers_keep_their_batch() {
         let mut f = warmed(32);
-        assert_eq!(f.batch(&[1000.0]), 32, "nothing measured yet");
+        assert_eq!(f.batch(&[1000.0], 32), 32, "nothing measured yet");
         for _ in 0..FIT_WINDOW - 1 {
             f.observe(32, 4000.0);
         }
-        assert_eq!(f.batch(&[1000.0]), 32, "the window is not full yet");
+        assert_eq!(f.batch(&[1000.0], 32), 32, "the window is not full yet");
         observe_window(&mut f, 32, 1100.0);
-        assert_eq!(f.batch(&[]), 32, "no peer measured");
-        assert_eq!(f.batch(&[1000.0, 900.0, 1200.0]), 32, "1.1x the others: noise");
+        assert_eq!(f.batch(&[], 32), 32, "no peer measured");
+        assert_eq!(f.batch(&[1000.0, 900.0, 1200.0], 32), 32, "1.1x the others: noise");
         observe_window(&mut f, 32, 1400.0);
-        assert_eq!(f.batch(&[1000.0, 900.0]), 32, "1.4x the slowest of them: noise");
+        assert_eq!(f.batch(&[1000.0, 900.0], 32), 32, "1.4x the slowest of them: noise");
     }
 
     #[test]
@@ -154,13 +176,13 @@ mod tests {
         for i in 0..60 {
             let stalled = i % 3 == 0;
             f.observe(32, if stalled { 10_000.0 } else { 1000.0 });
-            assert_eq!(f.batch(&[1000.0, 1000.0, 4000.0]), 32, "step {i}");
+            assert_eq!(f.batch(&[1000.0, 1000.0, 4000.0], 32), 32, "step {i}");
         }
         // Once most of the window is slow, it is slow.
         for _ in 0..FIT_WINDOW / 2 + 1 {
             f.observe(32, 4000.0);
         }
-        assert_eq!(f.batch(&[1000.0, 1000.0]), 8);
+        assert_eq!(f.batch(&[1000.0, 1000.0], 32), 8);
     }
 
     #[test]
@@ -169,12 +191,12 @@ mod tests {
         // time; node3 slow (4,000) and not yet fitted.
         let mut f = warmed(32);
         observe_window(&mut f, 32, 1000.0);
-        assert_eq!(f.batch(&[1000.0, 700.0, 4000.0]), 32, "the target is node1's 1,000, not 700");
-        assert_eq!(f.batch(&[700.0, 650.0, 4000.0]), 32, "1000 / 700 < 2");
+        assert_eq!(f.batch(&[1000.0, 700.0, 4000.0], 32), 32, "the target is node1's 1,000, not 700");
+        assert_eq!(f.batch(&[700.0, 650.0, 4000.0], 32), 32, "1000 / 700 < 2");
         // Two slow workers: each takes the healthy ones as its target.
         let mut slow = warmed(32);
         observe_window(&mut slow, 32, 4000.0);
-        assert_eq!(slow.batch(&[1000.0, 1000.0, 4000.0]), 8);
+        assert_eq!(slow.batch(&[1000.0, 1000.0, 4000.0], 32), 8);
     }
 
     #[test]
@@ -187,32 +209,59 @@ mod tests {
         let mut b = 32;
         for _ in 0..40 {
             f.observe(b, time(b));
-            b = f.batch(&[target, target, 4.0 * target]);
+            b = f.batch(&[target, target, 4.0 * target], 32);
         }
         assert!((7..=8).contains(&b), "settles near (3250 - 200) / 400 = 7.6: {b}");
         assert!(time(b) <= target * FIT_MARGIN, "{} µs against {target}", time(b));
         // The slowdown ends: back to the full batch.
         for _ in 0..40 {
             f.observe(b, 50.0 + 100.0 * b as f64);
-            b = f.batch(&[target, target, target]);
+            b = f.batch(&[target, target, target], 32);
         }
         assert_eq!(b, 32);
+    }
+
+    #[test]
+    fn the_fit_follows_each_steps_own_batch() {
+        // A partition of 359 in batches of 256: steps alternate 256 and 103.
+        // The others (1x) report the moving average of their step times,
+        // the time of their mean batch (179.5); this worker is 4x slower.
+        let others = |n: f64| 100.0 * n;
+        let target = others(179.5);
+        let time = |n: usize| 400.0 * n as f64;
+        let mut f = warmed(256);
+        let mut fitted = Vec::new();
+        for step in 0..60 {
+            let nominal = if step % 2 == 0 { 256 } else { 103 };
+            let b = f.batch(&[target, target, 4.0 * target], nominal);
+            f.observe(b, time(b));
+            if step >= 40 {
+                fitted.push((nominal, b));
+                // Each round's own slowest other worker: this one is not it
+                // by more than a sample's time.
+                assert!(time(b) <= others(nominal as f64) + 400.0, "step {step}: {b} of {nominal}");
+            }
+        }
+        let long: Vec<usize> = fitted.iter().filter(|(n, _)| *n == 256).map(|(_, b)| *b).collect();
+        let short: Vec<usize> = fitted.iter().filter(|(n, _)| *n == 103).map(|(_, b)| *b).collect();
+        assert!(long.iter().all(|&b| (63..=64).contains(&b)), "a quarter of 256: {long:?}");
+        assert!(short.iter().all(|&b| (25..=26).contains(&b)), "a quarter of 103: {short:?}");
     }
 
     #[test]
     fn a_very_slow_worker_keeps_a_sixteenth() {
         let mut f = warmed(32);
         observe_window(&mut f, 32, 1e9);
-        assert_eq!(f.batch(&[100.0]), 2);
+        assert_eq!(f.batch(&[100.0], 32), 2);
         let mut one = warmed(1);
         observe_window(&mut one, 1, 1e9);
-        assert_eq!(one.batch(&[100.0]), 1);
+        assert_eq!(one.batch(&[100.0], 1), 1);
         // Bad measurements are ignored.
         let mut g = warmed(8);
         for _ in 0..FIT_WINDOW {
             g.observe(0, 5.0);
             g.observe(8, f64::NAN);
         }
-        assert_eq!(g.batch(&[1.0]), 8);
+        assert_eq!(g.batch(&[1.0], 8), 8);
     }
 }
