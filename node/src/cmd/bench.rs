@@ -361,11 +361,14 @@ fn cluster_bench_config(run: &str, steps: u64, batch_size: usize) -> crate::conf
     cfg
 }
 
+/// `node3_owns`: false keeps node3 from owning shards at all (the speed
+/// elastic roles can reach once they have moved its shards away).
 async fn straggler_case(
     args: &crate::cmd::cli::BenchStragglerArgs,
     run: &str,
     delay_ms: u64,
     elastic: bool,
+    node3_owns: bool,
 ) -> anyhow::Result<StragglerCase> {
     use crate::cluster::{Cluster, ClusterSpec, NodeOverride};
     use crate::handles::status::RoleView;
@@ -375,6 +378,7 @@ async fn straggler_case(
     let mut spec = ClusterSpec::new(4, cfg);
     spec.overrides = vec![NodeOverride::default(); 4];
     spec.overrides[3].fault_delay_ms = Some(delay_ms);
+    spec.overrides[3].can_aggregate = Some(node3_owns);
     let cluster = Cluster::start(&spec).await?;
     let slow = cluster.nodes[3].peer_id;
     let reports = cluster.wait().await?;
@@ -516,17 +520,25 @@ pub fn straggler(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()
             "shoal bench straggler: 4 nodes on loopback TCP, digits MLP, BSP, batch {} per node, {} steps per case",
             args.batch_size, args.steps
         );
-        let base = straggler_case(&args, "straggler-none", 0, true).await?;
-        // A step touches the slow owner twice (push and pull), so this delay
-        // makes a static-role step about `slowdown` times the baseline's.
-        let delay_ms = ((args.slowdown - 1.0) * base.slow_step_ms / 2.0).ceil().max(1.0) as u64;
+        let base = straggler_case(&args, "straggler-none", 0, true, true).await?;
+        // A step meets the slow owner's delay once with `PushPull` (one
+        // request per shard, all of a step's in parallel) and twice with a
+        // push and then a pull, so this delay makes a static-role step about
+        // `slowdown` times the baseline's. (Until 2026-11-26 it assumed two
+        // with `PushPull` as well, and a "5x" slowdown was 3x.)
+        let touches = if cluster_bench_config("", 1, 1).cluster.push_pull { 1.0 } else { 2.0 };
+        let delay_ms = ((args.slowdown - 1.0) * base.slow_step_ms / touches).ceil().max(1.0) as u64;
         println!("baseline step {:.1} ms; node3 answers pushes and pulls {delay_ms} ms late", base.slow_step_ms);
-        let fixed = straggler_case(&args, "straggler-static", delay_ms, false).await?;
-        let elastic = straggler_case(&args, "straggler-elastic", delay_ms, true).await?;
+        let fixed = straggler_case(&args, "straggler-static", delay_ms, false, true).await?;
+        let elastic = straggler_case(&args, "straggler-elastic", delay_ms, true, true).await?;
+        let three = straggler_case(&args, "straggler-three-owners", 0, true, false).await?;
         println!("{:<28} {:>9} {:>10} {:>10}", "case", "steps/s", "accuracy", "moved in");
-        for (name, c) in
-            [("no straggler", &base), ("straggler, static roles", &fixed), ("straggler, elastic roles", &elastic)]
-        {
+        for (name, c) in [
+            ("no straggler", &base),
+            ("straggler, static roles", &fixed),
+            ("straggler, elastic roles", &elastic),
+            ("no straggler, 3 owners", &three),
+        ] {
             let moved = c.moved_after.map_or("-".to_string(), |s| format!("{s:.2} s"));
             println!("{name:<28} {:>9.1} {:>9.2}% {moved:>10}", c.steps_per_sec, c.accuracy * 100.0);
         }
@@ -535,6 +547,11 @@ pub fn straggler(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()
         println!(
             "elastic / no straggler: {:.2}x (fraction of speed recovered)",
             elastic.steps_per_sec / base.steps_per_sec
+        );
+        println!(
+            "elastic / 3 owners: {:.2}x (of the speed left once node3 owns nothing; 3 owners / no straggler {:.2}x)",
+            elastic.steps_per_sec / three.steps_per_sec,
+            three.steps_per_sec / base.steps_per_sec
         );
         match elastic.moved_after {
             Some(s) => println!("slowdown to shards moved: {s:.2} s"),
@@ -551,6 +568,9 @@ pub fn straggler(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Result<()
             &serde_json::json!({
                 "bench": "straggler", "steps": args.steps, "batch_size": args.batch_size, "delay_ms": delay_ms,
                 "no_straggler": case(&base), "static": case(&fixed), "elastic": case(&elastic),
+                "three_owners": case(&three),
+                "elastic_over_three_owners": elastic.steps_per_sec / three.steps_per_sec,
+                "three_owners_over_no_straggler": three.steps_per_sec / base.steps_per_sec,
                 "static_over_no_straggler": fixed.steps_per_sec / base.steps_per_sec,
                 "elastic_over_static": elastic.steps_per_sec / fixed.steps_per_sec,
                 "elastic_over_no_straggler": elastic.steps_per_sec / base.steps_per_sec,
