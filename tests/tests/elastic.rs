@@ -16,8 +16,12 @@ const STEPS: u64 = ELASTIC_STEPS;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowed_aggregator_is_demoted_its_shards_move_and_accuracy_reaches_93_percent() -> anyhow::Result<()> {
     // node3 answers every push and pull 25 ms late: on loopback that is far
-    // more than 5x the others' service time (about 1 ms).
-    let mut spec = ClusterSpec::new(4, elastic_config("elastic-slow"));
+    // more than 5x the others' service time (about 1 ms). 600 steps: six
+    // times `service_forget_steps`, after which reports used to age out and
+    // hand a demoted owner its shards back.
+    let mut base = elastic_config("elastic-slow");
+    base.training.steps = 2 * ELASTIC_STEPS;
+    let mut spec = ClusterSpec::new(4, base);
     spec.overrides = vec![NodeOverride::default(); 4];
     spec.overrides[3].fault_delay_ms = Some(25);
     let cluster = Cluster::start(&spec).await?;
