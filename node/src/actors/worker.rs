@@ -466,7 +466,7 @@ impl Worker {
         let forget = self.config.cluster.service_forget_steps;
         let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
         let health = self.config.cluster.health_policy(self.plan.total_len(), self.plan.len());
-        let demoting = would_demote(self.me, &report, health);
+        let demoting = would_demote(self.me, &report, &last.demoting, health);
         let urgent = demoting != last.demoting;
         if !due && !urgent {
             return;

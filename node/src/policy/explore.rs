@@ -124,6 +124,9 @@ pub struct Explorer {
     window: u64,
     /// Whether the first evaluation has been made.
     opened: bool,
+    /// Whether k has moved since the first observation (then the first
+    /// evaluation waits for a whole window at the new k).
+    moved: bool,
     next_add: u64,
     /// How many aggregators the next addition adds (doubles after a kept
     /// addition, halves after a failed one).
@@ -150,6 +153,7 @@ impl Explorer {
             last_k: None,
             window: 0,
             opened: false,
+            moved: false,
             next_add: 0,
             add_step: 1,
             add_ceiling: None,
@@ -180,6 +184,7 @@ impl Explorer {
         if self.last_k != Some(o.aggregators) {
             if self.last_k.is_some() {
                 self.changed_at = o.step;
+                self.moved = true;
             }
             self.last_k = Some(o.aggregators);
             if let Some(t) = self.trial {
@@ -192,7 +197,7 @@ impl Explorer {
             }
         }
         let window = o.step / w;
-        let due = if !self.opened && self.trial.is_none() && self.changed_at == 0 {
+        let due = if !self.opened && !self.moved {
             o.step >= self.first_window_steps()
         } else {
             window > self.window && o.step >= self.changed_at.saturating_add(w)
@@ -331,10 +336,13 @@ pub fn agreed_limit(proposals: impl IntoIterator<Item = u16>) -> Option<usize> {
 /// communication time, which includes the waits for a round: a lower bound
 /// on the link's rate).
 ///
-/// The averages weigh the newest value by `1/n` over the first `1/ALPHA`
-/// values (a plain mean), then by `ALPHA`: a fixed weight from the first
-/// value on would leave the first step, with its connection set-up and
-/// first pull, at 39% of the average after 10 steps.
+/// The first step (connection set-up, the first pull, cold caches) stands
+/// alone until the second replaces it; from then on the averages weigh the
+/// newest value by `1/n` over the first `1/ALPHA` values (a plain mean of
+/// steps 2 to n), then by `ALPHA`. A fixed weight from the first value on
+/// would leave the first step at 39% of the average after 10 steps, and
+/// the explorer's first decision (after a quarter window) would judge its
+/// trial against that.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PaceMeter {
     step: f64,
@@ -360,7 +368,8 @@ impl PaceMeter {
     pub fn observe(&mut self, step_secs: f64, comm_secs: f64) -> Pace {
         let (s, c) = (step_secs.max(0.0) * 1e6, comm_secs.clamp(0.0, step_secs.max(0.0)) * 1e6);
         self.steps += 1;
-        let a = Self::weight(self.steps);
+        // Step 1 alone, then step 2 replaces it (weight 1), then 1/2, 1/3, …
+        let a = Self::weight(self.steps.saturating_sub(1));
         self.step += a * (s - self.step);
         self.comm += a * (c - self.comm);
         let step_micros = self.step.min(u32::MAX as f64) as u32;
@@ -554,7 +563,7 @@ mod tests {
         // With no trial running, the node adopts whatever the cluster agreed.
         let mut f = Explorer::new(policy(), None);
         f.observe(&obs(1, 3, 1000.0, 0.3), Some(3));
-        assert_eq!(f.proposal(), 0, "only at a window boundary");
+        assert_eq!(f.proposal(), 0, "only when an evaluation is due (here the first, at step 2)");
         f.observe(&obs(2, 3, 1000.0, 0.3), Some(3));
         assert_eq!(f.proposal(), 3);
     }
@@ -568,11 +577,20 @@ mod tests {
         assert_eq!(e.observe(&obs(2, 2, 1000.0, 0.85), Some(1)), None, "k changed at step 2");
         assert_eq!(e.observe(&obs(11, 2, 1000.0, 0.85), Some(1)), None, "not a whole window at k = 2");
         assert!(matches!(e.observe(&obs(12, 2, 1000.0, 0.85), Some(1)), Some(Decision::Try { from: 2, .. })));
-        // After the first evaluation, the next one is a whole window later.
+        // After the first evaluation, the next one is at the next window
+        // boundary. (The agreed k of 2 differs from the proposal of 1, so
+        // that the evaluation shows: the node adopts it.)
         let mut f = Explorer::new(policy(), Some(1));
-        assert_eq!(f.observe(&obs(3, 1, 1000.0, 0.2), Some(1)), None, "evaluated: nothing to change");
+        assert_eq!(f.observe(&obs(3, 1, 1000.0, 0.2), Some(2)), None, "evaluated: nothing to change");
+        assert_eq!(f.proposal(), 2, "the early evaluation followed the agreed k");
         assert_eq!(f.observe(&obs(9, 1, 1000.0, 0.85), Some(1)), None, "same window");
+        assert_eq!(f.proposal(), 2, "no evaluation within the window");
         assert!(matches!(f.observe(&obs(10, 1, 1000.0, 0.85), Some(1)), Some(Decision::Try { from: 1, to: 4, .. })));
+        // A k that moved at step 0 (before any evaluation) counts as moved.
+        let mut g = Explorer::new(policy(), Some(1));
+        assert_eq!(g.observe(&obs(0, 1, 1000.0, 0.85), Some(1)), None);
+        assert_eq!(g.observe(&obs(0, 2, 1000.0, 0.85), Some(1)), None);
+        assert_eq!(g.observe(&obs(5, 2, 1000.0, 0.85), Some(1)), None, "not a whole window at k = 2");
     }
 
     #[test]
@@ -588,18 +606,23 @@ mod tests {
     #[test]
     fn pace_meter_averages() {
         let mut m = PaceMeter::default();
-        let p = m.observe(0.010, 0.004);
-        assert_eq!((p.step_micros, p.comm_micros), (10_000, 4_000));
-        let p = m.observe(0.020, 0.030);
-        assert_eq!((p.step_micros, p.comm_micros), (15_000, 12_000), "a mean at first; comm clamped to the step");
-        // After 10 steps the weight is 0.1 and stays there.
-        for _ in 2..10 {
-            m.observe(0.015, 0.012);
+        let p = m.observe(0.100, 0.090);
+        assert_eq!((p.step_micros, p.comm_micros), (100_000, 90_000), "the first step alone");
+        let p = m.observe(0.010, 0.030);
+        assert_eq!(
+            (p.step_micros, p.comm_micros),
+            (10_000, 10_000),
+            "replaced by the second; comm clamped to the step"
+        );
+        // Steps 2 to 11: a plain mean (10 to 28 ms, mean 19 ms).
+        for i in 1..10 {
+            m.observe(0.010 + 0.002 * f64::from(i), 0.004);
         }
-        let p = m.observe(0.025, 0.012);
-        assert_eq!((p.step_micros, p.comm_micros), (16_000, 12_000), "15 + 0.1 x (25 - 15) ms");
-        let p = m.observe(0.026, 0.012);
-        assert_eq!(p.step_micros, 17_000, "16 + 0.1 x (26 - 16) ms");
+        let near = |got: u32, want: u32| got.abs_diff(want) <= 1;
+        let p = m.observe(0.0, 0.0);
+        assert!(near(p.step_micros, 17_100), "the 11th value weighs 0.1: 19 + 0.1 x (0 - 19) ms: {p:?}");
+        let p = m.observe(0.0271, 0.0);
+        assert!(near(p.step_micros, 18_100), "17.1 + 0.1 x (27.1 - 17.1) ms: {p:?}");
     }
 
     #[test]

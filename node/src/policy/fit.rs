@@ -19,7 +19,12 @@
 //! partition of 359 samples in batches of 256 gives 256, 103, 256, …). A
 //! fixed count sized to the mean held every short round back (the others
 //! computed 103 samples while the slow worker computed a count sized for
-//! 180) and left the long rounds' slack unused.
+//! 180) and left the long rounds' slack unused. The fraction assumes that
+//! compute time is proportional to the batch; with a large fixed cost per
+//! step, short rounds still wait a little and long ones keep some slack (a
+//! fit of `a + b x batch` would place each round exactly; not built).
+//! Across the mean batch the iteration still settles where the time meets
+//! the target.
 //!
 //! The target is the *slowest* of the other workers that are not slow
 //! themselves (within [`SLOW_FACTOR`] of their lower median), not their

@@ -93,14 +93,21 @@ pub fn stragglers(
 }
 
 /// The owners that `reporter`'s report alone would demote: the same rule as
-/// [`stragglers`], with that one report's owners as the norm and every
-/// owner taken as serving. A worker publishes its report at once, not at
-/// its next heartbeat, when this set changes (see `Worker::after_exchange`):
-/// a verdict needs more than half of the reports about an owner, and
-/// waiting a heartbeat for each was most of the time a slow owner kept its
-/// shards.
-pub fn would_demote(reporter: PeerId, report: &[ServiceObservation], policy: HealthPolicy) -> BTreeSet<PeerId> {
-    stragglers(&medians([(reporter, report)]), |_| true, policy)
+/// [`stragglers`], with that one report's owners as the norm, and the same
+/// hysteresis: an owner in `before` (this set as last computed) stays in it
+/// until it is within `restore_ratio` of the norm, so an owner hovering at
+/// `demote_ratio` does not flip the set on every check. A worker publishes
+/// its report at once, not at its next heartbeat, when this set changes
+/// (see `Worker::after_exchange`): a verdict needs more than half of the
+/// reports about an owner, and waiting a heartbeat for each was most of the
+/// time a slow owner kept its shards.
+pub fn would_demote(
+    reporter: PeerId,
+    report: &[ServiceObservation],
+    before: &BTreeSet<PeerId>,
+    policy: HealthPolicy,
+) -> BTreeSet<PeerId> {
+    stragglers(&medians([(reporter, report)]), |p| !before.contains(p), policy)
 }
 
 /// Most and least capacity level: weights 4 and 0.25 relative to the norm.
@@ -338,22 +345,31 @@ mod tests {
         let me = PeerId::random();
         let owners: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
         let policy = HealthPolicy { demote_ratio: 3.0, restore_ratio: 1.5, min_excess_micros_per_mib: 50.0 };
+        let none = BTreeSet::new();
         let mut report: Vec<ServiceObservation> = owners.iter().map(|&o| obs(o, 100.0)).collect();
-        assert!(would_demote(me, &report, policy).is_empty());
+        assert!(would_demote(me, &report, &none, policy).is_empty());
         report[2].micros_per_mib = 250.0;
-        assert!(would_demote(me, &report, policy).is_empty(), "2.5x: under the demote ratio (a serving owner)");
+        assert!(would_demote(me, &report, &none, policy).is_empty(), "2.5x: under the demote ratio");
         report[2].micros_per_mib = 400.0;
-        assert_eq!(would_demote(me, &report, policy), BTreeSet::from([owners[2]]));
+        let slow = would_demote(me, &report, &none, policy);
+        assert_eq!(slow, BTreeSet::from([owners[2]]));
+        // Hysteresis: once in the set, back under 3x is not enough; under
+        // the restore ratio (1.5x) is.
+        report[2].micros_per_mib = 250.0;
+        assert_eq!(would_demote(me, &report, &slow, policy), slow, "2.5x: still out");
+        report[2].micros_per_mib = 140.0;
+        assert!(would_demote(me, &report, &slow, policy).is_empty(), "1.4x: back");
+        report[2].micros_per_mib = 400.0;
         // Too few pushes yet, or this node's own entry: not judged.
         report[2].samples = MIN_SAMPLES - 1;
-        assert!(would_demote(me, &report, policy).is_empty());
+        assert!(would_demote(me, &report, &none, policy).is_empty());
         report[2].samples = MIN_SAMPLES;
         report[2].owner = me;
-        assert!(would_demote(me, &report, policy).is_empty());
+        assert!(would_demote(me, &report, &none, policy).is_empty());
         // Under the noise floor: 4x of 10 µs is not slow.
         let tiny: Vec<ServiceObservation> =
             owners.iter().zip([10.0, 10.0, 40.0, 10.0]).map(|(&o, v)| obs(o, v)).collect();
-        assert!(would_demote(me, &tiny, policy).is_empty());
+        assert!(would_demote(me, &tiny, &none, policy).is_empty());
     }
 
     #[test]
