@@ -39,7 +39,7 @@ use crate::ops::faults::hold;
 use crate::ops::logging::short;
 use crate::policy::compress::ErrorFeedback;
 use crate::policy::fit::BatchFit;
-use crate::policy::health::{would_demote, ServiceTracker};
+use crate::policy::health::{would_demote, HealthPolicy, ServiceTracker};
 use crate::policy::placement::Placement;
 use crate::policy::sync::SyncPolicy;
 use crate::policy::view::Roster;
@@ -188,12 +188,14 @@ pub struct Ran {
     pub left: bool,
 }
 
-/// When this worker last published its service report, and the owners
-/// that report alone would demote (see `Worker::after_exchange`).
-#[derive(Debug, Default)]
+/// When this worker last published its service report, the owners that
+/// report alone would demote, and the thresholds it is judged by (see
+/// `Worker::after_exchange`).
+#[derive(Debug)]
 struct ReportClock {
     at: Option<Instant>,
     demoting: std::collections::BTreeSet<PeerId>,
+    health: HealthPolicy,
 }
 
 /// Wait for the placement to change, at most `backoff` (which then grows):
@@ -247,7 +249,11 @@ impl Worker {
             (self.config.cluster.mode == Mode::Pull && local_steps > 1).then(|| (params.clone(), 0));
         info!(partition = ?routing.partition, from = routing.start_step, steps = t.steps,
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
-        let mut last_report = ReportClock::default();
+        let mut last_report = ReportClock {
+            at: None,
+            demoting: Default::default(),
+            health: self.config.cluster.health_policy(self.plan.total_len(), self.plan.len()),
+        };
         let mut pace = crate::policy::explore::PaceMeter::default();
         // Error feedback of the lossy push encodings (cluster.compression).
         let mut feedback = ErrorFeedback::new(self.plan.len());
@@ -465,8 +471,7 @@ impl Worker {
         }
         let forget = self.config.cluster.service_forget_steps;
         let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
-        let health = self.config.cluster.health_policy(self.plan.total_len(), self.plan.len());
-        let demoting = would_demote(self.me, &report, &last.demoting, health);
+        let demoting = would_demote(self.me, &report, &last.demoting, last.health);
         let urgent = demoting != last.demoting;
         if !due && !urgent {
             return;
@@ -474,7 +479,7 @@ impl Worker {
         if urgent {
             debug!(step, owners = ?demoting.iter().map(short).collect::<Vec<_>>(), "service report: publishing at once");
         }
-        *last = ReportClock { at: Some(Instant::now()), demoting };
+        (last.at, last.demoting) = (Some(Instant::now()), demoting);
         self.membership.set_self(|me| {
             me.service = report;
             if urgent {

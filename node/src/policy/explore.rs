@@ -345,35 +345,58 @@ pub fn agreed_limit(proposals: impl IntoIterator<Item = u16>) -> Option<usize> {
 /// trial against that.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PaceMeter {
-    step: f64,
-    comm: f64,
     steps: u64,
-    compute_rate: Option<f64>,
-    compute_n: u64,
-    net_rate: Option<f64>,
-    net_n: u64,
+    step: Mean,
+    comm: Mean,
+    compute_rate: Mean,
+    net_rate: Mean,
+}
+
+/// A moving average that starts as a plain mean: the `n`-th value weighs
+/// `1/n`, at least [`Mean::ALPHA`] (so from the tenth value on, `ALPHA`).
+#[derive(Debug, Clone, Copy, Default)]
+struct Mean {
+    value: f64,
+    n: u64,
+}
+
+impl Mean {
+    /// Weight of the newest value once warmed up.
+    const ALPHA: f64 = 0.1;
+
+    fn push(&mut self, v: f64) {
+        self.n += 1;
+        self.value += (1.0 / self.n as f64).max(Self::ALPHA) * (v - self.value);
+    }
+
+    /// The average as an `f32` field of a heartbeat; 0 before any value.
+    fn as_f32(&self) -> f32 {
+        if self.n == 0 {
+            0.0
+        } else {
+            self.value.min(f64::from(f32::MAX)) as f32
+        }
+    }
 }
 
 impl PaceMeter {
-    /// Weight of the newest step in the moving averages (once warmed up).
-    const ALPHA: f64 = 0.1;
-
-    /// The weight of the `n`-th value (from 1): `1/n`, at least `ALPHA`.
-    fn weight(n: u64) -> f64 {
-        (1.0 / n.max(1) as f64).max(Self::ALPHA)
-    }
-
     /// Record one step; returns the step and communication times to gossip
     /// (the other fields of the returned pace are left 0).
     pub fn observe(&mut self, step_secs: f64, comm_secs: f64) -> Pace {
         let (s, c) = (step_secs.max(0.0) * 1e6, comm_secs.clamp(0.0, step_secs.max(0.0)) * 1e6);
         self.steps += 1;
-        // Step 1 alone, then step 2 replaces it (weight 1), then 1/2, 1/3, …
-        let a = Self::weight(self.steps.saturating_sub(1));
-        self.step += a * (s - self.step);
-        self.comm += a * (c - self.comm);
-        let step_micros = self.step.min(u32::MAX as f64) as u32;
-        Pace { step_micros, comm_micros: (self.comm.min(u32::MAX as f64) as u32).min(step_micros), ..Pace::default() }
+        if self.steps == 2 {
+            // The first step stands alone until the second replaces it.
+            (self.step, self.comm) = (Mean::default(), Mean::default());
+        }
+        self.step.push(s);
+        self.comm.push(c);
+        let step_micros = self.step.value.min(u32::MAX as f64) as u32;
+        Pace {
+            step_micros,
+            comm_micros: (self.comm.value.min(u32::MAX as f64) as u32).min(step_micros),
+            ..Pace::default()
+        }
     }
 
     /// The same step's rates: `samples` computed in `compute_secs`, `bytes`
@@ -381,18 +404,13 @@ impl PaceMeter {
     /// not measured yet; a step with nothing to measure (no samples, no
     /// bytes, no time) leaves that average as it was.
     pub fn rates(&mut self, samples: usize, compute_secs: f64, bytes: u64, comm_secs: f64) -> (f32, f32) {
-        fn update(avg: &mut Option<f64>, n: &mut u64, v: f64) {
-            *n += 1;
-            *avg = Some(avg.map_or(v, |a| a + PaceMeter::weight(*n) * (v - a)));
-        }
         if samples > 0 && compute_secs.is_finite() && compute_secs > 0.0 {
-            update(&mut self.compute_rate, &mut self.compute_n, samples as f64 / compute_secs);
+            self.compute_rate.push(samples as f64 / compute_secs);
         }
         if bytes > 0 && comm_secs.is_finite() && comm_secs > 0.0 {
-            update(&mut self.net_rate, &mut self.net_n, bytes as f64 / comm_secs);
+            self.net_rate.push(bytes as f64 / comm_secs);
         }
-        let out = |a: Option<f64>| a.map_or(0.0, |v| v.min(f64::from(f32::MAX)) as f32);
-        (out(self.compute_rate), out(self.net_rate))
+        (self.compute_rate.as_f32(), self.net_rate.as_f32())
     }
 }
 
