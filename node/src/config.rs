@@ -337,6 +337,14 @@ pub struct ClusterConfig {
     /// sixteenth of `training.batch_size` (`policy::fit`). Needs
     /// `mode = "pull"`, `sync = "bsp"` and `local_steps = 1`. Default false.
     pub fit_batch: bool,
+    /// With `fit_batch`: the workers that keep their full batch take on the
+    /// samples the fitted ones shed, spread evenly (each from the rest of
+    /// its own partition's epoch, at most twice its batch), so a round still
+    /// holds the configured global batch (`policy::fit::rebalanced`).
+    /// Workers gossip the share of their batch they trained on
+    /// (`Pace::batch_permille`). Default true; false: the fitted worker's
+    /// shortfall is simply lost from each round.
+    pub fit_rebalance: bool,
     /// DiLoCo: each worker takes this many local steps with its own
     /// optimizer (`training.optimizer`, AdamW in DiLoCo) before it pushes
     /// the pseudo-gradient (its parameters at the start of the H steps
@@ -434,6 +442,7 @@ impl Default for ClusterConfig {
             compression: Default::default(),
             overlap: false,
             fit_batch: false,
+            fit_rebalance: true,
             local_steps: 1,
             outer_lr: 0.7,
             outer_momentum: 0.9,

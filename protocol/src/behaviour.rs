@@ -44,8 +44,9 @@ pub const IDENTIFY_PROTOCOL_VERSION: &str = "/shoal/1.0.0";
 /// incompatible change to `GossipMessage` (a new field in `Heartbeat`)
 /// moves it, so nodes of different majors do not hear each other at all
 /// rather than rejecting each other's messages. 2: `Heartbeat::pace`;
-/// 3: `Heartbeat::checkpoints`; 4: `Heartbeat::suspects`.
-pub const GOSSIP_MAJOR: u16 = 4;
+/// 3: `Heartbeat::checkpoints`; 4: `Heartbeat::suspects`; 5:
+/// `Pace::batch_permille`.
+pub const GOSSIP_MAJOR: u16 = 5;
 
 /// The gossip topic of a run: `/shoal/<run-id>/membership/<major>`.
 pub fn membership_topic(run: &RunId) -> IdentTopic {
@@ -495,7 +496,7 @@ mod tests {
     #[test]
     fn topic_name_follows_the_run() {
         let t = membership_topic(&RunId::new("exp-1").unwrap());
-        assert_eq!(t.to_string(), "/shoal/exp-1/membership/4");
+        assert_eq!(t.to_string(), "/shoal/exp-1/membership/5");
     }
 
     #[tokio::test]

@@ -645,7 +645,16 @@ pub struct Pace {
     /// nothing. Elections keep it until the measurements leave its band
     /// (hysteresis from gossiped state, as for stragglers).
     pub capacity_level: i8,
+    /// The share of its step's own batch the sender trained on in its last
+    /// step, in thousandths (gossip major 5; `cluster.fit_batch`): 1000 all
+    /// of it, below 1000 a slow worker's fitted batch, above 1000 a worker
+    /// that takes on the samples the fitted ones shed; 0 before its first
+    /// step. At most [`MAX_BATCH_PERMILLE`].
+    pub batch_permille: u16,
 }
+
+/// Most a worker's batch may grow, in thousandths of its own (twice it).
+pub const MAX_BATCH_PERMILLE: u16 = 2000;
 
 /// Most checkpoint offers a heartbeat may carry.
 pub const MAX_CHECKPOINT_OFFERS: usize = 8;

@@ -297,6 +297,12 @@ pub fn validate_heartbeat(hb: &Heartbeat, source: Option<&PeerId>, ctx: &Validat
             reason: format!("{} is outside -2..=2", hb.pace.capacity_level),
         });
     }
+    if hb.pace.batch_permille > MAX_BATCH_PERMILLE {
+        return Err(ProtocolError::InvalidField {
+            field: "pace.batch_permille",
+            reason: format!("{} is above {MAX_BATCH_PERMILLE}", hb.pace.batch_permille),
+        });
+    }
     check_count("checkpoints", hb.checkpoints.len(), MAX_CHECKPOINT_OFFERS)?;
     check_count("suspects", hb.suspects.len(), MAX_SUSPECTS)?;
     for offer in &hb.checkpoints {
@@ -500,7 +506,13 @@ mod tests {
             step: 0,
             model_version: 0,
             service: vec![],
-            pace: Pace { step_micros: 1000, comm_micros: 400, aggregators: 2, capacity_level: -1 },
+            pace: Pace {
+                step_micros: 1000,
+                comm_micros: 400,
+                aggregators: 2,
+                capacity_level: -1,
+                batch_permille: 1000,
+            },
             checkpoints: vec![],
             suspects: vec![PeerId::random()],
         };
@@ -515,6 +527,9 @@ mod tests {
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
         let mut bad = hb.clone();
         bad.pace.capacity_level = 3;
+        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
+        let mut bad = hb.clone();
+        bad.pace.batch_permille = MAX_BATCH_PERMILLE + 1;
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
         let mut ok = hb.clone();
         ok.checkpoints = vec![CheckpointOffer::new(40, 40, [0, 2])];

@@ -138,7 +138,13 @@ fn largest_heartbeat_fits_in_4_kib() {
         service: (0..MAX_SERVICE_OBSERVATIONS)
             .map(|_| ServiceObservation { owner: peer(), micros_per_mib: f32::MAX, samples: u32::MAX })
             .collect(),
-        pace: Pace { step_micros: u32::MAX, comm_micros: u32::MAX, aggregators: u16::MAX, capacity_level: i8::MIN },
+        pace: Pace {
+            step_micros: u32::MAX,
+            comm_micros: u32::MAX,
+            aggregators: u16::MAX,
+            capacity_level: i8::MIN,
+            batch_permille: u16::MAX,
+        },
         checkpoints: (0..MAX_CHECKPOINT_OFFERS)
             .map(|_| CheckpointOffer { version: u64::MAX, step: u64::MAX, shards: vec![0xff; MAX_OFFER_BITSET_BYTES] })
             .collect(),

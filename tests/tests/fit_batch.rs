@@ -1,6 +1,7 @@
 //! A worker computing 4x slower fits its batch to the BSP rounds
 //! (`cluster.fit_batch`) over real loopback TCP, while the workers at the
-//! cluster's pace keep their full batch.
+//! cluster's pace keep their full batch and take on the samples it sheds
+//! (`cluster.fit_rebalance`, the default).
 //!
 //! Alone in its own test binary: beside the elastic tests (8 clusters on 2
 //! cores at once) a healthy worker was starved for most of 9 steps in a
@@ -26,13 +27,17 @@ async fn a_4x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reache
     for r in &reports {
         let s = status(r)?;
         eprintln!(
-            "{}: accuracy {:.2}%, {} samples in {} steps, {} steps fitted ({} samples), compute {:.2} s, comm {:.2} s",
+            "{}: accuracy {:.2}%, {} samples in {} steps, {} steps fitted ({} samples, {} shed), {} grown (+{} samples), \
+             compute {:.2} s, comm {:.2} s",
             r.name,
             r.accuracy * 100.0,
             s.samples,
             s.step,
             s.fitted_steps,
             s.fitted_samples,
+            s.shed_samples,
+            s.grown_steps,
+            s.grown_samples,
             s.compute_secs,
             s.comm_secs
         );
@@ -43,6 +48,8 @@ async fn a_4x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reache
         assert_eq!(s.step, STEPS, "{}", r.name);
         if r.peer_id != slow {
             assert_eq!(s.fitted_steps, 0, "{}: a worker at the cluster's pace shrank its batch", r.name);
+        } else {
+            assert_eq!(s.grown_steps, 0, "node3 grew its batch");
         }
     }
     let s = status(reports.iter().find(|r| r.peer_id == slow).ok_or_else(|| anyhow::anyhow!("no node3"))?)?;
@@ -50,5 +57,16 @@ async fn a_4x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reache
     // full one (a quarter if compute were all that a step costs).
     assert!(s.fitted_steps * 2 >= STEPS, "node3 fitted only {} of {STEPS} steps", s.fitted_steps);
     assert!(s.samples * 2 <= STEPS * batch, "node3 trained {} samples of {}", s.samples, STEPS * batch);
+    // The others took on what node3 shed: the rounds held about the
+    // configured global batch. They learn node3's share from its
+    // heartbeats (every 100 ms), so they lag it by a few steps at the start
+    // and the end.
+    let shed = s.shed_samples;
+    let grown: u64 =
+        reports.iter().filter(|r| r.peer_id != slow).filter_map(|r| r.status.as_ref()).map(|s| s.grown_samples).sum();
+    assert!(
+        grown * 10 >= shed * 7 && grown * 10 <= shed * 13,
+        "the other workers took on {grown} samples of the {shed} node3 shed"
+    );
     Ok(())
 }

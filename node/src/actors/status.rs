@@ -112,9 +112,16 @@ impl StatusActor {
             }
             StatusEvent::ResidualBytes(b) => s.residual_bytes = b,
             StatusEvent::Overlapped => s.overlapped_steps += 1,
-            StatusEvent::FittedBatch(n) => {
-                s.fitted_steps += 1;
-                s.fitted_samples += n as u64;
+            StatusEvent::FittedBatch { samples, nominal } => {
+                let (n, of) = (samples as u64, nominal as u64);
+                if n < of {
+                    s.fitted_steps += 1;
+                    s.fitted_samples += n;
+                    s.shed_samples += of - n;
+                } else if n > of {
+                    s.grown_steps += 1;
+                    s.grown_samples += n - of;
+                }
             }
             StatusEvent::Explore { step, decision } => {
                 use crate::policy::explore::Decision;

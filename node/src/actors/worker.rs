@@ -38,7 +38,7 @@ use crate::handles::trainer::{Gradients, TrainerHandle};
 use crate::ops::faults::hold;
 use crate::ops::logging::short;
 use crate::policy::compress::ErrorFeedback;
-use crate::policy::fit::BatchFit;
+use crate::policy::fit::{permille, rebalanced, BatchFit};
 use crate::policy::health::{would_demote, HealthPolicy, ServiceTracker};
 use crate::policy::placement::Placement;
 use crate::policy::sync::SyncPolicy;
@@ -99,6 +99,25 @@ impl WorkerBatches {
             self.epoch = Some(epoch);
         }
         self.batches.get((step % per_epoch) as usize).context("batch index out of range")
+    }
+
+    /// The batch of `step` as positions in [`Self::rows`], grown to `n`
+    /// samples (`cluster.fit_rebalance`) with the first samples of the
+    /// epoch's following batches, wrapping to its first: all distinct, and
+    /// at most the whole partition.
+    pub fn local_grown(&mut self, step: u64, n: usize) -> anyhow::Result<Vec<usize>> {
+        let per_epoch = self.part.len().div_ceil(self.batch_size) as u64;
+        let first = step / per_epoch * per_epoch;
+        let mut out = self.local_for_step(step)?;
+        for k in 1..per_epoch {
+            if out.len() >= n {
+                break;
+            }
+            let more = self.local_for_step(first + (step - first + k) % per_epoch)?;
+            let want = n - out.len();
+            out.extend(more.into_iter().take(want));
+        }
+        Ok(out)
     }
 
     /// The samples of the partition, ascending: what the trainer loads.
@@ -280,15 +299,28 @@ impl Worker {
             let (g, compute) = match prefetched.take() {
                 Some(ready) => ready,
                 None => {
-                    let limit = match fit.as_mut() {
+                    let size = match fit.as_mut() {
                         Some(f) => {
-                            Some(f.batch(&self.others_compute_micros(&view, t.steps), batches.len_for_step(step)?))
+                            let nominal = batches.len_for_step(step)?;
+                            let others = self.others_paces(&view, t.steps);
+                            let times: Vec<f64> =
+                                others.iter().map(|p| f64::from(p.step_micros.saturating_sub(p.comm_micros))).collect();
+                            let fitted = f.batch(&times, nominal);
+                            let size = if fitted < nominal || !self.config.cluster.fit_rebalance {
+                                fitted
+                            } else {
+                                let shares: Vec<u16> = others.iter().map(|p| p.batch_permille).collect();
+                                rebalanced(nominal, &shares)
+                            };
+                            Some((size, nominal))
                         }
                         None => None,
                     };
-                    let (g, secs) = self.compute(step, &mut batches, &mut momentum, limit).await?;
-                    if let Some(f) = fit.as_mut() {
+                    let (g, secs) = self.compute(step, &mut batches, &mut momentum, size.map(|(n, _)| n)).await?;
+                    if let (Some(f), Some((_, nominal))) = (fit.as_mut(), size) {
                         f.observe(g.samples, secs * 1e6);
+                        let share = permille(g.samples, nominal);
+                        self.membership.set_self(|me| me.pace.batch_permille = share);
                     }
                     (g, secs)
                 }
@@ -392,19 +424,25 @@ impl Worker {
     /// One step's gradients on the model the trainer holds now: the batch,
     /// forward and backward, worker momentum, and the fault injections.
     /// Returns them with the seconds they took.
-    /// `limit`: train on at most this many of the step's samples (a fitted
-    /// batch; the rest of the batch is skipped this epoch).
+    /// `size`: train on this many samples instead of the step's batch:
+    /// fewer (a fitted batch; the rest of the batch is skipped this epoch)
+    /// or more (a grown one, [`WorkerBatches::local_grown`]).
     async fn compute(
         &self,
         step: u64,
         batches: &mut WorkerBatches,
         momentum: &mut Option<Vec<f32>>,
-        limit: Option<usize>,
+        size: Option<usize>,
     ) -> anyhow::Result<(Gradients, f64)> {
         let mut indices = batches.local_for_step(step)?;
-        if let Some(n) = limit.filter(|&n| n < indices.len()) {
-            indices.truncate(n.max(1));
-            self.status.record(StatusEvent::FittedBatch(indices.len()));
+        let nominal = indices.len();
+        match size {
+            Some(n) if n < nominal => indices.truncate(n.max(1)),
+            Some(n) if n > nominal => indices = batches.local_grown(step, n)?,
+            _ => {}
+        }
+        if indices.len() != nominal {
+            self.status.record(StatusEvent::FittedBatch { samples: indices.len(), nominal });
         }
         let started = Instant::now();
         let mut g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
@@ -428,9 +466,10 @@ impl Worker {
         Ok((g, started.elapsed().as_secs_f64()))
     }
 
-    /// The other training workers' compute time per step (µs): step time
-    /// less communication, from their heartbeats' pace.
-    fn others_compute_micros(&self, view: &watch::Receiver<ViewSnapshot>, steps: u64) -> Vec<f64> {
+    /// The other training workers' paces, from their heartbeats (those
+    /// that have stepped and are not done): their compute time per step is
+    /// step time less communication.
+    fn others_paces(&self, view: &watch::Receiver<ViewSnapshot>, steps: u64) -> Vec<shoal_protocol::Pace> {
         let v = view.borrow();
         let timeout = self.config.cluster.failure_timeout_ms;
         v.view
@@ -443,7 +482,7 @@ impl Worker {
                     && hb.step < steps
                     && hb.pace.step_micros > 0
             })
-            .map(|hb| f64::from(hb.pace.step_micros.saturating_sub(hb.pace.comm_micros)))
+            .map(|hb| hb.pace)
             .collect()
     }
 
@@ -1087,6 +1126,38 @@ mod tests {
         }
         assert_ne!(seen[0], seen[5], "the next epoch is reshuffled");
         assert!(WorkerBatches::new(2, 2, 3, 8, 7).is_err(), "an empty partition is an error");
+        Ok(())
+    }
+
+    #[test]
+    fn a_grown_batch_takes_distinct_samples_from_the_epochs_next_batches() -> anyhow::Result<()> {
+        // 33 samples in batches of up to 8: 5 batches per epoch.
+        let mut b = WorkerBatches::new(100, 1, 3, 8, 7)?;
+        // The last batch of epoch 0 (step 4) grown to 12: then the epoch's
+        // first batches (wrapping), not epoch 1's.
+        let grown = b.local_grown(4, 12)?;
+        let mut want = b.local_for_step(4)?;
+        want.extend(b.local_for_step(0)?);
+        want.extend(b.local_for_step(1)?);
+        want.truncate(12);
+        assert_eq!(grown, want);
+        // Steps 5..10 are epoch 1: step 6 grown to 20 goes on with steps
+        // 7, 8, 9 and then 5, in that order.
+        let grown = b.local_grown(6, 20)?;
+        let mut want = b.local_for_step(6)?;
+        for s in [7, 8, 9, 5] {
+            want.extend(b.local_for_step(s)?);
+        }
+        want.truncate(20);
+        assert_eq!(grown, want);
+        // No sample twice: at most the whole partition.
+        let all = b.local_grown(2, 100)?;
+        let mut sorted = all.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!((all.len(), sorted.len()), (33, 33));
+        // Not grown: the batch itself.
+        assert_eq!(b.local_grown(3, 8)?, b.local_for_step(3)?);
         Ok(())
     }
 }

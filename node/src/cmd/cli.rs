@@ -532,8 +532,8 @@ pub struct BenchStragglerArgs {
     #[arg(long, default_value_t = 5.0)]
     pub slowdown: f64,
     /// A slow worker instead of a slow owner: node3 computes --slowdown
-    /// times slower; BSP waiting for it against `cluster.fit_batch` and
-    /// DSSP.
+    /// times slower; BSP waiting for it against `cluster.fit_batch` (shrink
+    /// only, and rebalanced over the other workers) and DSSP.
     #[arg(long)]
     pub worker: bool,
     /// Also write the numbers as JSON to this file.

@@ -113,10 +113,16 @@ pub struct StatusSnapshot {
     /// Steps whose next gradients were computed while their exchange was in
     /// flight (`cluster.overlap`).
     pub overlapped_steps: u64,
-    /// Steps trained on a batch fitted below `training.batch_size`
-    /// (`cluster.fit_batch`), and the samples they held.
+    /// Steps trained on a batch fitted below the step's own batch
+    /// (`cluster.fit_batch`), the samples they held, and the samples they
+    /// skipped.
     pub fitted_steps: u64,
     pub fitted_samples: u64,
+    pub shed_samples: u64,
+    /// Steps trained on a batch grown to take on what fitted workers shed
+    /// (`cluster.fit_rebalance`), and the samples added.
+    pub grown_steps: u64,
+    pub grown_samples: u64,
     /// This process's resident memory now and its peak since it started
     /// (Linux's `VmRSS` and `VmHWM`; none on other systems).
     pub rss_bytes: Option<u64>,
@@ -219,9 +225,12 @@ pub enum StatusEvent {
     /// A step whose next gradients were computed while its exchange was in
     /// flight (`cluster.overlap`).
     Overlapped,
-    /// A step trained on a fitted batch of this many samples
-    /// (`cluster.fit_batch`).
-    FittedBatch(usize),
+    /// A step trained on `samples` instead of its own batch of `nominal`
+    /// (`cluster.fit_batch`: fewer, fitted; or more, grown).
+    FittedBatch {
+        samples: usize,
+        nominal: usize,
+    },
 }
 
 /// The status actor's mailbox.

@@ -59,6 +59,41 @@ pub const MIN_FRACTION: f64 = 1.0 / 16.0;
 /// others, and every healthy worker fitted its first 25 steps to it).
 pub const WARMUP_STEPS: u32 = 5;
 
+/// The most a worker that keeps its full batch grows it to take on the
+/// samples the fitted workers shed (`cluster.fit_rebalance`), as a multiple
+/// of its own batch: with most of a cluster slow, the few fast workers
+/// would otherwise train on many times their batch and set a pace the slow
+/// ones fit themselves down to.
+pub const MAX_GROWTH: f64 = shoal_protocol::MAX_BATCH_PERMILLE as f64 / 1000.0;
+
+/// How many samples a worker that keeps its full batch (`nominal`) trains
+/// on when the other workers' last steps trained on `others_permille`
+/// thousandths of theirs (`cluster.fit_rebalance`): the samples the fitted
+/// workers (below 1000) shed, spread evenly over the workers that are not
+/// fitted (this one, the others at 1000 or above, and those not measured
+/// yet, at 0), so that a round holds the configured global batch. The
+/// owners weigh each gradient by its samples, so a round's update is that
+/// of the configured global batch, as with no slow worker; without this a
+/// 4x slower worker fitted to a quarter leaves a round 19% short of its
+/// samples (see the module's notes). Ranks' batches differ by at most a
+/// sample within a step, so shares of each worker's own batch add up.
+pub fn rebalanced(nominal: usize, others_permille: &[u16]) -> usize {
+    let shed: f64 = others_permille.iter().filter(|&&p| p > 0 && p < 1000).map(|&p| f64::from(1000 - p) / 1000.0).sum();
+    if shed == 0.0 {
+        return nominal;
+    }
+    let full = 1 + others_permille.iter().filter(|&&p| p == 0 || p >= 1000).count();
+    let growth = (1.0 + shed / full as f64).min(MAX_GROWTH);
+    (nominal as f64 * growth).round() as usize
+}
+
+/// The share of `nominal` that `trained` is, in thousandths, as gossiped in
+/// `Pace::batch_permille` (at least 1, at most the protocol's maximum).
+pub fn permille(trained: usize, nominal: usize) -> u16 {
+    let p = (trained as f64 * 1000.0 / nominal.max(1) as f64).round();
+    p.clamp(1.0, f64::from(shoal_protocol::MAX_BATCH_PERMILLE)) as u16
+}
+
 /// A worker's batch fitted to the cluster's pace.
 #[derive(Debug, Clone)]
 pub struct BatchFit {
@@ -251,6 +286,55 @@ mod tests {
         let short: Vec<usize> = fitted.iter().filter(|(n, _)| *n == 103).map(|(_, b)| *b).collect();
         assert!(long.iter().all(|&b| (63..=64).contains(&b)), "a quarter of 256: {long:?}");
         assert!(short.iter().all(|&b| (25..=26).contains(&b)), "a quarter of 103: {short:?}");
+    }
+
+    #[test]
+    fn full_workers_take_on_what_fitted_workers_shed() {
+        // Nothing fitted (or nothing measured yet): the batch as it is.
+        assert_eq!(rebalanced(180, &[]), 180);
+        assert_eq!(rebalanced(180, &[1000, 0, 1000]), 180);
+        // One of four at a quarter: the other three share 0.75 of a batch.
+        assert_eq!(rebalanced(180, &[1000, 1000, 250]), 225);
+        // The others' grown batches (above 1000) count as full workers.
+        assert_eq!(rebalanced(180, &[1250, 1250, 250]), 225);
+        // The round holds the global batch: 3 x 225 + 45 = 4 x 180.
+        assert_eq!(3 * 225 + 45, 4 * 180);
+        // Two of four slow: the other two take a half each of what they shed.
+        assert_eq!(rebalanced(100, &[1000, 500, 500]), 150);
+        // Most of the cluster slow: at most twice the batch.
+        assert_eq!(rebalanced(100, &[100, 100, 100]), 200);
+        assert_eq!(permille(45, 180), 250);
+        assert_eq!(permille(225, 180), 1250);
+        assert_eq!(permille(0, 180), 1, "a step that trained is never 0 (not measured)");
+        assert_eq!(permille(10_000, 1), shoal_protocol::MAX_BATCH_PERMILLE);
+    }
+
+    #[test]
+    fn a_slow_worker_and_the_full_ones_settle_where_their_steps_match() {
+        // Four workers, one 4x slower. Compute time per sample: 100 µs,
+        // 400 µs for the slow one; the full workers grow by what it sheds,
+        // and it fits to their (grown) time. The fixed point is where the
+        // slow one trains on 4/13 of its batch and the others on 1 + 3/13
+        // of theirs: equal times, and the round holds 4 batches.
+        let nominal = 180;
+        let mut slow = warmed(nominal);
+        let (mut b_slow, mut b_full) = (nominal, nominal);
+        for _ in 0..60 {
+            slow.observe(b_slow, 400.0 * b_slow as f64);
+            let p = permille(b_slow, nominal);
+            let grown = permille(b_full, nominal);
+            b_full = rebalanced(nominal, &[grown, grown, p]);
+            let full_time = 100.0 * b_full as f64;
+            b_slow = slow.batch(&[full_time, full_time, full_time], nominal);
+        }
+        assert!((55..=56).contains(&b_slow), "4/13 of 180 is 55.4: {b_slow}");
+        assert!((221..=222).contains(&b_full), "16/13 of 180 is 221.5: {b_full}");
+        let round = 3 * b_full + b_slow;
+        assert!(round.abs_diff(4 * nominal) <= 3, "the round holds the global batch: {round}");
+        assert!(
+            (400.0 * b_slow as f64) <= 100.0 * b_full as f64 + 400.0,
+            "the slow worker does not hold the round back"
+        );
     }
 
     #[test]

@@ -160,12 +160,13 @@ pub fn gossip() -> impl Strategy<Value = GossipMessage> {
         any::<u64>(),
         any::<u64>(),
         proptest::collection::vec(obs, 0..5),
-        (any::<u32>(), any::<u32>(), any::<u16>(), any::<i8>()).prop_map(
-            |(step_micros, comm_micros, aggregators, capacity_level)| Pace {
+        (any::<u32>(), any::<u32>(), any::<u16>(), any::<i8>(), any::<u16>()).prop_map(
+            |(step_micros, comm_micros, aggregators, capacity_level, batch_permille)| Pace {
                 step_micros,
                 comm_micros,
                 aggregators,
                 capacity_level,
+                batch_permille,
             },
         ),
     )
