@@ -16,6 +16,7 @@ use crate::node::{start, NodeReport, RunningNode};
 pub struct NodeOverride {
     pub batch_size: Option<usize>,
     pub can_aggregate: Option<bool>,
+    pub memory_bytes: Option<u64>,
     /// Fault injection: this node answers pushes and pulls this many ms late.
     pub fault_delay_ms: Option<u64>,
     /// Fault injection: this node computes this many times slower.
@@ -60,6 +61,9 @@ impl ClusterSpec {
         if let Some(o) = self.overrides.get(i) {
             if let Some(b) = o.batch_size {
                 c.training.batch_size = b;
+            }
+            if let Some(m) = o.memory_bytes {
+                c.cluster.memory_bytes = m;
             }
             if let Some(a) = o.can_aggregate {
                 c.cluster.can_aggregate = a;

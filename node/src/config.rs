@@ -203,6 +203,12 @@ pub struct ClusterConfig {
     pub shards: u32,
     /// Whether this node may own shards. Default true.
     pub can_aggregate: bool,
+    /// The memory this node offers for owning shards, bytes, gossiped in
+    /// its heartbeats (`capabilities.memory_bytes`). The election gives an
+    /// owner no more shards than fit in it (`policy::placement`). 0 (the
+    /// default): what the machine (or its container's cgroup) had left
+    /// when the node started.
+    pub memory_bytes: u64,
     /// Multiaddrs (with `/p2p/<peer id>`) to dial at start.
     pub bootstrap: Vec<Multiaddr>,
     /// Heartbeat period. Default 300 ms.
@@ -407,6 +413,7 @@ impl Default for ClusterConfig {
             min_peers: 1,
             shards: 8,
             can_aggregate: true,
+            memory_bytes: 0,
             bootstrap: Vec::new(),
             heartbeat_ms: 300,
             failure_timeout_ms: 5_000,

@@ -37,7 +37,7 @@ use crate::handles::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot
 use crate::ops::logging::short;
 use crate::policy::explore::ExplorePolicy;
 use crate::policy::health::ServiceTracker;
-use crate::policy::placement::{ElectPolicy, Placement};
+use crate::policy::placement::{owner_shard_bytes, ElectPolicy, Placement};
 use crate::policy::resume::{offers_of, resume_point, ResumePoint};
 use crate::policy::sync::SyncPolicy;
 use crate::policy::view::{Roster, RosterStatus, SelfState};
@@ -264,8 +264,13 @@ async fn dial_bootstrap(net: &NetworkHandle, peers: &[Multiaddr], within: Durati
 
 /// Build every actor, start listening, dial the bootstrap peers, and spawn
 /// the training task. Errors in config, data or bootstrap come back here.
-pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<RunningNode> {
+pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<RunningNode> {
     config.validate()?;
+    // The memory this node offers for owning shards, resolved once: its
+    // heartbeats gossip it and its own election reads it (they must agree).
+    if config.cluster.memory_bytes == 0 {
+        config.cluster.memory_bytes = crate::ops::memory::available_bytes().unwrap_or(0);
+    }
     let run = RunId::new(config.run_id.clone()).map_err(|e| anyhow::anyhow!("run_id: {e}"))?;
     let t = config.training.clone();
     let c = config.cluster.clone();
@@ -351,7 +356,7 @@ pub async fn start(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Runni
                 },
                 // At start; the rates are the worker's measurements
                 // (SelfState), filled in as it trains.
-                memory_bytes: crate::ops::memory::available_bytes().unwrap_or(0),
+                memory_bytes: c.memory_bytes,
                 compute_samples_per_sec: 0.0,
                 net_bytes_per_sec: 0.0,
                 can_aggregate: c.can_aggregate,
@@ -556,7 +561,13 @@ async fn drive(
             placement_tx,
             ElectionConfig {
                 shards: worker.plan.len() as u32,
-                policy: ElectPolicy { health },
+                policy: ElectPolicy {
+                    health,
+                    owner_shard_bytes: owner_shard_bytes(
+                        worker.plan.shards().iter().map(|s| s.len() as u64).max().unwrap_or(0),
+                        config.training.optimizer_config().slot_names().len() as u64,
+                    ),
+                },
                 explore: (c.elastic && c.aggregators == Aggregators::Auto).then(|| {
                     let policy = ExplorePolicy {
                         window_steps: c.explore_window_steps,
@@ -566,6 +577,7 @@ async fn drive(
                     (policy, (c.start_aggregators > 0).then_some(c.start_aggregators as usize))
                 }),
                 can_aggregate: c.can_aggregate,
+                memory_bytes: c.memory_bytes,
                 total_steps: config.training.steps,
                 failure_timeout_ms: c.failure_timeout_ms,
                 name: name.to_string(),

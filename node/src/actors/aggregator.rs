@@ -1015,6 +1015,7 @@ mod tests {
             stragglers: Vec::new(),
             limit: None,
             eligible: 1,
+            short_of_memory: Vec::new(),
             levels: Vec::new(),
         })
     }

@@ -26,6 +26,9 @@ pub struct ElectionConfig {
     /// capable node); `None` here: no exploration.
     pub explore: Option<(ExplorePolicy, Option<usize>)>,
     pub can_aggregate: bool,
+    /// The memory this node had left at start (its heartbeats'
+    /// `capabilities.memory_bytes`; 0 unknown).
+    pub memory_bytes: u64,
     pub total_steps: u64,
     pub failure_timeout_ms: u64,
     pub name: String,
@@ -59,7 +62,15 @@ async fn run(
         let inputs = {
             let snap = view.borrow_and_update();
             let mine = me.borrow_and_update();
-            inputs_from_view(&snap.view, &mine, cfg.can_aggregate, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms)
+            inputs_from_view(
+                &snap.view,
+                &mine,
+                cfg.can_aggregate,
+                cfg.memory_bytes,
+                cfg.total_steps,
+                snap.now_ms,
+                cfg.failure_timeout_ms,
+            )
         };
         let unchanged = last_inputs.as_ref() == Some(&inputs);
         let (members, service) = last_inputs.insert(inputs);
@@ -160,8 +171,16 @@ fn announce(
             epoch = new.epoch,
             owners = ?new.owners.iter().map(short).collect::<Vec<_>>(),
             stragglers = ?new.stragglers.iter().map(short).collect::<Vec<_>>(),
+            short_of_memory = ?new.short_of_memory.iter().map(short).collect::<Vec<_>>(),
             limit = ?new.limit,
             "placement"
+        );
+    }
+    let short_now = new.short_of_memory.contains(me);
+    if short_now && old.is_none_or(|o| !o.short_of_memory.contains(me)) {
+        warn!(
+            node = name,
+            "this node's memory (cluster.memory_bytes) does not hold its share of the shards: it owns none and trains"
         );
     }
     let level = new.level_of(me);

@@ -13,6 +13,13 @@
 //! owner dies. The placement's epoch is a hash of everything it was computed
 //! from, so equal views give equal epochs and any difference shows.
 //!
+//! Memory: every node gossips the memory it had left when it started
+//! (`capabilities.memory_bytes`). An owner given more shards than that
+//! holds at [`ElectPolicy::owner_shard_bytes`] each is dropped from the
+//! candidates and the shards are placed again, until every owner's share
+//! fits (or none would be left: a short owner beats an unowned shard). An
+//! edge board is thus not made the owner of a model it cannot hold.
+//!
 //! The election actor ([`crate::actors::election`]) recomputes the placement
 //! whenever the view or this node's own measurements change and publishes
 //! it; the worker routes by it and the aggregator moves shards by it.
@@ -44,12 +51,26 @@ pub struct Member {
     /// Its capacity level in its own latest placement (hysteresis state of
     /// [`crate::policy::health::capacity_levels`]).
     pub capacity_level: i8,
+    /// The memory it had left when it started, bytes (0: not reported, no
+    /// limit).
+    pub memory_bytes: u64,
 }
 
 /// Knobs of the election.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ElectPolicy {
     pub health: HealthPolicy,
+    /// The memory an owner needs per shard it owns, bytes (0: no check):
+    /// see [`owner_shard_bytes`].
+    pub owner_shard_bytes: u64,
+}
+
+/// The memory an owner needs per shard of `shard_len` parameters whose
+/// optimizer keeps `slots` more vectors: the shard's state, a replica's
+/// worth for the shards it backs up (about as many as it owns), and the
+/// round's sum of gradients, all f32.
+pub fn owner_shard_bytes(shard_len: u64, slots: u64) -> u64 {
+    shard_len.saturating_mul(4).saturating_mul(2 * (1 + slots) + 1)
 }
 
 /// Who owns, backs up and trains what, under one epoch.
@@ -68,8 +89,12 @@ pub struct Placement {
     pub stragglers: Vec<PeerId>,
     /// The agreed number of aggregators (`None`: every eligible node).
     pub limit: Option<usize>,
-    /// Members that could own shards (capable, not leaving, not straggling).
+    /// Members that could own shards (capable, not leaving, not straggling,
+    /// with the memory for their share).
     pub eligible: usize,
+    /// Capable members left out because their share of the shards would
+    /// not fit in their memory, sorted.
+    pub short_of_memory: Vec<PeerId>,
     /// Capacity level of each eligible member, sorted by peer: its weight
     /// in the rendezvous is 2^level (all 0 without measurements).
     pub levels: Vec<(PeerId, i8)>,
@@ -141,11 +166,33 @@ pub fn elect(
     let levels: Vec<(PeerId, i8)> =
         eligible.iter().map(|m| (m.peer, measured.get(&m.peer).copied().unwrap_or(0))).collect();
     let weight = |p: &PeerId| levels.iter().find(|(q, _)| q == p).map_or(1.0, |(_, l)| weight_of(*l));
-    let candidates: Vec<Candidate<Vec<u8>>> =
+    let mut candidates: Vec<Candidate<Vec<u8>>> =
         eligible.iter().map(|m| Candidate { peer: m.peer.to_bytes(), weight: weight(&m.peer) }).collect();
     let limit = agreed_limit(members.iter().map(|m| m.aggregators));
     let max = limit.unwrap_or(0);
-    let (assign_epoch, owners) = owners_of(&candidates, shards, max)?;
+    let (mut assign_epoch, mut owners) = owners_of(&candidates, shards, max)?;
+    let mut short_of_memory = Vec::new();
+    if policy.owner_shard_bytes > 0 {
+        let memory = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.memory_bytes);
+        loop {
+            let over: Vec<PeerId> = sorted(owners.clone())
+                .into_iter()
+                .filter(|o| {
+                    let held = owners.iter().filter(|x| *x == o).count() as u64;
+                    memory(o) > 0 && held.saturating_mul(policy.owner_shard_bytes) > memory(o)
+                })
+                .collect();
+            if over.is_empty() || over.len() >= candidates.len() {
+                break;
+            }
+            let keep: Vec<Candidate<Vec<u8>>> =
+                candidates.iter().filter(|c| !over.iter().any(|o| o.to_bytes() == c.peer)).cloned().collect();
+            let Some((epoch, placed)) = owners_of(&keep, shards, max) else { break };
+            (assign_epoch, owners, candidates) = (epoch, placed, keep);
+            short_of_memory.extend(over);
+        }
+    }
+    let short_of_memory = sorted(short_of_memory);
     let mut backups: Vec<Option<PeerId>> = vec![None; shards as usize];
     for o in &sorted(owners.clone()) {
         let o_bytes = o.to_bytes();
@@ -162,7 +209,7 @@ pub fn elect(
     let workers = sorted(members.iter().filter(|m| m.active).map(|m| m.peer).collect());
     let stragglers = sorted(slow.into_iter().collect());
     let mut digest = assign_epoch.to_le_bytes().to_vec();
-    for (tag, set) in [(1u8, &live), (2, &workers), (3, &stragglers)] {
+    for (tag, set) in [(1u8, &live), (2, &workers), (3, &stragglers), (4, &short_of_memory)] {
         digest.push(tag);
         for p in set {
             digest.extend_from_slice(&p.to_bytes());
@@ -177,18 +224,21 @@ pub fn elect(
         workers,
         stragglers,
         limit,
-        eligible: eligible.len(),
-        levels,
+        eligible: candidates.len(),
+        short_of_memory,
+        levels: levels.into_iter().filter(|(p, _)| candidates.iter().any(|c| c.peer == p.to_bytes())).collect(),
     })
 }
 
 /// The election's inputs from this node's view: live peers that take part
-/// in the run plus itself, and
+/// in the run plus itself (`my_memory_bytes`: the memory it had left at
+/// start, 0 unknown), and
 /// the median service time of every owner over all reports (its own included).
 pub fn inputs_from_view(
     view: &View,
     me: &SelfState,
     my_can_aggregate: bool,
+    my_memory_bytes: u64,
     total_steps: u64,
     now_ms: u64,
     timeout_ms: u64,
@@ -216,6 +266,7 @@ pub fn inputs_from_view(
                 leaving: hb.role == Role::Leaving,
                 aggregators: hb.pace.aggregators,
                 capacity_level: hb.pace.capacity_level,
+                memory_bytes: hb.capabilities.memory_bytes,
             }
         })
         .collect();
@@ -227,6 +278,7 @@ pub fn inputs_from_view(
         leaving: me.leaving,
         aggregators: me.pace.aggregators,
         capacity_level: me.pace.capacity_level,
+        memory_bytes: my_memory_bytes,
     });
     let reports = live
         .iter()
@@ -283,6 +335,7 @@ mod tests {
                 leaving: false,
                 aggregators: 0,
                 capacity_level: 0,
+                memory_bytes: 0,
             })
             .collect()
     }
@@ -356,6 +409,59 @@ mod tests {
         let Some(r) = elect(&m, &service, 64, ElectPolicy::default()) else { panic!("no placement") };
         assert_eq!((r.limit, r.aggregators()), (None, 4), "one proposal alone does not cap k");
         assert_ne!(q.epoch, r.epoch);
+    }
+
+    #[test]
+    fn an_owner_gets_no_more_shards_than_its_memory_holds() {
+        // 16 shards of 1 MB owner state each over 4 nodes: about 4 each.
+        let policy = ElectPolicy { owner_shard_bytes: 1_000_000, ..ElectPolicy::default() };
+        let mut m = members(4);
+        let Some(free) = elect(&m, &BTreeMap::new(), 16, policy) else { panic!("no placement") };
+        assert!(free.short_of_memory.is_empty(), "0 is not reported: no limit");
+        assert_eq!(free.aggregators(), 4);
+        // An edge board with room for 2 shards, and the others for 8: the
+        // board is left out, and every owner's share fits.
+        m[3].memory_bytes = 2_500_000;
+        for x in &mut m[..3] {
+            x.memory_bytes = 8_000_000;
+        }
+        let Some(p) = elect(&m, &BTreeMap::new(), 16, policy) else { panic!("no placement") };
+        assert_eq!(p.short_of_memory, vec![m[3].peer]);
+        assert!(p.owned_by(&m[3].peer).is_empty());
+        assert_eq!(p.eligible, 3);
+        for x in &m[..3] {
+            let held = p.owned_by(&x.peer).len() as u64;
+            assert!(held * 1_000_000 <= x.memory_bytes, "{held} shards in {} bytes", x.memory_bytes);
+        }
+        assert!(p.backups.iter().all(|b| b.is_some_and(|b| b != m[3].peer)), "nor does it back up shards");
+        assert_ne!(p.epoch, free.epoch);
+        let mut rev = m.clone();
+        rev.reverse();
+        assert_eq!(elect(&rev, &BTreeMap::new(), 16, policy), Some(p), "the same on every node");
+        // Leaving one out gives the others more: the loop drops each owner
+        // whose grown share no longer fits, and stops short of dropping all.
+        for x in &mut m {
+            x.memory_bytes = 4_000_000;
+        }
+        let Some(tight) = elect(&m, &BTreeMap::new(), 16, policy) else { panic!("no placement") };
+        assert!(tight.owners.len() == 16 && tight.aggregators() >= 1);
+        for x in &m {
+            let held = tight.owned_by(&x.peer).len() as u64;
+            let short = tight.short_of_memory.contains(&x.peer);
+            assert!(short || held > 0, "a node with room owns shards");
+        }
+        // Nobody has room even for one shard: a short owner beats an
+        // unowned shard.
+        for x in &mut m {
+            x.memory_bytes = 1;
+        }
+        let Some(none_fit) = elect(&m, &BTreeMap::new(), 16, policy) else { panic!("no placement") };
+        assert_eq!(none_fit.owners.len(), 16);
+        assert!(none_fit.aggregators() >= 1);
+        // Without a per-shard figure there is no check.
+        let Some(unchecked) = elect(&m, &BTreeMap::new(), 16, ElectPolicy::default()) else { panic!("no placement") };
+        assert!(unchecked.short_of_memory.is_empty() && unchecked.aggregators() == 4);
+        assert_eq!(owner_shard_bytes(1000, 1), 1000 * 4 * 5, "state, replica and the round's sum (SGD momentum)");
     }
 
     #[test]
