@@ -41,6 +41,13 @@
 /// median moves only when most of the window is slow.
 pub const FIT_WINDOW: usize = 9;
 
+/// Before the window is full, a worker already fits once this many steps
+/// are counted, on the *fastest* of them: every one must be slow, so a
+/// healthy worker shrinks early only after this many stalled steps in a
+/// row, while a slow one stops holding rounds back 6 steps sooner (with a
+/// 4x slower worker each of those steps costs three rounds' time).
+pub const EARLY_STEPS: usize = 3;
+
 /// A worker keeps its full batch unless it is this many times slower than
 /// the target: noise between equal machines must not shrink batches (on 4
 /// nodes sharing 2 cores, 1.5x was crossed for a few steps now and then).
@@ -134,15 +141,18 @@ impl BatchFit {
         self.recent.push_back(micros / samples as f64);
     }
 
-    /// The median of the last [`FIT_WINDOW`] per-sample times, or `None`
-    /// until that many steps are counted (a window of one stalled step would
-    /// be all stall).
+    /// The median of the last [`FIT_WINDOW`] per-sample times; before that
+    /// many steps are counted, the fastest of at least [`EARLY_STEPS`]; `None`
+    /// before (a window of one stalled step would be all stall).
     fn micros_per_sample(&self) -> Option<f64> {
-        if self.recent.len() < FIT_WINDOW {
+        if self.recent.len() < EARLY_STEPS {
             return None;
         }
         let mut v: Vec<f64> = self.recent.iter().copied().collect();
         v.sort_by(f64::total_cmp);
+        if v.len() < FIT_WINDOW {
+            return v.first().copied();
+        }
         v.get(v.len() / 2).copied()
     }
 
@@ -197,15 +207,35 @@ mod tests {
     fn equal_workers_keep_their_batch() {
         let mut f = warmed(32);
         assert_eq!(f.batch(&[1000.0], 32), 32, "nothing measured yet");
-        for _ in 0..FIT_WINDOW - 1 {
+        for _ in 0..EARLY_STEPS - 1 {
             f.observe(32, 4000.0);
         }
-        assert_eq!(f.batch(&[1000.0], 32), 32, "the window is not full yet");
+        assert_eq!(f.batch(&[1000.0], 32), 32, "too few steps counted");
         observe_window(&mut f, 32, 1100.0);
         assert_eq!(f.batch(&[], 32), 32, "no peer measured");
         assert_eq!(f.batch(&[1000.0, 900.0, 1200.0], 32), 32, "1.1x the others: noise");
         observe_window(&mut f, 32, 1400.0);
         assert_eq!(f.batch(&[1000.0, 900.0], 32), 32, "1.4x the slowest of them: noise");
+    }
+
+    #[test]
+    fn before_the_window_is_full_every_counted_step_must_be_slow() {
+        // Two stalled steps and a normal one: the fastest is normal.
+        let mut f = warmed(32);
+        f.observe(32, 10_000.0);
+        f.observe(32, 1000.0);
+        f.observe(32, 10_000.0);
+        assert_eq!(f.batch(&[1000.0, 1000.0], 32), 32);
+        f.observe(32, 10_000.0);
+        assert_eq!(f.batch(&[1000.0, 1000.0], 32), 32, "still one normal step among them");
+        // A worker slow from the start fits after EARLY_STEPS counted steps,
+        // on its fastest one.
+        let mut slow = warmed(32);
+        slow.observe(32, 4000.0);
+        slow.observe(32, 4400.0);
+        assert_eq!(slow.batch(&[1000.0, 1000.0], 32), 32);
+        slow.observe(32, 4200.0);
+        assert_eq!(slow.batch(&[1000.0, 1000.0], 32), 8, "a quarter, from its fastest step");
     }
 
     #[test]
