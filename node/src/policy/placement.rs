@@ -13,8 +13,9 @@
 //! owner dies. The placement's epoch is a hash of everything it was computed
 //! from, so equal views give equal epochs and any difference shows.
 //!
-//! Memory: every node gossips the memory it had left when it started
-//! (`capabilities.memory_bytes`). An owner given more shards than that
+//! Memory: every node gossips the memory it offers for owning shards
+//! (`capabilities.memory_bytes`: `cluster.memory_bytes`, or what it had
+//! left when it started). An owner given more shards than that
 //! holds at [`ElectPolicy::owner_shard_bytes`] each is dropped from the
 //! candidates and the shards are placed again, until every owner's share
 //! fits (or none would be left: a short owner beats an unowned shard). An
@@ -51,7 +52,7 @@ pub struct Member {
     /// Its capacity level in its own latest placement (hysteresis state of
     /// [`crate::policy::health::capacity_levels`]).
     pub capacity_level: i8,
-    /// The memory it had left when it started, bytes (0: not reported, no
+    /// The memory it offers for owning shards, bytes (0: not reported, no
     /// limit).
     pub memory_bytes: u64,
 }
@@ -231,8 +232,8 @@ pub fn elect(
 }
 
 /// The election's inputs from this node's view: live peers that take part
-/// in the run plus itself (`my_memory_bytes`: the memory it had left at
-/// start, 0 unknown), and
+/// in the run plus itself (`my_memory_bytes`: the memory it offers for
+/// owning shards, 0 unknown), and
 /// the median service time of every owner over all reports (its own included).
 pub fn inputs_from_view(
     view: &View,
