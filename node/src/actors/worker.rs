@@ -101,14 +101,13 @@ impl WorkerBatches {
         self.batches.get((step % per_epoch) as usize).context("batch index out of range")
     }
 
-    /// The batch of `step` as positions in [`Self::rows`], grown to `n`
-    /// samples (`cluster.fit_rebalance`) with the first samples of the
-    /// epoch's following batches, wrapping to its first: all distinct, and
-    /// at most the whole partition.
-    pub fn local_grown(&mut self, step: u64, n: usize) -> anyhow::Result<Vec<usize>> {
+    /// Grow `out`, the batch of `step` as positions in [`Self::rows`]
+    /// ([`Self::local_for_step`]), to `n` samples (`cluster.fit_rebalance`)
+    /// with the first samples of the epoch's following batches, wrapping to
+    /// its first: all distinct, and at most the whole partition.
+    pub fn grow_local(&mut self, step: u64, out: &mut Vec<usize>, n: usize) -> anyhow::Result<()> {
         let per_epoch = self.part.len().div_ceil(self.batch_size) as u64;
         let first = step / per_epoch * per_epoch;
-        let mut out = self.local_for_step(step)?;
         for k in 1..per_epoch {
             if out.len() >= n {
                 break;
@@ -117,7 +116,7 @@ impl WorkerBatches {
             let want = n - out.len();
             out.extend(more.into_iter().take(want));
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The samples of the partition, ascending: what the trainer loads.
@@ -296,6 +295,9 @@ impl Worker {
                 return Ok(Ran { params, steps: step, left: true });
             }
             let started = Instant::now();
+            // The share of its batch this step trained on (fit_batch),
+            // published with the step's other figures below.
+            let mut share = None;
             let (g, compute) = match prefetched.take() {
                 Some(ready) => ready,
                 None => {
@@ -319,8 +321,7 @@ impl Worker {
                     let (g, secs) = self.compute(step, &mut batches, &mut momentum, size.map(|(n, _)| n)).await?;
                     if let (Some(f), Some((_, nominal))) = (fit.as_mut(), size) {
                         f.observe(g.samples, secs * 1e6);
-                        let share = permille(g.samples, nominal);
-                        self.membership.set_self(|me| me.pace.batch_permille = share);
+                        share = Some(permille(g.samples, nominal));
                     }
                     (g, secs)
                 }
@@ -411,6 +412,9 @@ impl Worker {
                 me.pace.comm_micros = p.comm_micros;
                 me.compute_samples_per_sec = compute_rate;
                 me.net_bytes_per_sec = net_rate;
+                if let Some(s) = share {
+                    me.pace.batch_permille = s;
+                }
             });
             if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
                 let e = self.trainer.evaluate().await?;
@@ -426,7 +430,7 @@ impl Worker {
     /// Returns them with the seconds they took.
     /// `size`: train on this many samples instead of the step's batch:
     /// fewer (a fitted batch; the rest of the batch is skipped this epoch)
-    /// or more (a grown one, [`WorkerBatches::local_grown`]).
+    /// or more (a grown one, [`WorkerBatches::grow_local`]).
     async fn compute(
         &self,
         step: u64,
@@ -438,7 +442,7 @@ impl Worker {
         let nominal = indices.len();
         match size {
             Some(n) if n < nominal => indices.truncate(n.max(1)),
-            Some(n) if n > nominal => indices = batches.local_grown(step, n)?,
+            Some(n) if n > nominal => batches.grow_local(step, &mut indices, n)?,
             _ => {}
         }
         if indices.len() != nominal {
@@ -1133,9 +1137,14 @@ mod tests {
     fn a_grown_batch_takes_distinct_samples_from_the_epochs_next_batches() -> anyhow::Result<()> {
         // 33 samples in batches of up to 8: 5 batches per epoch.
         let mut b = WorkerBatches::new(100, 1, 3, 8, 7)?;
+        let grown_to = |b: &mut WorkerBatches, step: u64, n: usize| -> anyhow::Result<Vec<usize>> {
+            let mut out = b.local_for_step(step)?;
+            b.grow_local(step, &mut out, n)?;
+            Ok(out)
+        };
         // The last batch of epoch 0 (step 4) grown to 12: then the epoch's
         // first batches (wrapping), not epoch 1's.
-        let grown = b.local_grown(4, 12)?;
+        let grown = grown_to(&mut b, 4, 12)?;
         let mut want = b.local_for_step(4)?;
         want.extend(b.local_for_step(0)?);
         want.extend(b.local_for_step(1)?);
@@ -1143,7 +1152,7 @@ mod tests {
         assert_eq!(grown, want);
         // Steps 5..10 are epoch 1: step 6 grown to 20 goes on with steps
         // 7, 8, 9 and then 5, in that order.
-        let grown = b.local_grown(6, 20)?;
+        let grown = grown_to(&mut b, 6, 20)?;
         let mut want = b.local_for_step(6)?;
         for s in [7, 8, 9, 5] {
             want.extend(b.local_for_step(s)?);
@@ -1151,13 +1160,13 @@ mod tests {
         want.truncate(20);
         assert_eq!(grown, want);
         // No sample twice: at most the whole partition.
-        let all = b.local_grown(2, 100)?;
+        let all = grown_to(&mut b, 2, 100)?;
         let mut sorted = all.clone();
         sorted.sort_unstable();
         sorted.dedup();
         assert_eq!((all.len(), sorted.len()), (33, 33));
         // Not grown: the batch itself.
-        assert_eq!(b.local_grown(3, 8)?, b.local_for_step(3)?);
+        assert_eq!(grown_to(&mut b, 3, 8)?, b.local_for_step(3)?);
         Ok(())
     }
 }
