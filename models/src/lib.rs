@@ -42,7 +42,7 @@ pub use device::DeviceKind;
 pub use error::{ModelError, Result};
 pub use gpt::GptSize;
 pub use layout::{ParamEntry, ParamLayout, Shard, ShardPlan};
-pub use model::{Arch, ArchKind, Evaluation, GradOutput, Model, ModelConfig, TrainableModel};
+pub use model::{Arch, ArchKind, Evaluation, GradOutput, LayerFactors, Model, ModelConfig, TrainableModel};
 pub use modelfile::{ModelFile, ModelMeta, MODEL_FORMAT};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind, OptimizerState};
 pub use shardfile::{Scan, ShardCheckpoint, ShardDir, ShardOf, SHARD_FORMAT};

@@ -189,6 +189,25 @@ pub struct GradOutput {
     pub samples: usize,
     /// Gradients of the mean loss, flattened by the model's [`ParamLayout`].
     pub grads: Vec<f32>,
+    /// The fully connected layers' weight gradients as their sufficient
+    /// factors ([`TrainableModel::gradients_factored`]; empty otherwise).
+    pub factors: Vec<LayerFactors>,
+}
+
+/// A fully connected layer's weight gradient over a batch as its
+/// sufficient factors (Poseidon): `grad[r][c] = sum_b delta[b][r] *
+/// input[b][c]`, `batch x (rows + cols)` values for `rows x cols`.
+#[derive(Debug, Clone)]
+pub struct LayerFactors {
+    /// Where the `[rows, cols]` weight starts in the flat layout.
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// `batch x rows`: the gradient of the mean loss with respect to the
+    /// layer's output.
+    pub delta: Vec<f32>,
+    /// `batch x cols`: the layer's input.
+    pub input: Vec<f32>,
 }
 
 /// Loss and accuracy on a data set. For a language model, `loss` is the
@@ -229,7 +248,13 @@ pub trait TrainableModel: Send {
     fn gradients(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
         let (loss, store) = self.backward(images, labels)?;
         let grads = self.layout().flatten_grads(self.varmap(), &store)?;
-        Ok(GradOutput { loss, samples: images.dim(0)?, grads })
+        Ok(GradOutput { loss, samples: images.dim(0)?, grads, factors: Vec::new() })
+    }
+    /// [`Self::gradients`], with the fully connected layers' weight
+    /// gradients also given as their factors. Models without such layers
+    /// give none.
+    fn gradients_factored(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
+        self.gradients(images, labels)
     }
     /// Forward and backward on one batch, the gradients left on the
     /// model's device: the mean loss and candle's gradient store.
@@ -421,6 +446,26 @@ impl Conv {
     }
 }
 
+/// A fully connected layer seen during a factored backward pass: its
+/// weight's name, its input, and a zero variable added to its output
+/// whose gradient is the output's (candle keeps gradients of variables
+/// only).
+struct Tap {
+    weight: String,
+    input: Tensor,
+    probe: candle_core::Var,
+}
+
+/// `layer(x)`, recorded in `taps` when there are taps.
+fn linear(layer: &Linear, name: &str, x: &Tensor, train: bool, taps: &mut Option<&mut Vec<Tap>>) -> Result<Tensor> {
+    let y = layer.forward_t(x, train)?;
+    let Some(taps) = taps.as_mut() else { return Ok(y) };
+    let probe = candle_core::Var::zeros(y.shape(), y.dtype(), y.device())?;
+    let y = (y + probe.as_tensor())?;
+    taps.push(Tap { weight: format!("{name}.weight"), input: x.clone(), probe });
+    Ok(y)
+}
+
 /// The concrete model behind [`TrainableModel`] for both architectures.
 pub struct Model {
     config: ModelConfig,
@@ -496,6 +541,31 @@ impl Model {
         }
     }
 
+    /// The forward pass; with `taps`, each fully connected layer is
+    /// recorded for [`TrainableModel::gradients_factored`].
+    fn forward_tapped(&self, images: &Tensor, train: bool, mut taps: Option<&mut Vec<Tap>>) -> Result<Tensor> {
+        Ok(match &self.net {
+            Net::Mlp(layers) => {
+                let mut x = images.flatten_from(1)?;
+                for (i, layer) in layers.iter().enumerate() {
+                    x = linear(layer, &format!("fc{i}"), &x, train, &mut taps)?;
+                    if i + 1 < layers.len() {
+                        x = x.relu()?;
+                    }
+                }
+                x
+            }
+            Net::Cnn { conv1, conv2, fc1, fc2 } => {
+                let x = conv1.forward(images)?.relu()?.max_pool2d(2)?;
+                let x = conv2.forward(&x)?.relu()?.max_pool2d(2)?;
+                let x = linear(fc1, "fc1", &x.flatten_from(1)?, train, &mut taps)?.relu()?;
+                linear(fc2, "fc2", &x, train, &mut taps)?
+            }
+            // Windows in, logits at every position of the context out.
+            Net::Gpt(g) => g.logits(&g.inputs_and_targets(images)?.0)?,
+        })
+    }
+
     /// Boxed, for callers that only want the trait.
     pub fn boxed(config: ModelConfig, seed: u64, device: &Device) -> Result<Box<dyn TrainableModel>> {
         Ok(Box::new(Self::new(config, seed, device)?))
@@ -545,26 +615,37 @@ impl TrainableModel for Model {
     }
 
     fn forward(&self, images: &Tensor, train: bool) -> Result<Tensor> {
-        Ok(match &self.net {
-            Net::Mlp(layers) => {
-                let mut x = images.flatten_from(1)?;
-                for (i, layer) in layers.iter().enumerate() {
-                    x = layer.forward_t(&x, train)?;
-                    if i + 1 < layers.len() {
-                        x = x.relu()?;
-                    }
-                }
-                x
-            }
-            Net::Cnn { conv1, conv2, fc1, fc2 } => {
-                let x = conv1.forward(images)?.relu()?.max_pool2d(2)?;
-                let x = conv2.forward(&x)?.relu()?.max_pool2d(2)?;
-                let x = fc1.forward_t(&x.flatten_from(1)?, train)?.relu()?;
-                fc2.forward_t(&x, train)?
-            }
-            // Windows in, logits at every position of the context out.
-            Net::Gpt(g) => g.logits(&g.inputs_and_targets(images)?.0)?,
-        })
+        self.forward_tapped(images, train, None)
+    }
+
+    fn gradients_factored(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
+        if matches!(self.net, Net::Gpt(_)) {
+            return self.gradients(images, labels);
+        }
+        let mut taps = Vec::new();
+        let logits = self.forward_tapped(images, true, Some(&mut taps))?;
+        let loss = candle_nn::loss::cross_entropy(&logits, labels)?;
+        let store = loss.backward()?;
+        let grads = self.layout.flatten_grads(&self.varmap, &store)?;
+        let mut factors = Vec::with_capacity(taps.len());
+        for tap in taps {
+            let entry = self
+                .layout
+                .entry(&tap.weight)
+                .ok_or_else(|| ModelError::Invalid(format!("no variable {}", tap.weight)))?;
+            let delta = store
+                .get(tap.probe.as_tensor())
+                .ok_or_else(|| ModelError::Invalid(format!("no gradient reached {}", tap.weight)))?;
+            let (rows, cols) = (entry.shape[0], entry.len / entry.shape[0].max(1));
+            factors.push(LayerFactors {
+                offset: entry.offset,
+                rows,
+                cols,
+                delta: delta.flatten_all()?.to_vec1::<f32>()?,
+                input: tap.input.flatten_all()?.to_vec1::<f32>()?,
+            });
+        }
+        Ok(GradOutput { loss: loss.to_scalar::<f32>()?, samples: images.dim(0)?, grads, factors })
     }
 
     fn logits_and_targets(&self, images: &Tensor, labels: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
@@ -626,6 +707,38 @@ mod tests {
                 let (Some(a), Some(b)) = (a, b) else { panic!("missing gradient") };
                 let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
                 assert!(diff < 1e-4, "gradient differs by {diff}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Sufficient factors: every fully connected layer's weight gradient
+    /// rebuilt from its factors equals the full gradient within 1e-5, and
+    /// taking them leaves the gradients as they were.
+    #[test]
+    fn factors_rebuild_the_fully_connected_weight_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        for (kind, shape, layers) in
+            [(ArchKind::Mlp, digits_shape(), 3), (ArchKind::Cnn, ImageShape { channels: 1, height: 8, width: 8 }, 2)]
+        {
+            let model = Model::new(ModelConfig::new(kind, shape, 10), 7, &dev)?;
+            let batch = 5;
+            let x = Tensor::randn(0f32, 1.0, (batch, 1, 8, 8), &dev)?;
+            let y = Tensor::new(&[0u32, 3, 9, 3, 1], &dev)?;
+            let plain = model.gradients(&x, &y)?;
+            let out = model.gradients_factored(&x, &y)?;
+            assert_eq!(out.grads, plain.grads, "{kind}: the probes change nothing");
+            assert_eq!(out.factors.len(), layers, "{kind}: one set of factors per linear layer");
+            for f in &out.factors {
+                assert_eq!((f.delta.len(), f.input.len()), (batch * f.rows, batch * f.cols));
+                let mut worst = 0.0f32;
+                for r in 0..f.rows {
+                    for c in 0..f.cols {
+                        let rebuilt: f32 = (0..batch).map(|b| f.delta[b * f.rows + r] * f.input[b * f.cols + c]).sum();
+                        worst = worst.max((rebuilt - out.grads[f.offset + r * f.cols + c]).abs());
+                    }
+                }
+                assert!(worst <= 1e-5, "{kind}: layer at {} rebuilt within {worst}", f.offset);
             }
         }
         Ok(())

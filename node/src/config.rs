@@ -853,6 +853,19 @@ impl NodeConfig {
                 c.compression.pull
             );
         }
+        if c.compression.push == crate::policy::compress::PushCompression::Sfb
+            && (c.worker_momentum > 0.0
+                || c.local_steps > 1
+                || c.fault_byzantine != crate::ops::faults::Byzantine::None)
+        {
+            bail!(
+                "cluster.compression.push = \"sfb\" sends each step's own gradient as the factors of its batch: \
+                 it cannot carry worker momentum, DiLoCo's pseudo-gradients or a byzantine fault's altered \
+                 gradient (this config has worker_momentum {}, local_steps {})",
+                c.worker_momentum,
+                c.local_steps
+            );
+        }
         if let Some(m) = self.training.momentum {
             if !(0.0..1.0).contains(&m) || self.training.optimizer != OptimizerKind::Sgd {
                 bail!("training.momentum must be from 0 to below 1, with optimizer = \"sgd\" (got {m})");
@@ -947,6 +960,20 @@ mod tests {
         let toml_text = "run_id = \"r\"\n[training]\nmodel = \"gpt\"\ndataset = \"text@32:c.txt\"\ngpt = { layers = 2, heads = 4, width = 64 }\n";
         let parsed: Result<NodeConfig, _> = toml::from_str(toml_text);
         assert!(parsed.as_ref().is_ok_and(|p| p.validate().is_ok()), "{parsed:?}");
+    }
+
+    #[test]
+    fn sufficient_factors_need_the_batchs_own_gradient() {
+        let mut c = NodeConfig::default();
+        c.cluster.compression.push = crate::policy::compress::PushCompression::Sfb;
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        c.cluster.worker_momentum = 0.9;
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("sfb") && e.contains("worker_momentum 0.9"), "{e}");
+        c.cluster.worker_momentum = 0.0;
+        c.cluster.mode = Mode::Gossip;
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("mode = \"pull\""), "{e}");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! | `Bf16` | `numel` x bfloat16 LE | `\|x'-x\| <= 2^-8 \|x\|` for normal `x`; `\|x'-x\| <= 2^-133` for subnormal `x`; round-to-nearest-even |
 //! | `Int8 { block }` | `ceil(numel/block)` x f32 LE scales, then `numel` x i8 | per block, `scale = max\|x\|/127`, `\|x'-x\| <= scale/2 + 2^-20 max\|x\| + f32::MIN_POSITIVE` |
 //! | `TopK { k }` | `nnz` x u32 LE indices (strictly increasing), then `nnz` x f32 LE values | the `min(k, numel)` largest-magnitude entries (ties: lower index) are exact, all others decode to 0 |
+//! | factors ([`Payload::encode_factored`]) | `block` x 4 u32 LE (`start`, `rows`, `cols`, `batch`) describing the factored blocks, then the entries outside every block as f32 LE in index order, then each block's `batch x rows` left and `batch x cols` right factors as f32 LE; `nnz` counts the f32 values | entries outside the blocks are exact; block entry `(r, c)` is `sum_b left[b][r] * right[b][c]`, summed in f32 in `b` order |
 //!
 //! Decoding reads straight out of the received [`Bytes`] (which the codec
 //! slices out of the frame without copying) into the caller's `f32` buffer:
@@ -31,6 +32,11 @@ pub const MAX_INT8_BLOCK: u32 = 1 << 16;
 /// A sensible int8 block size: 1.6 % scale overhead, tight per-block ranges.
 pub const DEFAULT_INT8_BLOCK: u32 = 256;
 
+/// Most factored blocks one payload may carry.
+pub const MAX_FACTOR_BLOCKS: u32 = 4096;
+/// Bytes of one factored block's entry in a payload's table.
+const FACTOR_ENTRY_BYTES: u64 = 16;
+
 /// Staging size for chunked conversions (fits in L1).
 const CHUNK: usize = 1024;
 
@@ -48,6 +54,9 @@ pub enum Dtype {
     Int8Block = 3,
     /// Top-k sparse: u32 indices + f32 values.
     TopK = 4,
+    /// Dense f32 with some blocks sent as their sufficient factors
+    /// ([`Payload::encode_factored`]); lossless up to f32 rounding.
+    Factors = 5,
 }
 
 impl Dtype {
@@ -59,6 +68,7 @@ impl Dtype {
             2 => Dtype::Bf16,
             3 => Dtype::Int8Block,
             4 => Dtype::TopK,
+            5 => Dtype::Factors,
             other => return Err(ProtocolError::UnknownDtype(other)),
         })
     }
@@ -71,6 +81,7 @@ impl Dtype {
             Dtype::Bf16 => "bf16",
             Dtype::Int8Block => "int8-block",
             Dtype::TopK => "top-k",
+            Dtype::Factors => "factors",
         }
     }
 }
@@ -117,7 +128,8 @@ pub struct TensorMeta {
     /// [`Dtype`] tag. Kept as a raw byte so a header from a newer peer still
     /// decodes and can be refused with [`ProtocolError::UnknownDtype`].
     pub dtype: u8,
-    /// Int8 block size; 0 for every other dtype.
+    /// Int8 block size; the number of factored blocks for factors; 0 for
+    /// every other dtype.
     pub block: u32,
     /// Logical shape; the product must equal `numel` (empty = scalar).
     pub shape: Vec<u64>,
@@ -163,6 +175,13 @@ impl TensorMeta {
                 )));
             }
             Dtype::Int8Block => {}
+            Dtype::Factors if self.block > MAX_FACTOR_BLOCKS => {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "{} factored blocks, at most {MAX_FACTOR_BLOCKS}",
+                    self.block
+                )));
+            }
+            Dtype::Factors => {}
             _ if self.block != 0 => {
                 return Err(ProtocolError::InvalidTensor(format!("block must be 0 for {}", dtype.name())));
             }
@@ -178,6 +197,19 @@ impl TensorMeta {
                 }
                 if self.numel > u64::from(u32::MAX) + 1 {
                     return Err(ProtocolError::InvalidTensor("top-k indices are u32: numel must be <= 2^32".into()));
+                }
+            }
+            Dtype::Factors => {
+                // Factors are sent only where they are smaller than the
+                // entries they stand for, so never more values than numel.
+                if self.nnz > self.numel {
+                    return Err(ProtocolError::InvalidTensor(format!(
+                        "a factored tensor of {} entries carries {} values",
+                        self.numel, self.nnz
+                    )));
+                }
+                if self.numel > u64::from(u32::MAX) {
+                    return Err(ProtocolError::InvalidTensor("factored offsets are u32: numel must be < 2^32".into()));
                 }
             }
             _ if self.nnz != self.numel => {
@@ -207,6 +239,7 @@ fn body_len(dtype: Dtype, numel: u64, nnz: u64, block: u32) -> Option<u64> {
             blocks.checked_mul(4)?.checked_add(numel)
         }
         Dtype::TopK => nnz.checked_mul(8),
+        Dtype::Factors => u64::from(block).checked_mul(FACTOR_ENTRY_BYTES)?.checked_add(nnz.checked_mul(4)?),
     }
 }
 
@@ -218,6 +251,48 @@ pub struct Payload {
     meta: TensorMeta,
     #[serde(skip)]
     data: Bytes,
+}
+
+/// A block of a tensor to send as its sufficient factors
+/// ([`Payload::encode_factored`]): the `rows x cols` entries from `start`
+/// (row-major) are `sum_b left[b * rows + r] * right[b * cols + c]`.
+#[derive(Debug, Clone, Copy)]
+pub struct FactorBlock<'a> {
+    /// First entry of the block in the tensor.
+    pub start: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// `batch x rows`, one row per term.
+    pub left: &'a [f32],
+    /// `batch x cols`, one row per term.
+    pub right: &'a [f32],
+}
+
+/// A factored block as a received table describes it.
+#[derive(Debug, Clone, Copy)]
+struct FactorBlockMeta {
+    start: usize,
+    rows: usize,
+    cols: usize,
+    batch: usize,
+}
+
+/// Little-endian f32 bytes as values.
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
+
+/// Errors with the first non-finite value among little-endian f32 bytes.
+fn check_finite_bytes(bytes: &[u8]) -> Result<()> {
+    let mut buf = [0.0f32; CHUNK];
+    for (c, chunk) in bytes.chunks(CHUNK * 4).enumerate() {
+        let n = chunk.len() / 4;
+        for (o, b) in buf[..n].iter_mut().zip(chunk.chunks_exact(4)) {
+            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        emit_chunk(c * CHUNK, &buf[..n], &mut |_, _| {})?;
+    }
+    Ok(())
 }
 
 /// xxh3-64 with seed 0, the checksum used for every body.
@@ -327,6 +402,85 @@ impl Payload {
         Ok(Payload { meta, data: Bytes::from(data) })
     }
 
+    /// Encodes a 1-D tensor with some blocks sent as their sufficient
+    /// factors (Poseidon's sufficient-factor broadcast): a fully connected
+    /// layer's weight gradient over a batch is `sum_b delta_b x_b^T`, so
+    /// `batch x (rows + cols)` values stand for `rows x cols`. The entries
+    /// of `values` outside the blocks travel as f32; those inside are not
+    /// read. Blocks must be in order, not overlap, and each be smaller as
+    /// factors than as entries.
+    pub fn encode_factored(values: &[f32], blocks: &[FactorBlock<'_>]) -> Result<Payload> {
+        let numel = values.len();
+        if numel as u64 > u64::from(u32::MAX) {
+            return Err(ProtocolError::InvalidTensor("factored offsets are u32: numel must be < 2^32".into()));
+        }
+        if blocks.len() > MAX_FACTOR_BLOCKS as usize {
+            return Err(ProtocolError::InvalidTensor(format!(
+                "{} factored blocks, at most {MAX_FACTOR_BLOCKS}",
+                blocks.len()
+            )));
+        }
+        let mut table = Vec::with_capacity(blocks.len() * FACTOR_ENTRY_BYTES as usize);
+        let mut gaps: Vec<&[f32]> = Vec::with_capacity(blocks.len() + 1);
+        let mut next_free = 0usize;
+        for (k, b) in blocks.iter().enumerate() {
+            let batch = b.left.len().checked_div(b.rows).unwrap_or(0);
+            let len = b.rows * b.cols;
+            if batch == 0 || b.cols == 0 || b.left.len() != batch * b.rows || b.right.len() != batch * b.cols {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "factored block {k}: {} left and {} right values for {} x {}",
+                    b.left.len(),
+                    b.right.len(),
+                    b.rows,
+                    b.cols
+                )));
+            }
+            if batch * (b.rows + b.cols) >= len {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "factored block {k}: {batch} x ({} + {}) factors are no smaller than its {len} entries",
+                    b.rows, b.cols
+                )));
+            }
+            if b.start < next_free || b.start + len > numel {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "factored block {k} at {}..{} overlaps another or runs past {numel} entries",
+                    b.start,
+                    b.start + len
+                )));
+            }
+            check_finite(b.left)?;
+            check_finite(b.right)?;
+            for word in [b.start, b.rows, b.cols, batch] {
+                let word = u32::try_from(word)
+                    .map_err(|_| ProtocolError::InvalidTensor(format!("factored block {k}: {word} exceeds u32")))?;
+                table.extend_from_slice(&word.to_le_bytes());
+            }
+            gaps.push(&values[next_free..b.start]);
+            next_free = b.start + len;
+        }
+        gaps.push(&values[next_free..]);
+        let values_sent: usize = gaps.iter().map(|g| g.len()).sum::<usize>()
+            + blocks.iter().map(|b| b.left.len() + b.right.len()).sum::<usize>();
+        let mut data = table;
+        data.reserve(values_sent * 4);
+        for run in gaps.iter().copied().chain(blocks.iter().flat_map(|b| [b.left, b.right])) {
+            check_finite(run)?;
+            for v in run {
+                data.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let meta = TensorMeta {
+            dtype: Dtype::Factors as u8,
+            block: blocks.len() as u32,
+            shape: vec![numel as u64],
+            numel: numel as u64,
+            nnz: values_sent as u64,
+            byte_len: data.len() as u64,
+            checksum: checksum(&data),
+        };
+        Ok(Payload { meta, data: Bytes::from(data) })
+    }
+
     /// Builds a payload from a received header and body, checking that they
     /// agree (but not the checksum: that is a pass over the body, done by
     /// [`Payload::verify`] and every decode).
@@ -370,6 +524,12 @@ impl Payload {
         self.check_body()?;
         match self.meta.dtype()? {
             Dtype::TopK => self.for_each_sparse(|_, _| {}),
+            // The table, and every value finite; rebuilding the blocks is
+            // left to the decode that uses them.
+            Dtype::Factors => {
+                let table = self.factor_table()?;
+                check_finite_bytes(&self.data[table.len() * FACTOR_ENTRY_BYTES as usize..])
+            }
             dtype => self.for_each_dense_chunk(dtype, |_, _| {}),
         }
     }
@@ -400,6 +560,9 @@ impl Payload {
                 out.fill(0.0);
                 self.for_each_sparse(|i, v| out[i] = v)
             }
+            Dtype::Factors => self.for_each_factored(|start, chunk| {
+                out[start..start + chunk.len()].copy_from_slice(chunk);
+            }),
             dtype => self.for_each_dense_chunk(dtype, |start, chunk| {
                 out[start..start + chunk.len()].copy_from_slice(chunk);
             }),
@@ -414,6 +577,11 @@ impl Payload {
         self.check_body()?;
         match self.meta.dtype()? {
             Dtype::TopK => self.for_each_sparse(|i, v| acc[i] += weight * v),
+            Dtype::Factors => self.for_each_factored(|start, chunk| {
+                for (a, v) in acc[start..start + chunk.len()].iter_mut().zip(chunk) {
+                    *a += weight * v;
+                }
+            }),
             dtype => self.for_each_dense_chunk(dtype, |start, chunk| {
                 for (a, v) in acc[start..start + chunk.len()].iter_mut().zip(chunk) {
                     *a += weight * v;
@@ -500,9 +668,110 @@ impl Payload {
                     }
                 }
             }
-            Dtype::TopK => return Err(ProtocolError::InvalidTensor("top-k is not dense".into())),
+            Dtype::TopK | Dtype::Factors => {
+                return Err(ProtocolError::InvalidTensor(format!("{} is not dense", dtype.name())))
+            }
         }
         Ok(())
+    }
+
+    /// The factored blocks of a factors payload, checked: in order, not
+    /// overlapping, within the tensor, each smaller as factors than as
+    /// entries, and the values they and the entries between them need
+    /// adding up to `nnz`. `check_body` must have passed.
+    fn factor_table(&self) -> Result<Vec<FactorBlockMeta>> {
+        let count = self.meta.block as usize;
+        let table_bytes = count * FACTOR_ENTRY_BYTES as usize;
+        if self.data.len() < table_bytes {
+            return Err(ProtocolError::InvalidTensor("factored table runs past the body".into()));
+        }
+        let word = |b: &[u8]| u64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        let mut blocks = Vec::with_capacity(count);
+        let (mut next_free, mut values) = (0u64, 0u64);
+        for (k, e) in self.data[..table_bytes].chunks_exact(FACTOR_ENTRY_BYTES as usize).enumerate() {
+            let (start, rows, cols, batch) = (word(&e[0..4]), word(&e[4..8]), word(&e[8..12]), word(&e[12..16]));
+            let len = rows * cols; // u32 x u32 fits in u64
+            let factors = batch * (rows + cols);
+            if rows == 0 || cols == 0 || batch == 0 || factors >= len {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "factored block {k}: {batch} x ({rows} + {cols}) factors for {rows} x {cols} entries"
+                )));
+            }
+            if start < next_free || start + len > self.meta.numel {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "factored block {k} at {start}..{} overlaps another or runs past numel {}",
+                    start + len,
+                    self.meta.numel
+                )));
+            }
+            values += (start - next_free) + factors;
+            next_free = start + len;
+            blocks.push(FactorBlockMeta {
+                start: start as usize,
+                rows: rows as usize,
+                cols: cols as usize,
+                batch: batch as usize,
+            });
+        }
+        values += self.meta.numel - next_free;
+        if values != self.meta.nnz {
+            return Err(ProtocolError::InvalidTensor(format!(
+                "factored table implies {values} values, the header says {}",
+                self.meta.nnz
+            )));
+        }
+        Ok(blocks)
+    }
+
+    /// Calls `f(start, values)` for consecutive runs of a factors payload
+    /// in index order: the entries between blocks as sent, each block row
+    /// by row as rebuilt from its factors. Every run is checked finite.
+    /// `check_body` must have passed.
+    fn for_each_factored(&self, mut f: impl FnMut(usize, &[f32])) -> Result<()> {
+        let blocks = self.factor_table()?;
+        let numel = self.meta.numel as usize;
+        let mut rest = &self.data[blocks.len() * FACTOR_ENTRY_BYTES as usize..];
+        // The entries outside the blocks come first in the body.
+        let dense = numel - blocks.iter().map(|b| b.rows * b.cols).sum::<usize>();
+        let (mut gaps, factors) = rest.split_at(dense * 4);
+        rest = factors;
+        let mut buf = [0.0f32; CHUNK];
+        let mut emit_dense = |from: usize, to: usize, gaps: &mut &[u8], f: &mut dyn FnMut(usize, &[f32])| {
+            let (run, tail) = gaps.split_at((to - from) * 4);
+            *gaps = tail;
+            for (c, bytes) in run.chunks(CHUNK * 4).enumerate() {
+                let n = bytes.len() / 4;
+                for (o, b) in buf[..n].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+                emit_chunk(from + c * CHUNK, &buf[..n], &mut |s, v| f(s, v))?;
+            }
+            Ok::<(), ProtocolError>(())
+        };
+        let mut pos = 0usize;
+        let mut row = Vec::new();
+        for b in &blocks {
+            emit_dense(pos, b.start, &mut gaps, &mut f)?;
+            let (left, tail) = rest.split_at(b.batch * b.rows * 4);
+            let (right, tail) = tail.split_at(b.batch * b.cols * 4);
+            rest = tail;
+            let (left, right) = (f32s(left), f32s(right));
+            check_finite(&left)?;
+            check_finite(&right)?;
+            row.resize(b.cols, 0.0);
+            for r in 0..b.rows {
+                row.fill(0.0);
+                for (k, right) in right.chunks_exact(b.cols).enumerate() {
+                    let l = left[k * b.rows + r];
+                    for (o, v) in row.iter_mut().zip(right) {
+                        *o += l * v;
+                    }
+                }
+                emit_chunk(b.start + r * b.cols, &row, &mut f)?;
+            }
+            pos = b.start + b.rows * b.cols;
+        }
+        emit_dense(pos, numel, &mut gaps, &mut f)
     }
 
     /// Calls `f(index, value)` for each stored entry of a top-k tensor after
@@ -863,5 +1132,98 @@ mod tests {
         let p = Payload::encode(&[0.0; 10], Encoding::Int8 { block: 4 }).unwrap();
         assert_eq!(p.byte_len(), 3 * 4 + 10);
         assert_eq!(p.decode().unwrap(), vec![0.0; 10]);
+    }
+
+    /// A tensor of 3 + (4 x 6) + 2 + (6 x 5) + 1 entries whose two blocks
+    /// are sums of outer products over a batch of 1 and 2.
+    type FactoredCase = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+    fn factored_case() -> FactoredCase {
+        let left_a = vec![0.5, -1.0, 2.0, 0.25];
+        let right_a = vec![1.0, 2.0, 3.0, -4.0, 0.5, 0.0];
+        let left_b: Vec<f32> = (0..12).map(|i| i as f32 * 0.1 - 0.5).collect();
+        let right_b: Vec<f32> = (0..10).map(|i| 1.0 - i as f32 * 0.3).collect();
+        let mut full = vec![7.0, 8.0, 9.0];
+        for l in &left_a {
+            full.extend(right_a.iter().map(|c| l * c));
+        }
+        full.extend([-1.0, -2.0]);
+        for r in 0..6 {
+            full.extend((0..5).map(|c| (0..2).map(|b| left_b[b * 6 + r] * right_b[b * 5 + c]).sum::<f32>()));
+        }
+        full.push(3.5);
+        (full, left_a, right_a, left_b, right_b)
+    }
+
+    #[test]
+    fn factored_blocks_decode_to_their_outer_products() {
+        let (full, la, ra, lb, rb) = factored_case();
+        let blocks = [
+            FactorBlock { start: 3, rows: 4, cols: 6, left: &la, right: &ra },
+            FactorBlock { start: 29, rows: 6, cols: 5, left: &lb, right: &rb },
+        ];
+        let p = Payload::encode_factored(&full, &blocks).expect("valid blocks");
+        // 6 entries outside the blocks, 1 x (4 + 6) and 2 x (6 + 5) factors.
+        assert_eq!(p.meta().nnz, 6 + 10 + 22);
+        assert_eq!(p.byte_len(), 2 * 16 + 4 * 38);
+        assert!(p.byte_len() < 4 * full.len() as u64, "smaller than f32");
+        p.verify().expect("verifies");
+        let back = p.decode().expect("decodes");
+        assert_eq!(back.len(), full.len());
+        for (i, (a, b)) in back.iter().zip(&full).enumerate() {
+            assert!((a - b).abs() <= 1e-6, "entry {i}: {a} against {b}");
+        }
+        let mut acc = vec![1.0f32; full.len()];
+        p.add_scaled_into(&mut acc, 2.0).expect("adds");
+        for (i, (a, b)) in acc.iter().zip(&full).enumerate() {
+            assert!((a - (1.0 + 2.0 * b)).abs() <= 1e-5, "entry {i}");
+        }
+        // Received as a header and a body, it decodes the same.
+        let q = Payload::from_parts(p.meta().clone(), p.data().clone(), 1000).expect("consistent");
+        assert_eq!(q.decode().expect("decodes"), back);
+        assert_eq!(Dtype::from_tag(5).expect("known"), Dtype::Factors);
+    }
+
+    #[test]
+    fn bad_factored_payloads_are_refused() {
+        let (full, la, ra, lb, rb) = factored_case();
+        let a = FactorBlock { start: 3, rows: 4, cols: 6, left: &la, right: &ra };
+        let b = FactorBlock { start: 29, rows: 6, cols: 5, left: &lb, right: &rb };
+        // Out of order, overlapping, past the end, wrong factor lengths.
+        assert!(Payload::encode_factored(&full, &[b, a]).is_err());
+        assert!(Payload::encode_factored(&full, &[a, FactorBlock { start: 20, ..b }]).is_err());
+        assert!(Payload::encode_factored(&full, &[FactorBlock { start: 40, ..b }]).is_err());
+        assert!(Payload::encode_factored(&full, &[FactorBlock { right: &ra[..5], ..a }]).is_err());
+        // Factors no smaller than the block: 2 x (2 + 2) against 2 x 2.
+        let two = [1.0, 2.0, 3.0, 4.0];
+        assert!(Payload::encode_factored(
+            &full,
+            &[FactorBlock { start: 0, rows: 2, cols: 2, left: &two, right: &two }]
+        )
+        .is_err());
+        let nan = [f32::NAN, 1.0, 1.0, 1.0];
+        assert!(Payload::encode_factored(&full, &[FactorBlock { left: &nan, ..a }]).is_err());
+
+        // A received table that claims more values than it carries.
+        let p = Payload::encode_factored(&full, &[a, b]).expect("valid");
+        let mut meta = p.meta().clone();
+        meta.nnz -= 1;
+        meta.byte_len -= 4;
+        let body = p.data().slice(..p.data().len() - 4);
+        meta.checksum = checksum(&body);
+        let q = Payload::from_parts(meta, body, 1000).expect("the header alone is consistent");
+        assert!(matches!(q.verify().unwrap_err(), ProtocolError::InvalidTensor(_)));
+        assert!(q.decode().is_err());
+        // A table whose first block overlaps the second.
+        let mut body = p.data().to_vec();
+        body[0..4].copy_from_slice(&27u32.to_le_bytes());
+        let mut meta = p.meta().clone();
+        meta.checksum = checksum(&body);
+        let q = Payload::from_parts(meta, Bytes::from(body), 1000).expect("header consistent");
+        assert!(q.verify().is_err());
+        // Too many blocks for a header.
+        let mut meta = p.meta().clone();
+        meta.block = MAX_FACTOR_BLOCKS + 1;
+        assert!(meta.check(1000).is_err());
     }
 }

@@ -3,6 +3,9 @@
 //! Lossy push encodings carry error feedback (the residual sums are tested
 //! in `node::policy::compress`); here the clusters must still reach 93%,
 //! and the bytes on the wire must shrink as the encodings promise.
+//! Sufficient factors (`sfb`) are lossless: owners rebuild the gradient
+//! (the rebuild is tested within 1e-5 in `shoal_models` and
+//! `node::policy::compress`).
 
 use shoal_models::OptimizerKind;
 use shoal_node::cluster::{ClusterSpec, NodeOverride};
@@ -21,7 +24,19 @@ fn status(r: &NodeReport) -> anyhow::Result<&StatusSnapshot> {
 
 /// A 4-node BSP cluster where node `i` uses `per_node[i]`.
 async fn cluster(name: &str, per_node: [CompressionConfig; 4]) -> anyhow::Result<Vec<NodeReport>> {
-    let base = digits_config(name, STEPS, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
+    cluster_at(name, per_node, None).await
+}
+
+/// [`cluster`] at a batch size of `batch` per node (default: the tests').
+async fn cluster_at(
+    name: &str,
+    per_node: [CompressionConfig; 4],
+    batch: Option<usize>,
+) -> anyhow::Result<Vec<NodeReport>> {
+    let mut base = digits_config(name, STEPS, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
+    if let Some(b) = batch {
+        base.training.batch_size = b;
+    }
     let mut spec = ClusterSpec::new(4, base);
     spec.overrides = per_node.iter().map(|c| NodeOverride { compression: Some(*c), ..Default::default() }).collect();
     let reports = run_cluster(&spec).await?;
@@ -85,5 +100,21 @@ async fn top_k_and_bf16_pushes_with_error_feedback_train_to_93_percent() -> anyh
     assert!(pushed * 10 < remote_values * 4, "top-k 1% pushed {pushed} B against {} B in f32", remote_values * 4);
     let bf16 = CompressionConfig { push: PushCompression::Bf16, pull: PullCompression::Bf16 };
     cluster("compress-bf16", [bf16; 4]).await?;
+    Ok(())
+}
+
+/// Sufficient factors at batch 8, where they are smaller than the f32
+/// rows of both hidden layers in every shard: two nodes push factors, two
+/// f32, and the cluster trains to 93% on the same model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sufficient_factor_pushes_train_to_93_percent_beside_f32_ones_in_fewer_bytes() -> anyhow::Result<()> {
+    let sfb = CompressionConfig { push: PushCompression::Sfb, pull: PullCompression::None };
+    let reports = cluster_at("compress-sfb", [F32, F32, sfb, sfb], Some(8)).await?;
+    let (f32_node, sfb_node) = (status(&reports[0])?, status(&reports[2])?);
+    let push_ratio = f32_node.bytes_out as f64 / sfb_node.bytes_out as f64;
+    eprintln!("sfb pushes: {push_ratio:.2}x fewer bytes than f32");
+    assert!(push_ratio >= 2.0, "sfb pushes only {push_ratio:.2}x smaller than f32");
+    // Every node pulls f32 from the same owners: one model.
+    assert!(reports.iter().all(|r| r.params == reports[0].params), "the nodes end on one model");
     Ok(())
 }

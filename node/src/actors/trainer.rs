@@ -57,8 +57,8 @@ impl TrainerActor {
     fn run(mut self) {
         while let Some(cmd) = self.receiver.blocking_recv() {
             match cmd {
-                TrainerCommand::Gradients { indices, reply } => {
-                    let _ = reply.send(self.gradients(&indices));
+                TrainerCommand::Gradients { indices, factored, reply } => {
+                    let _ = reply.send(self.gradients(&indices, factored));
                 }
                 TrainerCommand::SetParams { params, reply } => {
                     let _ = reply.send(self.model.set_parameters(&params).map_err(Into::into));
@@ -79,13 +79,13 @@ impl TrainerActor {
         debug!("trainer thread stopping: all handles dropped");
     }
 
-    fn gradients(&self, indices: &[usize]) -> anyhow::Result<Gradients> {
+    fn gradients(&self, indices: &[usize], factored: bool) -> anyhow::Result<Gradients> {
         let train = self.train.as_ref().context("the training samples are not loaded yet")?;
         let (x, y) = train.batch(indices, self.model.device())?;
-        let out = self.model.gradients(&x, &y)?;
+        let out = if factored { self.model.gradients_factored(&x, &y)? } else { self.model.gradients(&x, &y)? };
         if !out.loss.is_finite() {
             anyhow::bail!("loss became {}; lower the learning rate", out.loss);
         }
-        Ok(Gradients { loss: out.loss, samples: out.samples, grads: out.grads })
+        Ok(Gradients { loss: out.loss, samples: out.samples, grads: out.grads, factors: out.factors })
     }
 }

@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use futures::future::try_join_all;
 use shoal_models::data::shuffled_batches;
-use shoal_models::{Optimizer, Partition, ShardPlan};
+use shoal_models::{LayerFactors, Optimizer, Partition, ShardPlan};
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::{
     Encoding, Payload, Probe, PullShard, PushGrad, PushPull, Role, RunId, ShardRequest, ShardResponse, StateSync,
@@ -37,7 +37,7 @@ use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::handles::trainer::{Gradients, TrainerHandle};
 use crate::ops::faults::hold;
 use crate::ops::logging::short;
-use crate::policy::compress::ErrorFeedback;
+use crate::policy::compress::{factored_push, ErrorFeedback, PushCompression};
 use crate::policy::fit::{permille, rebalanced, BatchFit};
 use crate::policy::health::{would_demote, HealthPolicy, ServiceTracker};
 use crate::policy::placement::Placement;
@@ -332,8 +332,13 @@ impl Worker {
             let mut exchange_secs: Option<f64> = None;
             let version = match (local_opt.as_mut(), outer.as_mut()) {
                 (None, _) => {
-                    let exchange =
-                        self.exchange_all(step, &mut versions, g.samples as u32, &g.grads, &mut params, &mut feedback);
+                    let exchange = self.exchange_all(
+                        step,
+                        &mut versions,
+                        (g.samples as u32, &g.grads, &g.factors),
+                        &mut params,
+                        &mut feedback,
+                    );
                     let v = if overlap && step + 1 < t.steps {
                         // Step t+1's gradients, on the parameters of step t-1,
                         // while step t's pushes and pulls are on the wire. The
@@ -375,7 +380,9 @@ impl Worker {
                     if (step + 1) % local_steps == 0 || step + 1 == t.steps {
                         let pseudo: Vec<f32> = start.iter().zip(&params).map(|(s, p)| s - p).collect();
                         let n = u32::try_from(*samples).unwrap_or(u32::MAX);
-                        let v = self.exchange_all(step, &mut versions, n, &pseudo, &mut params, &mut feedback).await?;
+                        let v = self
+                            .exchange_all(step, &mut versions, (n, &pseudo, &[]), &mut params, &mut feedback)
+                            .await?;
                         self.after_exchange(step, &feedback, &mut last_report);
                         start.copy_from_slice(&params);
                         *samples = 0;
@@ -449,7 +456,9 @@ impl Worker {
             self.status.record(StatusEvent::FittedBatch { samples: indices.len(), nominal });
         }
         let started = Instant::now();
-        let mut g = self.trainer.gradients(indices).await.with_context(|| format!("step {step}: gradients"))?;
+        let factored = self.config.cluster.compression.push == PushCompression::Sfb;
+        let mut g =
+            self.trainer.gradients(indices, factored).await.with_context(|| format!("step {step}: gradients"))?;
         if let Some(m) = momentum.as_mut() {
             // Push the moving average of the gradients (worker momentum).
             let b = self.config.cluster.worker_momentum;
@@ -633,16 +642,19 @@ impl Worker {
     /// concurrently. Returns the smallest shard version (the model version).
     /// With a lossy push encoding, each shard's gradient is encoded once,
     /// with its error feedback, before any push: every attempt sends the
-    /// same payload, and a local owner gets what it decodes to.
+    /// same payload, and a local owner gets what it decodes to. With
+    /// `sfb`, each shard's payload carries the fully connected layers'
+    /// factors where they are smaller, and a local owner gets the exact
+    /// gradient. `pushed`: the samples, the gradient, and its factors.
     async fn exchange_all(
         &self,
         step: u64,
         versions: &mut [u64],
-        samples: u32,
-        grads: &[f32],
+        pushed: (u32, &[f32], &[LayerFactors]),
         params: &mut [f32],
         feedback: &mut ErrorFeedback,
     ) -> anyhow::Result<u64> {
+        let (samples, grads, factors) = pushed;
         let parts = self.plan.split(grads)?;
         let push = self.config.cluster.compression.push;
         let outgoing = self
@@ -651,6 +663,11 @@ impl Worker {
             .iter()
             .zip(parts)
             .map(|(shard, slice)| {
+                if push == PushCompression::Sfb && !factors.is_empty() {
+                    let p = factored_push(shard.range(), slice, factors)
+                        .with_context(|| format!("step {step}: factoring shard {}", shard.id))?;
+                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: Some(p) });
+                }
                 if !push.is_lossy() {
                     return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: None });
                 }

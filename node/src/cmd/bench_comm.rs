@@ -1,7 +1,9 @@
 //! `shoal bench comm`: what each way of communicating costs and buys, on 4
 //! in-process nodes over loopback TCP behind an emulated link per node,
 //! against f32 BSP in the same run: compressed pushes and pulls, overlap of
-//! communication with compute, and DiLoCo's local steps.
+//! communication with compute, DiLoCo's local steps and sufficient
+//! factors; and, without a cluster, the bytes sufficient factors save on
+//! one wide layer at a small batch, where Poseidon's rule favours them.
 
 use std::time::Instant;
 
@@ -136,6 +138,7 @@ fn cases() -> Vec<Case> {
         Case::bsp("bf16 pulls", Push::None, Pull::Bf16),
         Case::bsp("int8 + EF", Push::Int8, Pull::None),
         Case::bsp("top-k 1% + EF", Push::TopK { fraction: 0.01 }, Pull::None),
+        Case::bsp("sfb", Push::Sfb, Pull::None),
         ssp(SSP, false, false),
         ssp("ssp:1 + overlap", true, false),
         ssp("ssp:1 slowed", false, true),
@@ -147,6 +150,58 @@ fn cases() -> Vec<Case> {
             ..Case::bsp("diloco H=20", Push::None, Pull::None)
         },
     ]
+}
+
+/// The wide layer of the sufficient-factor case: `SFB_WIDTH x SFB_WIDTH`
+/// weights trained at batch `SFB_BATCH` (Poseidon's example regime).
+const SFB_WIDTH: usize = 4096;
+const SFB_BATCH: usize = 16;
+
+/// One `SFB_WIDTH x SFB_WIDTH` layer's real weight gradient (candle, batch
+/// `SFB_BATCH`) pushed as one shard: f32 against sufficient factors, the
+/// bytes, the time to encode and to decode each (a factored decode
+/// rebuilds the gradient), and the largest difference of the rebuilt
+/// gradient from candle's.
+fn sfb_layer() -> anyhow::Result<serde_json::Value> {
+    use shoal_models::{data::ImageShape, Arch, Model, ModelConfig, TrainableModel};
+    let input = ImageShape { channels: 1, height: 64, width: SFB_WIDTH / 64 };
+    let config = ModelConfig { arch: Arch::Mlp { hidden: vec![SFB_WIDTH] }, input, classes: 10 };
+    let dev = candle_core::Device::Cpu;
+    let model = Model::new(config, 1, &dev)?;
+    let x = candle_core::Tensor::randn(0f32, 1.0, (SFB_BATCH, 1, 64, SFB_WIDTH / 64), &dev)?;
+    let labels: Vec<u32> = (0..SFB_BATCH as u32).map(|i| i % 10).collect();
+    let y = candle_core::Tensor::new(labels.as_slice(), &dev)?;
+    let g = model.gradients_factored(&x, &y)?;
+    let entry = model.layout().entry("fc0.weight").ok_or_else(|| anyhow::anyhow!("no fc0.weight"))?;
+    let (range, grad) = (entry.range(), &g.grads[entry.range()]);
+    let timed = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+        let t = Instant::now();
+        f()?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let mut dense = None;
+    let encode_f32 = timed(&mut || {
+        dense = Some(shoal_protocol::Payload::encode(grad, shoal_protocol::Encoding::F32)?);
+        Ok(())
+    })?;
+    let mut factored = None;
+    let encode_sfb = timed(&mut || {
+        factored = Some(crate::policy::compress::factored_push(range.clone(), grad, &g.factors)?);
+        Ok(())
+    })?;
+    let (Some(dense), Some(factored)) = (dense, factored) else { anyhow::bail!("nothing encoded") };
+    let mut out = vec![0.0f32; grad.len()];
+    let decode_f32 = timed(&mut || Ok(dense.decode_into(&mut out)?))?;
+    let decode_sfb = timed(&mut || Ok(factored.decode_into(&mut out)?))?;
+    let max_error = out.iter().zip(grad).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    Ok(serde_json::json!({
+        "rows": SFB_WIDTH, "cols": SFB_WIDTH, "batch": SFB_BATCH,
+        "f32_bytes": dense.byte_len(), "factored_bytes": factored.byte_len(),
+        "fewer_bytes_than_f32": dense.byte_len() as f64 / factored.byte_len().max(1) as f64,
+        "encode_f32_s": encode_f32, "encode_factored_s": encode_sfb,
+        "decode_f32_s": decode_f32, "decode_factored_s": decode_sfb,
+        "max_abs_error": max_error,
+    }))
 }
 
 /// `shoal bench comm`.
@@ -169,6 +224,26 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             args.steps,
             target * 100.0
         );
+        let layer = sfb_layer()?;
+        println!(
+            "\nsufficient factors on one {SFB_WIDTH} x {SFB_WIDTH} layer at batch {SFB_BATCH} (one shard, no cluster): \
+             f32 {:.0} bytes, factors {:.0} bytes, {:.1}x fewer; encode {:.1} ms against {:.1} ms, decode (rebuild) \
+             {:.1} ms against {:.1} ms; rebuilt within {:.1e} of candle's gradient",
+            layer["f32_bytes"].as_f64().unwrap_or(0.0),
+            layer["factored_bytes"].as_f64().unwrap_or(0.0),
+            layer["fewer_bytes_than_f32"].as_f64().unwrap_or(0.0),
+            1e3 * layer["encode_factored_s"].as_f64().unwrap_or(0.0),
+            1e3 * layer["encode_f32_s"].as_f64().unwrap_or(0.0),
+            1e3 * layer["decode_factored_s"].as_f64().unwrap_or(0.0),
+            1e3 * layer["decode_f32_s"].as_f64().unwrap_or(0.0),
+            layer["max_abs_error"].as_f64().unwrap_or(0.0),
+        );
+        let known: Vec<&str> = cases().iter().map(|c| c.name).collect();
+        if let Some(bad) = args.cases.iter().find(|c| !known.contains(&c.as_str())) {
+            anyhow::bail!("--cases: no case `{bad}`; the cases are {}", known.join(", "));
+        }
+        let chosen =
+            |c: &Case| args.cases.is_empty() || c.name == "f32 bsp" || args.cases.iter().any(|n| n == c.name);
         let mut rows = Vec::new();
         for &mbps in &args.links {
             let link = if mbps > 0.0 { format!("{mbps} Mbit/s, {} ms", args.latency_ms) } else { "loopback".into() };
@@ -181,7 +256,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             let mut baseline: Option<Measured> = None;
             // Communication over compute in the plain SSP case.
             let mut comm_over_compute = 1.0;
-            for case in cases() {
+            for case in cases().into_iter().filter(chosen) {
                 let mut cfg = NodeConfig { run_id: format!("bench-comm-{}", rows.len()), ..NodeConfig::default() };
                 cfg.training.dataset = dataset.clone();
                 cfg.training.data_dir = args.data_dir.clone();
@@ -251,7 +326,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             &serde_json::json!({
                 "bench": "comm", "dataset": dataset.to_string(), "nodes": NODES, "batch_size": args.batch_size,
                 "steps": args.steps, "target": target, "threads_per_node": threads,
-                "latency_ms": args.latency_ms, "cases": rows,
+                "latency_ms": args.latency_ms, "cases": rows, "sfb_layer": layer,
             }),
         )
     })

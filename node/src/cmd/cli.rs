@@ -325,7 +325,7 @@ pub struct NodeArgs {
     /// Fault injection: push bad gradients: none, scale:F, sign_flip or random.
     #[arg(long)]
     pub fault_byzantine: Option<crate::ops::faults::Byzantine>,
-    /// Gradient pushes: none, bf16, int8 or topk:FRACTION (lossy ones with error feedback).
+    /// Gradient pushes: none, bf16, int8, topk:FRACTION (lossy ones with error feedback) or sfb (sufficient factors).
     #[arg(long)]
     pub compress_push: Option<crate::policy::compress::PushCompression>,
     /// Parameter pulls: none or bf16.
@@ -388,7 +388,7 @@ pub struct DemoArgs {
     /// Compute threads per node (default: this host's cores / --nodes).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: Option<usize>,
-    /// Every node's gradient pushes: none, bf16, int8 or topk:FRACTION (lossy ones with error feedback).
+    /// Every node's gradient pushes: none, bf16, int8, topk:FRACTION (lossy ones with error feedback) or sfb.
     #[arg(long, default_value = "none")]
     pub compress_push: crate::policy::compress::PushCompression,
     /// Every node's parameter pulls: none or bf16.
@@ -473,6 +473,10 @@ pub struct BenchCommArgs {
     /// One-way latency of the emulated links, in ms.
     #[arg(long, default_value_t = 1.0)]
     pub latency_ms: f64,
+    /// Run only these cases (comma-separated names as printed, for example
+    /// `sfb`); f32 bsp, the baseline, always runs. Default: all.
+    #[arg(long, value_delimiter = ',')]
+    pub cases: Vec<String>,
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// Also write the numbers as JSON to this file.

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use shoal_models::Evaluation;
+use shoal_models::{Evaluation, LayerFactors};
 use tokio::sync::{mpsc, oneshot};
 
 /// Gradients of one batch.
@@ -12,11 +12,14 @@ pub struct Gradients {
     pub loss: f32,
     pub samples: usize,
     pub grads: Vec<f32>,
+    /// The fully connected layers' weight gradients as their sufficient
+    /// factors, when asked for (`cluster.compression.push = "sfb"`).
+    pub factors: Vec<LayerFactors>,
 }
 
 /// The trainer thread's mailbox.
 pub(crate) enum TrainerCommand {
-    Gradients { indices: Vec<usize>, reply: oneshot::Sender<anyhow::Result<Gradients>> },
+    Gradients { indices: Vec<usize>, factored: bool, reply: oneshot::Sender<anyhow::Result<Gradients>> },
     SetParams { params: Arc<Vec<f32>>, reply: oneshot::Sender<anyhow::Result<()>> },
     Evaluate { reply: oneshot::Sender<anyhow::Result<Evaluation>> },
     LoadTrain { rows: Vec<usize>, reply: oneshot::Sender<anyhow::Result<usize>> },
@@ -51,9 +54,10 @@ impl TrainerHandle {
     }
 
     /// Forward and backward on the given samples of this node's training
-    /// set (positions in what [`Self::load_train`] loaded).
-    pub async fn gradients(&self, indices: Vec<usize>) -> anyhow::Result<Gradients> {
-        self.call(|reply| TrainerCommand::Gradients { indices, reply }).await
+    /// set (positions in what [`Self::load_train`] loaded). `factored`:
+    /// give the fully connected layers' factors too.
+    pub async fn gradients(&self, indices: Vec<usize>, factored: bool) -> anyhow::Result<Gradients> {
+        self.call(|reply| TrainerCommand::Gradients { indices, factored, reply }).await
     }
 
     /// Load new parameters (flat, `ParamLayout` order) into the model.

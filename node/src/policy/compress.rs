@@ -13,13 +13,23 @@
 //! only delayed: after any number of steps, the sum of everything sent plus
 //! the residual equals the sum of the gradients (exactly for top-k, whose
 //! kept entries travel exactly; within rounding for int8 and bf16).
+//!
+//! **Sufficient factors** (`sfb`, Poseidon). A fully connected layer's
+//! weight gradient over a batch is a sum of `batch` outer products, so the
+//! rows of it in a shard can travel as `batch x (rows + cols)` values
+//! instead of `rows x cols`. Per layer and shard, [`factored_push`] sends
+//! the factors where that is smaller and f32 elsewhere; the owner rebuilds
+//! the gradient. Nothing is dropped, so there is no residual.
 
 use std::fmt;
 use std::str::FromStr;
 
+use std::ops::Range;
+
 use serde::{Deserialize, Serialize};
+use shoal_models::LayerFactors;
 use shoal_protocol::payload::DEFAULT_INT8_BLOCK;
-use shoal_protocol::{Encoding, Payload, ProtocolError};
+use shoal_protocol::{Encoding, FactorBlock, Payload, ProtocolError};
 
 /// How a worker encodes its gradient pushes (`cluster.compression.push`).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -35,13 +45,17 @@ pub enum PushCompression {
     /// Only the largest-magnitude `fraction` of each shard's entries (index
     /// and f32 value each): `8 * fraction` bytes per entry.
     TopK { fraction: f32 },
+    /// Sufficient factors for the fully connected layers' weights where
+    /// they are smaller ([`factored_push`]), f32 for the rest: lossless up
+    /// to f32 rounding.
+    Sfb,
 }
 
 impl PushCompression {
     /// The wire encoding of a shard of `len` values.
     pub fn encoding(&self, len: usize) -> Encoding {
         match *self {
-            PushCompression::None => Encoding::F32,
+            PushCompression::None | PushCompression::Sfb => Encoding::F32,
             PushCompression::Bf16 => Encoding::Bf16,
             PushCompression::Int8 => Encoding::Int8 { block: DEFAULT_INT8_BLOCK },
             PushCompression::TopK { fraction } => {
@@ -54,19 +68,20 @@ impl PushCompression {
 
     /// Whether the encoding loses information (and so keeps residuals).
     pub fn is_lossy(&self) -> bool {
-        *self != PushCompression::None
+        !matches!(self, PushCompression::None | PushCompression::Sfb)
     }
 }
 
 impl FromStr for PushCompression {
     type Err = String;
-    /// `none`, `bf16`, `int8`, `topk:FRACTION` (FRACTION in (0, 1]).
+    /// `none`, `bf16`, `int8`, `topk:FRACTION` (FRACTION in (0, 1]), `sfb`.
     fn from_str(s: &str) -> Result<Self, String> {
         let lower = s.trim().to_ascii_lowercase();
         match lower.split_once(':') {
             None if lower == "none" || lower == "f32" => Ok(PushCompression::None),
             None if lower == "bf16" => Ok(PushCompression::Bf16),
             None if lower == "int8" => Ok(PushCompression::Int8),
+            None if lower == "sfb" => Ok(PushCompression::Sfb),
             Some(("topk", f)) => {
                 let fraction: f32 =
                     f.trim().parse().map_err(|_| format!("topk:{f}: the fraction kept is not a number"))?;
@@ -75,7 +90,7 @@ impl FromStr for PushCompression {
                 }
                 Ok(PushCompression::TopK { fraction })
             }
-            _ => Err(format!("unknown push compression `{s}`: use none, bf16, int8 or topk:FRACTION")),
+            _ => Err(format!("unknown push compression `{s}`: use none, bf16, int8, topk:FRACTION or sfb")),
         }
     }
 }
@@ -87,6 +102,7 @@ impl fmt::Display for PushCompression {
             PushCompression::Bf16 => write!(f, "bf16"),
             PushCompression::Int8 => write!(f, "int8"),
             PushCompression::TopK { fraction } => write!(f, "topk:{fraction}"),
+            PushCompression::Sfb => write!(f, "sfb"),
         }
     }
 }
@@ -233,6 +249,74 @@ impl ErrorFeedback {
     }
 }
 
+/// The gradient of the shard spanning `range` of the flat gradient
+/// (`grad`, that range's values) as a push in which the whole weight rows
+/// of each fully connected layer inside the shard travel as their factors
+/// wherever `batch x (rows + cols) < rows x cols` (Poseidon's cost rule,
+/// per layer), and everything else as f32. With no factors to send, plain
+/// f32.
+pub fn factored_push(range: Range<usize>, grad: &[f32], factors: &[LayerFactors]) -> Result<Payload, ProtocolError> {
+    if grad.len() != range.len() {
+        return Err(ProtocolError::InvalidTensor(format!(
+            "a shard of {} values given {} gradient values",
+            range.len(),
+            grad.len()
+        )));
+    }
+    /// A block to factor, its left factors gathered for the shard's rows.
+    struct Rows<'a> {
+        start: usize,
+        rows: usize,
+        cols: usize,
+        left: Vec<f32>,
+        right: &'a [f32],
+    }
+    let mut lefts: Vec<Rows<'_>> = Vec::new();
+    let mut order: Vec<&LayerFactors> = factors.iter().collect();
+    order.sort_by_key(|f| f.offset);
+    for f in order {
+        if f.rows == 0 || f.cols == 0 || f.delta.len() % f.rows != 0 {
+            return Err(ProtocolError::InvalidTensor(format!(
+                "factors of a {} x {} layer are malformed",
+                f.rows, f.cols
+            )));
+        }
+        let batch = f.delta.len() / f.rows;
+        if f.input.len() != batch * f.cols {
+            return Err(ProtocolError::InvalidTensor(format!(
+                "{} input values for a batch of {batch} and {} columns",
+                f.input.len(),
+                f.cols
+            )));
+        }
+        // The weight's whole rows inside the shard.
+        let weight = f.offset..f.offset + f.rows * f.cols;
+        let (lo, hi) = (range.start.max(weight.start), range.end.min(weight.end));
+        if lo >= hi {
+            continue;
+        }
+        let (r0, r1) = ((lo - weight.start).div_ceil(f.cols), (hi - weight.start) / f.cols);
+        if r1 <= r0 {
+            continue;
+        }
+        let rows = r1 - r0;
+        if batch * (rows + f.cols) >= rows * f.cols {
+            continue;
+        }
+        let left: Vec<f32> =
+            (0..batch).flat_map(|b| f.delta[b * f.rows + r0..b * f.rows + r1].iter().copied()).collect();
+        lefts.push(Rows { start: weight.start + r0 * f.cols - range.start, rows, cols: f.cols, left, right: &f.input });
+    }
+    if lefts.is_empty() {
+        return Payload::encode(grad, Encoding::F32);
+    }
+    let blocks: Vec<FactorBlock<'_>> = lefts
+        .iter()
+        .map(|b| FactorBlock { start: b.start, rows: b.rows, cols: b.cols, left: &b.left, right: b.right })
+        .collect();
+    Payload::encode_factored(grad, &blocks)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -341,5 +425,65 @@ mod tests {
         assert_eq!(cfg.push, PushCompression::TopK { fraction: 0.05 });
         assert_eq!(cfg.pull, PullCompression::Bf16);
         assert_eq!(PushCompression::TopK { fraction: 0.01 }.encoding(50), Encoding::TopK { k: 1 });
+    }
+
+    /// A gradient of a 10 x 40 layer (at 3) and a 4 x 10 layer (at 413)
+    /// over a batch of 2, with bias-like entries around them, and its
+    /// factors.
+    fn layered_grad() -> (Vec<f32>, Vec<LayerFactors>) {
+        let wave = |n: usize, k: f32| (0..n).map(|i| ((i as f32) * k).sin()).collect::<Vec<f32>>();
+        let layers = [(3usize, 10usize, 40usize), (413, 4, 10)];
+        let mut grad = wave(460, 0.37);
+        let factors: Vec<LayerFactors> = layers
+            .iter()
+            .enumerate()
+            .map(|(i, &(offset, rows, cols))| {
+                let f = LayerFactors {
+                    offset,
+                    rows,
+                    cols,
+                    delta: wave(2 * rows, 0.11 + i as f32),
+                    input: wave(2 * cols, 0.7 + i as f32),
+                };
+                for r in 0..rows {
+                    for c in 0..cols {
+                        grad[offset + r * cols + c] =
+                            (0..2).map(|b| f.delta[b * rows + r] * f.input[b * cols + c]).sum();
+                    }
+                }
+                f
+            })
+            .collect();
+        (grad, factors)
+    }
+
+    #[test]
+    fn factored_pushes_rebuild_each_shard_and_send_fewer_bytes() {
+        let (grad, factors) = layered_grad();
+        // Shards cutting the first layer mid-row, one holding the second,
+        // and the whole gradient.
+        for range in [120..300, 300..460, 0..460] {
+            let slice = &grad[range.clone()];
+            let p = factored_push(range.clone(), slice, &factors).expect("encodes");
+            let back = p.decode().expect("decodes");
+            for (i, (a, b)) in back.iter().zip(slice).enumerate() {
+                assert!((a - b).abs() <= 1e-5, "{range:?}: entry {i} is {a}, not {b}");
+            }
+            // Whole rows of the 10 x 40 layer go as 2 x (rows + 40) values.
+            assert!(p.byte_len() < 4 * slice.len() as u64, "{range:?}: {} bytes", p.byte_len());
+        }
+        // The second layer alone: 4 x 10 entries as 2 x (4 + 10) factors.
+        let p = factored_push(400..460, &grad[400..460], &factors).expect("encodes");
+        assert_eq!(p.meta().block, 1, "one layer's rows factored");
+        assert_eq!(p.byte_len(), 16 + 4 * (60 - 40 + 28));
+        let p = factored_push(0..120, &grad[0..120], &factors).expect("encodes");
+        assert_eq!(p.meta().block, 0, "2 whole rows cost 2 x 42 values for 80: sent as f32");
+        // With no factors, or a shard outside every layer: plain f32.
+        let p = factored_push(0..3, &grad[0..3], &factors).expect("encodes");
+        assert_eq!(p.meta().dtype, shoal_protocol::Dtype::F32 as u8);
+        assert_eq!(factored_push(0..460, &grad, &[]).expect("encodes").decode().expect("decodes"), grad);
+        assert!(factored_push(0..10, &grad[0..9], &factors).is_err(), "slice and range disagree");
+        assert_eq!("sfb".parse::<PushCompression>(), Ok(PushCompression::Sfb));
+        assert!(!PushCompression::Sfb.is_lossy(), "no residual is kept");
     }
 }
