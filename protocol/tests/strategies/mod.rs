@@ -26,8 +26,33 @@ pub fn encoding() -> impl Strategy<Value = Encoding> {
 }
 
 pub fn payload() -> impl Strategy<Value = Payload> {
-    (proptest::collection::vec(-1000.0f32..1000.0, 0..200), encoding())
-        .prop_map(|(v, e)| Payload::encode(&v, e).unwrap())
+    prop_oneof![
+        4 => (proptest::collection::vec(-1000.0f32..1000.0, 0..200), encoding())
+            .prop_map(|(v, e)| Payload::encode(&v, e).unwrap()),
+        1 => factored_payload(),
+    ]
+}
+
+/// A factors payload: entries, one `rows x cols` block of one term, more
+/// entries.
+pub fn factored_payload() -> impl Strategy<Value = Payload> {
+    (
+        proptest::collection::vec(-1000.0f32..1000.0, 0..60),
+        3usize..9,
+        3usize..9,
+        proptest::collection::vec(-30.0f32..30.0, 16),
+        proptest::collection::vec(-1000.0f32..1000.0, 0..20),
+    )
+        .prop_map(|(head, rows, cols, f, tail)| {
+            let left: Vec<f32> = (0..rows).map(|i| f[i % 16]).collect();
+            let right: Vec<f32> = (0..cols).map(|i| f[(i + 7) % 16]).collect();
+            let start = head.len();
+            let mut values = head;
+            values.resize(start + rows * cols, 0.0);
+            values.extend(tail);
+            let block = FactorBlock { start, rows, cols, left: &left, right: &right };
+            Payload::encode_factored(&values, &[block]).unwrap()
+        })
 }
 
 pub fn f32_payload() -> impl Strategy<Value = Payload> {
