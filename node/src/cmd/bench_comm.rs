@@ -99,6 +99,11 @@ struct Case {
     /// matches the communication measured in the plain `ssp:1` case, where
     /// overlap has the most to hide.
     match_comm: bool,
+    /// Train at this batch per node instead of `--batch-size`.
+    batch: Option<usize>,
+    /// The case whose accuracy this one's points are against (default:
+    /// the first, f32 bsp); bytes are always against the first.
+    reference: Option<&'static str>,
 }
 
 impl Case {
@@ -113,9 +118,16 @@ impl Case {
             optimizer: OptimizerKind::Sgd,
             lr: 0.1,
             match_comm: false,
+            batch: None,
+            reference: None,
         }
     }
 }
+
+/// Sufficient factors pay at small batches: the batch of the `b16` cases.
+const SMALL_BATCH: usize = 16;
+/// The f32 reference of the small-batch cases.
+const F32_SMALL: &str = "f32 bsp b16";
 
 /// The plain SSP case whose communication the slowed cases' compute matches.
 const SSP: &str = "ssp:1";
@@ -139,6 +151,8 @@ fn cases() -> Vec<Case> {
         Case::bsp("int8 + EF", Push::Int8, Pull::None),
         Case::bsp("top-k 1% + EF", Push::TopK { fraction: 0.01 }, Pull::None),
         Case::bsp("sfb", Push::Sfb, Pull::None),
+        Case { batch: Some(SMALL_BATCH), ..Case::bsp(F32_SMALL, Push::None, Pull::None) },
+        Case { batch: Some(SMALL_BATCH), reference: Some(F32_SMALL), ..Case::bsp("sfb b16", Push::Sfb, Pull::None) },
         ssp(SSP, false, false),
         ssp("ssp:1 + overlap", true, false),
         ssp("ssp:1 slowed", false, true),
@@ -242,8 +256,13 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
         if let Some(bad) = args.cases.iter().find(|c| !known.contains(&c.as_str())) {
             anyhow::bail!("--cases: no case `{bad}`; the cases are {}", known.join(", "));
         }
-        let chosen =
-            |c: &Case| args.cases.is_empty() || c.name == "f32 bsp" || args.cases.iter().any(|n| n == c.name);
+        // The baseline always runs, and so does the reference of a chosen
+        // case, and ssp:1 when a slowed case needs its communication time.
+        let named = |c: &Case| args.cases.iter().any(|n| n == c.name);
+        let referenced = |c: &Case| {
+            cases().iter().any(|o| named(o) && (o.reference == Some(c.name) || (o.match_comm && c.name == SSP)))
+        };
+        let chosen = |c: &Case| args.cases.is_empty() || c.name == "f32 bsp" || named(c) || referenced(c);
         let mut rows = Vec::new();
         for &mbps in &args.links {
             let link = if mbps > 0.0 { format!("{mbps} Mbit/s, {} ms", args.latency_ms) } else { "loopback".into() };
@@ -254,6 +273,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
                 "time to target", "accuracy", "points"
             );
             let mut baseline: Option<Measured> = None;
+            let mut measured: Vec<(&str, Measured)> = Vec::new();
             // Communication over compute in the plain SSP case.
             let mut comm_over_compute = 1.0;
             for case in cases().into_iter().filter(chosen) {
@@ -261,7 +281,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
                 cfg.training.dataset = dataset.clone();
                 cfg.training.data_dir = args.data_dir.clone();
                 cfg.training.steps = args.steps;
-                cfg.training.batch_size = args.batch_size;
+                cfg.training.batch_size = case.batch.unwrap_or(args.batch_size);
                 cfg.training.optimizer = case.optimizer;
                 cfg.training.lr = Some(case.lr);
                 cfg.training.eval_every = args.eval_every;
@@ -286,7 +306,12 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
                 let base = *baseline.get_or_insert(m);
                 let fewer = base.bytes_per_step() / m.bytes_per_step().max(1.0);
                 let fewer_pushed = base.push_bytes_per_step / m.push_bytes_per_step.max(1.0);
-                let points = 100.0 * (m.final_accuracy - base.final_accuracy);
+                let reference = case
+                    .reference
+                    .and_then(|r| measured.iter().find(|(n, _)| *n == r).map(|(_, m)| *m))
+                    .unwrap_or(base);
+                measured.push((case.name, m));
+                let points = 100.0 * (m.final_accuracy - reference.final_accuracy);
                 println!(
                     "{:<16} {:>11.0} {:>7.1}x {:>7.1}x {:>8.1} {:>10.1} {:>8.1} {:>6.0}% {:>14} {:>8.2}% {:>+7.2}",
                     case.name,
@@ -304,6 +329,8 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
                 rows.push(serde_json::json!({
                     "case": case.name, "link_mbps": mbps, "sync": case.sync.to_string(), "overlap": case.overlap,
                     "local_steps": case.local_steps, "push": case.push.to_string(), "pull": case.pull.to_string(),
+                    "batch_size": case.batch.unwrap_or(args.batch_size),
+                    "points_against": case.reference.unwrap_or("f32 bsp"),
                     "slowdown": if case.match_comm { comm_over_compute } else { 1.0 },
                     "bytes_per_step": m.bytes_per_step(), "push_bytes_per_step": m.push_bytes_per_step,
                     "pull_bytes_per_step": m.pull_bytes_per_step, "fewer_bytes_than_f32": fewer,
@@ -318,8 +345,8 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             "\nbytes/step: payload bytes pushed and pulled per worker per step; vs f32: f32 bsp's bytes over the \
              case's; pushed: the same for pushed bytes alone. step: a worker step from start to end. compute, comm: per worker step. hidden: 1 - (step - compute) / comm. \
              slowed: compute stretched (a slower machine, by sleeping) to the \
-             communication of ssp:1. accuracy: the lowest node's on the test set; points: against f32 bsp on the \
-             same link."
+             communication of ssp:1. b16: batch 16 per node. accuracy: the lowest node's on the test set; points: \
+             against f32 bsp on the same link (sfb b16: against f32 bsp b16)."
         );
         write_json(
             args.json.as_deref(),
