@@ -146,13 +146,14 @@ impl StatusActor {
                     });
                 }
             }
-            StatusEvent::Step { step, samples, loss, compute_secs, comm_secs, step_secs } => {
+            StatusEvent::Step { step, samples, loss, compute_secs, comm_secs, apply_secs, step_secs } => {
                 let started = *self.started.get_or_insert_with(Instant::now);
                 s.step = step;
                 s.samples += samples as u64;
                 s.last_loss = Some(loss);
                 s.compute_secs += compute_secs;
                 s.comm_secs += comm_secs;
+                s.apply_secs += apply_secs;
                 s.step_secs += step_secs;
                 let secs = started.elapsed().as_secs_f64();
                 if secs > 0.0 {

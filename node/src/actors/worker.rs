@@ -396,8 +396,9 @@ impl Worker {
             let params_arc = Arc::new(params.clone());
             self.trainer.set_params(params_arc.clone()).await?;
             self.snapshot.send_replace(ModelSnapshot { version, params: params_arc });
+            let apply = set_started.elapsed().as_secs_f64();
             let comm = match exchange_secs {
-                Some(x) => x + set_started.elapsed().as_secs_f64(),
+                Some(x) => x + apply,
                 None => comm_started.elapsed().as_secs_f64(),
             };
             self.status.record(StatusEvent::Step {
@@ -406,6 +407,7 @@ impl Worker {
                 loss: g.loss,
                 compute_secs: compute,
                 comm_secs: comm,
+                apply_secs: apply,
                 step_secs: started.elapsed().as_secs_f64(),
             });
             self.status.record(StatusEvent::Version(version));

@@ -29,6 +29,8 @@ struct Measured {
     wall_secs: f64,
     compute_secs: f64,
     comm_secs: f64,
+    /// The part of `comm_secs` after the last shard arrived.
+    apply_secs: f64,
     final_accuracy: f32,
     time_to_target_secs: Option<f64>,
 }
@@ -53,7 +55,7 @@ async fn measure(cfg: NodeConfig, steps: u64, target: f32) -> anyhow::Result<Mea
     let started = Instant::now();
     let reports = Cluster::start(&ClusterSpec::new(NODES, cfg)).await?.wait().await?;
     let wall = started.elapsed().as_secs_f64();
-    let (mut pushed, mut pulled, mut compute, mut comm, mut step) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    let (mut pushed, mut pulled, mut compute, mut comm, mut step, mut apply) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
     let mut reached: Option<f64> = Some(0.0);
     let mut accuracy = f32::INFINITY;
     for r in &reports {
@@ -62,6 +64,7 @@ async fn measure(cfg: NodeConfig, steps: u64, target: f32) -> anyhow::Result<Mea
         pulled += s.bytes_in as f64;
         compute += s.compute_secs;
         comm += s.comm_secs;
+        apply += s.apply_secs;
         step += s.step_secs;
         accuracy = accuracy.min(r.accuracy);
         // The run reaches the target when its slowest node does.
@@ -79,6 +82,7 @@ async fn measure(cfg: NodeConfig, steps: u64, target: f32) -> anyhow::Result<Mea
         wall_secs: wall,
         compute_secs: compute / worker_steps,
         comm_secs: comm / worker_steps,
+        apply_secs: apply / worker_steps,
         final_accuracy: accuracy,
         time_to_target_secs: reached,
     })
@@ -268,8 +272,8 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             let link = if mbps > 0.0 { format!("{mbps} Mbit/s, {} ms", args.latency_ms) } else { "loopback".into() };
             println!("\nlink: {link} on every node, each way");
             println!(
-                "{:<16} {:>11} {:>8} {:>8} {:>8} {:>10} {:>8} {:>7} {:>14} {:>9} {:>7}",
-                "case", "bytes/step", "vs f32", "pushed", "step ms", "compute ms", "comm ms", "hidden",
+                "{:<16} {:>11} {:>8} {:>8} {:>8} {:>10} {:>8} {:>8} {:>7} {:>14} {:>9} {:>7}",
+                "case", "bytes/step", "vs f32", "pushed", "step ms", "compute ms", "comm ms", "apply ms", "hidden",
                 "time to target", "accuracy", "points"
             );
             let mut baseline: Option<Measured> = None;
@@ -313,7 +317,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
                 measured.push((case.name, m));
                 let points = 100.0 * (m.final_accuracy - reference.final_accuracy);
                 println!(
-                    "{:<16} {:>11.0} {:>7.1}x {:>7.1}x {:>8.1} {:>10.1} {:>8.1} {:>6.0}% {:>14} {:>8.2}% {:>+7.2}",
+                    "{:<16} {:>11.0} {:>7.1}x {:>7.1}x {:>8.1} {:>10.1} {:>8.1} {:>8.2} {:>6.0}% {:>14} {:>8.2}% {:>+7.2}",
                     case.name,
                     m.bytes_per_step(),
                     fewer,
@@ -321,6 +325,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
                     m.step_secs * 1e3,
                     m.compute_secs * 1e3,
                     m.comm_secs * 1e3,
+                    m.apply_secs * 1e3,
                     100.0 * m.hidden_fraction(),
                     m.time_to_target_secs.map(|t| format!("{t:.1} s")).unwrap_or_else(|| "not reached".into()),
                     100.0 * m.final_accuracy,
@@ -337,13 +342,16 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
                     "fewer_push_bytes_than_f32": fewer_pushed, "wall_secs": m.wall_secs,
                     "step_secs": m.step_secs, "compute_secs": m.compute_secs, "comm_secs": m.comm_secs,
                     "hidden_fraction": m.hidden_fraction(), "time_to_target_s": m.time_to_target_secs,
+                    "apply_secs": m.apply_secs,
                     "final_accuracy": m.final_accuracy, "accuracy_points_vs_f32": points,
                 }));
             }
         }
         println!(
             "\nbytes/step: payload bytes pushed and pulled per worker per step; vs f32: f32 bsp's bytes over the \
-             case's; pushed: the same for pushed bytes alone. step: a worker step from start to end. compute, comm: per worker step. hidden: 1 - (step - compute) / comm. \
+             case's; pushed: the same for pushed bytes alone. step: a worker step from start to end. compute, comm: per worker step. \
+             apply: the part of comm after the last shard arrived (loading the parameters into the model), all that \
+             applying shards as they arrive could hide under bsp. hidden: 1 - (step - compute) / comm. \
              slowed: compute stretched (a slower machine, by sleeping) to the \
              communication of ssp:1. b16: batch 16 per node. accuracy: the lowest node's on the test set; points: \
              against f32 bsp on the same link (sfb b16: against f32 bsp b16)."

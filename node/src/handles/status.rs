@@ -50,6 +50,10 @@ pub struct StatusSnapshot {
     /// `step_secs`).
     pub compute_secs: f64,
     pub comm_secs: f64,
+    /// The part of `comm_secs` after the last shard arrived: loading the
+    /// new parameters into the model. Under BSP the next forward pass waits
+    /// for it; it is all that applying shards as they arrive could hide.
+    pub apply_secs: f64,
     /// Seconds from the start of each step to its end, summed (evaluations
     /// excluded).
     pub step_secs: f64,
@@ -168,6 +172,7 @@ pub enum StatusEvent {
         loss: f32,
         compute_secs: f64,
         comm_secs: f64,
+        apply_secs: f64,
         step_secs: f64,
     },
     Version(u64),
