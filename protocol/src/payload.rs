@@ -277,22 +277,26 @@ struct FactorBlockMeta {
     batch: usize,
 }
 
-/// Little-endian f32 bytes as values.
-fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-}
-
-/// Errors with the first non-finite value among little-endian f32 bytes.
-fn check_finite_bytes(bytes: &[u8]) -> Result<()> {
+/// Calls `f(start + i, values)` for consecutive chunks of the
+/// little-endian f32 values in `bytes` (value `i` onwards), after checking
+/// each chunk is finite.
+fn for_each_f32_chunk(bytes: &[u8], start: usize, f: &mut impl FnMut(usize, &[f32])) -> Result<()> {
     let mut buf = [0.0f32; CHUNK];
     for (c, chunk) in bytes.chunks(CHUNK * 4).enumerate() {
         let n = chunk.len() / 4;
         for (o, b) in buf[..n].iter_mut().zip(chunk.chunks_exact(4)) {
             *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
-        emit_chunk(c * CHUNK, &buf[..n], &mut |_, _| {})?;
+        emit_chunk(start + c * CHUNK, &buf[..n], f)?;
     }
     Ok(())
+}
+
+/// Little-endian f32 bytes as values, each checked finite.
+fn finite_f32s(bytes: &[u8]) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(bytes.len() / 4);
+    for_each_f32_chunk(bytes, 0, &mut |_, chunk| out.extend_from_slice(chunk))?;
+    Ok(out)
 }
 
 /// xxh3-64 with seed 0, the checksum used for every body.
@@ -448,8 +452,6 @@ impl Payload {
                     b.start + len
                 )));
             }
-            check_finite(b.left)?;
-            check_finite(b.right)?;
             for word in [b.start, b.rows, b.cols, batch] {
                 let word = u32::try_from(word)
                     .map_err(|_| ProtocolError::InvalidTensor(format!("factored block {k}: {word} exceeds u32")))?;
@@ -528,7 +530,7 @@ impl Payload {
             // left to the decode that uses them.
             Dtype::Factors => {
                 let table = self.factor_table()?;
-                check_finite_bytes(&self.data[table.len() * FACTOR_ENTRY_BYTES as usize..])
+                for_each_f32_chunk(&self.data[table.len() * FACTOR_ENTRY_BYTES as usize..], 0, &mut |_, _| {})
             }
             dtype => self.for_each_dense_chunk(dtype, |_, _| {}),
         }
@@ -620,15 +622,7 @@ impl Payload {
         let mut buf = [0.0f32; CHUNK];
         let data = &self.data[..];
         match dtype {
-            Dtype::F32 => {
-                for (c, bytes) in data.chunks(CHUNK * 4).enumerate() {
-                    let n = bytes.len() / 4;
-                    for (o, b) in buf[..n].iter_mut().zip(bytes.chunks_exact(4)) {
-                        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    }
-                    emit_chunk(c * CHUNK, &buf[..n], &mut f)?;
-                }
-            }
+            Dtype::F32 => for_each_f32_chunk(data, 0, &mut f)?,
             Dtype::F16 => {
                 let mut halves = [f16::ZERO; CHUNK];
                 for (c, bytes) in data.chunks(CHUNK * 2).enumerate() {
@@ -735,29 +729,20 @@ impl Payload {
         let dense = numel - blocks.iter().map(|b| b.rows * b.cols).sum::<usize>();
         let (mut gaps, factors) = rest.split_at(dense * 4);
         rest = factors;
-        let mut buf = [0.0f32; CHUNK];
-        let mut emit_dense = |from: usize, to: usize, gaps: &mut &[u8], f: &mut dyn FnMut(usize, &[f32])| {
-            let (run, tail) = gaps.split_at((to - from) * 4);
-            *gaps = tail;
-            for (c, bytes) in run.chunks(CHUNK * 4).enumerate() {
-                let n = bytes.len() / 4;
-                for (o, b) in buf[..n].iter_mut().zip(bytes.chunks_exact(4)) {
-                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-                emit_chunk(from + c * CHUNK, &buf[..n], &mut |s, v| f(s, v))?;
-            }
-            Ok::<(), ProtocolError>(())
+        // The entries from `pos` up to `to`, the next ones in `gaps`.
+        let mut emit_gap = |pos: usize, to: usize, f: &mut _| {
+            let (run, tail) = gaps.split_at((to - pos) * 4);
+            gaps = tail;
+            for_each_f32_chunk(run, pos, f)
         };
         let mut pos = 0usize;
         let mut row = Vec::new();
         for b in &blocks {
-            emit_dense(pos, b.start, &mut gaps, &mut f)?;
+            emit_gap(pos, b.start, &mut f)?;
             let (left, tail) = rest.split_at(b.batch * b.rows * 4);
             let (right, tail) = tail.split_at(b.batch * b.cols * 4);
             rest = tail;
-            let (left, right) = (f32s(left), f32s(right));
-            check_finite(&left)?;
-            check_finite(&right)?;
+            let (left, right) = (finite_f32s(left)?, finite_f32s(right)?);
             row.resize(b.cols, 0.0);
             for r in 0..b.rows {
                 row.fill(0.0);
@@ -771,7 +756,7 @@ impl Payload {
             }
             pos = b.start + b.rows * b.cols;
         }
-        emit_dense(pos, numel, &mut gaps, &mut f)
+        emit_gap(pos, numel, &mut f)
     }
 
     /// Calls `f(index, value)` for each stored entry of a top-k tensor after
