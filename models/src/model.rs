@@ -636,7 +636,13 @@ impl TrainableModel for Model {
             let delta = store
                 .get(tap.probe.as_tensor())
                 .ok_or_else(|| ModelError::Invalid(format!("no gradient reached {}", tap.weight)))?;
-            let (rows, cols) = (entry.shape[0], entry.len / entry.shape[0].max(1));
+            let (rows, cols) = (delta.dim(1)?, tap.input.dim(1)?);
+            if rows * cols != entry.len {
+                return Err(ModelError::Invalid(format!(
+                    "{} has {} values, not {rows} x {cols}",
+                    tap.weight, entry.len
+                )));
+            }
             factors.push(LayerFactors {
                 offset: entry.offset,
                 rows,

@@ -22,9 +22,8 @@
 //! the gradient. Nothing is dropped, so there is no residual.
 
 use std::fmt;
-use std::str::FromStr;
-
 use std::ops::Range;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 use shoal_models::LayerFactors;
