@@ -176,12 +176,34 @@ const SFB_WIDTH: usize = 4096;
 const SFB_BATCH: usize = 16;
 
 /// One `SFB_WIDTH x SFB_WIDTH` layer's real weight gradient (candle, batch
-/// `SFB_BATCH`) pushed as one shard: f32 against sufficient factors, the
-/// bytes, the time to encode and to decode each (a factored decode
-/// rebuilds the gradient), and the largest difference of the rebuilt
-/// gradient from candle's.
-fn sfb_layer() -> anyhow::Result<serde_json::Value> {
+/// `SFB_BATCH`) pushed as one shard: f32 against sufficient factors.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct SfbLayer {
+    rows: usize,
+    cols: usize,
+    batch: usize,
+    f32_bytes: u64,
+    factored_bytes: u64,
+    fewer_bytes_than_f32: f64,
+    encode_f32_s: f64,
+    encode_factored_s: f64,
+    decode_f32_s: f64,
+    /// A factored decode rebuilds the gradient.
+    decode_factored_s: f64,
+    /// Largest difference of the rebuilt gradient from candle's.
+    max_abs_error: f32,
+}
+
+/// `f()` and the seconds it took.
+fn timed<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<(T, f64)> {
+    let t = Instant::now();
+    let out = f()?;
+    Ok((out, t.elapsed().as_secs_f64()))
+}
+
+fn sfb_layer() -> anyhow::Result<SfbLayer> {
     use shoal_models::{data::ImageShape, Arch, Model, ModelConfig, TrainableModel};
+    use shoal_protocol::{Encoding, Payload};
     let input = ImageShape { channels: 1, height: 64, width: SFB_WIDTH / 64 };
     let config = ModelConfig { arch: Arch::Mlp { hidden: vec![SFB_WIDTH] }, input, classes: 10 };
     let dev = candle_core::Device::Cpu;
@@ -190,36 +212,26 @@ fn sfb_layer() -> anyhow::Result<serde_json::Value> {
     let labels: Vec<u32> = (0..SFB_BATCH as u32).map(|i| i % 10).collect();
     let y = candle_core::Tensor::new(labels.as_slice(), &dev)?;
     let g = model.gradients_factored(&x, &y)?;
-    let entry = model.layout().entry("fc0.weight").ok_or_else(|| anyhow::anyhow!("no fc0.weight"))?;
-    let (range, grad) = (entry.range(), &g.grads[entry.range()]);
-    let timed = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
-        let t = Instant::now();
-        f()?;
-        Ok(t.elapsed().as_secs_f64())
-    };
-    let mut dense = None;
-    let encode_f32 = timed(&mut || {
-        dense = Some(shoal_protocol::Payload::encode(grad, shoal_protocol::Encoding::F32)?);
-        Ok(())
-    })?;
-    let mut factored = None;
-    let encode_sfb = timed(&mut || {
-        factored = Some(crate::policy::compress::factored_push(range.clone(), grad, &g.factors)?);
-        Ok(())
-    })?;
-    let (Some(dense), Some(factored)) = (dense, factored) else { anyhow::bail!("nothing encoded") };
+    let range = model.layout().entry("fc0.weight").ok_or_else(|| anyhow::anyhow!("no fc0.weight"))?.range();
+    let grad = &g.grads[range.clone()];
+    let (dense, encode_f32_s) = timed(|| Ok(Payload::encode(grad, Encoding::F32)?))?;
+    let (factored, encode_factored_s) = timed(|| Ok(crate::policy::compress::factored_push(range, grad, &g.factors)?))?;
     let mut out = vec![0.0f32; grad.len()];
-    let decode_f32 = timed(&mut || Ok(dense.decode_into(&mut out)?))?;
-    let decode_sfb = timed(&mut || Ok(factored.decode_into(&mut out)?))?;
-    let max_error = out.iter().zip(grad).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    Ok(serde_json::json!({
-        "rows": SFB_WIDTH, "cols": SFB_WIDTH, "batch": SFB_BATCH,
-        "f32_bytes": dense.byte_len(), "factored_bytes": factored.byte_len(),
-        "fewer_bytes_than_f32": dense.byte_len() as f64 / factored.byte_len().max(1) as f64,
-        "encode_f32_s": encode_f32, "encode_factored_s": encode_sfb,
-        "decode_f32_s": decode_f32, "decode_factored_s": decode_sfb,
-        "max_abs_error": max_error,
-    }))
+    let ((), decode_f32_s) = timed(|| Ok(dense.decode_into(&mut out)?))?;
+    let ((), decode_factored_s) = timed(|| Ok(factored.decode_into(&mut out)?))?;
+    Ok(SfbLayer {
+        rows: SFB_WIDTH,
+        cols: SFB_WIDTH,
+        batch: SFB_BATCH,
+        f32_bytes: dense.byte_len(),
+        factored_bytes: factored.byte_len(),
+        fewer_bytes_than_f32: dense.byte_len() as f64 / factored.byte_len().max(1) as f64,
+        encode_f32_s,
+        encode_factored_s,
+        decode_f32_s,
+        decode_factored_s,
+        max_abs_error: out.iter().zip(grad).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())),
+    })
 }
 
 /// `shoal bench comm`.
@@ -245,16 +257,16 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
         let layer = sfb_layer()?;
         println!(
             "\nsufficient factors on one {SFB_WIDTH} x {SFB_WIDTH} layer at batch {SFB_BATCH} (one shard, no cluster): \
-             f32 {:.0} bytes, factors {:.0} bytes, {:.1}x fewer; encode {:.1} ms against {:.1} ms, decode (rebuild) \
+             f32 {} bytes, factors {} bytes, {:.1}x fewer; encode {:.1} ms against {:.1} ms, decode (rebuild) \
              {:.1} ms against {:.1} ms; rebuilt within {:.1e} of candle's gradient",
-            layer["f32_bytes"].as_f64().unwrap_or(0.0),
-            layer["factored_bytes"].as_f64().unwrap_or(0.0),
-            layer["fewer_bytes_than_f32"].as_f64().unwrap_or(0.0),
-            1e3 * layer["encode_factored_s"].as_f64().unwrap_or(0.0),
-            1e3 * layer["encode_f32_s"].as_f64().unwrap_or(0.0),
-            1e3 * layer["decode_factored_s"].as_f64().unwrap_or(0.0),
-            1e3 * layer["decode_f32_s"].as_f64().unwrap_or(0.0),
-            layer["max_abs_error"].as_f64().unwrap_or(0.0),
+            layer.f32_bytes,
+            layer.factored_bytes,
+            layer.fewer_bytes_than_f32,
+            1e3 * layer.encode_factored_s,
+            1e3 * layer.encode_f32_s,
+            1e3 * layer.decode_factored_s,
+            1e3 * layer.decode_f32_s,
+            layer.max_abs_error,
         );
         let known: Vec<&str> = cases().iter().map(|c| c.name).collect();
         if let Some(bad) = args.cases.iter().find(|c| !known.contains(&c.as_str())) {
