@@ -93,7 +93,8 @@ impl Drop for Reservation {
 /// executor, `block_on` in tests) it is a `futures_timer::Delay`, which
 /// wakes a process-wide timer thread: with 3 deadlines per frame on each
 /// side, that thread cost about 3% of a 4-node demo's CPU, and a context
-/// switch per registration.
+/// switch per registration. A tokio runtime that polls a swarm must have
+/// its timer enabled (`enable_all`, as every runtime of the node has).
 async fn with_deadline<T>(
     after: Duration,
     what: &'static str,
@@ -363,22 +364,33 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
     }
 
+    /// A reader that never yields data.
+    struct Never;
+    impl AsyncRead for Never {
+        fn poll_read(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            _: &mut [u8],
+        ) -> std::task::Poll<io::Result<usize>> {
+            std::task::Poll::Pending
+        }
+    }
+
     #[test]
     fn stalled_peer_hits_the_deadline() {
         // A reader that never yields data: the prefix deadline (base) fires.
-        struct Never;
-        impl AsyncRead for Never {
-            fn poll_read(
-                self: std::pin::Pin<&mut Self>,
-                _: &mut std::task::Context<'_>,
-                _: &mut [u8],
-            ) -> std::task::Poll<io::Result<usize>> {
-                std::task::Poll::Pending
-            }
-        }
         let timeouts = Timeouts { base_ms: 50, ..Timeouts::default() };
         let mut codec = ShardCodec::new(Limits::default(), timeouts);
         let err = block_on(codec.read_request(&SHARD_PROTOCOL, &mut Never)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
+    /// The same deadline inside a tokio runtime, where it is tokio's timer.
+    #[tokio::test]
+    async fn stalled_peer_hits_the_deadline_on_tokio() {
+        let timeouts = Timeouts { base_ms: 50, ..Timeouts::default() };
+        let mut codec = ShardCodec::new(Limits::default(), timeouts);
+        let err = codec.read_request(&SHARD_PROTOCOL, &mut Never).await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
     }
 
