@@ -351,6 +351,16 @@ pub struct ClusterConfig {
     /// (`Pace::batch_permille`). Default true; false: the fitted worker's
     /// shortfall is simply lost from each round.
     pub fit_rebalance: bool,
+    /// Backup workers (Chen et al., "Revisiting distributed synchronous
+    /// SGD"): a BSP round is applied as soon as all but this many of its
+    /// workers have pushed, so the slowest `backup_workers` never hold a
+    /// round back. A push that arrives after its round was applied is
+    /// dropped (its samples are counted in `/status` as `dropped_samples`),
+    /// and that worker skips ahead to the round in progress. Needs
+    /// `mode = "pull"`, `sync = "bsp"` and `local_steps = 1`; a round always
+    /// waits for at least one push. Default 0: every round waits for every
+    /// worker.
+    pub backup_workers: u32,
     /// DiLoCo: each worker takes this many local steps with its own
     /// optimizer (`training.optimizer`, AdamW in DiLoCo) before it pushes
     /// the pseudo-gradient (its parameters at the start of the H steps
@@ -450,6 +460,7 @@ impl Default for ClusterConfig {
             overlap: false,
             fit_batch: false,
             fit_rebalance: true,
+            backup_workers: 0,
             local_steps: 1,
             outer_lr: 0.7,
             outer_momentum: 0.9,
@@ -823,6 +834,15 @@ impl NodeConfig {
                 c.local_steps
             );
         }
+        if c.backup_workers > 0 && (c.mode != Mode::Pull || c.sync != SyncPolicy::Bsp || c.local_steps > 1) {
+            bail!(
+                "cluster.backup_workers closes a BSP round without its slowest workers: it needs mode = \"pull\", \
+                 sync = \"bsp\" and local_steps = 1 (this config has {:?}, sync {}, local_steps {})",
+                c.mode,
+                c.sync,
+                c.local_steps
+            );
+        }
         if c.local_steps == 0 {
             bail!("cluster.local_steps must be at least 1 (1: no local steps)");
         }
@@ -974,6 +994,20 @@ mod tests {
         c.cluster.mode = Mode::Gossip;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("mode = \"pull\""), "{e}");
+    }
+
+    #[test]
+    fn backup_workers_need_bsp_rounds() {
+        let mut c = NodeConfig::default();
+        c.cluster.backup_workers = 1;
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        c.cluster.sync = SyncPolicy::Ssp { staleness: 2 };
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("backup_workers") && e.contains("sync ssp:2"), "{e}");
+        c.cluster.sync = SyncPolicy::Bsp;
+        c.cluster.local_steps = 4;
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("backup_workers") && e.contains("local_steps 4"), "{e}");
     }
 
     #[test]

@@ -403,6 +403,7 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
             handoff_timeout: Duration::from_millis(c.handoff_timeout_ms),
             transfer_retry: Duration::from_millis(c.heartbeat_ms),
             round_timeout_ms: c.round_timeout_ms,
+            backup_workers: c.backup_workers as usize,
             capacity: c.channel_capacity,
             checkpoint: disk.as_ref().map(|d| d.policy.clone()),
         },

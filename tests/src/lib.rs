@@ -2,11 +2,12 @@
 //! quickly on a 2-core machine, and parameter comparisons.
 
 use shoal_models::OptimizerKind;
-use shoal_node::cluster::{Cluster, ClusterSpec};
+use shoal_node::cluster::{Cluster, ClusterSpec, NodeOverride};
 use shoal_node::config::NodeConfig;
 use shoal_node::handles::status::StatusSnapshot;
 use shoal_node::node::NodeReport;
 use shoal_node::policy::sync::SyncPolicy;
+use shoal_protocol::PeerId;
 
 /// A digits/MLP config with the given policy; timeouts generous enough for
 /// a loaded CI machine but bounded, so a broken cluster fails instead of hanging.
@@ -54,6 +55,17 @@ pub fn elastic_config(run: &str) -> NodeConfig {
     c.cluster.replica_every = 4;
     c.cluster.elastic = true;
     c
+}
+
+/// Four nodes of `base` where node3 computes `slowdown` times slower, run
+/// to the end: node3's peer id and every node's report.
+pub async fn run_with_slow_node3(base: NodeConfig, slowdown: f64) -> anyhow::Result<(PeerId, Vec<NodeReport>)> {
+    let mut spec = ClusterSpec::new(4, base);
+    spec.overrides = vec![NodeOverride::default(); 4];
+    spec.overrides[3].slowdown = Some(slowdown);
+    let cluster = Cluster::start(&spec).await?;
+    let slow = cluster.nodes[3].peer_id;
+    Ok((slow, wait_all(cluster).await?))
 }
 
 /// A node's final /status.

@@ -8,8 +8,7 @@
 //! row and, measured 2x slower than its peers, fitted its batch (CI: 1 to
 //! 5 steps of 300). Test binaries run one after another.
 
-use shoal_node::cluster::{Cluster, ClusterSpec, NodeOverride};
-use shoal_tests::{elastic_config, status, wait_all, ELASTIC_STEPS as STEPS};
+use shoal_tests::{elastic_config, run_with_slow_node3, status, ELASTIC_STEPS as STEPS};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_4x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reaches_93_percent() -> anyhow::Result<()> {
@@ -18,12 +17,7 @@ async fn a_4x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reache
     let mut base = elastic_config("fit-batch");
     base.cluster.fit_batch = true;
     let batch = base.training.batch_size as u64;
-    let mut spec = ClusterSpec::new(4, base);
-    spec.overrides = vec![NodeOverride::default(); 4];
-    spec.overrides[3].slowdown = Some(4.0);
-    let cluster = Cluster::start(&spec).await?;
-    let slow = cluster.nodes[3].peer_id;
-    let reports = wait_all(cluster).await?;
+    let (slow, reports) = run_with_slow_node3(base, 4.0).await?;
     for r in &reports {
         let s = status(r)?;
         eprintln!(

@@ -82,6 +82,9 @@ pub struct AggregatorConfig {
     pub replica_every: u64,
     /// BSP: longest a round waits for its last gradients (ms).
     pub round_timeout_ms: u64,
+    /// BSP: a round is applied once all but this many workers pushed
+    /// (`cluster.backup_workers`).
+    pub backup_workers: usize,
     /// How long a new owner waits for a live old owner's transfer.
     pub handoff_timeout: Duration,
     /// How often a transfer kept at the hop limit is passed on again to the
@@ -474,7 +477,8 @@ impl AggregatorActor {
             state.shard,
             ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers)
                 .with_schedule(self.cfg.schedule)
-                .with_robust(self.cfg.robust),
+                .with_robust(self.cfg.robust)
+                .with_backup_workers(self.cfg.backup_workers),
         );
     }
 
@@ -1057,6 +1061,7 @@ mod tests {
                 optimizer: optimizer(),
                 schedule: LrSchedule { base: 0.1, decay: LrDecay::None, steps: 100 },
                 robust: Robust::default(),
+                backup_workers: 0,
                 ranges: std::iter::once(0..SHARD_LEN).collect(),
                 max_wait: Duration::from_secs(5),
                 replica_every: 0,

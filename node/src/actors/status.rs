@@ -123,6 +123,8 @@ impl StatusActor {
                     s.grown_samples += n - of;
                 }
             }
+            StatusEvent::DroppedPushes { samples } => s.dropped_samples += samples,
+            StatusEvent::SkippedSteps(n) => s.skipped_steps += n,
             StatusEvent::Explore { step, decision } => {
                 use crate::policy::explore::Decision;
                 let (action, from, to, before, after) = match decision {

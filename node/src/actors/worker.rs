@@ -172,6 +172,15 @@ struct Outgoing<'a> {
     payload: Option<Payload>,
 }
 
+/// One shard's exchange for a step: the version pulled and its values.
+#[derive(Debug)]
+struct Exchanged {
+    version: u64,
+    params: Arc<Vec<f32>>,
+    /// The push missed its round and was dropped (`cluster.backup_workers`).
+    dropped: bool,
+}
+
 /// What came of a push: the owner's answer, or (a `PushPull` that was
 /// accepted and served) the shard's next version.
 #[derive(Debug)]
@@ -289,7 +298,10 @@ impl Worker {
         // A slow worker's batch fitted to the others' pace (cluster.fit_batch).
         let mut fit = self.config.cluster.fit_batch.then(|| BatchFit::new(t.batch_size));
         let view = self.membership.subscribe();
-        for step in routing.start_step..t.steps {
+        // Backup workers: a worker whose push missed its round skips ahead.
+        let skips_ahead = self.config.cluster.backup_workers > 0 && self.policy() == SyncPolicy::Bsp;
+        let mut step = routing.start_step;
+        while step < t.steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");
                 return Ok(Ran { params, steps: step, left: true });
@@ -364,7 +376,7 @@ impl Worker {
                 (Some(opt), None) => {
                     opt.set_lr(t.lr_schedule().lr_at(step))?;
                     opt.step(&mut params, &g.grads)?;
-                    if (step + 1) % self.config.cluster.gossip_every == 0 {
+                    if (step + 1).is_multiple_of(self.config.cluster.gossip_every) {
                         self.gossip_average(routing, step, &mut params).await?;
                     }
                     step + 1
@@ -377,7 +389,7 @@ impl Worker {
                     opt.set_lr(t.lr_schedule().lr_at(step))?;
                     opt.step(&mut params, &g.grads)?;
                     *samples += g.samples as u64;
-                    if (step + 1) % local_steps == 0 || step + 1 == t.steps {
+                    if (step + 1).is_multiple_of(local_steps) || step + 1 == t.steps {
                         let pseudo: Vec<f32> = start.iter().zip(&params).map(|(s, p)| s - p).collect();
                         let n = u32::try_from(*samples).unwrap_or(u32::MAX);
                         let v = self
@@ -425,11 +437,20 @@ impl Worker {
                     me.pace.batch_permille = s;
                 }
             });
-            if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
+            if t.eval_every > 0 && (step + 1).is_multiple_of(t.eval_every) && step + 1 < t.steps {
                 let e = self.trainer.evaluate().await?;
                 self.status.record(StatusEvent::Evaluated(e));
                 debug!(step = step + 1, accuracy = e.accuracy, bits_per_byte = e.bits_per_byte, "evaluated");
             }
+            // Under BSP the version after a round is the next step. A worker
+            // whose push was dropped (`cluster.backup_workers`) pulled the
+            // rounds applied without it, and trains for the round in progress.
+            step = if skips_ahead && version > step + 1 {
+                self.status.record(StatusEvent::SkippedSteps(version.min(t.steps) - step - 1));
+                version.min(t.steps)
+            } else {
+                step + 1
+            };
         }
         Ok(Ran { params, steps: t.steps, left: false })
     }
@@ -685,8 +706,15 @@ impl Worker {
             .iter()
             .zip(&outgoing)
             .map(|(shard, out)| self.exchange(shard.id, step, versions[shard.id as usize], samples, out));
-        let results = try_join_all(exchanges).await?;
-        for (shard, (version, values)) in self.plan.shards().iter().zip(results) {
+        let mut results = try_join_all(exchanges).await?;
+        if results.iter().any(|r| r.dropped) {
+            self.align_versions(&mut results).await?;
+        }
+        let mut dropped_len = 0usize;
+        for (shard, Exchanged { version, params: values, dropped }) in self.plan.shards().iter().zip(results) {
+            if dropped {
+                dropped_len += shard.len();
+            }
             if values.len() != shard.len() {
                 bail!("shard {}: owner sent {} values, expected {}", shard.id, values.len(), shard.len());
             }
@@ -697,7 +725,67 @@ impl Worker {
             }
             versions[shard.id as usize] = version;
         }
+        if dropped_len > 0 {
+            // The step's samples, in the share of the model whose pushes were dropped.
+            let share = dropped_len as f64 / self.plan.total_len().max(1) as f64;
+            self.status.record(StatusEvent::DroppedPushes { samples: f64::from(samples) * share });
+        }
         Ok(versions.iter().copied().min().unwrap_or(0))
+    }
+
+    /// Backup workers: a dropped push pulled its shard at the version then
+    /// current, which can be a round past the shards whose pushes made it
+    /// into their rounds. The shards behind are pulled again at the newest
+    /// version, so the next step trains on one round's model and pushes to
+    /// one round everywhere (pushes a round apart on different shards would
+    /// open rounds past the run's last one at its end).
+    async fn align_versions(&self, results: &mut [Exchanged]) -> anyhow::Result<()> {
+        let top = results.iter().map(|r| r.version).max().unwrap_or(0);
+        let behind = self
+            .plan
+            .shards()
+            .iter()
+            .zip(results.iter())
+            .filter(|(_, r)| r.version < top)
+            .map(|(shard, _)| self.pull_at_least(shard.id, top));
+        let pulled = try_join_all(behind).await?;
+        for (r, (version, params)) in results.iter_mut().filter(|r| r.version < top).zip(pulled) {
+            r.version = version;
+            r.params = params;
+        }
+        Ok(())
+    }
+
+    /// Pull `shard` at `min_version` or later from whoever owns it.
+    async fn pull_at_least(&self, shard: u32, min_version: u64) -> anyhow::Result<(u64, Arc<Vec<f32>>)> {
+        let deadline = Instant::now() + self.request_timeout();
+        let mut placement = self.placement.clone();
+        let mut backoff = Duration::from_millis(10);
+        let mut hint: Option<PeerId> = None;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("shard {shard}: no owner served version {min_version} within the request timeout");
+            }
+            let owner = match hint.take() {
+                Some(h) => h,
+                None => {
+                    let p = placement.borrow_and_update().clone();
+                    p.and_then(|p| p.owner(shard)).context("no placement yet")?
+                }
+            };
+            match self.pull_from(owner, shard, min_version, left).await {
+                Ok(PullReply::State { version, params }) => return Ok((version, params)),
+                Ok(PullReply::NotReady { .. }) => {}
+                Ok(PullReply::NotOwner { hint: h, .. }) => {
+                    hint = h.filter(|h| *h != owner);
+                    if hint.is_none() {
+                        wait_for_change(&mut placement, &mut backoff).await;
+                    }
+                }
+                Err(_) => wait_for_change(&mut placement, &mut backoff).await,
+            }
+        }
     }
 
     /// Push one shard's gradient to its owner and pull the shard's next
@@ -716,7 +804,7 @@ impl Worker {
         base: u64,
         samples: u32,
         grad: &Outgoing<'_>,
-    ) -> anyhow::Result<(u64, Arc<Vec<f32>>)> {
+    ) -> anyhow::Result<Exchanged> {
         let bsp = self.policy() == SyncPolicy::Bsp;
         let started = Instant::now();
         let deadline = started + self.request_timeout();
@@ -727,6 +815,8 @@ impl Worker {
         let mut hint: Option<PeerId> = None;
         // Some owner has taken this gradient (it may be applied already).
         let mut ever_taken = false;
+        // Backup workers: the gradient missed its round and was dropped.
+        let mut dropped = false;
         let mut push_base = base;
         let mut backoff = Duration::from_millis(10);
         let mut last = String::from("no attempt");
@@ -759,7 +849,7 @@ impl Worker {
                         // One exchange did both: the gradient counts and this is its version.
                         let ms = started.elapsed().as_secs_f64() * 1e3;
                         self.status.record(StatusEvent::PullLatency(ms));
-                        return Ok((version, params));
+                        return Ok(Exchanged { version, params, dropped: false });
                     }
                     Ok(Pushed::Reply(r)) => Ok(r),
                     Err(e) => Err(e),
@@ -769,6 +859,19 @@ impl Worker {
                         holder = Some(owner);
                         ever_taken = true;
                         min_version = self.policy().pull_after_push(version);
+                    }
+                    Ok(PushReply::Stale { current_version, .. })
+                        if bsp && !ever_taken && self.config.cluster.backup_workers > 0 =>
+                    {
+                        // Backup workers: the round was applied without this
+                        // gradient, as it may be. It is dropped; this worker
+                        // pulls the current version and skips ahead to the
+                        // round in progress (`run`). No round waits for it.
+                        debug!(shard, base, current_version, "push missed its round; dropped (backup worker)");
+                        holder = Some(owner);
+                        ever_taken = true;
+                        dropped = true;
+                        min_version = current_version;
                     }
                     Ok(PushReply::Stale { current_version, .. }) if bsp && !ever_taken => {
                         // BSP: the round we computed for was applied without
@@ -821,7 +924,7 @@ impl Worker {
             match self.pull_from(owner, shard, min_version, left).await {
                 Ok(PullReply::State { version, params }) => {
                     self.status.record(StatusEvent::PullLatency(started.elapsed().as_secs_f64() * 1e3));
-                    return Ok((version, params));
+                    return Ok(Exchanged { version, params, dropped });
                 }
                 Ok(PullReply::NotReady { current_version }) => {
                     last = format!("{owner} still at version {current_version}, waiting for {min_version}");

@@ -426,6 +426,7 @@ async fn slow_worker_case(
     slowdown: f64,
     sync: crate::policy::sync::SyncPolicy,
     fit: Fit,
+    backup_workers: u32,
 ) -> anyhow::Result<SlowWorkerCase> {
     use crate::cluster::{Cluster, ClusterSpec, NodeOverride};
 
@@ -433,6 +434,7 @@ async fn slow_worker_case(
     cfg.cluster.sync = sync;
     cfg.cluster.fit_batch = fit != Fit::Off;
     cfg.cluster.fit_rebalance = fit == Fit::Rebalance;
+    cfg.cluster.backup_workers = backup_workers;
     let mut spec = ClusterSpec::new(4, cfg);
     spec.overrides = vec![NodeOverride::default(); 4];
     spec.overrides[3].slowdown = Some(slowdown);
@@ -441,12 +443,15 @@ async fn slow_worker_case(
     let reports = cluster.wait().await?;
     let secs =
         reports.iter().filter_map(|r| r.status.as_ref().map(|s| s.compute_secs + s.comm_secs)).fold(0.0f64, f64::max);
-    let samples: u64 = reports.iter().filter_map(|r| r.status.as_ref().map(|s| s.samples)).sum();
+    // Samples whose gradients reached a round: a backup worker's dropped
+    // pushes trained on samples that no round used.
+    let samples: f64 =
+        reports.iter().filter_map(|r| r.status.as_ref().map(|s| s.samples as f64 - s.dropped_samples)).sum();
     let slow_samples =
         reports.iter().find(|r| r.peer_id == slow).and_then(|r| r.status.as_ref()).map_or(0, |s| s.samples);
     Ok(SlowWorkerCase {
         steps_per_sec: args.steps as f64 / secs.max(1e-9),
-        samples_per_sec: samples as f64 / secs.max(1e-9),
+        samples_per_sec: samples / secs.max(1e-9),
         accuracy: reports.iter().map(|r| r.accuracy).fold(f32::INFINITY, f32::min),
         slow_batch: slow_samples as f64 / args.steps as f64,
     })
@@ -463,11 +468,13 @@ async fn slow_worker(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Resul
         args.batch_size, args.steps, args.slowdown
     );
     let dssp: SyncPolicy = "dssp:1-4".parse().map_err(|e: String| anyhow::anyhow!(e))?;
-    let base = slow_worker_case(&args, "slow-worker-none", 1.0, SyncPolicy::Bsp, Fit::Off).await?;
-    let wait = slow_worker_case(&args, "slow-worker-bsp", args.slowdown, SyncPolicy::Bsp, Fit::Off).await?;
-    let shrink = slow_worker_case(&args, "slow-worker-shrink", args.slowdown, SyncPolicy::Bsp, Fit::Shrink).await?;
-    let fit = slow_worker_case(&args, "slow-worker-fit", args.slowdown, SyncPolicy::Bsp, Fit::Rebalance).await?;
-    let ds = slow_worker_case(&args, "slow-worker-dssp", args.slowdown, dssp, Fit::Off).await?;
+    let bsp = SyncPolicy::Bsp;
+    let base = slow_worker_case(&args, "slow-worker-none", 1.0, bsp, Fit::Off, 0).await?;
+    let wait = slow_worker_case(&args, "slow-worker-bsp", args.slowdown, bsp, Fit::Off, 0).await?;
+    let shrink = slow_worker_case(&args, "slow-worker-shrink", args.slowdown, bsp, Fit::Shrink, 0).await?;
+    let fit = slow_worker_case(&args, "slow-worker-fit", args.slowdown, bsp, Fit::Rebalance, 0).await?;
+    let ds = slow_worker_case(&args, "slow-worker-dssp", args.slowdown, dssp, Fit::Off, 0).await?;
+    let backup = slow_worker_case(&args, "slow-worker-backup", args.slowdown, bsp, Fit::Off, 1).await?;
     println!("{:<42} {:>9} {:>10} {:>10} {:>12}", "case", "steps/s", "samples/s", "accuracy", "node3 batch");
     let cases = [
         ("no slow worker (bsp)", &base),
@@ -475,6 +482,7 @@ async fn slow_worker(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Resul
         ("slow worker, bsp + fit_batch, shrink only", &shrink),
         ("slow worker, bsp + fit_batch (rebalanced)", &fit),
         ("slow worker, dssp:1-4", &ds),
+        ("slow worker, bsp + 1 backup worker", &backup),
     ];
     for (name, c) in cases {
         println!(
@@ -490,6 +498,10 @@ async fn slow_worker(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Resul
     println!("fit_batch, shrink only / no slow worker: {:.2}x samples/s", ratio(&shrink));
     println!("fit_batch (rebalanced) / no slow worker: {:.2}x samples/s (goal >= 0.8x)", ratio(&fit));
     println!("dssp / no slow worker: {:.2}x samples/s", ratio(&ds));
+    println!(
+        "backup worker / no slow worker: {:.2}x samples/s (samples of dropped pushes not counted)",
+        ratio(&backup)
+    );
     // On separate machines whose compute is all of a step, the cluster has
     // (n - 1 + 1/slowdown) / n of its compute left: no mode can beat that.
     // Here the nodes share this host's cores and the slowdown is a sleep,
@@ -497,11 +509,12 @@ async fn slow_worker(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Resul
     let capacity = (3.0 + 1.0 / args.slowdown) / 4.0;
     println!("(separate compute-bound machines would have {capacity:.2}x of the compute left)");
     println!(
-        "accuracy: fit_batch {:+.2} points (shrink only {:+.2}), dssp {:+.2} points against no slow worker \
-         (goal within 0.5)",
+        "accuracy: fit_batch {:+.2} points (shrink only {:+.2}), dssp {:+.2}, backup worker {:+.2} points \
+         against no slow worker (goal within 0.5)",
         (fit.accuracy - base.accuracy) * 100.0,
         (shrink.accuracy - base.accuracy) * 100.0,
-        (ds.accuracy - base.accuracy) * 100.0
+        (ds.accuracy - base.accuracy) * 100.0,
+        (backup.accuracy - base.accuracy) * 100.0
     );
     let case = |c: &SlowWorkerCase| {
         serde_json::json!({
@@ -515,12 +528,14 @@ async fn slow_worker(args: crate::cmd::cli::BenchStragglerArgs) -> anyhow::Resul
             "bench": "straggler_worker", "steps": args.steps, "batch_size": args.batch_size,
             "slowdown": args.slowdown,
             "no_slow_worker": case(&base), "bsp_waits": case(&wait), "fit_batch_shrink": case(&shrink),
-            "fit_batch": case(&fit), "dssp": case(&ds),
+            "fit_batch": case(&fit), "dssp": case(&ds), "backup_worker": case(&backup),
             "bsp_waits_over_no_slow_worker": ratio(&wait),
             "fit_batch_shrink_over_no_slow_worker": ratio(&shrink),
             "fit_batch_over_no_slow_worker": ratio(&fit),
             "compute_capacity_left": capacity,
             "dssp_over_no_slow_worker": ratio(&ds),
+            "backup_worker_over_no_slow_worker": ratio(&backup),
+            "backup_worker_accuracy_delta": backup.accuracy - base.accuracy,
             "fit_batch_accuracy_delta": fit.accuracy - base.accuracy,
             "fit_batch_shrink_accuracy_delta": shrink.accuracy - base.accuracy,
             "dssp_accuracy_delta": ds.accuracy - base.accuracy,

@@ -537,7 +537,8 @@ pub struct BenchStragglerArgs {
     pub slowdown: f64,
     /// A slow worker instead of a slow owner: node3 computes --slowdown
     /// times slower; BSP waiting for it against `cluster.fit_batch` (shrink
-    /// only, and rebalanced over the other workers) and DSSP.
+    /// only, and rebalanced over the other workers), DSSP, and one backup
+    /// worker (`cluster.backup_workers`).
     #[arg(long)]
     pub worker: bool,
     /// Also write the numbers as JSON to this file.

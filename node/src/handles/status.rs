@@ -127,6 +127,12 @@ pub struct StatusSnapshot {
     /// (`cluster.fit_rebalance`), and the samples added.
     pub grown_steps: u64,
     pub grown_samples: u64,
+    /// Backup workers (`cluster.backup_workers`): samples whose gradients
+    /// missed their round and were dropped (a step counts in the share of
+    /// the model whose pushes were dropped), and the steps skipped to catch
+    /// up with the round in progress.
+    pub dropped_samples: f64,
+    pub skipped_steps: u64,
     /// This process's resident memory now and its peak since it started
     /// (Linux's `VmRSS` and `VmHWM`; none on other systems).
     pub rss_bytes: Option<u64>,
@@ -236,6 +242,14 @@ pub enum StatusEvent {
         samples: usize,
         nominal: usize,
     },
+    /// A step's pushes missed their rounds on some shards and were dropped
+    /// (`cluster.backup_workers`): its samples in the share of the model
+    /// they covered.
+    DroppedPushes {
+        samples: f64,
+    },
+    /// Steps skipped to reach the round in progress after a dropped push.
+    SkippedSteps(u64),
 }
 
 /// The status actor's mailbox.

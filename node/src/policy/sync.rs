@@ -215,6 +215,8 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     catch_up_room: u64,
     /// Versions taken up by catch-up without an optimizer step.
     skipped: u64,
+    /// BSP: a round is applied once all but this many workers pushed.
+    backup: usize,
 }
 
 impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
@@ -242,7 +244,21 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             round_median_norm: None,
             catch_up_room: 0,
             skipped: 0,
+            backup: 0,
         }
+    }
+
+    /// BSP with backup workers (Chen et al. 2016): a round is applied once
+    /// all but `backup` of the workers have pushed, and always waits for at
+    /// least one. A push for a round applied without it is `Stale`.
+    pub fn with_backup_workers(mut self, backup: usize) -> Self {
+        self.backup = backup;
+        self
+    }
+
+    /// BSP: how many pushes close a round.
+    fn quorum(&self) -> usize {
+        self.workers.len().saturating_sub(self.backup).max(1)
     }
 
     /// This core was restored from a copy that may be older than the
@@ -402,8 +418,11 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let version = self.version;
         match self.policy {
             SyncPolicy::Bsp => {
-                if self.round.len() == self.workers.len() {
+                let everyone = self.round.len() == self.workers.len();
+                if everyone || self.round.len() >= self.quorum() {
                     self.apply_round();
+                }
+                if everyone {
                     // Every worker has pushed here: the numbering is settled.
                     self.catch_up_room = 0;
                 }
@@ -483,9 +502,12 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         for k in live {
             self.workers.entry(k).or_insert_with(|| WorkerClock { clock: min, ..WorkerClock::default() });
         }
-        if self.policy == SyncPolicy::Bsp && !self.round.is_empty() && self.round.len() == self.workers.len() {
+        if self.policy == SyncPolicy::Bsp && !self.round.is_empty() && self.round.len() >= self.quorum() {
+            let everyone = self.round.len() == self.workers.len();
             self.apply_round();
-            self.catch_up_room = 0;
+            if everyone {
+                self.catch_up_room = 0;
+            }
         }
     }
 
@@ -982,6 +1004,38 @@ mod tests {
         assert!(core.pull_ready(&"c", 1, 120));
         assert!(matches!(core.push(&"c", 1, 1, vec![0.0, 0.0], 130), PushOutcome::Accepted { .. }));
         assert_eq!(core.close_overdue_round(10_000, 100), Some(2), "round 1 has only c so far");
+    }
+
+    #[test]
+    fn bsp_with_a_backup_worker_applies_each_round_without_the_slowest() {
+        let mut core =
+            ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ["a", "b", "c"]).with_backup_workers(1);
+        assert!(matches!(core.push(&"a", 0, 1, vec![2.0, 2.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 0, "one push of three: the quorum is two");
+        assert!(matches!(core.push(&"b", 0, 1, vec![4.0, 4.0], 1), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 1, "applied without c");
+        assert_eq!(core.params(), &[-3.0, -3.0], "the mean of the two");
+        // c's push for round 0 is dropped: it pulls version 1 and pushes
+        // into round 1, which it closes with a.
+        assert_eq!(core.push(&"c", 0, 1, vec![9.0, 9.0], 2), PushOutcome::Stale { current_version: 1 });
+        assert!(core.pull_ready(&"c", 1, 2));
+        assert!(matches!(core.push(&"c", 1, 1, vec![0.0, 0.0], 3), PushOutcome::Accepted { .. }));
+        assert!(matches!(core.push(&"a", 1, 1, vec![2.0, 2.0], 4), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 2);
+        assert_eq!(core.params(), &[-4.0, -4.0]);
+        // Never fewer than one push, whatever the setting.
+        let mut alone = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ["a", "b"]).with_backup_workers(5);
+        assert_eq!(alone.version(), 0);
+        assert!(matches!(alone.push(&"b", 0, 1, vec![1.0, 1.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(alone.version(), 1);
+        // A worker that leaves can complete a round down to the quorum.
+        let mut core =
+            ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ["a", "b", "c", "d"]).with_backup_workers(1);
+        assert!(matches!(core.push(&"a", 0, 1, vec![1.0, 1.0], 0), PushOutcome::Accepted { .. }));
+        assert!(matches!(core.push(&"b", 0, 1, vec![1.0, 1.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 0);
+        core.set_workers(["a", "b", "c"]);
+        assert_eq!(core.version(), 1, "two of three is the quorum now");
     }
 
     #[test]
