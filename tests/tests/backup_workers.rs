@@ -45,6 +45,7 @@ async fn a_4x_slower_worker_does_not_hold_bsp_rounds_back_with_one_backup_worker
         assert!(s.skipped_steps * 10 <= STEPS, "{} skipped {} of {STEPS} steps", r.name, s.skipped_steps);
     }
     let s = status(slow_report)?;
+    assert_eq!(s.step, STEPS, "node3's /status step after skipping to the end");
     // The rounds went on without node3: it skipped at least a quarter of
     // them (about three in four if compute were all of a step), and some
     // of its pushes arrived after their round and were dropped.

@@ -124,7 +124,11 @@ impl StatusActor {
                 }
             }
             StatusEvent::DroppedPushes { samples } => s.dropped_samples += samples,
-            StatusEvent::SkippedSteps(n) => s.skipped_steps += n,
+            StatusEvent::SkippedSteps(n) => {
+                // The step the worker goes on from.
+                s.skipped_steps += n;
+                s.step += n;
+            }
             StatusEvent::Explore { step, decision } => {
                 use crate::policy::explore::Decision;
                 let (action, from, to, before, after) = match decision {

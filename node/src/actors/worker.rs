@@ -172,6 +172,10 @@ struct Outgoing<'a> {
     payload: Option<Payload>,
 }
 
+/// Backup workers: how many times [`Worker::align_versions`] pulls the
+/// shards behind before it gives up.
+const ALIGN_PASSES: usize = 8;
+
 /// One shard's exchange for a step: the version pulled and its values.
 #[derive(Debug)]
 struct Exchanged {
@@ -446,8 +450,10 @@ impl Worker {
             // whose push was dropped (`cluster.backup_workers`) pulled the
             // rounds applied without it, and trains for the round in progress.
             step = if skips_ahead && version > step + 1 {
-                self.status.record(StatusEvent::SkippedSteps(version.min(t.steps) - step - 1));
-                version.min(t.steps)
+                let next = version.min(t.steps);
+                self.status.record(StatusEvent::SkippedSteps(next - step - 1));
+                self.membership.set_self(|me| me.step = next);
+                next
             } else {
                 step + 1
             };
@@ -707,7 +713,7 @@ impl Worker {
             .zip(&outgoing)
             .map(|(shard, out)| self.exchange(shard.id, step, versions[shard.id as usize], samples, out));
         let mut results = try_join_all(exchanges).await?;
-        if results.iter().any(|r| r.dropped) {
+        if self.config.cluster.backup_workers > 0 && self.policy() == SyncPolicy::Bsp {
             self.align_versions(&mut results).await?;
         }
         let mut dropped_len = 0usize;
@@ -733,27 +739,36 @@ impl Worker {
         Ok(versions.iter().copied().min().unwrap_or(0))
     }
 
-    /// Backup workers: a dropped push pulled its shard at the version then
-    /// current, which can be a round past the shards whose pushes made it
-    /// into their rounds. The shards behind are pulled again at the newest
-    /// version, so the next step trains on one round's model and pushes to
-    /// one round everywhere (pushes a round apart on different shards would
-    /// open rounds past the run's last one at its end).
+    /// Backup workers: rounds close without the slowest workers, so the
+    /// versions a step pulled can differ by a round from shard to shard (a
+    /// dropped push pulled the version then current; a round can close
+    /// again before a late pull is answered). The shards behind are pulled
+    /// again at the newest version until all agree, so the next step trains
+    /// on one round's model and pushes to one round everywhere. Pushes a
+    /// round apart would, at the end of the run, open rounds past its last.
     async fn align_versions(&self, results: &mut [Exchanged]) -> anyhow::Result<()> {
-        let top = results.iter().map(|r| r.version).max().unwrap_or(0);
-        let behind = self
-            .plan
-            .shards()
-            .iter()
-            .zip(results.iter())
-            .filter(|(_, r)| r.version < top)
-            .map(|(shard, _)| self.pull_at_least(shard.id, top));
-        let pulled = try_join_all(behind).await?;
-        for (r, (version, params)) in results.iter_mut().filter(|r| r.version < top).zip(pulled) {
-            r.version = version;
-            r.params = params;
+        // Each pass can find a newer round only if one closed meanwhile;
+        // rounds close at the workers' pace, so a few passes settle it.
+        for _ in 0..ALIGN_PASSES {
+            let top = results.iter().map(|r| r.version).max().unwrap_or(0);
+            if results.iter().all(|r| r.version == top) {
+                return Ok(());
+            }
+            let behind = self
+                .plan
+                .shards()
+                .iter()
+                .zip(results.iter())
+                .filter(|(_, r)| r.version < top)
+                .map(|(shard, _)| self.pull_at_least(shard.id, top));
+            let pulled = try_join_all(behind).await?;
+            for (r, (version, params)) in results.iter_mut().filter(|r| r.version < top).zip(pulled) {
+                r.version = version;
+                r.params = params;
+            }
         }
-        Ok(())
+        let versions: Vec<u64> = results.iter().map(|r| r.version).collect();
+        bail!("shard versions {versions:?} still differ after {ALIGN_PASSES} pulls at the newest (backup workers)")
     }
 
     /// Pull `shard` at `min_version` or later from whoever owns it.
@@ -762,10 +777,11 @@ impl Worker {
         let mut placement = self.placement.clone();
         let mut backoff = Duration::from_millis(10);
         let mut hint: Option<PeerId> = None;
+        let mut last = String::from("no attempt");
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                bail!("shard {shard}: no owner served version {min_version} within the request timeout");
+                bail!("shard {shard}: no owner served version {min_version} within the request timeout; last: {last}");
             }
             let owner = match hint.take() {
                 Some(h) => h,
@@ -776,14 +792,20 @@ impl Worker {
             };
             match self.pull_from(owner, shard, min_version, left).await {
                 Ok(PullReply::State { version, params }) => return Ok((version, params)),
-                Ok(PullReply::NotReady { .. }) => {}
+                Ok(PullReply::NotReady { current_version }) => {
+                    last = format!("{owner} still at version {current_version}");
+                }
                 Ok(PullReply::NotOwner { hint: h, .. }) => {
+                    last = format!("{owner} no longer owns it");
                     hint = h.filter(|h| *h != owner);
                     if hint.is_none() {
                         wait_for_change(&mut placement, &mut backoff).await;
                     }
                 }
-                Err(_) => wait_for_change(&mut placement, &mut backoff).await,
+                Err(e) => {
+                    last = format!("pull from {owner}: {e:#}");
+                    wait_for_change(&mut placement, &mut backoff).await;
+                }
             }
         }
     }
@@ -836,7 +858,8 @@ impl Worker {
                     p.and_then(|p| p.owner(shard)).context("no placement yet")?
                 }
             };
-            let need_push = if bsp { holder != Some(owner) } else { holder.is_none() };
+            // A dropped gradient is not pushed again, even to a new owner.
+            let need_push = !dropped && if bsp { holder != Some(owner) } else { holder.is_none() };
             if need_push {
                 let combined = self.config.cluster.push_pull && owner != self.me && !self.old_wire(owner);
                 let pushed = if !combined {

@@ -418,12 +418,10 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let version = self.version;
         match self.policy {
             SyncPolicy::Bsp => {
-                let everyone = self.round.len() == self.workers.len();
-                if everyone || self.round.len() >= self.quorum() {
+                if self.round.len() >= self.quorum() {
                     self.apply_round();
-                }
-                if everyone {
-                    // Every worker has pushed here: the numbering is settled.
+                    // A quorum of the workers (all of them without backup
+                    // workers) pushed here: the numbering is settled.
                     self.catch_up_room = 0;
                 }
             }
@@ -503,11 +501,8 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             self.workers.entry(k).or_insert_with(|| WorkerClock { clock: min, ..WorkerClock::default() });
         }
         if self.policy == SyncPolicy::Bsp && !self.round.is_empty() && self.round.len() >= self.quorum() {
-            let everyone = self.round.len() == self.workers.len();
             self.apply_round();
-            if everyone {
-                self.catch_up_room = 0;
-            }
+            self.catch_up_room = 0;
         }
     }
 
