@@ -236,6 +236,21 @@ async fn wait_for_change(placement: &mut watch::Receiver<Option<Arc<Placement>>>
     *backoff = (*backoff * 2).min(Duration::from_millis(500));
 }
 
+/// `owner` does not own the shard: try next the owner it `named`, if
+/// another, or else wait for the placement to change.
+async fn follow_hint(
+    owner: PeerId,
+    named: Option<PeerId>,
+    hint: &mut Option<PeerId>,
+    placement: &mut watch::Receiver<Option<Arc<Placement>>>,
+    backoff: &mut Duration,
+) {
+    *hint = named.filter(|h| *h != owner);
+    if hint.is_none() {
+        wait_for_change(placement, backoff).await;
+    }
+}
+
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker").field("me", &self.me).finish_non_exhaustive()
@@ -797,10 +812,7 @@ impl Worker {
                 }
                 Ok(PullReply::NotOwner { hint: h, .. }) => {
                     last = format!("{owner} no longer owns it");
-                    hint = h.filter(|h| *h != owner);
-                    if hint.is_none() {
-                        wait_for_change(&mut placement, &mut backoff).await;
-                    }
+                    follow_hint(owner, h, &mut hint, &mut placement, &mut backoff).await;
                 }
                 Err(e) => {
                     last = format!("pull from {owner}: {e:#}");
@@ -923,10 +935,7 @@ impl Worker {
                     }
                     Ok(PushReply::NotOwner { hint: h, .. }) => {
                         last = format!("{owner} does not own it");
-                        hint = h.filter(|h| *h != owner);
-                        if hint.is_none() {
-                            wait_for_change(&mut placement, &mut backoff).await;
-                        }
+                        follow_hint(owner, h, &mut hint, &mut placement, &mut backoff).await;
                         continue;
                     }
                     Ok(PushReply::Pending) => {
@@ -957,10 +966,7 @@ impl Worker {
                     if bsp && holder == Some(owner) {
                         holder = None; // push again to whoever owns it now
                     }
-                    hint = h.filter(|h| *h != owner);
-                    if hint.is_none() {
-                        wait_for_change(&mut placement, &mut backoff).await;
-                    }
+                    follow_hint(owner, h, &mut hint, &mut placement, &mut backoff).await;
                 }
                 Err(e) => {
                     last = format!("pull from {owner}: {e:#}");
