@@ -236,6 +236,19 @@ async fn wait_for_change(placement: &mut watch::Receiver<Option<Arc<Placement>>>
     *backoff = (*backoff * 2).min(Duration::from_millis(500));
 }
 
+/// Whom to ask for `shard` next: the owner a refusal named, else the one
+/// the current placement names.
+fn next_owner(
+    shard: u32,
+    hint: &mut Option<PeerId>,
+    placement: &mut watch::Receiver<Option<Arc<Placement>>>,
+) -> anyhow::Result<PeerId> {
+    match hint.take() {
+        Some(h) => Ok(h),
+        None => placement.borrow_and_update().clone().and_then(|p| p.owner(shard)).context("no placement yet"),
+    }
+}
+
 /// `owner` does not own the shard: try next the owner it `named`, if
 /// another, or else wait for the placement to change.
 async fn follow_hint(
@@ -258,6 +271,12 @@ impl std::fmt::Debug for Worker {
 }
 
 impl Worker {
+    /// BSP with backup workers (`cluster.backup_workers`): rounds close
+    /// without the slowest, late pushes are dropped, workers skip ahead.
+    fn backup_mode(&self) -> bool {
+        self.config.cluster.backup_workers > 0 && self.policy() == SyncPolicy::Bsp
+    }
+
     fn policy(&self) -> SyncPolicy {
         self.config.cluster.sync
     }
@@ -318,7 +337,7 @@ impl Worker {
         let mut fit = self.config.cluster.fit_batch.then(|| BatchFit::new(t.batch_size));
         let view = self.membership.subscribe();
         // Backup workers: a worker whose push missed its round skips ahead.
-        let skips_ahead = self.config.cluster.backup_workers > 0 && self.policy() == SyncPolicy::Bsp;
+        let skips_ahead = self.backup_mode();
         let mut step = routing.start_step;
         while step < t.steps {
             if *self.leave.borrow() {
@@ -728,7 +747,7 @@ impl Worker {
             .zip(&outgoing)
             .map(|(shard, out)| self.exchange(shard.id, step, versions[shard.id as usize], samples, out));
         let mut results = try_join_all(exchanges).await?;
-        if self.config.cluster.backup_workers > 0 && self.policy() == SyncPolicy::Bsp {
+        if self.backup_mode() {
             self.align_versions(&mut results).await?;
         }
         let mut dropped_len = 0usize;
@@ -769,17 +788,12 @@ impl Worker {
             if results.iter().all(|r| r.version == top) {
                 return Ok(());
             }
-            let behind = self
-                .plan
-                .shards()
-                .iter()
-                .zip(results.iter())
-                .filter(|(_, r)| r.version < top)
-                .map(|(shard, _)| self.pull_at_least(shard.id, top));
-            let pulled = try_join_all(behind).await?;
-            for (r, (version, params)) in results.iter_mut().filter(|r| r.version < top).zip(pulled) {
-                r.version = version;
-                r.params = params;
+            let behind: Vec<usize> = (0..results.len()).filter(|&i| results[i].version < top).collect();
+            let shards = self.plan.shards();
+            let pulled = try_join_all(behind.iter().map(|&i| self.pull_at_least(shards[i].id, top))).await?;
+            for (i, (version, params)) in behind.into_iter().zip(pulled) {
+                results[i].version = version;
+                results[i].params = params;
             }
         }
         let versions: Vec<u64> = results.iter().map(|r| r.version).collect();
@@ -798,13 +812,7 @@ impl Worker {
             if left.is_zero() {
                 bail!("shard {shard}: no owner served version {min_version} within the request timeout; last: {last}");
             }
-            let owner = match hint.take() {
-                Some(h) => h,
-                None => {
-                    let p = placement.borrow_and_update().clone();
-                    p.and_then(|p| p.owner(shard)).context("no placement yet")?
-                }
-            };
+            let owner = next_owner(shard, &mut hint, &mut placement)?;
             match self.pull_from(owner, shard, min_version, left).await {
                 Ok(PullReply::State { version, params }) => return Ok((version, params)),
                 Ok(PullReply::NotReady { current_version }) => {
@@ -863,13 +871,7 @@ impl Worker {
                     self.config.cluster.request_timeout_ms
                 );
             }
-            let owner = match hint.take() {
-                Some(h) => h,
-                None => {
-                    let p = placement.borrow_and_update().clone();
-                    p.and_then(|p| p.owner(shard)).context("no placement yet")?
-                }
-            };
+            let owner = next_owner(shard, &mut hint, &mut placement)?;
             // A dropped gradient is not pushed again, even to a new owner.
             let need_push = !dropped && if bsp { holder != Some(owner) } else { holder.is_none() };
             if need_push {
@@ -895,9 +897,7 @@ impl Worker {
                         ever_taken = true;
                         min_version = self.policy().pull_after_push(version);
                     }
-                    Ok(PushReply::Stale { current_version, .. })
-                        if bsp && !ever_taken && self.config.cluster.backup_workers > 0 =>
-                    {
+                    Ok(PushReply::Stale { current_version, .. }) if !ever_taken && self.backup_mode() => {
                         // Backup workers: the round was applied without this
                         // gradient, as it may be. It is dropped; this worker
                         // pulls the current version and skips ahead to the
