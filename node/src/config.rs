@@ -265,6 +265,11 @@ pub struct ClusterConfig {
     /// `PushGrad` and a `PullShard`, as wire minor 1 did. Owners of an older
     /// build are detected and get the two either way. Default true.
     pub push_pull: bool,
+    /// With `push_pull`: send each remote owner of two or more shards one
+    /// `PushPullMany` per step carrying all of them (wire minor 4), instead
+    /// of one `PushPull` per shard. Owners of an older build are detected
+    /// and get one per shard. Default true.
+    pub push_pull_many: bool,
     /// Copies of each shard: 2 keeps a replica on the next rendezvous choice;
     /// 1 keeps none. Default 2.
     pub replicas: u32,
@@ -444,6 +449,7 @@ impl Default for ClusterConfig {
             service_forget_steps: 100,
             replicas: 2,
             push_pull: true,
+            push_pull_many: true,
             replica_every: 4,
             handoff_timeout_ms: 5_000,
             round_timeout_ms: 10_000,

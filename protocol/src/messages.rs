@@ -18,8 +18,13 @@ use crate::payload::{Encoding, Payload};
 /// Minor revision of the `/shoal/shard/1.0.0` wire (frame prefix `version`
 /// field and `Heartbeat::protocol_minor`). 2 added `ShardRequest::PushPull`
 /// and `ShardResponse::Exchanged`; 3 added `ShardRequest::Probe` and
-/// `ShardResponse::Probed`.
-pub const WIRE_VERSION: u16 = 3;
+/// `ShardResponse::Probed`; 4 added `ShardRequest::PushPullMany` and
+/// `ShardResponse::ExchangedMany`.
+pub const WIRE_VERSION: u16 = 4;
+
+/// Most `PushPull`s in one `PushPullMany` (as many as a heartbeat may list
+/// as owned by one node).
+pub const MAX_BATCH_SHARDS: usize = MAX_OWNED_SHARDS;
 
 /// Most elements of a `Probe`'s padding (16 MiB of f32).
 pub const MAX_PROBE_ELEMENTS: u64 = 4 << 20;
@@ -284,6 +289,14 @@ pub enum ShardRequest {
     PushPull(PushPull),
     /// Variant 6 (wire minor 3).
     Probe(Probe),
+    /// Variant 7 (wire minor 4): several shards of one owner in one
+    /// exchange. Each `PushPull` is served exactly as if it had come alone;
+    /// the answer is an `ExchangedMany` with each one's answer, in order.
+    /// One request instead of one per shard: at small shard sizes the cost
+    /// per request (a stream, its negotiation, a frame each way), not the
+    /// bytes, bounds a step. At most [`MAX_BATCH_SHARDS`], each shard at
+    /// most once, all of one run.
+    PushPullMany(Vec<PushPull>),
     /// Never on the wire: the codec hands this to the node when a frame was
     /// well formed (within limits) but its header or tensors could not be
     /// understood — for example a newer peer's message. The node answers it
@@ -311,6 +324,7 @@ impl ShardRequest {
             ShardRequest::Manifest(m) => Some(&m.run),
             ShardRequest::PushPull(m) => Some(&m.push.run),
             ShardRequest::Probe(m) => Some(&m.run),
+            ShardRequest::PushPullMany(v) => v.first().map(|m| &m.push.run),
             ShardRequest::Undecodable { .. } => None,
         }
     }
@@ -323,7 +337,10 @@ impl ShardRequest {
             ShardRequest::Handoff(m) => Some(m.shard),
             ShardRequest::StateSync(m) => Some(m.shard),
             ShardRequest::PushPull(m) => Some(m.push.shard),
-            ShardRequest::Manifest(_) | ShardRequest::Probe(_) | ShardRequest::Undecodable { .. } => None,
+            ShardRequest::Manifest(_)
+            | ShardRequest::Probe(_)
+            | ShardRequest::PushPullMany(_)
+            | ShardRequest::Undecodable { .. } => None,
         }
     }
 
@@ -337,6 +354,7 @@ impl ShardRequest {
             ShardRequest::Manifest(_) => "manifest",
             ShardRequest::PushPull(_) => "push_pull",
             ShardRequest::Probe(_) => "probe",
+            ShardRequest::PushPullMany(_) => "push_pull_many",
             ShardRequest::Undecodable { .. } => "undecodable",
         }
     }
@@ -547,6 +565,10 @@ pub enum ShardResponse {
         /// Padding bytes the responder received.
         bytes: u64,
     },
+    /// Variant 11 (wire minor 4): the answers to a `PushPullMany`, one per
+    /// `PushPull` and in its order, each what that `PushPull` alone would
+    /// have got (never another `ExchangedMany`).
+    ExchangedMany(Vec<ShardResponse>),
 }
 
 impl ShardResponse {
@@ -564,6 +586,7 @@ impl ShardResponse {
             ShardResponse::Error(_) => "error",
             ShardResponse::Exchanged(_) => "exchanged",
             ShardResponse::Probed { .. } => "probed",
+            ShardResponse::ExchangedMany(_) => "exchanged_many",
         }
     }
 
@@ -828,6 +851,7 @@ impl HasPayloads for ShardRequest {
         match self {
             ShardRequest::PushGrad(m) => vec![&m.grad],
             ShardRequest::PushPull(m) => vec![&m.push.grad],
+            ShardRequest::PushPullMany(v) => v.iter().map(|m| &m.push.grad).collect(),
             ShardRequest::Probe(m) => vec![&m.padding],
             ShardRequest::Handoff(m) => {
                 let mut v = vec![&m.params];
@@ -845,6 +869,7 @@ impl HasPayloads for ShardRequest {
         match self {
             ShardRequest::PushGrad(m) => vec![&mut m.grad],
             ShardRequest::PushPull(m) => vec![&mut m.push.grad],
+            ShardRequest::PushPullMany(v) => v.iter_mut().map(|m| &mut m.push.grad).collect(),
             ShardRequest::Probe(m) => vec![&mut m.padding],
             ShardRequest::Handoff(m) => {
                 let mut v = vec![&mut m.params];
@@ -864,6 +889,7 @@ impl HasPayloads for ShardResponse {
         match self {
             ShardResponse::ShardState(s) => vec![&s.params],
             ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => vec![&s.params],
+            ShardResponse::ExchangedMany(v) => v.iter().flat_map(|r| r.payloads()).collect(),
             _ => Vec::new(),
         }
     }
@@ -872,6 +898,7 @@ impl HasPayloads for ShardResponse {
         match self {
             ShardResponse::ShardState(s) => vec![&mut s.params],
             ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => vec![&mut s.params],
+            ShardResponse::ExchangedMany(v) => v.iter_mut().flat_map(|r| r.payloads_mut()).collect(),
             _ => Vec::new(),
         }
     }

@@ -172,6 +172,24 @@ fn check_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext, b
             check_push(&m.push, sender, ctx, bodies)?;
             check_pull_wait(m.max_wait_ms, m.encoding, ctx)
         }
+        ShardRequest::PushPullMany(v) => {
+            if v.is_empty() {
+                return Err(ProtocolError::InvalidField { field: "push_pulls", reason: "empty".into() });
+            }
+            check_count("push_pulls", v.len(), MAX_BATCH_SHARDS)?;
+            let mut seen = std::collections::BTreeSet::new();
+            for m in v {
+                if !seen.insert(m.push.shard) {
+                    return Err(ProtocolError::InvalidField {
+                        field: "push_pulls",
+                        reason: format!("shard {} twice", m.push.shard),
+                    });
+                }
+                check_push(&m.push, sender, ctx, bodies)?;
+                check_pull_wait(m.max_wait_ms, m.encoding, ctx)?;
+            }
+            Ok(())
+        }
         ShardRequest::Handoff(m) => {
             ctx.check_run(&m.run)?;
             ctx.check_shard(m.shard)?;
@@ -260,6 +278,16 @@ fn check_response(resp: &ShardResponse, ctx: &ValidationContext, bodies: Bodies)
             Ok(())
         }
         ShardResponse::Probed { .. } => Ok(()),
+        ShardResponse::ExchangedMany(v) => {
+            check_count("answers", v.len(), MAX_BATCH_SHARDS)?;
+            for r in v {
+                if let ShardResponse::ExchangedMany(_) = r {
+                    return Err(ProtocolError::InvalidField { field: "answers", reason: "nested batch".into() });
+                }
+                check_response(r, ctx, bodies)?;
+            }
+            Ok(())
+        }
         ShardResponse::Error(e) => {
             if e.message.len() > MAX_ERROR_MESSAGE_LEN {
                 return Err(ProtocolError::InvalidField {
@@ -419,6 +447,33 @@ mod tests {
         assert!(matches!(validate_response(&resp, &ctx()), Err(ProtocolError::ChecksumMismatch { .. })));
         validate_response_fields(&resp, &ctx()).unwrap();
         assert!(matches!(bad.params.decode(), Err(ProtocolError::ChecksumMismatch { .. })));
+    }
+
+    #[test]
+    fn a_batch_is_checked_as_each_of_its_push_pulls_and_as_a_whole() {
+        let me = PeerId::random();
+        let one = |shard: u32, values: &[f32]| PushPull {
+            push: PushGrad { shard, ..push(me, values) },
+            max_wait_ms: 100,
+            encoding: Encoding::F32,
+        };
+        let good = ShardRequest::PushPullMany(vec![one(0, &[1.0; 3]), one(2, &[2.0; 3])]);
+        validate_request(&good, &me, &ctx()).unwrap();
+        // Empty, a shard twice, one bad entry, or more than the most.
+        let refused = |v: Vec<PushPull>| validate_request(&ShardRequest::PushPullMany(v), &me, &ctx()).is_err();
+        assert!(refused(Vec::new()));
+        assert!(refused(vec![one(2, &[1.0; 3]), one(2, &[2.0; 3])]));
+        assert!(refused(vec![one(0, &[1.0; 3]), one(1, &[2.0; 2])]));
+        assert!(refused(vec![one(0, &[1.0; 3]), one(9, &[2.0; 3])]));
+        assert!(refused((0..=MAX_BATCH_SHARDS as u32).map(|i| one(i % 4, &[1.0; 3])).collect()));
+        // Another sender's gradients are refused, as in a PushPull.
+        assert!(validate_request(&good, &PeerId::random(), &ctx()).is_err());
+
+        let answers = |v: Vec<ShardResponse>| validate_response(&ShardResponse::ExchangedMany(v), &ctx());
+        let accepted = |shard| ShardResponse::Accepted(Accepted { shard, version: 1, staleness: 0 });
+        answers(vec![accepted(0), accepted(1)]).unwrap();
+        assert!(answers(vec![accepted(0), accepted(7)]).is_err());
+        assert!(answers(vec![ShardResponse::ExchangedMany(vec![accepted(0)])]).is_err());
     }
 
     #[test]

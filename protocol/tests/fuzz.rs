@@ -230,6 +230,19 @@ fn response_run_shard(resp: &ShardResponse) -> (Option<&RunId>, Option<u32>) {
         | ShardResponse::Fenced { shard, .. }
         | ShardResponse::HandoffAck { shard, .. } => (None, Some(*shard)),
         ShardResponse::Error(_) | ShardResponse::Probed { .. } => (None, None),
+        // Its answers' runs and shards: the first one's run, the largest shard.
+        ShardResponse::ExchangedMany(v) => {
+            let parts: Vec<_> = v.iter().map(response_run_shard).collect();
+            (parts.iter().find_map(|p| p.0), parts.iter().filter_map(|p| p.1).max())
+        }
+    }
+}
+
+/// The request's shard, or a batch's largest.
+fn request_shard(req: &ShardRequest) -> Option<u32> {
+    match req {
+        ShardRequest::PushPullMany(v) => v.iter().map(|m| m.push.shard).max(),
+        _ => req.shard(),
     }
 }
 
@@ -237,6 +250,7 @@ fn claimed_sender(req: &ShardRequest) -> Option<PeerId> {
     match req {
         ShardRequest::PushGrad(m) => Some(m.worker),
         ShardRequest::PushPull(m) => Some(m.push.worker),
+        ShardRequest::PushPullMany(v) => v.first().map(|m| m.push.worker),
         ShardRequest::Handoff(m) => Some(m.from),
         _ => None,
     }
@@ -258,7 +272,7 @@ fn run_frame(data: &[u8], base: &ValidationContext, codec: &mut ShardCodec, stra
     let req = frame::decode_request_frame(Bytes::copy_from_slice(data), limits);
     t.add("request", &req);
     if let Ok(req) = req {
-        let ctx = matching(base, req.run(), req.shard());
+        let ctx = matching(base, req.run(), request_shard(&req));
         let sender = claimed_sender(&req).unwrap_or(*stranger);
         t.add("validate_request", &validate_request(&req, &sender, &ctx));
         // The same request from a peer that is not who it claims to be.
@@ -331,6 +345,7 @@ fn a_million_random_and_mutated_frames_never_panic_or_overallocate() {
         "request/manifest",
         "request/push_pull",
         "request/probe",
+        "request/push_pull_many",
         "response/accepted",
         "response/stale",
         "response/not_owner",
@@ -342,6 +357,7 @@ fn a_million_random_and_mutated_frames_never_panic_or_overallocate() {
         "response/error",
         "response/exchanged",
         "response/probed",
+        "response/exchanged_many",
         "gossip/heartbeat",
         "gossip/announce_shardversion",
         "gossip/announce_leaving",

@@ -41,7 +41,7 @@ fn single_node_reference(
 }
 
 async fn equivalence(nodes: usize, kind: OptimizerKind, lr: f64, batches: &[usize], tol: f64) -> anyhow::Result<()> {
-    equivalence_with(nodes, kind, lr, batches, tol, LrDecay::None).await
+    equivalence_with(nodes, kind, lr, batches, tol, LrDecay::None, true).await
 }
 
 async fn equivalence_with(
@@ -51,9 +51,11 @@ async fn equivalence_with(
     batches: &[usize],
     tol: f64,
     decay: LrDecay,
+    many: bool,
 ) -> anyhow::Result<()> {
-    let mut base = digits_config(&format!("equiv-{nodes}-{kind}-{decay}"), STEPS, SyncPolicy::Bsp, kind, lr);
+    let mut base = digits_config(&format!("equiv-{nodes}-{kind}-{decay}-{many}"), STEPS, SyncPolicy::Bsp, kind, lr);
     base.training.lr_decay = decay;
+    base.cluster.push_pull_many = many;
     let opt = base.training.optimizer_config();
     let schedule = base.training.lr_schedule();
     let mut spec = ClusterSpec::new(nodes, base);
@@ -69,6 +71,15 @@ async fn equivalence_with(
         let d = rel_diff(&r.params, &reference);
         eprintln!("{nodes} nodes, {kind}, {decay}, batches {batches:?}: {} differs from one node by {d:.3e}", r.name);
         assert!(d <= tol, "{}: relative difference {d:e} > {tol:e}", r.name);
+    }
+    // The path under test was the one taken: with 8 shards over several
+    // owners, some remote owner holds two or more of them, and those go
+    // in one PushPullMany (and in one PushPull each without it).
+    let batched: u64 = reports.iter().filter_map(|r| r.status.as_ref()).map(|s| s.batched_shards).sum();
+    if many && nodes > 1 {
+        assert!(batched > 0, "no shard went in a PushPullMany");
+    } else {
+        assert_eq!(batched, 0, "PushPullMany sent with cluster.push_pull_many off");
     }
     if schedule.varies() {
         // The owners did follow the schedule: a constant rate ends elsewhere.
@@ -99,7 +110,13 @@ async fn bsp_sgd_two_and_four_workers_equal_one_node_on_the_concatenated_batch()
 async fn bsp_owners_follow_the_cosine_schedule_like_one_node() -> anyhow::Result<()> {
     // Shard owners set the rate by shard version: the same steps as one node
     // that sets it by step.
-    equivalence_with(4, OptimizerKind::Sgd, 0.2, &[32, 32, 32, 32], 1e-5, LrDecay::Cosine).await
+    equivalence_with(4, OptimizerKind::Sgd, 0.2, &[32, 32, 32, 32], 1e-5, LrDecay::Cosine, true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bsp_with_one_push_pull_per_shard_equals_one_node_too() -> anyhow::Result<()> {
+    // `cluster.push_pull_many = false`: the exchange as wire minor 3 made it.
+    equivalence_with(4, OptimizerKind::Sgd, 0.05, &[32, 32, 32, 32], 1e-5, LrDecay::None, false).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

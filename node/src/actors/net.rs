@@ -22,8 +22,8 @@ use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{dcutr, gossipsub, identify, mdns, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
     frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, Encoding,
-    ErrorCode, Exchanged, GossipMessage, Heartbeat, Payload, ProtocolConfig, RunId, ShardRequest, ShardResponse,
-    ShardState, ShoalBehaviour, ShoalBehaviourEvent, ValidationContext, WireError,
+    ErrorCode, Exchanged, GossipMessage, Heartbeat, Payload, ProtocolConfig, PushPull, RunId, ShardRequest,
+    ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent, ValidationContext, WireError,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
@@ -412,63 +412,29 @@ impl NetworkActor {
                 }
             }
             ShardRequest::PushPull(p) => {
-                let Some(agg) = routes.aggregator else {
-                    return self.respond_now(
-                        channel,
-                        wire_error(ErrorCode::Busy, "training has not started on this node yet"),
-                    );
-                };
-                let grad = match p.push.grad.decode() {
-                    Ok(g) => g,
-                    Err(e) => return self.respond_now(channel, ShardResponse::error(&e)),
-                };
-                let shard = p.push.shard;
-                let encoding = p.encoding;
-                let wait = Duration::from_millis(p.max_wait_ms as u64);
-                let epoch = routes.epoch;
-                let delay = self.parts.faults.serve_delay() + self.parts.faults.receive_delay(p.push.grad.byte_len());
                 let faults = self.parts.faults.clone();
-                match agg.try_push_pull(peer, (shard, p.push.base_version, p.push.samples, grad), wait) {
-                    Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
-                    Ok((pushed, pulled)) => self.responses.push(Box::pin(async move {
-                        let resp = match pushed.await {
-                            Ok(PushReply::Accepted { version, staleness }) => {
-                                let taken = Instant::now();
-                                let accepted = Accepted { shard, version, staleness };
-                                match pulled.await {
-                                    Ok(PullReply::State { version, params }) => {
-                                        match shard_state(run, shard, version, epoch, &params, encoding) {
-                                            Ok(s) => ShardResponse::Exchanged(Exchanged {
-                                                accepted,
-                                                held_ms: held_ms(taken),
-                                                state: Some(s),
-                                            }),
-                                            Err(e) => ShardResponse::error(&e),
-                                        }
-                                    }
-                                    // The gradient counts; the worker pulls
-                                    // (NotOwner: the shard moved after it was taken).
-                                    Ok(PullReply::NotReady { .. } | PullReply::NotOwner { .. }) => {
-                                        ShardResponse::Exchanged(Exchanged {
-                                            accepted,
-                                            held_ms: held_ms(taken),
-                                            state: None,
-                                        })
-                                    }
-                                    Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
-                                }
-                            }
-                            Ok(r) => push_response(shard, r),
-                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
-                        };
-                        let sent = match &resp {
-                            ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => s.params.byte_len(),
-                            _ => 0,
-                        };
-                        hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
-                        (channel, resp)
-                    })),
-                }
+                let delay = faults.serve_delay() + faults.receive_delay(p.push.grad.byte_len());
+                let answer = serve_push_pull(peer, &routes, &run, p);
+                self.responses.push(Box::pin(async move {
+                    let resp = answer.await;
+                    let sent = state_bytes(&resp);
+                    hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
+                    (channel, resp)
+                }));
+            }
+            ShardRequest::PushPullMany(batch) => {
+                // Each one served as if it had come alone; the link carries
+                // their bytes together.
+                let faults = self.parts.faults.clone();
+                let received: u64 = batch.iter().map(|p| p.push.grad.byte_len()).sum();
+                let delay = faults.serve_delay() + faults.receive_delay(received);
+                let answers: Vec<_> = batch.into_iter().map(|p| serve_push_pull(peer, &routes, &run, p)).collect();
+                self.responses.push(Box::pin(async move {
+                    let answers = futures::future::join_all(answers).await;
+                    let sent = answers.iter().map(state_bytes).sum();
+                    hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
+                    (channel, ShardResponse::ExchangedMany(answers))
+                }));
             }
             ShardRequest::PullShard(p) => {
                 let Some(agg) = routes.aggregator else {
@@ -667,6 +633,68 @@ fn relay_server_event(ev: relay::Event) {
             debug!(src = %src_peer_id, dst = %dst_peer_id, ?status, "relay: circuit denied");
         }
         other => debug!(event = ?other, "relay"),
+    }
+}
+
+/// An answer that will come: a pushed gradient's, once the owner has it.
+type Answer = Pin<Box<dyn Future<Output = ShardResponse> + Send>>;
+
+/// Serve one `PushPull` (alone or in a `PushPullMany`): its answer, once
+/// the owner has it (at once for a refusal). Link emulation is the
+/// caller's.
+fn serve_push_pull(peer: PeerId, routes: &Routes, run: &RunId, p: PushPull) -> Answer {
+    let now = |resp: ShardResponse| -> Answer { Box::pin(std::future::ready(resp)) };
+    let Some(agg) = &routes.aggregator else {
+        // Peers can agree on the roster a moment before we do: ask them to retry.
+        return now(wire_error(ErrorCode::Busy, "training has not started on this node yet"));
+    };
+    let grad = match p.push.grad.decode() {
+        Ok(g) => g,
+        Err(e) => return now(ShardResponse::error(&e)),
+    };
+    let shard = p.push.shard;
+    let encoding = p.encoding;
+    let wait = Duration::from_millis(p.max_wait_ms as u64);
+    let epoch = routes.epoch;
+    let run = run.clone();
+    let Ok((pushed, pulled)) = agg.try_push_pull(peer, (shard, p.push.base_version, p.push.samples, grad), wait) else {
+        return now(wire_error(ErrorCode::Busy, "aggregator busy"));
+    };
+    Box::pin(async move {
+        match pushed.await {
+            Ok(PushReply::Accepted { version, staleness }) => {
+                let taken = Instant::now();
+                let accepted = Accepted { shard, version, staleness };
+                match pulled.await {
+                    Ok(PullReply::State { version, params }) => {
+                        match shard_state(run, shard, version, epoch, &params, encoding) {
+                            Ok(s) => ShardResponse::Exchanged(Exchanged {
+                                accepted,
+                                held_ms: held_ms(taken),
+                                state: Some(s),
+                            }),
+                            Err(e) => ShardResponse::error(&e),
+                        }
+                    }
+                    // The gradient counts; the worker pulls
+                    // (NotOwner: the shard moved after it was taken).
+                    Ok(PullReply::NotReady { .. } | PullReply::NotOwner { .. }) => {
+                        ShardResponse::Exchanged(Exchanged { accepted, held_ms: held_ms(taken), state: None })
+                    }
+                    Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+                }
+            }
+            Ok(r) => push_response(shard, r),
+            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+        }
+    })
+}
+
+/// Bytes of shard state an answer carries (link emulation).
+fn state_bytes(resp: &ShardResponse) -> u64 {
+    match resp {
+        ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => s.params.byte_len(),
+        _ => 0,
     }
 }
 

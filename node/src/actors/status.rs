@@ -124,6 +124,10 @@ impl StatusActor {
                 }
             }
             StatusEvent::DroppedPushes { samples } => s.dropped_samples += samples,
+            StatusEvent::Batched(shards) => {
+                s.batched_requests += 1;
+                s.batched_shards += shards;
+            }
             StatusEvent::SkippedSteps(n) => {
                 // The step the worker goes on from.
                 s.skipped_steps += n;

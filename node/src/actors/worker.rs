@@ -158,6 +158,9 @@ pub struct Worker {
     pub faults: Arc<crate::ops::faults::Faults>,
     /// Owners that answered a `PushPull` as an older wire revision.
     pub old_wire: std::sync::Mutex<std::collections::HashSet<PeerId>>,
+    /// Owners that answered a `PushPullMany` as an older wire revision
+    /// (minor 2 or 3): they get one `PushPull` per shard.
+    pub single_wire: std::sync::Mutex<std::collections::HashSet<PeerId>>,
     /// Shard bytes pushed and pulled since the last step ended (the
     /// measured exchange rate in this node's capabilities).
     pub step_bytes: std::sync::atomic::AtomicU64,
@@ -191,6 +194,18 @@ struct Exchanged {
 enum Pushed {
     Reply(PushReply),
     State { version: u64, params: Arc<Vec<f32>> },
+}
+
+/// What a shard's first push attempt became when it went in a
+/// `PushPullMany` to `owner` (see [`Worker::push_pull_many`]): `None` when
+/// the owner does not take batches, and the exchange pushes it alone.
+type BatchOutcome = Option<anyhow::Result<Pushed>>;
+
+/// A shard's first attempt, made for it by a `PushPullMany` to `owner`.
+#[derive(Debug)]
+struct FirstAttempt {
+    owner: PeerId,
+    outcome: tokio::sync::oneshot::Receiver<BatchOutcome>,
 }
 
 /// Where this worker starts and which data it trains on.
@@ -740,13 +755,21 @@ impl Worker {
                 Ok(Outgoing { values: std::borrow::Cow::Owned(c.values), payload: Some(c.payload) })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let exchanges = self
-            .plan
-            .shards()
-            .iter()
-            .zip(&outgoing)
-            .map(|(shard, out)| self.exchange(shard.id, step, versions[shard.id as usize], samples, out));
-        let mut results = try_join_all(exchanges).await?;
+        let (batches, mut firsts) = self.batches();
+        let batched = batches.into_iter().map(|(owner, idx, outcomes)| {
+            let shards = self.plan.shards();
+            let items =
+                idx.iter().map(|&i| (shards[i].id, versions[shards[i].id as usize], &outgoing[i])).collect::<Vec<_>>();
+            self.push_pull_many(owner, step, samples, items, outcomes)
+        });
+        let exchanges = self.plan.shards().iter().zip(&outgoing).zip(firsts.iter_mut()).map(|((shard, out), first)| {
+            self.exchange(shard.id, step, versions[shard.id as usize], samples, out, first.take())
+        });
+        // Together: a batched shard's exchange waits for its batch's answer,
+        // and the owners answer only once every worker's pushes (this one's
+        // to its own shards too) are in.
+        let (_, results) = futures::join!(futures::future::join_all(batched), try_join_all(exchanges));
+        let mut results = results?;
         if self.backup_mode() {
             self.align_versions(&mut results).await?;
         }
@@ -846,6 +869,7 @@ impl Worker {
         base: u64,
         samples: u32,
         grad: &Outgoing<'_>,
+        mut first: Option<FirstAttempt>,
     ) -> anyhow::Result<Exchanged> {
         let bsp = self.policy() == SyncPolicy::Bsp;
         let started = Instant::now();
@@ -871,15 +895,25 @@ impl Worker {
                     self.config.cluster.request_timeout_ms
                 );
             }
-            let owner = next_owner(shard, &mut hint, &mut placement)?;
+            // The first attempt went in a batch to the owner it names.
+            let owner = match &first {
+                Some(f) => f.owner,
+                None => next_owner(shard, &mut hint, &mut placement)?,
+            };
             // A dropped gradient is not pushed again, even to a new owner.
             let need_push = !dropped && if bsp { holder != Some(owner) } else { holder.is_none() };
             if need_push {
+                let batched = match first.take() {
+                    Some(f) => f.outcome.await.ok().flatten(),
+                    None => None,
+                };
                 let combined = self.config.cluster.push_pull && owner != self.me && !self.old_wire(owner);
-                let pushed = if !combined {
-                    self.push_to(owner, shard, push_base, step, samples, grad).await.map(Pushed::Reply)
-                } else {
-                    self.push_pull_to(owner, shard, push_base, step, samples, grad, left).await
+                let pushed = match batched {
+                    Some(outcome) => outcome,
+                    None if !combined => {
+                        self.push_to(owner, shard, push_base, step, samples, grad).await.map(Pushed::Reply)
+                    }
+                    None => self.push_pull_to(owner, shard, push_base, step, samples, grad, left).await,
                 };
                 let pushed = match pushed {
                     Ok(Pushed::State { version, params }) => {
@@ -1124,6 +1158,164 @@ impl Worker {
             t.observe(owner, bytes, service.as_secs_f64() * 1e6, step);
         }
         Ok(reply)
+    }
+
+    /// The remote owners of two or more of this worker's shards in the
+    /// current placement, each with the shards (indices into the plan) to
+    /// send it in one `PushPullMany`, and each shard's [`FirstAttempt`]
+    /// (`None` for the shards pushed alone).
+    #[allow(clippy::type_complexity)]
+    fn batches(
+        &self,
+    ) -> (Vec<(PeerId, Vec<usize>, Vec<tokio::sync::oneshot::Sender<BatchOutcome>>)>, Vec<Option<FirstAttempt>>) {
+        let shards = self.plan.shards();
+        let mut firsts: Vec<Option<FirstAttempt>> = shards.iter().map(|_| None).collect();
+        let c = &self.config.cluster;
+        let Some(placement) = self.placement.borrow().clone() else { return (Vec::new(), firsts) };
+        if !(c.push_pull && c.push_pull_many) {
+            return (Vec::new(), firsts);
+        }
+        let mut by_owner: std::collections::BTreeMap<PeerId, Vec<usize>> = Default::default();
+        for (i, shard) in shards.iter().enumerate() {
+            if let Some(owner) = placement.owner(shard.id) {
+                if owner != self.me && !self.old_wire(owner) && !self.single_wire(owner) {
+                    by_owner.entry(owner).or_default().push(i);
+                }
+            }
+        }
+        let mut batches = Vec::new();
+        for (owner, idx) in by_owner.into_iter().filter(|(_, idx)| idx.len() >= 2) {
+            let mut outcomes = Vec::with_capacity(idx.len());
+            for &i in &idx {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                firsts[i] = Some(FirstAttempt { owner, outcome: rx });
+                outcomes.push(tx);
+            }
+            batches.push((owner, idx, outcomes));
+        }
+        (batches, firsts)
+    }
+
+    /// Whether `owner` answered a `PushPullMany` as an older wire revision.
+    fn single_wire(&self, owner: PeerId) -> bool {
+        self.single_wire.lock().is_ok_and(|s| s.contains(&owner))
+    }
+
+    /// The first push of several shards to one remote owner, in one
+    /// `PushPullMany`: `items` are each shard's id, base version and
+    /// gradient. Each shard's outcome goes to its exchange (`outcomes`, in
+    /// the same order), which goes on from there as after a `PushPull` of
+    /// its own. A failed request fails each shard's attempt (each retries
+    /// alone); an owner of an older wire revision gets `None` (each pushes
+    /// alone at once).
+    async fn push_pull_many(
+        &self,
+        owner: PeerId,
+        step: u64,
+        samples: u32,
+        items: Vec<(u32, u64, &Outgoing<'_>)>,
+        outcomes: Vec<tokio::sync::oneshot::Sender<BatchOutcome>>,
+    ) {
+        let answers = match self.push_pull_many_request(owner, step, samples, &items).await {
+            Ok(answers) => answers,
+            Err(e) => {
+                let e = format!("{e:#}");
+                items.iter().map(|_| Some(Err(anyhow::anyhow!("{e}")))).collect()
+            }
+        };
+        for (tx, outcome) in outcomes.into_iter().zip(answers) {
+            // An exchange that has ended (its step failed) no longer listens.
+            let _ = tx.send(outcome);
+        }
+    }
+
+    async fn push_pull_many_request(
+        &self,
+        owner: PeerId,
+        step: u64,
+        samples: u32,
+        items: &[(u32, u64, &Outgoing<'_>)],
+    ) -> anyhow::Result<Vec<BatchOutcome>> {
+        let mut pushes = Vec::with_capacity(items.len());
+        for &(shard, base, grad) in items {
+            pushes.push(self.push_grad(shard, base, step, samples, grad)?);
+        }
+        let sizes: Vec<u64> = pushes.iter().map(|p| p.grad.byte_len()).collect();
+        let bytes: u64 = sizes.iter().sum();
+        let max_wait_ms = self.max_wait_ms(self.request_timeout());
+        let encoding = self.pull_encoding();
+        let req = ShardRequest::PushPullMany(
+            pushes.into_iter().map(|push| PushPull { push, max_wait_ms, encoding }).collect(),
+        );
+        let sent = Instant::now();
+        hold(self.faults.send_delay(bytes)).await;
+        self.status.record(StatusEvent::Batched(items.len() as u64));
+        let answers = match self.net.request(owner, req).await? {
+            ShardResponse::ExchangedMany(v) if v.len() == items.len() => v,
+            ShardResponse::ExchangedMany(v) => {
+                bail!("{owner} answered {} of the {} shards of a batch", v.len(), items.len())
+            }
+            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
+                info!(%owner, "owner speaks an older wire revision: one PushPull per shard");
+                if let Ok(mut s) = self.single_wire.lock() {
+                    s.insert(owner);
+                }
+                return Ok(items.iter().map(|_| None).collect());
+            }
+            ShardResponse::Error(e) => bail!("{owner} refused a batch: {:?}: {}", e.code, e.message),
+            other => bail!("{owner} answered a batch with {}", other.kind()),
+        };
+        let received: u64 = answers
+            .iter()
+            .map(|a| match a {
+                ShardResponse::Exchanged(shoal_protocol::Exchanged { state: Some(s), .. }) => s.params.byte_len(),
+                _ => 0,
+            })
+            .sum();
+        hold(self.faults.receive_delay(received)).await;
+        let mut held_ms = 0u32;
+        let mut served_bytes = 0u64;
+        let mut any_state = false;
+        let mut out = Vec::with_capacity(items.len());
+        for ((&(shard, _, _), size), answer) in items.iter().zip(sizes).zip(answers) {
+            let outcome = match answer {
+                ShardResponse::Exchanged(x) if x.accepted.shard != shard => {
+                    Err(anyhow::anyhow!("{owner} answered shard {} for shard {shard}", x.accepted.shard))
+                }
+                ShardResponse::Exchanged(x) => {
+                    held_ms = held_ms.max(x.held_ms);
+                    served_bytes += size;
+                    match x.state {
+                        Some(s) => {
+                            any_state = true;
+                            s.params
+                                .decode()
+                                .map(|p| Pushed::State { version: s.version, params: Arc::new(p) })
+                                .map_err(anyhow::Error::from)
+                        }
+                        None => Ok(Pushed::Reply(PushReply::Accepted {
+                            version: x.accepted.version,
+                            staleness: x.accepted.staleness,
+                        })),
+                    }
+                }
+                other => self.push_reply(owner, shard, other).map(Pushed::Reply),
+            };
+            out.push(Some(outcome));
+        }
+        self.moved(bytes, received);
+        // The owner's service, as for one `PushPull`: the round trip less the
+        // longest time it held an answer for its round.
+        let service = sent.elapsed().saturating_sub(Duration::from_millis(held_ms.into()));
+        if any_state {
+            self.status.record(StatusEvent::PushLatency(service.as_secs_f64() * 1e3));
+        }
+        if served_bytes > 0 {
+            if let Ok(mut t) = self.service.lock() {
+                t.observe(owner, served_bytes, service.as_secs_f64() * 1e6, step);
+            }
+        }
+        Ok(out)
     }
 
     /// Shard bytes sent (`out`) and received (`r#in`): counted in /status

@@ -282,21 +282,33 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
         println!("bytes/step: pushed plus pulled payload bytes per worker per step, over the model's size.");
 
         // The same 4-node run with each shard's push and pull as two requests
-        // (PushGrad + PullShard, wire minor 1) against one (PushPull).
+        // (PushGrad + PullShard, wire minor 1), and as one request per shard
+        // (PushPull, minor 3), against one request per owner (PushPullMany,
+        // the default).
         let mut separate = case_config("bench-4-separate".into());
         separate.cluster.push_pull = false;
         let started = Instant::now();
         Cluster::start(&ClusterSpec::new(4, separate)).await?.wait().await?;
         let separate_sps = (4 * args.steps * args.batch_size as u64) as f64 / started.elapsed().as_secs_f64();
-        let combined_sps = rows.last().and_then(|r| r["samples_per_sec"].as_f64()).unwrap_or(f64::NAN);
+        let mut per_shard = case_config("bench-4-per-shard".into());
+        per_shard.cluster.push_pull_many = false;
+        let started = Instant::now();
+        Cluster::start(&ClusterSpec::new(4, per_shard)).await?.wait().await?;
+        let per_shard_sps = (4 * args.steps * args.batch_size as u64) as f64 / started.elapsed().as_secs_f64();
+        let many_sps = rows.last().and_then(|r| r["samples_per_sec"].as_f64()).unwrap_or(f64::NAN);
         println!(
             "4 nodes, push and pull as separate requests: {separate_sps:.0} samples/s; \
-             one PushPull per shard: {combined_sps:.0} ({:.2}x)",
-            combined_sps / separate_sps
+             one PushPull per shard: {per_shard_sps:.0} ({:.2}x); \
+             one PushPullMany per owner: {many_sps:.0} ({:.2}x)",
+            per_shard_sps / separate_sps,
+            many_sps / separate_sps
         );
         let exchange = serde_json::json!({
-            "separate_samples_per_sec": separate_sps, "push_pull_samples_per_sec": combined_sps,
-            "push_pull_over_separate": combined_sps / separate_sps,
+            "separate_samples_per_sec": separate_sps, "push_pull_samples_per_sec": per_shard_sps,
+            "push_pull_many_samples_per_sec": many_sps,
+            "push_pull_over_separate": per_shard_sps / separate_sps,
+            "push_pull_many_over_separate": many_sps / separate_sps,
+            "push_pull_many_over_push_pull": many_sps / per_shard_sps,
         });
         let mut big = serde_json::Value::Null;
 

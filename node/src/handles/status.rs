@@ -133,6 +133,10 @@ pub struct StatusSnapshot {
     /// up with the round in progress.
     pub dropped_samples: f64,
     pub skipped_steps: u64,
+    /// `PushPullMany` requests this worker sent (`cluster.push_pull_many`)
+    /// and the shards they carried.
+    pub batched_requests: u64,
+    pub batched_shards: u64,
     /// This process's resident memory now and its peak since it started
     /// (Linux's `VmRSS` and `VmHWM`; none on other systems).
     pub rss_bytes: Option<u64>,
@@ -250,6 +254,8 @@ pub enum StatusEvent {
     },
     /// Steps skipped to reach the round in progress after a dropped push.
     SkippedSteps(u64),
+    /// One `PushPullMany` carried this many shards.
+    Batched(u64),
 }
 
 /// The status actor's mailbox.

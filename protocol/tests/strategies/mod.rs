@@ -112,10 +112,22 @@ pub fn request() -> impl Strategy<Value = ShardRequest> {
     let push_pull = (push_grad(), any::<u32>(), encoding())
         .prop_map(|(push, max_wait_ms, encoding)| ShardRequest::PushPull(PushPull { push, max_wait_ms, encoding }));
     let probe = (run_id(), f32_payload()).prop_map(|(run, padding)| ShardRequest::Probe(Probe { run, padding }));
-    prop_oneof![push, pull, handoff, sync, manifest, push_pull, probe]
+    let many = proptest::collection::vec((push_grad(), any::<u32>(), encoding()), 0..4).prop_map(|v| {
+        ShardRequest::PushPullMany(
+            v.into_iter().map(|(push, max_wait_ms, encoding)| PushPull { push, max_wait_ms, encoding }).collect(),
+        )
+    });
+    prop_oneof![push, pull, handoff, sync, manifest, push_pull, probe, many]
 }
 
 pub fn response() -> impl Strategy<Value = ShardResponse> {
+    prop_oneof![
+        4 => single_response(),
+        1 => proptest::collection::vec(single_response(), 0..4).prop_map(ShardResponse::ExchangedMany),
+    ]
+}
+
+fn single_response() -> impl Strategy<Value = ShardResponse> {
     let code = prop_oneof![
         Just(ErrorCode::InvalidRequest),
         Just(ErrorCode::UnsupportedVersion),
