@@ -666,7 +666,11 @@ async fn drive(
         info!(%name, accuracy = eval.accuracy, loss = eval.loss, bits_per_byte = eval.bits_per_byte, step = ran.steps, "left the run");
     } else {
         info!(%name, accuracy = eval.accuracy, loss = eval.loss, bits_per_byte = eval.bits_per_byte, "training finished; serving until peers finish");
-        linger(membership, me, ran.steps, c.failure_timeout_ms, Duration::from_millis(c.linger_ms)).await;
+        // Keep serving: the peers may still need the shards this node owns.
+        let limit = Duration::from_millis(c.linger_ms);
+        if !membership.wait_until_peers_reach(me, ran.steps, c.failure_timeout_ms, limit).await {
+            warn!("stopped lingering: not every peer reported completion in time");
+        }
     }
     let mine = aggregator.suspects().borrow().clone();
     let view = membership.snapshot().view;
@@ -868,34 +872,6 @@ async fn wait_for_start(
                     ));
                 }
                 bail!(msg);
-            }
-        }
-    }
-}
-
-/// Keep serving until every live peer (roster members and joiners alike)
-/// reports it finished, left, or is gone, bounded by `limit`: they may still
-/// need the shards this node owns.
-async fn linger(membership: &MembershipHandle, me: PeerId, steps: u64, failure_timeout_ms: u64, limit: Duration) {
-    let mut rx = membership.subscribe();
-    let deadline = Instant::now() + limit;
-    loop {
-        let done = {
-            let snap = rx.borrow_and_update();
-            snap.view
-                .live(snap.now_ms, failure_timeout_ms)
-                .iter()
-                .filter(|p| p.heartbeat.peer != me && p.heartbeat.role != Role::Joining)
-                .all(|p| p.heartbeat.step >= steps || p.heartbeat.role == Role::Leaving)
-        };
-        if done {
-            return;
-        }
-        match tokio::time::timeout_at(deadline, rx.changed()).await {
-            Ok(Ok(())) => {}
-            _ => {
-                warn!("stopped lingering: not every peer reported completion in time");
-                return;
             }
         }
     }

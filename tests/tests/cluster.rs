@@ -219,7 +219,8 @@ async fn gossip_mode_converges_and_nodes_agree() -> anyhow::Result<()> {
     let mut base = digits_config("gossip", 300, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
     base.cluster.mode = shoal_node::config::Mode::Gossip;
     base.cluster.gossip_every = 5;
-    // Decentralised SGD reaches consensus as the step size decays.
+    // Decentralised SGD reaches consensus as the step size decays, and the
+    // nodes end on the average of their final models.
     base.training.lr_decay = shoal_node::config::LrDecay::Cosine;
     let reports = run_cluster(&ClusterSpec::new(4, base)).await?;
     let mut first = 0.0f32;

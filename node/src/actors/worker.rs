@@ -507,7 +507,67 @@ impl Worker {
                 step + 1
             };
         }
+        if self.config.cluster.mode == Mode::Gossip {
+            self.gossip_consensus(routing, t.steps, &mut params).await?;
+        }
         Ok(Ran { params, steps: t.steps, left: false })
+    }
+
+    /// Gossip mode, after the last step: average with every peer's final
+    /// model, so that the run ends on (nearly) one model. Random pairwise
+    /// averages leave the final models a random distance apart, and a node
+    /// that finished early averaged last with a peer's model of some steps
+    /// before. This round waits until the live peers report their last
+    /// step (their heartbeats; at most the request timeout), then averages
+    /// each shard over this node's copy and every peer's copy it gets. A
+    /// peer that has done this round already serves its average: the mean,
+    /// or close to it. Peers the failure detector gave up on, and any that
+    /// do not answer in time, are left out.
+    async fn gossip_consensus(&self, routing: &Routing, steps: u64, params: &mut [f32]) -> anyhow::Result<()> {
+        let limit = self.request_timeout();
+        let failure_timeout = self.config.cluster.failure_timeout_ms;
+        if !self.membership.wait_until_peers_reach(self.me, steps, failure_timeout, limit).await {
+            warn!("gossip: not every peer reported its last step in time; averaging with those that did");
+        }
+        // Roster members still alive: a failed peer would hold the round up
+        // to the deadline for nothing.
+        let live: std::collections::HashSet<PeerId> = {
+            let snap = self.membership.snapshot();
+            snap.view.live(snap.now_ms, failure_timeout).iter().map(|p| p.heartbeat.peer).collect()
+        };
+        let others: Vec<PeerId> =
+            routing.roster.peers().into_iter().filter(|p| *p != self.me && live.contains(p)).collect();
+        let deadline = Instant::now() + limit;
+        let copies = futures::future::join_all(others.iter().map(|&peer| {
+            futures::future::join_all(self.plan.shards().iter().map(move |shard| {
+                let req =
+                    ShardRequest::StateSync(StateSync { run: self.run.clone(), shard: shard.id, min_version: steps });
+                async move {
+                    match self.request_with_retry(peer, req, deadline).await {
+                        Ok(ShardResponse::ShardState(s)) => s.params.decode().ok().filter(|v| v.len() == shard.len()),
+                        Ok(_) | Err(_) => None,
+                    }
+                }
+            }))
+        }))
+        .await;
+        let mut averaged = 0usize;
+        for (i, shard) in self.plan.shards().iter().enumerate() {
+            let got: Vec<&Vec<f32>> = copies.iter().filter_map(|c| c.get(i)?.as_ref()).collect();
+            if got.is_empty() {
+                continue;
+            }
+            averaged += 1;
+            let n = (got.len() + 1) as f32;
+            for (j, p) in params[shard.range()].iter_mut().enumerate() {
+                *p = (*p + got.iter().map(|v| v[j]).sum::<f32>()) / n;
+            }
+        }
+        info!(shards = averaged, of = self.plan.len(), peers = others.len(), "gossip: final models averaged");
+        let params = Arc::new(params.to_vec());
+        self.trainer.set_params(params.clone()).await?;
+        self.snapshot.send_replace(ModelSnapshot { version: steps, params });
+        Ok(())
     }
 
     /// One step's gradients on the model the trainer holds now: the batch,

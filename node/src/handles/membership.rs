@@ -3,6 +3,10 @@
 //! wait on changes rather than poll. The actor is
 //! [`crate::actors::membership`].
 
+use std::time::Duration;
+
+use shoal_protocol::libp2p::PeerId;
+use shoal_protocol::Role;
 use tokio::sync::watch;
 
 use crate::policy::view::{RosterStatus, SelfState, View};
@@ -42,5 +46,36 @@ impl MembershipHandle {
 
     pub fn snapshot(&self) -> ViewSnapshot {
         self.view.borrow().clone()
+    }
+
+    /// Wait until every live peer other than `me` (roster members and
+    /// joiners past their join) reports `step` or more, or is leaving, at
+    /// most `limit`. True if they all did; false when the limit ran out.
+    /// Peers silent for `failure_timeout_ms` are not waited for.
+    pub async fn wait_until_peers_reach(
+        &self,
+        me: PeerId,
+        step: u64,
+        failure_timeout_ms: u64,
+        limit: Duration,
+    ) -> bool {
+        let mut rx = self.subscribe();
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let done = {
+                let snap = rx.borrow_and_update();
+                snap.view
+                    .live(snap.now_ms, failure_timeout_ms)
+                    .iter()
+                    .filter(|p| p.heartbeat.peer != me && p.heartbeat.role != Role::Joining)
+                    .all(|p| p.heartbeat.step >= step || p.heartbeat.role == Role::Leaving)
+            };
+            if done {
+                return true;
+            }
+            if !matches!(tokio::time::timeout_at(deadline, rx.changed()).await, Ok(Ok(()))) {
+                return false;
+            }
+        }
     }
 }
