@@ -414,23 +414,36 @@ impl NetworkActor {
             ShardRequest::PushPull(p) => {
                 let faults = self.parts.faults.clone();
                 let delay = faults.serve_delay() + faults.receive_delay(p.push.grad.byte_len());
-                let answer = serve_push_pull(peer, &routes, &run, p);
+                let taken = serve_push_pull(peer, &routes, &run, p);
                 self.responses.push(Box::pin(async move {
-                    let resp = answer.await;
+                    let resp = push_pull_answer(taken).await;
                     let sent = state_bytes(&resp);
                     hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
                     (channel, resp)
                 }));
             }
             ShardRequest::PushPullMany(batch) => {
-                // Each one served as if it had come alone; the link carries
+                // The answer must fit in one message too: refused before any
+                // gradient is taken (a sender retries each shard alone).
+                let answer_bytes: u64 = batch.iter().map(|p| p.push.grad.numel().saturating_mul(4)).sum();
+                let room = self.parts.config.limits.max_response_bytes.saturating_sub(1 << 20);
+                if answer_bytes > room {
+                    return self.respond_now(
+                        channel,
+                        wire_error(
+                            ErrorCode::TooLarge,
+                            format!("the answer would carry {answer_bytes} bytes of shards, over {room}"),
+                        ),
+                    );
+                }
+                // Each push taken as if it had come alone; the link carries
                 // their bytes together.
                 let faults = self.parts.faults.clone();
                 let received: u64 = batch.iter().map(|p| p.push.grad.byte_len()).sum();
                 let delay = faults.serve_delay() + faults.receive_delay(received);
-                let answers: Vec<_> = batch.into_iter().map(|p| serve_push_pull(peer, &routes, &run, p)).collect();
+                let taken: Vec<_> = batch.into_iter().map(|p| serve_push_pull(peer, &routes, &run, p)).collect();
                 self.responses.push(Box::pin(async move {
-                    let answers = futures::future::join_all(answers).await;
+                    let answers = push_pull_many_answers(taken).await;
                     let sent = answers.iter().map(state_bytes).sum();
                     hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
                     (channel, ShardResponse::ExchangedMany(answers))
@@ -636,14 +649,21 @@ fn relay_server_event(ev: relay::Event) {
     }
 }
 
-/// An answer that will come: a pushed gradient's, once the owner has it.
-type Answer = Pin<Box<dyn Future<Output = ShardResponse> + Send>>;
+/// A `PushPull` in two halves: the push's outcome, then (if the gradient
+/// was accepted) the state the owner parked the pull for.
+type Half<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// Serve one `PushPull` (alone or in a `PushPullMany`): its answer, once
-/// the owner has it (at once for a refusal). Link emulation is the
-/// caller's.
-fn serve_push_pull(peer: PeerId, routes: &Routes, run: &RunId, p: PushPull) -> Answer {
-    let now = |resp: ShardResponse| -> Answer { Box::pin(std::future::ready(resp)) };
+/// What became of a `PushPull`'s push: accepted, with the pull to await
+/// for its answer; or the final answer (a refusal, an error).
+enum Taken {
+    Accepted { accepted: Accepted, since: Instant, answer: Half<ShardResponse> },
+    Answered(ShardResponse),
+}
+
+/// Serve one `PushPull` (alone or in a `PushPullMany`): the push's outcome
+/// comes first (at once for a refusal). Link emulation is the caller's.
+fn serve_push_pull(peer: PeerId, routes: &Routes, run: &RunId, p: PushPull) -> Half<Taken> {
+    let now = |resp: ShardResponse| -> Half<Taken> { Box::pin(std::future::ready(Taken::Answered(resp))) };
     let Some(agg) = &routes.aggregator else {
         // Peers can agree on the roster a moment before we do: ask them to retry.
         return now(wire_error(ErrorCode::Busy, "training has not started on this node yet"));
@@ -663,31 +683,70 @@ fn serve_push_pull(peer: PeerId, routes: &Routes, run: &RunId, p: PushPull) -> A
     Box::pin(async move {
         match pushed.await {
             Ok(PushReply::Accepted { version, staleness }) => {
-                let taken = Instant::now();
+                let since = Instant::now();
                 let accepted = Accepted { shard, version, staleness };
-                match pulled.await {
-                    Ok(PullReply::State { version, params }) => {
-                        match shard_state(run, shard, version, epoch, &params, encoding) {
-                            Ok(s) => ShardResponse::Exchanged(Exchanged {
-                                accepted,
-                                held_ms: held_ms(taken),
-                                state: Some(s),
-                            }),
-                            Err(e) => ShardResponse::error(&e),
+                let held = accepted.clone();
+                let answer = Box::pin(async move {
+                    let accepted = held;
+                    match pulled.await {
+                        Ok(PullReply::State { version, params }) => {
+                            match shard_state(run, shard, version, epoch, &params, encoding) {
+                                Ok(s) => ShardResponse::Exchanged(Exchanged {
+                                    accepted,
+                                    held_ms: held_ms(since),
+                                    state: Some(s),
+                                }),
+                                Err(e) => ShardResponse::error(&e),
+                            }
                         }
+                        // The gradient counts; the worker pulls
+                        // (NotOwner: the shard moved after it was taken).
+                        Ok(PullReply::NotReady { .. } | PullReply::NotOwner { .. }) => {
+                            ShardResponse::Exchanged(Exchanged { accepted, held_ms: held_ms(since), state: None })
+                        }
+                        Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
                     }
-                    // The gradient counts; the worker pulls
-                    // (NotOwner: the shard moved after it was taken).
-                    Ok(PullReply::NotReady { .. } | PullReply::NotOwner { .. }) => {
-                        ShardResponse::Exchanged(Exchanged { accepted, held_ms: held_ms(taken), state: None })
-                    }
-                    Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
-                }
+                });
+                Taken::Accepted { accepted, since, answer }
             }
-            Ok(r) => push_response(shard, r),
-            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+            Ok(r) => Taken::Answered(push_response(shard, r)),
+            Err(_) => Taken::Answered(wire_error(ErrorCode::Internal, "aggregator stopped")),
         }
     })
+}
+
+/// The answer to one `PushPull`: its push's outcome, then its state.
+async fn push_pull_answer(taken: Half<Taken>) -> ShardResponse {
+    match taken.await {
+        Taken::Accepted { answer, .. } => answer.await,
+        Taken::Answered(resp) => resp,
+    }
+}
+
+/// The answers to a `PushPullMany`. Every push's outcome comes first. If
+/// any entry was refused, all are answered at once, the accepted ones as
+/// `Exchanged` without a state (their gradients count; the worker pulls
+/// them): a refusal (a shard that moved, a stale round) must reach the
+/// worker without waiting for the other shards' rounds, which may be
+/// waiting on this very worker's re-push elsewhere.
+async fn push_pull_many_answers(taken: Vec<Half<Taken>>) -> Vec<ShardResponse> {
+    let taken = futures::future::join_all(taken).await;
+    if taken.iter().all(|t| matches!(t, Taken::Accepted { .. })) {
+        return futures::future::join_all(taken.into_iter().map(|t| match t {
+            Taken::Accepted { answer, .. } => answer,
+            Taken::Answered(resp) => Box::pin(std::future::ready(resp)),
+        }))
+        .await;
+    }
+    taken
+        .into_iter()
+        .map(|t| match t {
+            Taken::Accepted { accepted, since, .. } => {
+                ShardResponse::Exchanged(Exchanged { accepted, held_ms: held_ms(since), state: None })
+            }
+            Taken::Answered(resp) => resp,
+        })
+        .collect()
 }
 
 /// Bytes of shard state an answer carries (link emulation).
@@ -742,6 +801,50 @@ mod tests {
 
     use super::*;
     use crate::handles::net::{ModelSnapshot, Routes};
+
+    /// A refusal in a batch is answered without waiting for the other
+    /// shards' rounds: the accepted entries go back without a state (their
+    /// gradients count, the worker pulls them).
+    #[tokio::test]
+    async fn a_refusal_in_a_batch_is_answered_without_waiting_for_the_rounds() {
+        let accepted = Accepted { shard: 0, version: 7, staleness: 0 };
+        let never: Half<ShardResponse> = Box::pin(futures::future::pending());
+        let waiting: Half<Taken> = Box::pin(std::future::ready(Taken::Accepted {
+            accepted: accepted.clone(),
+            since: Instant::now(),
+            answer: never,
+        }));
+        let moved = ShardResponse::NotOwner { shard: 1, epoch: 3, hint: None };
+        let refused: Half<Taken> = Box::pin(std::future::ready(Taken::Answered(moved.clone())));
+        let answers = push_pull_many_answers(vec![waiting, refused]).await;
+        assert_eq!(answers.len(), 2);
+        assert!(
+            matches!(&answers[0], ShardResponse::Exchanged(Exchanged { accepted: a, state: None, .. }) if *a == accepted),
+            "{:?}",
+            answers[0]
+        );
+        assert_eq!(answers[1], moved);
+
+        // All accepted: each answer is its state, in order.
+        let state = |shard: u32| -> Half<Taken> {
+            let accepted = Accepted { shard, version: 1, staleness: 0 };
+            let resp = ShardResponse::Exchanged(Exchanged { accepted: accepted.clone(), held_ms: 0, state: None });
+            Box::pin(std::future::ready(Taken::Accepted {
+                accepted,
+                since: Instant::now(),
+                answer: Box::pin(std::future::ready(resp)),
+            }))
+        };
+        let answers = push_pull_many_answers(vec![state(4), state(2)]).await;
+        let shards: Vec<u32> = answers
+            .iter()
+            .filter_map(|a| match a {
+                ShardResponse::Exchanged(x) => Some(x.accepted.shard),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(shards, vec![4, 2]);
+    }
 
     #[test]
     fn the_failed_set_forgets_the_oldest_mark_first() {

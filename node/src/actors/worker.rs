@@ -24,6 +24,7 @@ use shoal_models::{LayerFactors, Optimizer, Partition, ShardPlan};
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::{
     Encoding, Payload, Probe, PullShard, PushGrad, PushPull, Role, RunId, ShardRequest, ShardResponse, StateSync,
+    MAX_BATCH_SHARDS,
 };
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -303,6 +304,7 @@ impl Worker {
     /// Run all steps. Returns the final flat parameters.
     pub async fn run(&self, routing: &Routing, mut params: Vec<f32>) -> anyhow::Result<Ran> {
         let t = &self.config.training;
+        let gossip = self.config.cluster.mode == Mode::Gossip;
         let mut batches = match routing.partition {
             Some((rank, world)) => WorkerBatches::new(self.train_len, rank, world, t.batch_size, t.seed)?,
             None => {
@@ -479,8 +481,14 @@ impl Worker {
             let p = pace.observe(started.elapsed().as_secs_f64(), comm);
             let moved = self.step_bytes.swap(0, std::sync::atomic::Ordering::Relaxed);
             let (compute_rate, net_rate) = pace.rates(g.samples, compute, moved, comm);
+            // Gossip mode: the last step is reported once the final models
+            // are averaged (`gossip_consensus`), so that peers linger until
+            // every node has fetched the copies it averages.
+            let last_gossip = gossip && step + 1 == t.steps;
             self.membership.set_self(|me| {
-                me.step = step + 1;
+                if !last_gossip {
+                    me.step = step + 1;
+                }
                 me.model_version = version;
                 me.pace.step_micros = p.step_micros;
                 me.pace.comm_micros = p.comm_micros;
@@ -507,8 +515,9 @@ impl Worker {
                 step + 1
             };
         }
-        if self.config.cluster.mode == Mode::Gossip {
+        if gossip {
             self.gossip_consensus(routing, t.steps, &mut params).await?;
+            self.membership.set_self(|me| me.step = t.steps);
         }
         Ok(Ran { params, steps: t.steps, left: false })
     }
@@ -517,8 +526,11 @@ impl Worker {
     /// model, so that the run ends on (nearly) one model. Random pairwise
     /// averages leave the final models a random distance apart, and a node
     /// that finished early averaged last with a peer's model of some steps
-    /// before. This round waits until the live peers report their last
-    /// step (their heartbeats; at most the request timeout), then averages
+    /// before. This round waits until the live peers report that they
+    /// published their last step's model (the heartbeat's model version;
+    /// they report the step itself after this round, so that lingering
+    /// keeps every node serving until all have averaged; at most the
+    /// request timeout), then averages
     /// each shard over this node's copy and every peer's copy it gets. A
     /// peer that has done this round already serves its average: the mean,
     /// or close to it. Peers the failure detector gave up on, and any that
@@ -526,14 +538,19 @@ impl Worker {
     async fn gossip_consensus(&self, routing: &Routing, steps: u64, params: &mut [f32]) -> anyhow::Result<()> {
         let limit = self.request_timeout();
         let failure_timeout = self.config.cluster.failure_timeout_ms;
-        if !self.membership.wait_until_peers_reach(self.me, steps, failure_timeout, limit).await {
-            warn!("gossip: not every peer reported its last step in time; averaging with those that did");
+        if !self.membership.wait_until_peers_publish(self.me, steps, failure_timeout, limit).await {
+            warn!("gossip: not every peer published its last step's model in time; averaging with those that did");
         }
-        // Roster members still alive: a failed peer would hold the round up
-        // to the deadline for nothing.
+        // Roster members alive, staying and with their final model out: any
+        // other would hold the round up to the deadline for nothing.
         let live: std::collections::HashSet<PeerId> = {
             let snap = self.membership.snapshot();
-            snap.view.live(snap.now_ms, failure_timeout).iter().map(|p| p.heartbeat.peer).collect()
+            snap.view
+                .live(snap.now_ms, failure_timeout)
+                .iter()
+                .filter(|p| p.heartbeat.role != Role::Leaving && p.heartbeat.model_version >= steps)
+                .map(|p| p.heartbeat.peer)
+                .collect()
         };
         let others: Vec<PeerId> =
             routing.roster.peers().into_iter().filter(|p| *p != self.me && live.contains(p)).collect();
@@ -827,9 +844,13 @@ impl Worker {
         });
         // Together: a batched shard's exchange waits for its batch's answer,
         // and the owners answer only once every worker's pushes (this one's
-        // to its own shards too) are in.
-        let (_, results) = futures::join!(futures::future::join_all(batched), try_join_all(exchanges));
-        let mut results = results?;
+        // to its own shards too) are in. A failed exchange ends the step at
+        // once (the batches still on the wire are dropped).
+        let batched = async {
+            futures::future::join_all(batched).await;
+            Ok::<(), anyhow::Error>(())
+        };
+        let ((), mut results) = futures::try_join!(batched, try_join_all(exchanges))?;
         if self.backup_mode() {
             self.align_versions(&mut results).await?;
         }
@@ -1243,15 +1264,37 @@ impl Worker {
                 }
             }
         }
+        // Each batch and its answer must fit in one message: at most
+        // `MAX_BATCH_SHARDS` shards, and f32 bytes (the most a push or a
+        // pull of a shard carries) under the smaller message limit, less 1
+        // MiB for headers. An answer too large to send would come back as
+        // a failed request after the owner had taken every gradient in it.
+        let limits = &self.config.network.limits;
+        let room = limits.max_request_bytes.min(limits.max_response_bytes).saturating_sub(1 << 20);
         let mut batches = Vec::new();
-        for (owner, idx) in by_owner.into_iter().filter(|(_, idx)| idx.len() >= 2) {
-            let mut outcomes = Vec::with_capacity(idx.len());
-            for &i in &idx {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                firsts[i] = Some(FirstAttempt { owner, outcome: rx });
-                outcomes.push(tx);
+        for (owner, idx) in by_owner {
+            let mut chunk: Vec<usize> = Vec::new();
+            let mut bytes = 0u64;
+            let mut chunks = Vec::new();
+            for i in idx {
+                let b = shards[i].len() as u64 * 4;
+                if !chunk.is_empty() && (chunk.len() >= MAX_BATCH_SHARDS || bytes + b > room) {
+                    chunks.push(std::mem::take(&mut chunk));
+                    bytes = 0;
+                }
+                chunk.push(i);
+                bytes += b;
             }
-            batches.push((owner, idx, outcomes));
+            chunks.push(chunk);
+            for chunk in chunks.into_iter().filter(|c| c.len() >= 2) {
+                let mut outcomes = Vec::with_capacity(chunk.len());
+                for &i in &chunk {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    firsts[i] = Some(FirstAttempt { owner, outcome: rx });
+                    outcomes.push(tx);
+                }
+                batches.push((owner, chunk, outcomes));
+            }
         }
         (batches, firsts)
     }

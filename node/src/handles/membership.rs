@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::Role;
+use shoal_protocol::{Heartbeat, Role};
 use tokio::sync::watch;
 
 use crate::policy::view::{RosterStatus, SelfState, View};
@@ -59,18 +59,40 @@ impl MembershipHandle {
         failure_timeout_ms: u64,
         limit: Duration,
     ) -> bool {
+        self.wait_for_peers(me, failure_timeout_ms, limit, |h| h.step >= step).await
+    }
+
+    /// As [`MembershipHandle::wait_until_peers_reach`], for the model
+    /// version peers report having published.
+    pub async fn wait_until_peers_publish(
+        &self,
+        me: PeerId,
+        version: u64,
+        failure_timeout_ms: u64,
+        limit: Duration,
+    ) -> bool {
+        self.wait_for_peers(me, failure_timeout_ms, limit, |h| h.model_version >= version).await
+    }
+
+    async fn wait_for_peers(
+        &self,
+        me: PeerId,
+        failure_timeout_ms: u64,
+        limit: Duration,
+        done: impl Fn(&Heartbeat) -> bool,
+    ) -> bool {
         let mut rx = self.subscribe();
         let deadline = tokio::time::Instant::now() + limit;
         loop {
-            let done = {
+            let all = {
                 let snap = rx.borrow_and_update();
                 snap.view
                     .live(snap.now_ms, failure_timeout_ms)
                     .iter()
                     .filter(|p| p.heartbeat.peer != me && p.heartbeat.role != Role::Joining)
-                    .all(|p| p.heartbeat.step >= step || p.heartbeat.role == Role::Leaving)
+                    .all(|p| done(&p.heartbeat) || p.heartbeat.role == Role::Leaving)
             };
-            if done {
+            if all {
                 return true;
             }
             if !matches!(tokio::time::timeout_at(deadline, rx.changed()).await, Ok(Ok(()))) {
