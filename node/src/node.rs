@@ -443,7 +443,6 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
         leave: leave_rx,
         faults: faults.clone(),
         old_wire: Default::default(),
-        single_wire: Default::default(),
         step_bytes: Default::default(),
     };
     let leave = LeaveSwitch::new(leave_tx);

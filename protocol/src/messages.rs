@@ -417,6 +417,13 @@ pub struct Exchanged {
     pub state: Option<ShardState>,
 }
 
+impl Exchanged {
+    /// Bytes of shard state the answer carries (0 without a state).
+    pub fn state_bytes(&self) -> u64 {
+        self.state.as_ref().map_or(0, |s| s.params.byte_len())
+    }
+}
+
 /// One shard in a manifest.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardSummary {
@@ -572,6 +579,15 @@ pub enum ShardResponse {
 }
 
 impl ShardResponse {
+    /// Bytes of shard state an `Exchanged` answer carries (0 for any other
+    /// answer): what link emulation and the byte counters charge.
+    pub fn state_bytes(&self) -> u64 {
+        match self {
+            ShardResponse::Exchanged(x) => x.state_bytes(),
+            _ => 0,
+        }
+    }
+
     /// Short name for logs and metrics.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -417,7 +417,7 @@ impl NetworkActor {
                 let taken = serve_push_pull(peer, &routes, &run, p);
                 self.responses.push(Box::pin(async move {
                     let resp = push_pull_answer(taken).await;
-                    let sent = state_bytes(&resp);
+                    let sent = resp.state_bytes();
                     hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
                     (channel, resp)
                 }));
@@ -444,7 +444,7 @@ impl NetworkActor {
                 let taken: Vec<_> = batch.into_iter().map(|p| serve_push_pull(peer, &routes, &run, p)).collect();
                 self.responses.push(Box::pin(async move {
                     let answers = push_pull_many_answers(taken).await;
-                    let sent = answers.iter().map(state_bytes).sum();
+                    let sent = answers.iter().map(ShardResponse::state_bytes).sum();
                     hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
                     (channel, ShardResponse::ExchangedMany(answers))
                 }));
@@ -747,14 +747,6 @@ async fn push_pull_many_answers(taken: Vec<Half<Taken>>) -> Vec<ShardResponse> {
             Taken::Answered(resp) => resp,
         })
         .collect()
-}
-
-/// Bytes of shard state an answer carries (link emulation).
-fn state_bytes(resp: &ShardResponse) -> u64 {
-    match resp {
-        ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => s.params.byte_len(),
-        _ => 0,
-    }
 }
 
 /// The wire answer to a push.

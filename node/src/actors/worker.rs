@@ -157,11 +157,11 @@ pub struct Worker {
     pub leave: watch::Receiver<bool>,
     /// Fault injection (a slowdown stretches each gradient computation).
     pub faults: Arc<crate::ops::faults::Faults>,
-    /// Owners that answered a `PushPull` as an older wire revision.
-    pub old_wire: std::sync::Mutex<std::collections::HashSet<PeerId>>,
-    /// Owners that answered a `PushPullMany` as an older wire revision
-    /// (minor 2 or 3): they get one `PushPull` per shard.
-    pub single_wire: std::sync::Mutex<std::collections::HashSet<PeerId>>,
+    /// Owners known to speak an older wire revision: the newest minor each
+    /// can decode, learnt from an `UnsupportedVersion` answer (1: no
+    /// `PushPull`, a `PushGrad` and a `PullShard`; 3: no `PushPullMany`,
+    /// one `PushPull` per shard).
+    pub old_wire: std::sync::Mutex<std::collections::HashMap<PeerId, u16>>,
     /// Shard bytes pushed and pulled since the last step ended (the
     /// measured exchange rate in this node's capabilities).
     pub step_bytes: std::sync::atomic::AtomicU64,
@@ -263,6 +263,15 @@ fn next_owner(
         Some(h) => Ok(h),
         None => placement.borrow_and_update().clone().and_then(|p| p.owner(shard)).context("no placement yet"),
     }
+}
+
+/// What an owner's `Exchanged` answer means to the push's exchange: the
+/// shard's next state, or (without one) an accepted gradient to pull for.
+fn exchanged(x: shoal_protocol::Exchanged) -> anyhow::Result<Pushed> {
+    Ok(match x.state {
+        Some(s) => Pushed::State { version: s.version, params: Arc::new(s.params.decode()?) },
+        None => Pushed::Reply(PushReply::Accepted { version: x.accepted.version, staleness: x.accepted.staleness }),
+    })
 }
 
 /// `owner` does not own the shard: try next the owner it `named`, if
@@ -988,7 +997,7 @@ impl Worker {
                     Some(f) => f.outcome.await.ok().flatten(),
                     None => None,
                 };
-                let combined = self.config.cluster.push_pull && owner != self.me && !self.old_wire(owner);
+                let combined = self.config.cluster.push_pull && owner != self.me && self.speaks(owner, 2);
                 let pushed = match batched {
                     Some(outcome) => outcome,
                     None if !combined => {
@@ -1165,10 +1174,19 @@ impl Worker {
         })
     }
 
-    /// Whether `owner` speaks only wire minor 1 (it answered a `PushPull`
-    /// with `UnsupportedVersion`): it gets a `PushGrad` and a `PullShard`.
-    fn old_wire(&self, owner: PeerId) -> bool {
-        self.old_wire.lock().is_ok_and(|s| s.contains(&owner))
+    /// Whether `owner` can decode wire minor `minor` (every owner can,
+    /// unless it answered an older revision's `UnsupportedVersion`).
+    fn speaks(&self, owner: PeerId, minor: u16) -> bool {
+        self.old_wire.lock().map_or(true, |m| m.get(&owner).is_none_or(|&known| known >= minor))
+    }
+
+    /// `owner` answered `UnsupportedVersion` to a message of a minor above
+    /// `minor`: it gets nothing newer from now on.
+    fn speaks_at_most(&self, owner: PeerId, minor: u16) {
+        if let Ok(mut m) = self.old_wire.lock() {
+            let known = m.entry(owner).or_insert(minor);
+            *known = (*known).min(minor);
+        }
     }
 
     /// One push to a remote owner that brings back the shard's next version
@@ -1200,25 +1218,16 @@ impl Worker {
         let (reply, held_ms) = match resp {
             ShardResponse::Exchanged(x) => {
                 let held = x.held_ms;
-                match x.state {
-                    Some(s) => {
-                        hold(self.faults.receive_delay(s.params.byte_len())).await;
-                        let version = s.version;
-                        self.moved(0, s.params.byte_len());
-                        let params = Arc::new(s.params.decode()?);
-                        (Pushed::State { version, params }, held)
-                    }
-                    None => {
-                        let a = x.accepted;
-                        (Pushed::Reply(PushReply::Accepted { version: a.version, staleness: a.staleness }), held)
-                    }
+                let received = x.state_bytes();
+                if received > 0 {
+                    hold(self.faults.receive_delay(received)).await;
+                    self.moved(0, received);
                 }
+                (exchanged(x)?, held)
             }
             ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
                 info!(%owner, "owner speaks an older wire revision: pushing and pulling separately");
-                if let Ok(mut s) = self.old_wire.lock() {
-                    s.insert(owner);
-                }
+                self.speaks_at_most(owner, 1);
                 return self.push_to(owner, shard, base, step, samples, grad).await.map(Pushed::Reply);
             }
             other => match self.push_reply(owner, shard, other)? {
@@ -1259,7 +1268,7 @@ impl Worker {
         let mut by_owner: std::collections::BTreeMap<PeerId, Vec<usize>> = Default::default();
         for (i, shard) in shards.iter().enumerate() {
             if let Some(owner) = placement.owner(shard.id) {
-                if owner != self.me && !self.old_wire(owner) && !self.single_wire(owner) {
+                if owner != self.me && self.speaks(owner, 4) {
                     by_owner.entry(owner).or_default().push(i);
                 }
             }
@@ -1297,11 +1306,6 @@ impl Worker {
             }
         }
         (batches, firsts)
-    }
-
-    /// Whether `owner` answered a `PushPullMany` as an older wire revision.
-    fn single_wire(&self, owner: PeerId) -> bool {
-        self.single_wire.lock().is_ok_and(|s| s.contains(&owner))
     }
 
     /// The first push of several shards to one remote owner, in one
@@ -1360,21 +1364,13 @@ impl Worker {
             }
             ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
                 info!(%owner, "owner speaks an older wire revision: one PushPull per shard");
-                if let Ok(mut s) = self.single_wire.lock() {
-                    s.insert(owner);
-                }
+                self.speaks_at_most(owner, 3);
                 return Ok(items.iter().map(|_| None).collect());
             }
             ShardResponse::Error(e) => bail!("{owner} refused a batch: {:?}: {}", e.code, e.message),
             other => bail!("{owner} answered a batch with {}", other.kind()),
         };
-        let received: u64 = answers
-            .iter()
-            .map(|a| match a {
-                ShardResponse::Exchanged(shoal_protocol::Exchanged { state: Some(s), .. }) => s.params.byte_len(),
-                _ => 0,
-            })
-            .sum();
+        let received: u64 = answers.iter().map(ShardResponse::state_bytes).sum();
         hold(self.faults.receive_delay(received)).await;
         let mut held_ms = 0u32;
         let mut served_bytes = 0u64;
@@ -1388,19 +1384,8 @@ impl Worker {
                 ShardResponse::Exchanged(x) => {
                     held_ms = held_ms.max(x.held_ms);
                     served_bytes += size;
-                    match x.state {
-                        Some(s) => {
-                            any_state = true;
-                            s.params
-                                .decode()
-                                .map(|p| Pushed::State { version: s.version, params: Arc::new(p) })
-                                .map_err(anyhow::Error::from)
-                        }
-                        None => Ok(Pushed::Reply(PushReply::Accepted {
-                            version: x.accepted.version,
-                            staleness: x.accepted.staleness,
-                        })),
-                    }
+                    any_state |= x.state.is_some();
+                    exchanged(x)
                 }
                 other => self.push_reply(owner, shard, other).map(Pushed::Reply),
             };
