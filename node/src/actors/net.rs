@@ -11,6 +11,7 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
@@ -19,7 +20,7 @@ use shoal_protocol::config::{is_circuit_addr, is_local_only};
 use shoal_protocol::libp2p::multiaddr::Protocol;
 use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use shoal_protocol::libp2p::swarm::SwarmEvent;
-use shoal_protocol::libp2p::{dcutr, gossipsub, identify, mdns, relay, Multiaddr, PeerId, Swarm};
+use shoal_protocol::libp2p::{dcutr, gossipsub, identify, mdns, ping, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
     frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, Encoding,
     ErrorCode, Exchanged, GossipMessage, Heartbeat, Payload, ProtocolConfig, PushPull, RunId, ShardRequest,
@@ -34,6 +35,7 @@ use crate::handles::aggregator::{HandoffReply, PullReply, PushReply};
 use crate::handles::handoff::from_wire;
 use crate::handles::net::{ModelSnapshot, NetCommand, NetError, NetworkHandle, Routes};
 use crate::ops::faults::hold;
+use crate::policy::health::PathLatency;
 
 /// Everything the network actor needs besides the swarm.
 #[derive(Debug)]
@@ -62,7 +64,9 @@ type PendingResponse = Pin<Box<dyn Future<Output = (ResponseChannel<ShardRespons
 pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle {
     let local_peer = *swarm.local_peer_id();
     let (sender, receiver) = mpsc::channel(parts.capacity.max(1));
+    let paths = Arc::new(std::sync::Mutex::new(PathLatency::default()));
     let actor = NetworkActor {
+        paths: paths.clone(),
         topic: membership_topic(&parts.config.run_id),
         swarm,
         receiver,
@@ -74,7 +78,7 @@ pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle
         kad_bootstrapped: false,
     };
     tokio::spawn(actor.run());
-    NetworkHandle::new(sender, local_peer)
+    NetworkHandle::new(sender, local_peer).with_paths(paths)
 }
 
 struct NetworkActor {
@@ -97,6 +101,9 @@ struct NetworkActor {
     /// A Kademlia bootstrap query has been started (it needs a peer with a
     /// known address, which the first identify exchange gives).
     kad_bootstrapped: bool,
+    /// Each connected peer's ping round trip, read by the worker to time
+    /// owners' service without the path's latency.
+    paths: Arc<std::sync::Mutex<PathLatency>>,
 }
 
 /// Failed peers remembered. Past this, the one marked longest ago is
@@ -284,6 +291,16 @@ impl NetworkActor {
             SwarmEvent::OutgoingConnectionError { peer_id: Some(peer), error, .. } => {
                 for (addr, reply) in self.dials.remove(&peer).unwrap_or_default() {
                     let _ = reply.send(Err(NetError::Dial { addr, reason: error.to_string() }));
+                }
+            }
+            SwarmEvent::ConnectionClosed { peer_id, num_established: 0, .. } => {
+                if let Ok(mut paths) = self.paths.lock() {
+                    paths.forget(&peer_id);
+                }
+            }
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::Ping(ping::Event { peer, result: Ok(rtt), .. })) => {
+                if let Ok(mut paths) = self.paths.lock() {
+                    paths.record(peer, rtt.as_secs_f64() * 1e6);
                 }
             }
             SwarmEvent::Behaviour(ShoalBehaviourEvent::Shard(ev)) => self.shard_event(ev),
@@ -936,6 +953,65 @@ mod tests {
         assert!(accepted(&frozen) >= 1, "the explicit dial reached the peer");
         let e = net.request(peer, pull()).await.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(!e.is_empty() && !e.contains("not dialling"), "{e}");
+        Ok(())
+    }
+
+    /// A network actor on loopback TCP with no routes (it only pings, dials
+    /// and answers errors).
+    fn loopback_actor(run: &RunId) -> anyhow::Result<NetworkHandle> {
+        let mut cfg = ProtocolConfig {
+            run_id: run.clone(),
+            listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
+            quic: false,
+            ..Default::default()
+        };
+        cfg.discovery.mdns = false;
+        let swarm = build_swarm(&cfg, Keypair::generate_ed25519())?;
+        let (heartbeats, _hb) = mpsc::channel(4);
+        let (_routes_tx, routes) = watch::channel(Routes { aggregator: None, epoch: 0 });
+        let (_snap_tx, snapshot) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(Vec::new()) });
+        let ctx = ValidationContext::new(run.clone(), 1, cfg.limits.clone(), &cfg.timeouts);
+        Ok(spawn(
+            swarm,
+            NetworkParts {
+                config: cfg,
+                ctx,
+                shard_ranges: std::iter::once(0..1).collect(),
+                heartbeats,
+                routes,
+                snapshot,
+                capacity: 16,
+                optimizer: shoal_models::OptimizerConfig::new(shoal_models::OptimizerKind::Sgd, 0.1),
+                faults: Arc::new(crate::ops::faults::Faults::default()),
+            },
+        ))
+    }
+
+    /// Polls `f` every 10 ms until it holds, for at most 10 s.
+    async fn until(what: &str, mut f: impl FnMut() -> bool) -> anyhow::Result<()> {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !f() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .map_err(|_| anyhow::anyhow!("not within 10 s: {what}"))
+    }
+
+    #[tokio::test]
+    async fn the_path_round_trip_is_measured_by_ping_and_forgotten_with_the_connection() -> anyhow::Result<()> {
+        let run = RunId::new("path-rtt".to_string())?;
+        let (a, b) = (loopback_actor(&run)?, loopback_actor(&run)?);
+        let b_addr = b.listen_addrs().await?.into_iter().next().ok_or_else(|| anyhow::anyhow!("b listens nowhere"))?;
+        assert_eq!(a.path_rtt_micros(&b.local_peer()), None, "no ping before a connection");
+        assert_eq!(a.dial(b_addr).await?, b.local_peer());
+        // libp2p pings a new connection at once, then every 15 s.
+        until("a ping round trip to b", || a.path_rtt_micros(&b.local_peer()).is_some()).await?;
+        let rtt = a.path_rtt_micros(&b.local_peer()).unwrap_or(f64::NAN);
+        assert!(rtt > 0.0 && rtt < 1e6, "loopback round trip {rtt} µs");
+        // b goes away: a's last connection to it closes and its path is forgotten.
+        b.shutdown().await;
+        until("b's path forgotten", || a.path_rtt_micros(&b.local_peer()).is_none()).await?;
         Ok(())
     }
 }

@@ -40,7 +40,7 @@ use crate::ops::faults::hold;
 use crate::ops::logging::short;
 use crate::policy::compress::{factored_push, ErrorFeedback, PushCompression};
 use crate::policy::fit::{permille, rebalanced, BatchFit};
-use crate::policy::health::{would_demote, HealthPolicy, ServiceTracker};
+use crate::policy::health::{self, would_demote, HealthPolicy, ServiceTracker};
 use crate::policy::placement::Placement;
 use crate::policy::sync::SyncPolicy;
 use crate::policy::view::Roster;
@@ -732,7 +732,10 @@ impl Worker {
                 let sent = Instant::now();
                 hold(faults.send_delay(sent_bytes)).await;
                 let answered = match net.request(owner, req).await {
-                    Ok(ShardResponse::Probed { .. }) => Some((sent_bytes, sent.elapsed().as_secs_f64() * 1e6)),
+                    Ok(ShardResponse::Probed { .. }) => Some((
+                        sent_bytes,
+                        health::less_path(sent.elapsed().as_secs_f64() * 1e6, net.path_rtt_micros(&owner)),
+                    )),
                     Ok(other) => {
                         debug!(%owner, answer = other.kind(), "probe not answered (an older peer?)");
                         None
@@ -987,7 +990,12 @@ impl Worker {
             }
             // The first attempt went in a batch to the owner it names.
             let owner = match &first {
-                Some(f) => f.owner,
+                Some(f) => {
+                    // Seen, as `next_owner` marks it: a retry after a failed
+                    // batch then waits for a newer placement, not this one.
+                    placement.mark_unchanged();
+                    f.owner
+                }
                 None => next_owner(shard, &mut hint, &mut placement)?,
             };
             // A dropped gradient is not pushed again, even to a new owner.
@@ -1126,9 +1134,7 @@ impl Worker {
             return Ok(reply);
         }
         self.moved(bytes, 0);
-        if let Ok(mut t) = self.service.lock() {
-            t.observe(owner, bytes, sent.elapsed().as_secs_f64() * 1e6, step);
-        }
+        self.time_service(owner, bytes, sent.elapsed(), step);
         Ok(reply)
     }
 
@@ -1244,9 +1250,7 @@ impl Worker {
             // (Otherwise the caller records the push as after a plain one.)
             self.status.record(StatusEvent::PushLatency(service.as_secs_f64() * 1e3));
         }
-        if let Ok(mut t) = self.service.lock() {
-            t.observe(owner, bytes, service.as_secs_f64() * 1e6, step);
-        }
+        self.time_service(owner, bytes, service, step);
         Ok(reply)
     }
 
@@ -1399,11 +1403,20 @@ impl Worker {
             self.status.record(StatusEvent::PushLatency(service.as_secs_f64() * 1e3));
         }
         if served_bytes > 0 {
-            if let Ok(mut t) = self.service.lock() {
-                t.observe(owner, served_bytes, service.as_secs_f64() * 1e6, step);
-            }
+            self.time_service(owner, served_bytes, service, step);
         }
         Ok(out)
+    }
+
+    /// Time `owner`'s service of `bytes` for the straggler detector: the
+    /// round trip (less any hold the owner reported) less the path's own
+    /// latency, so that a request's fixed cost on a slow path is not
+    /// counted per MiB against the owner ([`health::PathLatency`]).
+    fn time_service(&self, owner: PeerId, bytes: u64, round_trip: Duration, step: u64) {
+        let micros = health::less_path(round_trip.as_secs_f64() * 1e6, self.net.path_rtt_micros(&owner));
+        if let Ok(mut t) = self.service.lock() {
+            t.observe(owner, bytes, micros, step);
+        }
     }
 
     /// Shard bytes sent (`out`) and received (`r#in`): counted in /status

@@ -9,6 +9,7 @@ use shoal_protocol::{GossipMessage, ShardRequest, ShardResponse};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::handles::aggregator::AggregatorHandle;
+use crate::policy::health::PathLatency;
 
 /// A copy of this node's current model, served to peers that sync state
 /// (`StateSync`) or gossip-average with us.
@@ -68,11 +69,26 @@ pub struct Routes {
 pub struct NetworkHandle {
     sender: mpsc::Sender<NetCommand>,
     local_peer: PeerId,
+    /// The network actor's ping round trips (empty for a handle with no
+    /// swarm behind it, as in unit tests).
+    paths: Arc<std::sync::Mutex<PathLatency>>,
 }
 
 impl NetworkHandle {
     pub(crate) fn new(sender: mpsc::Sender<NetCommand>, local_peer: PeerId) -> Self {
-        Self { sender, local_peer }
+        Self { sender, local_peer, paths: Arc::default() }
+    }
+
+    /// This handle reads the ping round trips the network actor records.
+    pub(crate) fn with_paths(mut self, paths: Arc<std::sync::Mutex<PathLatency>>) -> Self {
+        self.paths = paths;
+        self
+    }
+
+    /// The path's round trip to `peer` in µs (the least recent ping; see
+    /// [`PathLatency`]), `None` before the first ping on a connection.
+    pub fn path_rtt_micros(&self, peer: &PeerId) -> Option<f64> {
+        self.paths.lock().ok()?.floor(peer)
     }
 
     pub fn local_peer(&self) -> PeerId {

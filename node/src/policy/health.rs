@@ -191,6 +191,56 @@ fn level_with_hysteresis(raw: f64, current: i8) -> i8 {
     (raw.trunc().clamp(f64::from(MIN_LEVEL), f64::from(MAX_LEVEL))) as i8
 }
 
+/// Ping round trips kept per peer by [`PathLatency`]: with libp2p's ping
+/// every 15 s, the floor covers the last two minutes.
+pub const PATH_RTT_WINDOW: usize = 8;
+
+/// The network's own round trip to each connected peer: the least of its
+/// last [`PATH_RTT_WINDOW`] ping round trips (delays only ever add to a
+/// ping, so the least is the path's latency and the rest is queueing).
+///
+/// A worker subtracts it from a push's round trip before timing the owner
+/// ([`less_path`]). Without that, a request's fixed cost on a WAN link (a
+/// round trip of tens of ms) counted per MiB against the owner: an owner
+/// holding one of a worker's shards paid it for one shard, owners batched
+/// with `PushPullMany` for several, so on a slow path the single-shard
+/// owner could look several times slower per MiB while serving as fast.
+#[derive(Debug, Clone, Default)]
+pub struct PathLatency {
+    peers: BTreeMap<PeerId, std::collections::VecDeque<f64>>,
+}
+
+impl PathLatency {
+    /// One ping round trip to `peer`, in µs (non-finite or negative ones are ignored).
+    pub fn record(&mut self, peer: PeerId, micros: f64) {
+        if !(micros.is_finite() && micros >= 0.0) {
+            return;
+        }
+        let w = self.peers.entry(peer).or_default();
+        if w.len() >= PATH_RTT_WINDOW {
+            w.pop_front();
+        }
+        w.push_back(micros);
+    }
+
+    /// The path's round trip to `peer` in µs, `None` before its first ping.
+    pub fn floor(&self, peer: &PeerId) -> Option<f64> {
+        self.peers.get(peer)?.iter().copied().reduce(f64::min)
+    }
+
+    /// `peer`'s last connection closed: its path may differ next time.
+    pub fn forget(&mut self, peer: &PeerId) {
+        self.peers.remove(peer);
+    }
+}
+
+/// An owner's service time from a request's round trip in µs (less any time
+/// the owner reported holding the answer): the round trip less the path's
+/// own latency ([`PathLatency::floor`]), never below zero.
+pub fn less_path(round_trip_micros: f64, path_micros: Option<f64>) -> f64 {
+    (round_trip_micros - path_micros.unwrap_or(0.0)).max(0.0)
+}
+
 /// Weight of the newest push in a worker's moving average of an owner's
 /// service time. 0.1 averages over about ten pushes: on a loaded machine
 /// single pushes wait tens of milliseconds for a CPU, and a faster average
@@ -370,6 +420,56 @@ mod tests {
         let tiny: Vec<ServiceObservation> =
             owners.iter().zip([10.0, 10.0, 40.0, 10.0]).map(|(&o, v)| obs(o, v)).collect();
         assert!(would_demote(me, &tiny, &none, policy).is_empty());
+    }
+
+    #[test]
+    fn the_path_latency_is_the_least_recent_ping_and_comes_off_the_service_time() {
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let mut paths = PathLatency::default();
+        assert_eq!(paths.floor(&a), None);
+        assert_eq!(less_path(3_000.0, paths.floor(&a)), 3_000.0, "no ping yet: the whole round trip");
+        for rtt in [40_000.0, 30_000.0, 55_000.0, f64::NAN, -1.0] {
+            paths.record(a, rtt);
+        }
+        assert_eq!(paths.floor(&a), Some(30_000.0), "the least, NaN and negative ignored");
+        assert_eq!(paths.floor(&b), None, "per peer");
+        // The 30 ms ping leaves the window after PATH_RTT_WINDOW newer ones.
+        for _ in 0..PATH_RTT_WINDOW {
+            paths.record(a, 45_000.0);
+        }
+        assert_eq!(paths.floor(&a), Some(45_000.0));
+        assert_eq!(less_path(47_000.0, paths.floor(&a)), 2_000.0);
+        assert_eq!(less_path(44_000.0, paths.floor(&a)), 0.0, "never below zero");
+        paths.forget(&a);
+        assert_eq!(paths.floor(&a), None);
+    }
+
+    #[test]
+    fn a_single_shard_owner_on_a_slow_path_is_not_taken_for_a_straggler() {
+        // A worker 40 ms from every owner. Owners 0-2 each hold 4 of its
+        // 1 MiB shards (one PushPullMany each), owner 3 holds one; every
+        // owner serves at 2 ms per MiB.
+        let owners: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
+        let me = PeerId::random();
+        let policy = HealthPolicy { demote_ratio: 3.0, restore_ratio: 1.5, min_excess_micros_per_mib: 5_000.0 };
+        let mut paths = PathLatency::default();
+        let (mut raw, mut net) = (ServiceTracker::default(), ServiceTracker::default());
+        for step in 0..10 {
+            for (i, &o) in owners.iter().enumerate() {
+                paths.record(o, 40_000.0);
+                let mib: u64 = if i == 3 { 1 } else { 4 };
+                let round_trip = 40_000.0 + 2_000.0 * mib as f64;
+                raw.observe(o, mib << 20, round_trip, step);
+                net.observe(o, mib << 20, less_path(round_trip, paths.floor(&o)), step);
+            }
+        }
+        let none = BTreeSet::new();
+        assert_eq!(
+            would_demote(me, &raw.report(10, 100), &none, policy),
+            BTreeSet::from([owners[3]]),
+            "timed on the whole round trip, the single-shard owner looks 3.5x slower per MiB"
+        );
+        assert!(would_demote(me, &net.report(10, 100), &none, policy).is_empty());
     }
 
     #[test]
