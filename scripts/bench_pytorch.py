@@ -9,7 +9,9 @@ SGD; batch 64 per worker; one epoch split over the workers):
   cnn-1: the same with the CNN;
   mlp-4: `shoal demo --nodes 4 --steps 235` (4 nodes in one process on
          loopback TCP, BSP) against DistributedDataParallel over gloo with 4
-         processes on 127.0.0.1 (scripts/torch_baseline.py);
+         processes on 127.0.0.1 (scripts/torch_baseline.py), both at the
+         demo's defaults: lr 0.15 with cosine decay to lr/100;
+  mlp-4k: the same at a constant lr 0.05 on both sides (issue 14's work);
   mlp-4c: the same at lr 0.2 (0.05 x 4 workers, the linear scaling rule)
          with cosine decay to lr/100, on both sides.
   gpt-1: `shoal train --model gpt` (4 layers, 4 heads, width 128, context
@@ -91,7 +93,7 @@ def main():
     p.add_argument("--shoal", default=os.path.join(HERE, "..", "target", "release", "shoal"))
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4,mlp-4c,gpt-1")
+    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4,mlp-4k,gpt-1")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args()
     if args.runs < 1:
@@ -110,7 +112,10 @@ def main():
         "cnn-1": (lambda: shoal_train(args.shoal, "cnn", args.data),
                   lambda: torch_case(["--mode", "single", "--model", "cnn", "--data", args.data])),
         "mlp-4": (lambda: shoal_demo(args.shoal, args.data),
-                  lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data])),
+                  lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data,
+                                      "--lr", "0.15", "--cosine"])),
+        "mlp-4k": (lambda: shoal_demo(args.shoal, args.data, ["--lr", "0.05", "--lr-decay", "none"]),
+                   lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data])),
         "mlp-4c": (lambda: shoal_demo(args.shoal, args.data, ["--lr", "0.2", "--lr-decay", "cosine"]),
                    lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data,
                                        "--lr", "0.2", "--cosine"])),

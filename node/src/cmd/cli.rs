@@ -370,11 +370,11 @@ pub struct DemoArgs {
     /// Samples per step on each node.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// Learning rate of the shard owners' SGD (default 0.05).
+    /// Learning rate of the SGD (default 0.15, decayed by --lr-decay; 0.05 with --local-steps above 1).
     #[arg(long)]
     pub lr: Option<f64>,
-    /// Learning-rate decay: none, or cosine (to lr/100 over the steps).
-    #[arg(long, default_value = "none")]
+    /// Learning-rate decay: cosine (to lr/100 over the steps), or none.
+    #[arg(long, default_value = "cosine")]
     pub lr_decay: crate::config::LrDecay,
     /// Seed of weight init and data order.
     #[arg(long, default_value_t = 42)]
