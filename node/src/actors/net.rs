@@ -908,24 +908,7 @@ mod tests {
         cfg.timeouts.handshake_ms = 300;
         let mut swarm = build_swarm(&cfg, Keypair::generate_ed25519())?;
         swarm.add_peer_address(peer, addr);
-        let (heartbeats, _hb) = mpsc::channel(4);
-        let (_routes_tx, routes) = watch::channel(Routes { aggregator: None, epoch: 0 });
-        let (_snap_tx, snapshot) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(Vec::new()) });
-        let ctx = ValidationContext::new(run.clone(), 1, cfg.limits.clone(), &cfg.timeouts);
-        let net = spawn(
-            swarm,
-            NetworkParts {
-                config: cfg,
-                ctx,
-                shard_ranges: std::iter::once(0..1).collect(),
-                heartbeats,
-                routes,
-                snapshot,
-                capacity: 16,
-                optimizer: shoal_models::OptimizerConfig::new(shoal_models::OptimizerKind::Sgd, 0.1),
-                faults: Arc::new(crate::ops::faults::Faults::default()),
-            },
-        );
+        let net = spawn_test_actor(swarm, cfg, &run);
         let pull = || {
             ShardRequest::PullShard(PullShard {
                 run: run.clone(),
@@ -966,12 +949,16 @@ mod tests {
             ..Default::default()
         };
         cfg.discovery.mdns = false;
-        let swarm = build_swarm(&cfg, Keypair::generate_ed25519())?;
+        Ok(spawn_test_actor(build_swarm(&cfg, Keypair::generate_ed25519())?, cfg, run))
+    }
+
+    /// A network actor over `swarm` with no routes.
+    fn spawn_test_actor(swarm: Swarm<ShoalBehaviour>, cfg: ProtocolConfig, run: &RunId) -> NetworkHandle {
         let (heartbeats, _hb) = mpsc::channel(4);
         let (_routes_tx, routes) = watch::channel(Routes { aggregator: None, epoch: 0 });
         let (_snap_tx, snapshot) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(Vec::new()) });
         let ctx = ValidationContext::new(run.clone(), 1, cfg.limits.clone(), &cfg.timeouts);
-        Ok(spawn(
+        spawn(
             swarm,
             NetworkParts {
                 config: cfg,
@@ -984,7 +971,7 @@ mod tests {
                 optimizer: shoal_models::OptimizerConfig::new(shoal_models::OptimizerKind::Sgd, 0.1),
                 faults: Arc::new(crate::ops::faults::Faults::default()),
             },
-        ))
+        )
     }
 
     /// Polls `f` every 10 ms until it holds, for at most 10 s.
