@@ -1072,7 +1072,7 @@ mod tests {
                 checkpoint: None,
             };
             let status = crate::actors::status::spawn("t".into(), me.to_string(), 100, 64);
-            let agg = spawn(cfg, status, NetworkHandle::new(net_tx, me), placement_rx, snapshot);
+            let agg = spawn(cfg, status, NetworkHandle::new(net_tx, me, Default::default()), placement_rx, snapshot);
             nodes.push(Node { me, agg, placement });
             inboxes.push((me, net_rx));
         }

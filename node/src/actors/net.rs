@@ -78,7 +78,7 @@ pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle
         kad_bootstrapped: false,
     };
     tokio::spawn(actor.run());
-    NetworkHandle::new(sender, local_peer).with_paths(paths)
+    NetworkHandle::new(sender, local_peer, paths)
 }
 
 struct NetworkActor {

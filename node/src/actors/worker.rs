@@ -265,6 +265,13 @@ fn next_owner(
     }
 }
 
+/// `owner`'s service time in µs from a request's `round_trip` (less any
+/// hold it reported): less the path's own latency, the network's least
+/// recent ping to it ([`health::PathLatency`]). Pushes and probes alike.
+fn service_micros(net: &NetworkHandle, owner: PeerId, round_trip: Duration) -> f64 {
+    health::less_path(round_trip.as_secs_f64() * 1e6, net.path_rtt_micros(&owner))
+}
+
 /// What an owner's `Exchanged` answer means to the push's exchange: the
 /// shard's next state, or (without one) an accepted gradient to pull for.
 fn exchanged(x: shoal_protocol::Exchanged) -> anyhow::Result<Pushed> {
@@ -732,10 +739,7 @@ impl Worker {
                 let sent = Instant::now();
                 hold(faults.send_delay(sent_bytes)).await;
                 let answered = match net.request(owner, req).await {
-                    Ok(ShardResponse::Probed { .. }) => Some((
-                        sent_bytes,
-                        health::less_path(sent.elapsed().as_secs_f64() * 1e6, net.path_rtt_micros(&owner)),
-                    )),
+                    Ok(ShardResponse::Probed { .. }) => Some((sent_bytes, service_micros(&net, owner, sent.elapsed()))),
                     Ok(other) => {
                         debug!(%owner, answer = other.kind(), "probe not answered (an older peer?)");
                         None
@@ -1413,7 +1417,7 @@ impl Worker {
     /// latency, so that a request's fixed cost on a slow path is not
     /// counted per MiB against the owner ([`health::PathLatency`]).
     fn time_service(&self, owner: PeerId, bytes: u64, round_trip: Duration, step: u64) {
-        let micros = health::less_path(round_trip.as_secs_f64() * 1e6, self.net.path_rtt_micros(&owner));
+        let micros = service_micros(&self.net, owner, round_trip);
         if let Ok(mut t) = self.service.lock() {
             t.observe(owner, bytes, micros, step);
         }

@@ -69,20 +69,17 @@ pub struct Routes {
 pub struct NetworkHandle {
     sender: mpsc::Sender<NetCommand>,
     local_peer: PeerId,
-    /// The network actor's ping round trips (empty for a handle with no
-    /// swarm behind it, as in unit tests).
+    /// The ping round trips the network actor records.
     paths: Arc<std::sync::Mutex<PathLatency>>,
 }
 
 impl NetworkHandle {
-    pub(crate) fn new(sender: mpsc::Sender<NetCommand>, local_peer: PeerId) -> Self {
-        Self { sender, local_peer, paths: Arc::default() }
-    }
-
-    /// This handle reads the ping round trips the network actor records.
-    pub(crate) fn with_paths(mut self, paths: Arc<std::sync::Mutex<PathLatency>>) -> Self {
-        self.paths = paths;
-        self
+    pub(crate) fn new(
+        sender: mpsc::Sender<NetCommand>,
+        local_peer: PeerId,
+        paths: Arc<std::sync::Mutex<PathLatency>>,
+    ) -> Self {
+        Self { sender, local_peer, paths }
     }
 
     /// The path's round trip to `peer` in µs (the least recent ping; see
