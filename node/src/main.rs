@@ -6,9 +6,11 @@ use clap::Parser;
 
 use shoal_node::cmd;
 use shoal_node::cmd::cli::{BenchCommand, Cli, Command, DataCommand, TestnetCommand};
-use shoal_node::ops::logging;
+use shoal_node::ops::{allocator, logging};
 
 fn main() -> ExitCode {
+    // First, before anything has started: on success this does not return.
+    let reexec_failed = allocator::reexec_tuned();
     let cli = Cli::parse();
     let default_level = if matches!(cli.command, Command::Demo(_) | Command::Bench { .. } | Command::Testnet { .. }) {
         "warn"
@@ -18,6 +20,9 @@ fn main() -> ExitCode {
     if let Err(e) = logging::init(cli.log_format, default_level) {
         eprintln!("error: cannot start logging: {e:#}");
         return ExitCode::from(2);
+    }
+    if let Some(why) = reexec_failed {
+        tracing::warn!("{why}; running on glibc's allocator defaults (slower: see docs/operations.md)");
     }
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),

@@ -437,3 +437,53 @@ fn a_live_node_s_metrics_pass_promtool() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "promtool check metrics found problems:\n{out}{err}\n--- the metrics:\n{metrics}");
 }
+
+/// The environment `pid` runs under now (after any `exec`), as NAME=VALUE.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn environ(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .map(|b| b.split(|c| *c == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// Starts a long `shoal train` with `tunables` (None: unset) and returns
+/// its `GLIBC_TUNABLES` once the process has re-executed itself (or after
+/// it has trained a step, when it should not re-execute).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tunables_of_a_running_node(tunables: Option<&str>) -> Option<String> {
+    use std::io::BufRead;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shoal"));
+    cmd.args(["train", "--steps", "100000", "--eval-every", "100000", "--threads", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    match tunables {
+        Some(t) => cmd.env("GLIBC_TUNABLES", t),
+        None => cmd.env_remove("GLIBC_TUNABLES"),
+    };
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot run shoal: {e}"));
+    // The first line is printed after argument parsing, so after the
+    // re-execution: the environment read now is the one it trains under.
+    let stdout = child.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+    let first = std::io::BufReader::new(stdout).lines().next();
+    let env = environ(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(matches!(first, Some(Ok(ref l)) if l.starts_with("training ")), "shoal train did not start: {first:?}");
+    env.iter().find_map(|v| v.strip_prefix("GLIBC_TUNABLES=").map(str::to_owned))
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn the_binary_runs_under_its_allocator_tunables_unless_the_user_set_some() {
+    // glibc parses the variable in place and cuts it at the first `:` in
+    // the process's initial environment (its own copy, which children
+    // inherit, is whole), so /proc shows the first tunable only.
+    let tuned = tunables_of_a_running_node(None);
+    let ours = shoal_node::ops::allocator::tunables();
+    let first = ours.split(':').next().unwrap_or_default();
+    assert_eq!(tuned.as_deref(), Some(first), "re-executed with {ours}");
+    let own = tunables_of_a_running_node(Some("glibc.malloc.arena_max=2"));
+    assert_eq!(own.as_deref(), Some("glibc.malloc.arena_max=2"), "a user's setting is kept");
+    let off = tunables_of_a_running_node(Some(""));
+    assert_eq!(off.as_deref(), Some(""), "an empty value keeps glibc's defaults");
+}

@@ -976,6 +976,13 @@ pub fn qemu_aarch64_command(bin: &Path) -> anyhow::Result<Command> {
     if std::env::var_os("QEMU_LD_PREFIX").is_none() && Path::new(AARCH64_SYSROOT).is_dir() {
         cmd.env("QEMU_LD_PREFIX", AARCH64_SYSROOT);
     }
+    // `shoal` re-executes itself with its allocator tunables when none are
+    // set (`node/src/ops/allocator.rs`); under user-mode emulation without
+    // binfmt_misc the kernel cannot start an aarch64 binary, so the exec
+    // would fail with a warning. Any value, even empty, keeps it from trying.
+    if std::env::var_os("GLIBC_TUNABLES").is_none() {
+        cmd.env("GLIBC_TUNABLES", "");
+    }
     Ok(cmd)
 }
 
