@@ -447,18 +447,19 @@ fn environ(pid: u32) -> Vec<String> {
 }
 
 /// Starts a long `shoal train` with `tunables` (None: unset) and returns
-/// its `GLIBC_TUNABLES` once the process has re-executed itself (or after
-/// it has trained a step, when it should not re-execute).
+/// its `GLIBC_TUNABLES` once it has printed its first line, which comes
+/// after any re-execution.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn tunables_of_a_running_node(tunables: Option<&str>) -> Option<String> {
+    use shoal_node::ops::allocator::TUNABLES_VAR;
     use std::io::BufRead;
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_shoal"));
     cmd.args(["train", "--steps", "100000", "--eval-every", "100000", "--threads", "1"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null());
     match tunables {
-        Some(t) => cmd.env("GLIBC_TUNABLES", t),
-        None => cmd.env_remove("GLIBC_TUNABLES"),
+        Some(t) => cmd.env(TUNABLES_VAR, t),
+        None => cmd.env_remove(TUNABLES_VAR),
     };
     let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot run shoal: {e}"));
     // The first line is printed after argument parsing, so after the
@@ -469,7 +470,7 @@ fn tunables_of_a_running_node(tunables: Option<&str>) -> Option<String> {
     let _ = child.kill();
     let _ = child.wait();
     assert!(matches!(first, Some(Ok(ref l)) if l.starts_with("training ")), "shoal train did not start: {first:?}");
-    env.iter().find_map(|v| v.strip_prefix("GLIBC_TUNABLES=").map(str::to_owned))
+    env.iter().find_map(|v| v.strip_prefix(&format!("{TUNABLES_VAR}=")).map(str::to_owned))
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -14,7 +14,7 @@
 //! glibc reads its tunables only when a process starts, and setting them
 //! from inside (`mallopt`) would need unsafe code, which this workspace
 //! forbids. So `shoal` re-executes itself once at start with
-//! `GLIBC_TUNABLES` set to [`TUNABLES`] (the same binary, arguments and
+//! `GLIBC_TUNABLES` set to [`tunables`] (the same binary, arguments and
 //! process id; `exec` replaces the image). The block sizes are the peak
 //! of the largest step, so a node's peak memory is unchanged; what
 //! changes is that up to [`TRIM_THRESHOLD`] of freed memory stays mapped
@@ -39,6 +39,9 @@ pub fn tunables() -> String {
 /// The variable that, when present, leaves the allocator as it is.
 pub const TUNABLES_VAR: &str = "GLIBC_TUNABLES";
 
+/// Whether this build links glibc (the only C library re-executed for).
+const GNU_LIBC: bool = cfg!(all(target_os = "linux", target_env = "gnu"));
+
 /// Whether to re-execute with [`tunables`]: on glibc only, and only when
 /// the environment does not set `GLIBC_TUNABLES` already (which also ends
 /// the re-execution after one round). Pure, for the tests.
@@ -50,14 +53,13 @@ pub fn should_reexec(gnu_libc: bool, tunables_set: bool) -> bool {
 /// so. Returns only when it does not re-execute or `exec` failed (the node
 /// then runs on glibc's defaults; the reason is given back for a log line).
 pub fn reexec_tuned() -> Option<String> {
-    let gnu = cfg!(all(target_os = "linux", target_env = "gnu"));
-    if !should_reexec(gnu, std::env::var_os(TUNABLES_VAR).is_some()) {
+    if !should_reexec(GNU_LIBC, std::env::var_os(TUNABLES_VAR).is_some()) {
         return None;
     }
     exec_with_tunables()
 }
 
-#[cfg(unix)]
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn exec_with_tunables() -> Option<String> {
     use std::os::unix::process::CommandExt;
     let exe = match std::env::current_exe() {
@@ -73,7 +75,8 @@ fn exec_with_tunables() -> Option<String> {
     Some(format!("cannot re-execute {} with {TUNABLES_VAR}: {err}", exe.display()))
 }
 
-#[cfg(not(unix))]
+/// Never called: [`should_reexec`] is false without glibc.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn exec_with_tunables() -> Option<String> {
     None
 }
