@@ -295,3 +295,36 @@ pub fn decode_gossip(data: &[u8], limits: &Limits) -> Result<GossipMessage> {
         Err(e) => Err(e.into()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer can nest answers only as deep as the wire allows: a header of
+    /// batches inside batches is refused, not decoded by recursion until
+    /// the stack runs out.
+    #[test]
+    fn deeply_nested_answers_are_refused_without_exhausting_the_stack() {
+        let mut header = Vec::new();
+        for _ in 0..200_000 {
+            header.extend_from_slice(&[11, 1]);
+        }
+        header.extend_from_slice(&[10, 0]);
+        let r = decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20);
+        assert!(r.is_err(), "{r:?}");
+
+        // As deep as the wire allows decodes, and the depth count is back
+        // at zero afterwards (also after a refusal): the same message
+        // decodes again on this thread.
+        let accepted = ShardResponse::Accepted(crate::messages::Accepted { shard: 2, version: 5, staleness: 1 });
+        let nested = ShardResponse::ExchangedMany(vec![ShardResponse::ExchangedMany(vec![accepted])]);
+        let header = postcard::to_allocvec(&nested).expect("encodes");
+        for _ in 0..2 {
+            let back = decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20).expect("decodes");
+            assert_eq!(back, nested);
+        }
+        let deeper = ShardResponse::ExchangedMany(vec![nested]);
+        let header = postcard::to_allocvec(&deeper).expect("encodes");
+        assert!(decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20).is_err());
+    }
+}

@@ -22,6 +22,51 @@ use crate::payload::{Encoding, Payload};
 /// `ShardResponse::ExchangedMany`.
 pub const WIRE_VERSION: u16 = 4;
 
+/// How deep answers may nest in one message: an `ExchangedMany` of answers
+/// is one level; two leave room for validation to refuse a batch inside a
+/// batch. Deeper headers are refused while decoding, so a peer's bytes
+/// cannot make the decoder recurse until the stack runs out (200,000
+/// nested batches in a 400 KB header did, and aborted the process).
+pub const MAX_NESTING: u8 = 2;
+
+/// Decoding of the fields that hold other requests or answers, with a
+/// count of how deep the decoder is (see [`MAX_NESTING`]). Decoding is
+/// synchronous, so a per-thread count is exact.
+mod nesting {
+    use std::cell::Cell;
+
+    use serde::{Deserialize, Deserializer};
+
+    thread_local! {
+        static DEPTH: Cell<u8> = const { Cell::new(0) };
+    }
+
+    /// One level entered; left when dropped (also on an error).
+    struct Level;
+
+    impl Drop for Level {
+        fn drop(&mut self) {
+            DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+        }
+    }
+
+    fn enter<E: serde::de::Error>() -> Result<Level, E> {
+        DEPTH.with(|d| {
+            if d.get() >= super::MAX_NESTING {
+                return Err(E::custom(format!("requests or answers nested more than {} deep", super::MAX_NESTING)));
+            }
+            d.set(d.get() + 1);
+            Ok(Level)
+        })
+    }
+
+    /// `deserialize_with` for a field that holds requests or answers.
+    pub fn nested<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+        let _level = enter::<D::Error>()?;
+        T::deserialize(d)
+    }
+}
+
 /// Most `PushPull`s in one `PushPullMany` (as many as a heartbeat may list
 /// as owned by one node).
 pub const MAX_BATCH_SHARDS: usize = MAX_OWNED_SHARDS;
@@ -575,7 +620,7 @@ pub enum ShardResponse {
     /// Variant 11 (wire minor 4): the answers to a `PushPullMany`, one per
     /// `PushPull` and in its order, each what that `PushPull` alone would
     /// have got (never another `ExchangedMany`).
-    ExchangedMany(Vec<ShardResponse>),
+    ExchangedMany(#[serde(deserialize_with = "nesting::nested")] Vec<ShardResponse>),
 }
 
 impl ShardResponse {
