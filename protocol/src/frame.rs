@@ -312,18 +312,24 @@ mod tests {
         header.extend_from_slice(&[10, 0]);
         let r = decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20);
         assert!(r.is_err(), "{r:?}");
+        // Timed requests inside Timed requests.
+        let header = vec![8u8; 200_000];
+        let r = decode_message::<ShardRequest>(&header, Bytes::new(), 1 << 20);
+        assert!(r.is_err(), "{r:?}");
 
         // As deep as the wire allows decodes, and the depth count is back
         // at zero afterwards (also after a refusal): the same message
         // decodes again on this thread.
         let accepted = ShardResponse::Accepted(crate::messages::Accepted { shard: 2, version: 5, staleness: 1 });
-        let nested = ShardResponse::ExchangedMany(vec![ShardResponse::ExchangedMany(vec![accepted])]);
-        let header = postcard::to_allocvec(&nested).expect("encodes");
+        let timed =
+            ShardResponse::Timed { service_us: 7, answer: Box::new(ShardResponse::ExchangedMany(vec![accepted])) };
+        let header = postcard::to_allocvec(&timed).expect("encodes");
         for _ in 0..2 {
             let back = decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20).expect("decodes");
-            assert_eq!(back, nested);
+            assert_eq!(back, timed);
         }
-        let deeper = ShardResponse::ExchangedMany(vec![nested]);
+        let deeper =
+            ShardResponse::Timed { service_us: 7, answer: Box::new(ShardResponse::ExchangedMany(vec![timed])) };
         let header = postcard::to_allocvec(&deeper).expect("encodes");
         assert!(decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20).is_err());
     }

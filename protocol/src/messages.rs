@@ -19,14 +19,14 @@ use crate::payload::{Encoding, Payload};
 /// field and `Heartbeat::protocol_minor`). 2 added `ShardRequest::PushPull`
 /// and `ShardResponse::Exchanged`; 3 added `ShardRequest::Probe` and
 /// `ShardResponse::Probed`; 4 added `ShardRequest::PushPullMany` and
-/// `ShardResponse::ExchangedMany`.
-pub const WIRE_VERSION: u16 = 4;
+/// `ShardResponse::ExchangedMany`; 5 added `ShardRequest::Timed` and
+/// `ShardResponse::Timed`.
+pub const WIRE_VERSION: u16 = 5;
 
-/// How deep answers may nest in one message: an `ExchangedMany` of answers
-/// is one level; two leave room for validation to refuse a batch inside a
-/// batch. Deeper headers are refused while decoding, so a peer's bytes
-/// cannot make the decoder recurse until the stack runs out (200,000
-/// nested batches in a 400 KB header did, and aborted the process).
+/// How deep requests and answers may nest in one message: a `Timed`
+/// answer holding an `ExchangedMany` of answers is two levels. Deeper
+/// headers are refused while decoding, so a peer's bytes cannot make the
+/// decoder recurse until the stack runs out.
 pub const MAX_NESTING: u8 = 2;
 
 /// Decoding of the fields that hold other requests or answers, with a
@@ -342,6 +342,13 @@ pub enum ShardRequest {
     /// bytes, bounds a step. At most [`MAX_BATCH_SHARDS`], each shard at
     /// most once, all of one run.
     PushPullMany(Vec<PushPull>),
+    /// Variant 8 (wire minor 5): serve the request inside as if it had
+    /// come alone, and say how long this node took: the answer is
+    /// [`ShardResponse::Timed`] around the request's own answer. Only
+    /// around the requests whose service the straggler detector times
+    /// (`PushGrad`, `PushPull`, `PushPullMany`, `Probe`); never around
+    /// another `Timed`.
+    Timed(#[serde(deserialize_with = "nesting::nested")] Box<ShardRequest>),
     /// Never on the wire: the codec hands this to the node when a frame was
     /// well formed (within limits) but its header or tensors could not be
     /// understood — for example a newer peer's message. The node answers it
@@ -370,6 +377,7 @@ impl ShardRequest {
             ShardRequest::PushPull(m) => Some(&m.push.run),
             ShardRequest::Probe(m) => Some(&m.run),
             ShardRequest::PushPullMany(v) => v.first().map(|m| &m.push.run),
+            ShardRequest::Timed(r) => r.run(),
             ShardRequest::Undecodable { .. } => None,
         }
     }
@@ -382,6 +390,7 @@ impl ShardRequest {
             ShardRequest::Handoff(m) => Some(m.shard),
             ShardRequest::StateSync(m) => Some(m.shard),
             ShardRequest::PushPull(m) => Some(m.push.shard),
+            ShardRequest::Timed(r) => r.shard(),
             ShardRequest::Manifest(_)
             | ShardRequest::Probe(_)
             | ShardRequest::PushPullMany(_)
@@ -400,6 +409,7 @@ impl ShardRequest {
             ShardRequest::PushPull(_) => "push_pull",
             ShardRequest::Probe(_) => "probe",
             ShardRequest::PushPullMany(_) => "push_pull_many",
+            ShardRequest::Timed(_) => "timed",
             ShardRequest::Undecodable { .. } => "undecodable",
         }
     }
@@ -621,6 +631,19 @@ pub enum ShardResponse {
     /// `PushPull` and in its order, each what that `PushPull` alone would
     /// have got (never another `ExchangedMany`).
     ExchangedMany(#[serde(deserialize_with = "nesting::nested")] Vec<ShardResponse>),
+    /// Variant 12 (wire minor 5): the answer to a `ShardRequest::Timed`.
+    Timed {
+        /// How long the responder took to serve the request, in µs: from
+        /// taking it off the connection to having the answer ready to
+        /// send, less any time it held a pull's answer for the round
+        /// (`Exchanged::held_ms`, the slowest worker's time, not its own).
+        /// Its queues, its CPU and its configured serving delays count;
+        /// the requester's own waits and the network do not.
+        service_us: u32,
+        /// The request's own answer (never another `Timed`).
+        #[serde(deserialize_with = "nesting::nested")]
+        answer: Box<ShardResponse>,
+    },
 }
 
 impl ShardResponse {
@@ -629,6 +652,7 @@ impl ShardResponse {
     pub fn state_bytes(&self) -> u64 {
         match self {
             ShardResponse::Exchanged(x) => x.state_bytes(),
+            ShardResponse::Timed { answer, .. } => answer.state_bytes(),
             _ => 0,
         }
     }
@@ -648,6 +672,7 @@ impl ShardResponse {
             ShardResponse::Exchanged(_) => "exchanged",
             ShardResponse::Probed { .. } => "probed",
             ShardResponse::ExchangedMany(_) => "exchanged_many",
+            ShardResponse::Timed { .. } => "timed",
         }
     }
 
@@ -914,6 +939,7 @@ impl HasPayloads for ShardRequest {
             ShardRequest::PushPull(m) => vec![&m.push.grad],
             ShardRequest::PushPullMany(v) => v.iter().map(|m| &m.push.grad).collect(),
             ShardRequest::Probe(m) => vec![&m.padding],
+            ShardRequest::Timed(r) => r.payloads(),
             ShardRequest::Handoff(m) => {
                 let mut v = vec![&m.params];
                 v.extend(m.optimizer.slots.iter().map(|s| &s.tensor));
@@ -932,6 +958,7 @@ impl HasPayloads for ShardRequest {
             ShardRequest::PushPull(m) => vec![&mut m.push.grad],
             ShardRequest::PushPullMany(v) => v.iter_mut().map(|m| &mut m.push.grad).collect(),
             ShardRequest::Probe(m) => vec![&mut m.padding],
+            ShardRequest::Timed(r) => r.payloads_mut(),
             ShardRequest::Handoff(m) => {
                 let mut v = vec![&mut m.params];
                 v.extend(m.optimizer.slots.iter_mut().map(|s| &mut s.tensor));
@@ -951,6 +978,7 @@ impl HasPayloads for ShardResponse {
             ShardResponse::ShardState(s) => vec![&s.params],
             ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => vec![&s.params],
             ShardResponse::ExchangedMany(v) => v.iter().flat_map(|r| r.payloads()).collect(),
+            ShardResponse::Timed { answer, .. } => answer.payloads(),
             _ => Vec::new(),
         }
     }
@@ -960,6 +988,7 @@ impl HasPayloads for ShardResponse {
             ShardResponse::ShardState(s) => vec![&mut s.params],
             ShardResponse::Exchanged(Exchanged { state: Some(s), .. }) => vec![&mut s.params],
             ShardResponse::ExchangedMany(v) => v.iter_mut().flat_map(|r| r.payloads_mut()).collect(),
+            ShardResponse::Timed { answer, .. } => answer.payloads_mut(),
             _ => Vec::new(),
         }
     }

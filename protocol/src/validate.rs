@@ -223,6 +223,16 @@ fn check_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext, b
                 Bodies::LeaveToDecode => Ok(()),
             }
         }
+        ShardRequest::Timed(inner) => match **inner {
+            ShardRequest::PushGrad(_)
+            | ShardRequest::PushPull(_)
+            | ShardRequest::PushPullMany(_)
+            | ShardRequest::Probe(_) => check_request(inner, sender, ctx, bodies),
+            ref other => Err(ProtocolError::InvalidField {
+                field: "timed",
+                reason: format!("{} is not a request that is timed", other.kind()),
+            }),
+        },
         ShardRequest::Undecodable { code, reason, .. } => {
             Err(ProtocolError::Undecodable { code: *code, reason: reason.clone() })
         }
@@ -287,6 +297,12 @@ fn check_response(resp: &ShardResponse, ctx: &ValidationContext, bodies: Bodies)
                 check_response(r, ctx, bodies)?;
             }
             Ok(())
+        }
+        ShardResponse::Timed { answer, .. } => {
+            if let ShardResponse::Timed { .. } = **answer {
+                return Err(ProtocolError::InvalidField { field: "answer", reason: "nested timed answer".into() });
+            }
+            check_response(answer, ctx, bodies)
         }
         ShardResponse::Error(e) => {
             if e.message.len() > MAX_ERROR_MESSAGE_LEN {
@@ -474,6 +490,36 @@ mod tests {
         answers(vec![accepted(0), accepted(1)]).unwrap();
         assert!(answers(vec![accepted(0), accepted(7)]).is_err());
         assert!(answers(vec![ShardResponse::ExchangedMany(vec![accepted(0)])]).is_err());
+    }
+
+    #[test]
+    fn a_timed_request_is_checked_as_the_one_inside_and_wraps_only_what_is_timed() {
+        let me = PeerId::random();
+        let timed = |r: ShardRequest| ShardRequest::Timed(Box::new(r));
+        let good =
+            ShardRequest::PushPull(PushPull { push: push(me, &[1.0; 3]), max_wait_ms: 100, encoding: Encoding::F32 });
+        validate_request(&timed(good.clone()), &me, &ctx()).unwrap();
+        validate_request(&timed(ShardRequest::PushGrad(push(me, &[1.0; 3]))), &me, &ctx()).unwrap();
+        // The inner request's own checks apply (another sender's gradient).
+        assert!(validate_request(&timed(good.clone()), &PeerId::random(), &ctx()).is_err());
+        // Not around a request the detector does not time, nor another Timed.
+        let pull = ShardRequest::PullShard(PullShard {
+            run: RunId::new("run-a").unwrap(),
+            shard: 1,
+            min_version: 0,
+            max_wait_ms: 0,
+            encoding: Encoding::F32,
+        });
+        assert!(validate_request(&timed(pull), &me, &ctx()).is_err());
+        assert!(validate_request(&timed(timed(good)), &me, &ctx()).is_err());
+
+        let accepted = ShardResponse::Accepted(Accepted { shard: 1, version: 1, staleness: 0 });
+        let answer = |a: ShardResponse| ShardResponse::Timed { service_us: 250, answer: Box::new(a) };
+        validate_response(&answer(accepted.clone()), &ctx()).unwrap();
+        validate_response(&answer(ShardResponse::ExchangedMany(vec![accepted.clone()])), &ctx()).unwrap();
+        assert!(validate_response(&answer(answer(accepted)), &ctx()).is_err());
+        let far = ShardResponse::Accepted(Accepted { shard: 9, version: 1, staleness: 0 });
+        assert!(validate_response(&answer(far), &ctx()).is_err());
     }
 
     #[test]

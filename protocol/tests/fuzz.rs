@@ -235,6 +235,7 @@ fn response_run_shard(resp: &ShardResponse) -> (Option<&RunId>, Option<u32>) {
             let parts: Vec<_> = v.iter().map(response_run_shard).collect();
             (parts.iter().find_map(|p| p.0), parts.iter().filter_map(|p| p.1).max())
         }
+        ShardResponse::Timed { answer, .. } => response_run_shard(answer),
     }
 }
 
@@ -242,12 +243,14 @@ fn response_run_shard(resp: &ShardResponse) -> (Option<&RunId>, Option<u32>) {
 fn request_shard(req: &ShardRequest) -> Option<u32> {
     match req {
         ShardRequest::PushPullMany(v) => v.iter().map(|m| m.push.shard).max(),
+        ShardRequest::Timed(inner) => request_shard(inner),
         _ => req.shard(),
     }
 }
 
 fn claimed_sender(req: &ShardRequest) -> Option<PeerId> {
     match req {
+        ShardRequest::Timed(inner) => claimed_sender(inner),
         ShardRequest::PushGrad(m) => Some(m.worker),
         ShardRequest::PushPull(m) => Some(m.push.worker),
         ShardRequest::PushPullMany(v) => v.first().map(|m| m.push.worker),

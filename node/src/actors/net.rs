@@ -400,70 +400,24 @@ impl NetworkActor {
         let routes = self.parts.routes.borrow().clone();
         let run = self.parts.config.run_id.clone();
         match req {
-            ShardRequest::PushGrad(p) => {
-                let Some(agg) = routes.aggregator else {
-                    // Peers can agree on the roster a moment before we do: ask them to retry.
-                    return self.respond_now(
-                        channel,
-                        wire_error(ErrorCode::Busy, "training has not started on this node yet"),
-                    );
-                };
-                let grad = match p.grad.decode() {
-                    Ok(g) => g,
-                    Err(e) => return self.respond_now(channel, ShardResponse::error(&e)),
-                };
-                let shard = p.shard;
-                // Link emulation: the gradient came in over this node's
-                // downlink, and the answer leaves over its uplink.
-                let delay = self.parts.faults.push_answer_delay(p.grad.byte_len());
-                match agg.try_push(peer, shard, p.base_version, p.samples, grad) {
-                    Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
-                    Ok(rx) => self.responses.push(Box::pin(async move {
-                        let resp = match rx.await {
-                            Ok(r) => push_response(shard, r),
-                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
-                        };
-                        hold(delay).await;
-                        (channel, resp)
-                    })),
-                }
+            ShardRequest::PushGrad(_)
+            | ShardRequest::PushPull(_)
+            | ShardRequest::PushPullMany(_)
+            | ShardRequest::Probe(_) => {
+                let answer = self.timed_answer(peer, &routes, &run, req);
+                self.responses.push(Box::pin(async move { (channel, answer.await) }));
             }
-            ShardRequest::PushPull(p) => {
-                let faults = self.parts.faults.clone();
-                let delay = faults.serve_delay() + faults.receive_delay(p.push.grad.byte_len());
-                let taken = serve_push_pull(peer, &routes, &run, p);
+            ShardRequest::Timed(inner) => {
+                // From taking the request off the connection to having its
+                // answer ready: this node's queues, CPU and serving delays,
+                // not the requester's or the network's.
+                let since = Instant::now();
+                let answer = self.timed_answer(peer, &routes, &run, *inner);
                 self.responses.push(Box::pin(async move {
-                    let resp = push_pull_answer(taken).await;
-                    let sent = resp.state_bytes();
-                    hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
-                    (channel, resp)
-                }));
-            }
-            ShardRequest::PushPullMany(batch) => {
-                // The answer must fit in one message too: refused before any
-                // gradient is taken (a sender retries each shard alone).
-                let answer_bytes: u64 = batch.iter().map(|p| p.push.grad.numel().saturating_mul(4)).sum();
-                let room = self.parts.config.limits.max_response_bytes.saturating_sub(1 << 20);
-                if answer_bytes > room {
-                    return self.respond_now(
-                        channel,
-                        wire_error(
-                            ErrorCode::TooLarge,
-                            format!("the answer would carry {answer_bytes} bytes of shards, over {room}"),
-                        ),
-                    );
-                }
-                // Each push taken as if it had come alone; the link carries
-                // their bytes together.
-                let faults = self.parts.faults.clone();
-                let received: u64 = batch.iter().map(|p| p.push.grad.byte_len()).sum();
-                let delay = faults.serve_delay() + faults.receive_delay(received);
-                let taken: Vec<_> = batch.into_iter().map(|p| serve_push_pull(peer, &routes, &run, p)).collect();
-                self.responses.push(Box::pin(async move {
-                    let answers = push_pull_many_answers(taken).await;
-                    let sent = answers.iter().map(ShardResponse::state_bytes).sum();
-                    hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
-                    (channel, ShardResponse::ExchangedMany(answers))
+                    let answer = answer.await;
+                    let held = Duration::from_millis(answer_held_ms(&answer).into());
+                    let service_us = since.elapsed().saturating_sub(held).as_micros().min(u32::MAX as u128) as u32;
+                    (channel, ShardResponse::Timed { service_us, answer: Box::new(answer) })
                 }));
             }
             ShardRequest::PullShard(p) => {
@@ -559,20 +513,6 @@ impl NetworkActor {
                     })),
                 }
             }
-            ShardRequest::Probe(p) => {
-                // Checksum and finiteness, as a push's decode would check them.
-                if let Err(e) = p.padding.verify() {
-                    return self.respond_now(channel, ShardResponse::error(&e));
-                }
-                let bytes = p.padding.byte_len();
-                // The delays a push of this size meets here (a slow owner,
-                // an emulated link), so the probe times what a push would.
-                let delay = self.parts.faults.push_answer_delay(bytes);
-                self.responses.push(Box::pin(async move {
-                    hold(delay).await;
-                    (channel, ShardResponse::Probed { bytes })
-                }));
-            }
             other => {
                 let kind = other.kind();
                 self.respond_now(
@@ -580,6 +520,91 @@ impl NetworkActor {
                     wire_error(ErrorCode::InvalidRequest, format!("{kind} is not served by this node yet")),
                 );
             }
+        }
+    }
+
+    /// The answer to a request whose service the straggler detector times
+    /// (`PushGrad`, `PushPull`, `PushPullMany`, `Probe`; alone or inside a
+    /// `Timed`), ready once the serving delays of link emulation have
+    /// passed.
+    fn timed_answer(&self, peer: PeerId, routes: &Routes, run: &RunId, req: ShardRequest) -> Half<ShardResponse> {
+        let now = |resp: ShardResponse| -> Half<ShardResponse> { Box::pin(std::future::ready(resp)) };
+        match req {
+            ShardRequest::PushGrad(p) => {
+                let Some(agg) = &routes.aggregator else {
+                    // Peers can agree on the roster a moment before we do: ask them to retry.
+                    return now(wire_error(ErrorCode::Busy, "training has not started on this node yet"));
+                };
+                let grad = match p.grad.decode() {
+                    Ok(g) => g,
+                    Err(e) => return now(ShardResponse::error(&e)),
+                };
+                let shard = p.shard;
+                // Link emulation: the gradient came in over this node's
+                // downlink, and the answer leaves over its uplink.
+                let delay = self.parts.faults.push_answer_delay(p.grad.byte_len());
+                match agg.try_push(peer, shard, p.base_version, p.samples, grad) {
+                    Err(_) => now(wire_error(ErrorCode::Busy, "aggregator busy")),
+                    Ok(rx) => Box::pin(async move {
+                        let resp = match rx.await {
+                            Ok(r) => push_response(shard, r),
+                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+                        };
+                        hold(delay).await;
+                        resp
+                    }),
+                }
+            }
+            ShardRequest::PushPull(p) => {
+                let faults = self.parts.faults.clone();
+                let delay = faults.serve_delay() + faults.receive_delay(p.push.grad.byte_len());
+                let taken = serve_push_pull(peer, routes, run, p);
+                Box::pin(async move {
+                    let resp = push_pull_answer(taken).await;
+                    let sent = resp.state_bytes();
+                    hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
+                    resp
+                })
+            }
+            ShardRequest::PushPullMany(batch) => {
+                // The answer must fit in one message too: refused before any
+                // gradient is taken (a sender retries each shard alone).
+                let answer_bytes: u64 = batch.iter().map(|p| p.push.grad.numel().saturating_mul(4)).sum();
+                let room = self.parts.config.limits.max_response_bytes.saturating_sub(1 << 20);
+                if answer_bytes > room {
+                    return now(wire_error(
+                        ErrorCode::TooLarge,
+                        format!("the answer would carry {answer_bytes} bytes of shards, over {room}"),
+                    ));
+                }
+                // Each push taken as if it had come alone; the link carries
+                // their bytes together.
+                let faults = self.parts.faults.clone();
+                let received: u64 = batch.iter().map(|p| p.push.grad.byte_len()).sum();
+                let delay = faults.serve_delay() + faults.receive_delay(received);
+                let taken: Vec<_> = batch.into_iter().map(|p| serve_push_pull(peer, routes, run, p)).collect();
+                Box::pin(async move {
+                    let answers = push_pull_many_answers(taken).await;
+                    let sent = answers.iter().map(ShardResponse::state_bytes).sum();
+                    hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
+                    ShardResponse::ExchangedMany(answers)
+                })
+            }
+            ShardRequest::Probe(p) => {
+                // Checksum and finiteness, as a push's decode would check them.
+                if let Err(e) = p.padding.verify() {
+                    return now(ShardResponse::error(&e));
+                }
+                let bytes = p.padding.byte_len();
+                // The delays a push of this size meets here (a slow owner,
+                // an emulated link), so the probe times what a push would.
+                let delay = self.parts.faults.push_answer_delay(bytes);
+                Box::pin(async move {
+                    hold(delay).await;
+                    ShardResponse::Probed { bytes }
+                })
+            }
+            other => now(wire_error(ErrorCode::InvalidRequest, format!("{} is not timed", other.kind()))),
         }
     }
 
@@ -794,6 +819,16 @@ fn shard_state(
     Ok(ShardState { run, shard, version, epoch, params: Payload::encode(params, encoding)? })
 }
 
+/// The longest time an answer (or a batch's answers) was held for its
+/// round, in ms: not part of the owner's service.
+fn answer_held_ms(answer: &ShardResponse) -> u32 {
+    match answer {
+        ShardResponse::Exchanged(x) => x.held_ms,
+        ShardResponse::ExchangedMany(v) => v.iter().map(answer_held_ms).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
 /// Milliseconds since `since`, for `Exchanged::held_ms`.
 fn held_ms(since: Instant) -> u32 {
     since.elapsed().as_millis().min(u32::MAX as u128) as u32
@@ -939,9 +974,69 @@ mod tests {
         Ok(())
     }
 
+    /// A `Timed` request is answered with the request's own answer and the
+    /// responder's service time, which holds its serving delay but not the
+    /// requester's waits; requests that are not timed, and a `Timed` inside
+    /// a `Timed`, are refused.
+    #[tokio::test]
+    async fn a_timed_request_is_answered_with_the_responders_own_service_time() -> anyhow::Result<()> {
+        let run = RunId::new("timed".to_string())?;
+        let slow_faults = Arc::new(crate::ops::faults::Faults::new(60, 1.0).map_err(anyhow::Error::msg)?);
+        let (a, fast, slow) = (loopback_actor(&run)?, loopback_actor(&run)?, loopback_actor_with(&run, slow_faults)?);
+        for peer in [&fast, &slow] {
+            let addr =
+                peer.listen_addrs().await?.into_iter().next().ok_or_else(|| anyhow::anyhow!("listens nowhere"))?;
+            a.dial(addr).await?;
+        }
+        let probe = || -> anyhow::Result<ShardRequest> {
+            Ok(ShardRequest::Probe(shoal_protocol::Probe {
+                run: run.clone(),
+                padding: Payload::encode(&[0.0f32; 256], Encoding::F32)?,
+            }))
+        };
+        let timed = |r: ShardRequest| ShardRequest::Timed(Box::new(r));
+        let service = |resp: ShardResponse| -> anyhow::Result<Duration> {
+            match resp {
+                ShardResponse::Timed { service_us, answer }
+                    if matches!(*answer, ShardResponse::Probed { bytes: 1024 }) =>
+                {
+                    Ok(Duration::from_micros(service_us.into()))
+                }
+                other => anyhow::bail!("not a timed probe answer: {other:?}"),
+            }
+        };
+        let sent = Instant::now();
+        let slow_service = service(a.request(slow.local_peer(), timed(probe()?)).await?)?;
+        let round_trip = sent.elapsed();
+        assert!(slow_service >= Duration::from_millis(60), "the serving delay counts: {slow_service:?}");
+        assert!(slow_service <= round_trip, "{slow_service:?} within the round trip {round_trip:?}");
+        let fast_service = service(a.request(fast.local_peer(), timed(probe()?)).await?)?;
+        assert!(fast_service < Duration::from_millis(60), "a healthy responder: {fast_service:?}");
+        // Alone, the same request gets its plain answer.
+        assert!(matches!(a.request(fast.local_peer(), probe()?).await?, ShardResponse::Probed { bytes: 1024 }));
+        // Only what the detector times may be wrapped, once.
+        let pull = ShardRequest::PullShard(PullShard {
+            run: run.clone(),
+            shard: 0,
+            min_version: 0,
+            max_wait_ms: 0,
+            encoding: Encoding::F32,
+        });
+        for refused in [timed(pull), timed(timed(probe()?))] {
+            let answer = a.request(fast.local_peer(), refused).await?;
+            assert!(matches!(&answer, ShardResponse::Error(e) if e.code == ErrorCode::InvalidRequest), "{answer:?}");
+        }
+        Ok(())
+    }
+
     /// A network actor on loopback TCP with no routes (it only pings, dials
     /// and answers errors).
     fn loopback_actor(run: &RunId) -> anyhow::Result<NetworkHandle> {
+        loopback_actor_with(run, Arc::new(crate::ops::faults::Faults::default()))
+    }
+
+    /// [`loopback_actor`] with these injected faults.
+    fn loopback_actor_with(run: &RunId, faults: Arc<crate::ops::faults::Faults>) -> anyhow::Result<NetworkHandle> {
         let mut cfg = ProtocolConfig {
             run_id: run.clone(),
             listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
@@ -949,11 +1044,21 @@ mod tests {
             ..Default::default()
         };
         cfg.discovery.mdns = false;
-        Ok(spawn_test_actor(build_swarm(&cfg, Keypair::generate_ed25519())?, cfg, run))
+        Ok(spawn_test_actor_with(build_swarm(&cfg, Keypair::generate_ed25519())?, cfg, run, faults))
     }
 
     /// A network actor over `swarm` with no routes.
     fn spawn_test_actor(swarm: Swarm<ShoalBehaviour>, cfg: ProtocolConfig, run: &RunId) -> NetworkHandle {
+        spawn_test_actor_with(swarm, cfg, run, Arc::new(crate::ops::faults::Faults::default()))
+    }
+
+    /// [`spawn_test_actor`] with these injected faults.
+    fn spawn_test_actor_with(
+        swarm: Swarm<ShoalBehaviour>,
+        cfg: ProtocolConfig,
+        run: &RunId,
+        faults: Arc<crate::ops::faults::Faults>,
+    ) -> NetworkHandle {
         let (heartbeats, _hb) = mpsc::channel(4);
         let (_routes_tx, routes) = watch::channel(Routes { aggregator: None, epoch: 0 });
         let (_snap_tx, snapshot) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(Vec::new()) });
@@ -969,7 +1074,7 @@ mod tests {
                 snapshot,
                 capacity: 16,
                 optimizer: shoal_models::OptimizerConfig::new(shoal_models::OptimizerKind::Sgd, 0.1),
-                faults: Arc::new(crate::ops::faults::Faults::default()),
+                faults,
             },
         )
     }

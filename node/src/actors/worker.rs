@@ -160,8 +160,8 @@ pub struct Worker {
     /// Owners known to speak an older wire revision: the newest minor each
     /// can decode, learnt from an `UnsupportedVersion` answer (1: no
     /// `PushPull`, a `PushGrad` and a `PullShard`; 3: no `PushPullMany`,
-    /// one `PushPull` per shard).
-    pub old_wire: std::sync::Mutex<std::collections::HashMap<PeerId, u16>>,
+    /// one `PushPull` per shard; 4: no `Timed`, only round trips are timed).
+    pub old_wire: OldWire,
     /// Shard bytes pushed and pulled since the last step ended (the
     /// measured exchange rate in this node's capabilities).
     pub step_bytes: std::sync::atomic::AtomicU64,
@@ -268,8 +268,57 @@ fn next_owner(
 /// `owner`'s service time in µs from a request's `round_trip` (less any
 /// hold it reported): less the path's own latency, the network's least
 /// recent ping to it ([`health::PathLatency`]). Pushes and probes alike.
-fn service_micros(net: &NetworkHandle, owner: PeerId, round_trip: Duration) -> f64 {
-    health::less_path(round_trip.as_secs_f64() * 1e6, net.path_rtt_micros(&owner))
+fn service_micros(net: &NetworkHandle, owner: PeerId, round_trip: Duration, reported: Option<Duration>) -> f64 {
+    match reported {
+        Some(service) => service.as_secs_f64() * 1e6,
+        None => health::less_path(round_trip.as_secs_f64() * 1e6, net.path_rtt_micros(&owner)),
+    }
+}
+
+/// Owners known to speak an older wire revision, and the newest minor each
+/// can decode ([`Worker::old_wire`]; shared with the probes).
+pub type OldWire = Arc<std::sync::Mutex<std::collections::HashMap<PeerId, u16>>>;
+
+/// Whether `owner` may be sent a message of wire `minor`.
+fn speaks(old: &OldWire, owner: PeerId, minor: u16) -> bool {
+    old.lock().map_or(true, |m| m.get(&owner).is_none_or(|&known| known >= minor))
+}
+
+/// `owner` answered `UnsupportedVersion` to a message above `minor`.
+fn speaks_at_most(old: &OldWire, owner: PeerId, minor: u16) {
+    if let Ok(mut m) = old.lock() {
+        let known = m.entry(owner).or_insert(minor);
+        *known = (*known).min(minor);
+    }
+}
+
+/// Send a request whose service the straggler detector times, inside a
+/// `Timed` (wire minor 5) so that the answer says how long the owner itself
+/// took to serve it: this worker's own waits for the CPU and the network
+/// do not count against the owner. Returns the request's answer and that
+/// service time; `None` from an owner of an older build, which answers
+/// `UnsupportedVersion` once and is sent its requests as they are from
+/// then on (its service is then timed by the round trip).
+async fn timed_request(
+    net: &NetworkHandle,
+    old: &OldWire,
+    owner: PeerId,
+    req: ShardRequest,
+) -> Result<(ShardResponse, Option<Duration>), crate::handles::net::NetError> {
+    if speaks(old, owner, 5) {
+        // Payload bodies are shared buffers: the copy is of the headers.
+        match net.request(owner, ShardRequest::Timed(Box::new(req.clone()))).await? {
+            ShardResponse::Timed { service_us, answer } => {
+                return Ok((*answer, Some(Duration::from_micros(service_us.into()))))
+            }
+            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
+                info!(%owner, "owner speaks an older wire revision: timing its service by the round trip");
+                speaks_at_most(old, owner, 4);
+            }
+            other => return Ok((other, None)),
+        }
+    }
+    Ok((net.request(owner, req).await?, None))
 }
 
 /// What an owner's `Exchanged` answer means to the push's exchange: the
@@ -735,12 +784,15 @@ impl Worker {
             }
             let req = ShardRequest::Probe(Probe { run: self.run.clone(), padding: padding.clone() });
             let (net, service, faults) = (self.net.clone(), self.service.clone(), self.faults.clone());
+            let old_wire = self.old_wire.clone();
             tokio::spawn(async move {
                 let sent = Instant::now();
                 hold(faults.send_delay(sent_bytes)).await;
-                let answered = match net.request(owner, req).await {
-                    Ok(ShardResponse::Probed { .. }) => Some((sent_bytes, service_micros(&net, owner, sent.elapsed()))),
-                    Ok(other) => {
+                let answered = match timed_request(&net, &old_wire, owner, req).await {
+                    Ok((ShardResponse::Probed { .. }, reported)) => {
+                        Some((sent_bytes, service_micros(&net, owner, sent.elapsed(), reported)))
+                    }
+                    Ok((other, _)) => {
                         debug!(%owner, answer = other.kind(), "probe not answered (an older peer?)");
                         None
                     }
@@ -1131,14 +1183,14 @@ impl Worker {
         let req = ShardRequest::PushGrad(push);
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
-        let resp = self.net.request(owner, req).await?;
+        let (resp, reported) = timed_request(&self.net, &self.old_wire, owner, req).await?;
         let reply = self.push_reply(owner, shard, resp)?;
         if matches!(reply, PushReply::NotOwner { .. } | PushReply::Pending) {
             // Not served: nothing to time.
             return Ok(reply);
         }
         self.moved(bytes, 0);
-        self.time_service(owner, bytes, sent.elapsed(), step);
+        self.time_service(owner, bytes, sent.elapsed(), reported, step);
         Ok(reply)
     }
 
@@ -1187,16 +1239,13 @@ impl Worker {
     /// Whether `owner` can decode wire minor `minor` (every owner can,
     /// unless it answered an older revision's `UnsupportedVersion`).
     fn speaks(&self, owner: PeerId, minor: u16) -> bool {
-        self.old_wire.lock().map_or(true, |m| m.get(&owner).is_none_or(|&known| known >= minor))
+        speaks(&self.old_wire, owner, minor)
     }
 
     /// `owner` answered `UnsupportedVersion` to a message of a minor above
     /// `minor`: it gets nothing newer from now on.
     fn speaks_at_most(&self, owner: PeerId, minor: u16) {
-        if let Ok(mut m) = self.old_wire.lock() {
-            let known = m.entry(owner).or_insert(minor);
-            *known = (*known).min(minor);
-        }
+        speaks_at_most(&self.old_wire, owner, minor);
     }
 
     /// One push to a remote owner that brings back the shard's next version
@@ -1224,7 +1273,7 @@ impl Worker {
         });
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
-        let resp = self.net.request(owner, req).await?;
+        let (resp, reported) = timed_request(&self.net, &self.old_wire, owner, req).await?;
         let (reply, held_ms) = match resp {
             ShardResponse::Exchanged(x) => {
                 let held = x.held_ms;
@@ -1247,14 +1296,14 @@ impl Worker {
             },
         };
         self.moved(bytes, 0);
-        // The owner's service: the round trip less the time it held the
-        // answer for the round (which is the slowest worker's, not its own).
-        let service = sent.elapsed().saturating_sub(Duration::from_millis(held_ms.into()));
+        // The round trip less the time the owner held the answer for the
+        // round (which is the slowest worker's, not its own).
+        let round_trip = sent.elapsed().saturating_sub(Duration::from_millis(held_ms.into()));
         if matches!(reply, Pushed::State { .. }) {
             // (Otherwise the caller records the push as after a plain one.)
-            self.status.record(StatusEvent::PushLatency(service.as_secs_f64() * 1e3));
+            self.status.record(StatusEvent::PushLatency(round_trip.as_secs_f64() * 1e3));
         }
-        self.time_service(owner, bytes, service, step);
+        self.time_service(owner, bytes, round_trip, reported, step);
         Ok(reply)
     }
 
@@ -1365,7 +1414,8 @@ impl Worker {
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
         self.status.record(StatusEvent::Batched(items.len() as u64));
-        let answers = match self.net.request(owner, req).await? {
+        let (answer, reported) = timed_request(&self.net, &self.old_wire, owner, req).await?;
+        let answers = match answer {
             ShardResponse::ExchangedMany(v) if v.len() == items.len() => v,
             ShardResponse::ExchangedMany(v) => {
                 bail!("{owner} answered {} of the {} shards of a batch", v.len(), items.len())
@@ -1400,24 +1450,25 @@ impl Worker {
             out.push(Some(outcome));
         }
         self.moved(bytes, received);
-        // The owner's service, as for one `PushPull`: the round trip less the
-        // longest time it held an answer for its round.
-        let service = sent.elapsed().saturating_sub(Duration::from_millis(held_ms.into()));
+        // As for one `PushPull`: the round trip less the longest time the
+        // owner held an answer for its round.
+        let round_trip = sent.elapsed().saturating_sub(Duration::from_millis(held_ms.into()));
         if any_state {
-            self.status.record(StatusEvent::PushLatency(service.as_secs_f64() * 1e3));
+            self.status.record(StatusEvent::PushLatency(round_trip.as_secs_f64() * 1e3));
         }
         if served_bytes > 0 {
-            self.time_service(owner, served_bytes, service, step);
+            self.time_service(owner, served_bytes, round_trip, reported, step);
         }
         Ok(out)
     }
 
     /// Time `owner`'s service of `bytes` for the straggler detector: the
-    /// round trip (less any hold the owner reported) less the path's own
-    /// latency, so that a request's fixed cost on a slow path is not
-    /// counted per MiB against the owner ([`health::PathLatency`]).
-    fn time_service(&self, owner: PeerId, bytes: u64, round_trip: Duration, step: u64) {
-        let micros = service_micros(&self.net, owner, round_trip);
+    /// service time the owner reported (`Timed`, wire minor 5), or from an
+    /// older owner the round trip (less any hold it reported) less the
+    /// path's own latency, so that a request's fixed cost on a slow path is
+    /// not counted per MiB against the owner ([`health::PathLatency`]).
+    fn time_service(&self, owner: PeerId, bytes: u64, round_trip: Duration, reported: Option<Duration>, step: u64) {
+        let micros = service_micros(&self.net, owner, round_trip, reported);
         if let Ok(mut t) = self.service.lock() {
             t.observe(owner, bytes, micros, step);
         }

@@ -117,13 +117,22 @@ pub fn request() -> impl Strategy<Value = ShardRequest> {
             v.into_iter().map(|(push, max_wait_ms, encoding)| PushPull { push, max_wait_ms, encoding }).collect(),
         )
     });
-    prop_oneof![push, pull, handoff, sync, manifest, push_pull, probe, many]
+    let untimed = prop_oneof![push, pull, handoff, sync, manifest, push_pull, probe, many];
+    prop_oneof![
+        4 => untimed.clone(),
+        1 => untimed.prop_map(|r| ShardRequest::Timed(Box::new(r))),
+    ]
 }
 
 pub fn response() -> impl Strategy<Value = ShardResponse> {
-    prop_oneof![
+    let untimed = prop_oneof![
         4 => single_response(),
         1 => proptest::collection::vec(single_response(), 0..4).prop_map(ShardResponse::ExchangedMany),
+    ];
+    prop_oneof![
+        4 => untimed.clone(),
+        1 => (any::<u32>(), untimed)
+            .prop_map(|(service_us, answer)| ShardResponse::Timed { service_us, answer: Box::new(answer) }),
     ]
 }
 
