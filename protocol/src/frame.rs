@@ -7,7 +7,7 @@
 //! ```text
 //! offset size field
 //!  0     2    magic        b"SH"
-//!  2     2    version      u16 LE, wire minor revision (2)
+//!  2     2    version      u16 LE, the sender's wire minor revision (`WIRE_VERSION`)
 //!  4     1    kind         1 = request, 2 = response
 //!  5     3    reserved     must be zero
 //!  8     4    header_len   u32 LE, bytes of postcard header

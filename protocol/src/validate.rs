@@ -291,8 +291,18 @@ fn check_response(resp: &ShardResponse, ctx: &ValidationContext, bodies: Bodies)
         ShardResponse::ExchangedMany(v) => {
             check_count("answers", v.len(), MAX_BATCH_SHARDS)?;
             for r in v {
-                if let ShardResponse::ExchangedMany(_) = r {
-                    return Err(ProtocolError::InvalidField { field: "answers", reason: "nested batch".into() });
+                match r {
+                    ShardResponse::ExchangedMany(_) => {
+                        return Err(ProtocolError::InvalidField { field: "answers", reason: "nested batch".into() })
+                    }
+                    // A batch's answers are each what a PushPull alone gets.
+                    ShardResponse::Timed { .. } => {
+                        return Err(ProtocolError::InvalidField {
+                            field: "answers",
+                            reason: "timed answer in a batch".into(),
+                        })
+                    }
+                    _ => {}
                 }
                 check_response(r, ctx, bodies)?;
             }
@@ -517,6 +527,8 @@ mod tests {
         let answer = |a: ShardResponse| ShardResponse::Timed { service_us: 250, answer: Box::new(a) };
         validate_response(&answer(accepted.clone()), &ctx()).unwrap();
         validate_response(&answer(ShardResponse::ExchangedMany(vec![accepted.clone()])), &ctx()).unwrap();
+        let in_batch = ShardResponse::ExchangedMany(vec![answer(accepted.clone())]);
+        assert!(validate_response(&in_batch, &ctx()).is_err());
         assert!(validate_response(&answer(answer(accepted)), &ctx()).is_err());
         let far = ShardResponse::Accepted(Accepted { shard: 9, version: 1, staleness: 0 });
         assert!(validate_response(&answer(far), &ctx()).is_err());

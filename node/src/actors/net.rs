@@ -730,21 +730,21 @@ fn serve_push_pull(peer: PeerId, routes: &Routes, run: &RunId, p: PushPull) -> H
                 let held = accepted.clone();
                 let answer = Box::pin(async move {
                     let accepted = held;
-                    match pulled.await {
+                    let pulled = pulled.await;
+                    // Held until the version came, not while encoding it
+                    // (the owner's own work, part of its service time).
+                    let held_ms = held_ms(since);
+                    match pulled {
                         Ok(PullReply::State { version, params }) => {
                             match shard_state(run, shard, version, epoch, &params, encoding) {
-                                Ok(s) => ShardResponse::Exchanged(Exchanged {
-                                    accepted,
-                                    held_ms: held_ms(since),
-                                    state: Some(s),
-                                }),
+                                Ok(s) => ShardResponse::Exchanged(Exchanged { accepted, held_ms, state: Some(s) }),
                                 Err(e) => ShardResponse::error(&e),
                             }
                         }
                         // The gradient counts; the worker pulls
                         // (NotOwner: the shard moved after it was taken).
                         Ok(PullReply::NotReady { .. } | PullReply::NotOwner { .. }) => {
-                            ShardResponse::Exchanged(Exchanged { accepted, held_ms: held_ms(since), state: None })
+                            ShardResponse::Exchanged(Exchanged { accepted, held_ms, state: None })
                         }
                         Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
                     }

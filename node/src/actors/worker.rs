@@ -270,7 +270,8 @@ fn next_owner(
 /// recent ping to it ([`health::PathLatency`]). Pushes and probes alike.
 fn service_micros(net: &NetworkHandle, owner: PeerId, round_trip: Duration, reported: Option<Duration>) -> f64 {
     match reported {
-        Some(service) => service.as_secs_f64() * 1e6,
+        // At most the round trip: a report longer than that is impossible.
+        Some(service) => service.min(round_trip).as_secs_f64() * 1e6,
         None => health::less_path(round_trip.as_secs_f64() * 1e6, net.path_rtt_micros(&owner)),
     }
 }
