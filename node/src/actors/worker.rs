@@ -265,9 +265,11 @@ fn next_owner(
     }
 }
 
-/// `owner`'s service time in µs from a request's `round_trip` (less any
-/// hold it reported): less the path's own latency, the network's least
-/// recent ping to it ([`health::PathLatency`]). Pushes and probes alike.
+/// `owner`'s service time in µs for the straggler detector, pushes and
+/// probes alike: the time the owner `reported` in its `Timed` answer
+/// (capped by the round trip), or from an owner of an older build the
+/// `round_trip` (less any hold it reported) less the path's own latency,
+/// the least recent ping to it ([`health::PathLatency`]).
 fn service_micros(net: &NetworkHandle, owner: PeerId, round_trip: Duration, reported: Option<Duration>) -> f64 {
     match reported {
         // At most the round trip: a report longer than that is impossible.
@@ -280,12 +282,14 @@ fn service_micros(net: &NetworkHandle, owner: PeerId, round_trip: Duration, repo
 /// can decode ([`Worker::old_wire`]; shared with the probes).
 pub type OldWire = Arc<std::sync::Mutex<std::collections::HashMap<PeerId, u16>>>;
 
-/// Whether `owner` may be sent a message of wire `minor`.
+/// Whether `owner` can decode wire minor `minor` (every owner can,
+/// unless it answered an older revision's `UnsupportedVersion`).
 fn speaks(old: &OldWire, owner: PeerId, minor: u16) -> bool {
     old.lock().map_or(true, |m| m.get(&owner).is_none_or(|&known| known >= minor))
 }
 
-/// `owner` answered `UnsupportedVersion` to a message above `minor`.
+/// `owner` answered `UnsupportedVersion` to a message of a minor above
+/// `minor`: it gets nothing newer from now on.
 fn speaks_at_most(old: &OldWire, owner: PeerId, minor: u16) {
     if let Ok(mut m) = old.lock() {
         let known = m.entry(owner).or_insert(minor);
@@ -1062,7 +1066,7 @@ impl Worker {
                     Some(f) => f.outcome.await.ok().flatten(),
                     None => None,
                 };
-                let combined = self.config.cluster.push_pull && owner != self.me && self.speaks(owner, 2);
+                let combined = self.config.cluster.push_pull && owner != self.me && speaks(&self.old_wire, owner, 2);
                 let pushed = match batched {
                     Some(outcome) => outcome,
                     None if !combined => {
@@ -1237,18 +1241,6 @@ impl Worker {
         })
     }
 
-    /// Whether `owner` can decode wire minor `minor` (every owner can,
-    /// unless it answered an older revision's `UnsupportedVersion`).
-    fn speaks(&self, owner: PeerId, minor: u16) -> bool {
-        speaks(&self.old_wire, owner, minor)
-    }
-
-    /// `owner` answered `UnsupportedVersion` to a message of a minor above
-    /// `minor`: it gets nothing newer from now on.
-    fn speaks_at_most(&self, owner: PeerId, minor: u16) {
-        speaks_at_most(&self.old_wire, owner, minor);
-    }
-
     /// One push to a remote owner that brings back the shard's next version
     /// in the same exchange (`PushPull`). An owner that did not have that
     /// version within the wait (or lost the shard after taking the
@@ -1287,7 +1279,7 @@ impl Worker {
             }
             ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
                 info!(%owner, "owner speaks an older wire revision: pushing and pulling separately");
-                self.speaks_at_most(owner, 1);
+                speaks_at_most(&self.old_wire, owner, 1);
                 return self.push_to(owner, shard, base, step, samples, grad).await.map(Pushed::Reply);
             }
             other => match self.push_reply(owner, shard, other)? {
@@ -1326,7 +1318,7 @@ impl Worker {
         let mut by_owner: std::collections::BTreeMap<PeerId, Vec<usize>> = Default::default();
         for (i, shard) in shards.iter().enumerate() {
             if let Some(owner) = placement.owner(shard.id) {
-                if owner != self.me && self.speaks(owner, 4) {
+                if owner != self.me && speaks(&self.old_wire, owner, 4) {
                     by_owner.entry(owner).or_default().push(i);
                 }
             }
@@ -1423,7 +1415,7 @@ impl Worker {
             }
             ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
                 info!(%owner, "owner speaks an older wire revision: one PushPull per shard");
-                self.speaks_at_most(owner, 3);
+                speaks_at_most(&self.old_wire, owner, 3);
                 return Ok(items.iter().map(|_| None).collect());
             }
             ShardResponse::Error(e) => bail!("{owner} refused a batch: {:?}: {}", e.code, e.message),
@@ -1463,11 +1455,9 @@ impl Worker {
         Ok(out)
     }
 
-    /// Time `owner`'s service of `bytes` for the straggler detector: the
-    /// service time the owner reported (`Timed`, wire minor 5), or from an
-    /// older owner the round trip (less any hold it reported) less the
-    /// path's own latency, so that a request's fixed cost on a slow path is
-    /// not counted per MiB against the owner ([`health::PathLatency`]).
+    /// Record `owner`'s service of `bytes` for the straggler detector (see
+    /// [`service_micros`]; the path's latency comes off so that a request's
+    /// fixed cost on a slow path is not counted per MiB against the owner).
     fn time_service(&self, owner: PeerId, bytes: u64, round_trip: Duration, reported: Option<Duration>, step: u64) {
         let micros = service_micros(&self.net, owner, round_trip, reported);
         if let Ok(mut t) = self.service.lock() {
