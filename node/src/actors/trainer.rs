@@ -3,9 +3,9 @@
 //! Tensor work never runs on a tokio worker thread. The thread owns the model
 //! and this node's data; async code talks to it through a cloneable
 //! [`TrainerHandle`] holding a bounded sender, and gets replies on oneshots.
-//! The thread ends when every handle has been dropped. With more than one
-//! compute thread the loop runs inside a rayon pool of its own, which
-//! candle's matrix products then use (see [`crate::ops::threads`]).
+//! The thread ends when every handle has been dropped. The loop runs inside
+//! a rayon pool of its own (`training.threads` threads), which candle's
+//! matrix products and loops then use (see [`crate::ops::threads`]).
 
 use std::thread::JoinHandle;
 
@@ -25,6 +25,9 @@ struct TrainerActor {
     /// This node's training samples (none before `LoadTrain`).
     train: Option<Dataset>,
     receiver: mpsc::Receiver<TrainerCommand>,
+    /// The tensor work runs on one thread (a pool of one), so that
+    /// thread's CPU time is the work's.
+    alone: bool,
 }
 
 /// Build the model (deterministic from `seed`) on `device` and start the thread.
@@ -41,14 +44,11 @@ pub fn spawn(
     let model = Model::new(config, seed, &device)?;
     let initial = model.parameters()?;
     let (sender, receiver) = mpsc::channel(capacity.max(1));
-    let actor = TrainerActor { model, data, train: None, receiver };
     let pool = crate::ops::threads::compute_pool(threads, name)?;
+    let actor = TrainerActor { model, data, train: None, receiver, alone: pool.current_num_threads() == 1 };
     let thread = std::thread::Builder::new()
         .name(format!("trainer-{name}"))
-        .spawn(move || match pool {
-            Some(pool) => pool.install(move || actor.run()),
-            None => actor.run(),
-        })
+        .spawn(move || pool.install(move || actor.run()))
         .context("spawning the trainer thread")?;
     Ok((TrainerHandle::new(sender), thread, initial))
 }
@@ -57,8 +57,8 @@ impl TrainerActor {
     fn run(mut self) {
         while let Some(cmd) = self.receiver.blocking_recv() {
             match cmd {
-                TrainerCommand::Gradients { indices, factored, reply } => {
-                    let _ = reply.send(self.gradients(&indices, factored));
+                TrainerCommand::Gradients { indices, factored, cpu_time, reply } => {
+                    let _ = reply.send(self.gradients(&indices, factored, cpu_time));
                 }
                 TrainerCommand::SetParams { params, reply } => {
                     let _ = reply.send(self.model.set_parameters(&params).map_err(Into::into));
@@ -79,13 +79,15 @@ impl TrainerActor {
         debug!("trainer thread stopping: all handles dropped");
     }
 
-    fn gradients(&self, indices: &[usize], factored: bool) -> anyhow::Result<Gradients> {
+    fn gradients(&self, indices: &[usize], factored: bool, cpu_time: bool) -> anyhow::Result<Gradients> {
+        let cpu_start = (cpu_time && self.alone).then(crate::ops::threads::thread_cpu_time).flatten();
         let train = self.train.as_ref().context("the training samples are not loaded yet")?;
         let (x, y) = train.batch(indices, self.model.device())?;
         let out = if factored { self.model.gradients_factored(&x, &y)? } else { self.model.gradients(&x, &y)? };
         if !out.loss.is_finite() {
             anyhow::bail!("loss became {}; lower the learning rate", out.loss);
         }
-        Ok(Gradients { loss: out.loss, samples: out.samples, grads: out.grads, factors: out.factors })
+        let cpu_time = cpu_start.and_then(|start| Some(crate::ops::threads::thread_cpu_time()?.saturating_sub(start)));
+        Ok(Gradients { loss: out.loss, samples: out.samples, grads: out.grads, factors: out.factors, cpu_time })
     }
 }

@@ -682,8 +682,9 @@ impl Worker {
         }
         let started = Instant::now();
         let factored = self.config.cluster.compression.push == PushCompression::Sfb;
+        let slow = self.faults.slowdown() > 1.0;
         let mut g =
-            self.trainer.gradients(indices, factored).await.with_context(|| format!("step {step}: gradients"))?;
+            self.trainer.gradients(indices, factored, slow).await.with_context(|| format!("step {step}: gradients"))?;
         if let Some(m) = momentum.as_mut() {
             // Push the moving average of the gradients (worker momentum).
             let b = self.config.cluster.worker_momentum;
@@ -696,10 +697,13 @@ impl Worker {
         }
         // Fault injection: this node plays a bad peer (none by default).
         self.config.cluster.fault_byzantine.corrupt(step, &mut g.grads);
-        let extra = self.faults.extra_compute(started.elapsed());
-        if !extra.is_zero() {
-            // Fault injection: this node plays a slower machine.
-            tokio::time::sleep(extra).await;
+        if slow {
+            // Fault injection: this node plays a slower machine. What is
+            // stretched is the trainer thread's CPU time where it is known,
+            // not the time it waited for a core that other nodes on this
+            // host held (a slower machine of its own would not wait for
+            // them); else the wall time.
+            self.faults.stretch_compute(g.cpu_time.unwrap_or_else(|| started.elapsed())).await;
         }
         Ok((g, started.elapsed().as_secs_f64()))
     }

@@ -15,11 +15,15 @@ pub struct Gradients {
     /// The fully connected layers' weight gradients as their sufficient
     /// factors, when asked for (`cluster.compression.push = "sfb"`).
     pub factors: Vec<LayerFactors>,
+    /// The CPU time the trainer thread spent on them, when asked for and
+    /// the OS reports it and the work ran on that one thread (one compute
+    /// thread, `training.threads = 1`); `None` otherwise.
+    pub cpu_time: Option<std::time::Duration>,
 }
 
 /// The trainer thread's mailbox.
 pub(crate) enum TrainerCommand {
-    Gradients { indices: Vec<usize>, factored: bool, reply: oneshot::Sender<anyhow::Result<Gradients>> },
+    Gradients { indices: Vec<usize>, factored: bool, cpu_time: bool, reply: oneshot::Sender<anyhow::Result<Gradients>> },
     SetParams { params: Arc<Vec<f32>>, reply: oneshot::Sender<anyhow::Result<()>> },
     Evaluate { reply: oneshot::Sender<anyhow::Result<Evaluation>> },
     LoadTrain { rows: Vec<usize>, reply: oneshot::Sender<anyhow::Result<usize>> },
@@ -55,9 +59,10 @@ impl TrainerHandle {
 
     /// Forward and backward on the given samples of this node's training
     /// set (positions in what [`Self::load_train`] loaded). `factored`:
-    /// give the fully connected layers' factors too.
-    pub async fn gradients(&self, indices: Vec<usize>, factored: bool) -> anyhow::Result<Gradients> {
-        self.call(|reply| TrainerCommand::Gradients { indices, factored, reply }).await
+    /// give the fully connected layers' factors too. `cpu_time`: measure
+    /// the trainer thread's CPU time for them ([`Gradients::cpu_time`]).
+    pub async fn gradients(&self, indices: Vec<usize>, factored: bool, cpu_time: bool) -> anyhow::Result<Gradients> {
+        self.call(|reply| TrainerCommand::Gradients { indices, factored, cpu_time, reply }).await
     }
 
     /// Load new parameters (flat, `ParamLayout` order) into the model.

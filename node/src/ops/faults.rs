@@ -150,6 +150,8 @@ pub struct Faults {
     up: Link,
     down: Link,
     latency_us: AtomicU64,
+    /// The slowdown's waits so far.
+    slow: Mutex<SlowLedger>,
 }
 
 /// Largest slowdown factor accepted.
@@ -234,11 +236,55 @@ impl Faults {
         self.serve_delay() + self.receive_delay(bytes) + self.send_delay(0)
     }
 
-    /// Extra time to add to a step whose gradients took `compute`.
-    pub fn extra_compute(&self, compute: Duration) -> Duration {
-        compute.mul_f64(self.slowdown() - 1.0)
+    /// Wait out the slowdown of a gradient computation that took
+    /// `compute`, so that it takes `slowdown` times as long (nothing
+    /// without a slowdown). A timer wakes up to a tick late, and several
+    /// milliseconds late on a loaded host: without [`SlowLedger`]'s carry a
+    /// step of 0.5 ms slowed 4x took 5x to 10x as long.
+    pub async fn stretch_compute(&self, compute: Duration) {
+        let factor = self.slowdown();
+        if factor <= 1.0 {
+            return;
+        }
+        let owed = Duration::try_from_secs_f64(compute.as_secs_f64() * (factor - 1.0)).unwrap_or(Duration::MAX);
+        let asked = self.slow.lock().map_or(owed, |l| l.wait(owed));
+        let started = Instant::now();
+        hold(asked).await;
+        let took = started.elapsed();
+        if let Ok(mut l) = self.slow.lock() {
+            l.paid(owed, took);
+        }
     }
 }
+
+/// The slowdown's account: each wait is what the step owes plus what the
+/// earlier waits fell short of theirs, less what they overslept, so that
+/// over a run the emulated machine is `slowdown` times slower, not more.
+#[derive(Debug, Default)]
+struct SlowLedger {
+    /// Owed (positive) or overslept (negative), ns.
+    carry_ns: i64,
+}
+
+impl SlowLedger {
+    /// How long to wait for a step that owes `owed`.
+    fn wait(&self, owed: Duration) -> Duration {
+        let owed = i64::try_from(owed.as_nanos()).unwrap_or(i64::MAX).saturating_add(self.carry_ns);
+        Duration::from_nanos(u64::try_from(owed).unwrap_or(0))
+    }
+
+    /// A step that owed `owed` waited `took`. The credit is bounded by
+    /// [`MAX_SLOW_CREDIT`], so that one long stall does not leave the
+    /// machine at full speed for many steps.
+    fn paid(&mut self, owed: Duration, took: Duration) {
+        let nanos = |d: Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
+        let max = nanos(MAX_SLOW_CREDIT);
+        self.carry_ns = self.carry_ns.saturating_add(nanos(owed)).saturating_sub(nanos(took)).max(-max);
+    }
+}
+
+/// The most oversleeping the slowdown carries to later steps.
+pub const MAX_SLOW_CREDIT: Duration = Duration::from_millis(100);
 
 /// Wait out an injected or emulated delay (none when it is zero, the
 /// production case): the network actor's held responses and the worker's
@@ -292,9 +338,44 @@ mod tests {
     }
 
     #[test]
-    fn slowdown_stretches_compute_and_bad_factors_are_refused() {
+    fn the_slowdown_pays_back_what_its_waits_overslept() {
+        let ms = Duration::from_millis;
+        let mut l = SlowLedger::default();
+        assert_eq!(l.wait(ms(3)), ms(3));
+        // The timer woke 2 ms late: the next wait is 2 ms shorter.
+        l.paid(ms(3), ms(5));
+        assert_eq!(l.wait(ms(3)), ms(1));
+        l.paid(ms(3), ms(1));
+        assert_eq!(l.wait(ms(3)), ms(3), "square again");
+        // Overslept by more than a step owes: no wait, and the rest of the
+        // credit goes on to the next step.
+        l.paid(ms(1), ms(6));
+        assert_eq!(l.wait(ms(1)), Duration::ZERO);
+        l.paid(ms(1), Duration::ZERO);
+        assert_eq!(l.wait(ms(3)), Duration::ZERO, "4 ms of credit left");
+        l.paid(ms(3), Duration::ZERO);
+        assert_eq!(l.wait(ms(3)), ms(2), "the last 1 ms of it");
+        l.paid(ms(3), ms(2));
+        assert_eq!(l.wait(ms(3)), ms(3), "square again");
+        // Fell short (woken early): owed on top of the next.
+        l.paid(ms(3), ms(2));
+        assert_eq!(l.wait(ms(3)), ms(4));
+        // One long stall gives at most MAX_SLOW_CREDIT of credit.
+        let mut l = SlowLedger::default();
+        l.paid(ms(1), Duration::from_secs(10));
+        assert_eq!(l.wait(MAX_SLOW_CREDIT + ms(1)), ms(1));
+    }
+
+    #[tokio::test]
+    async fn slowdown_stretches_compute_and_bad_factors_are_refused() {
         let f = Faults::new(0, 5.0).unwrap_or_default();
-        assert_eq!(f.extra_compute(Duration::from_millis(10)), Duration::from_millis(40));
+        let started = Instant::now();
+        f.stretch_compute(Duration::from_millis(10)).await;
+        assert!(started.elapsed() >= Duration::from_millis(40), "{:?}", started.elapsed());
+        let off = Faults::default();
+        let started = Instant::now();
+        off.stretch_compute(Duration::from_secs(10)).await;
+        assert!(started.elapsed() < Duration::from_secs(5), "no slowdown, no wait");
         assert!(f.set_slowdown(0.5).is_err());
         assert!(f.set_slowdown(f64::NAN).is_err());
         assert!(Faults::new(0, 2000.0).is_err());

@@ -56,18 +56,33 @@ pub fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the tokio runtime")
 }
 
-/// A pool of `threads` threads for one trainer's tensor work; `None` for a
-/// single thread, whose work then runs on the trainer's own thread.
-pub fn compute_pool(threads: usize, name: &str) -> anyhow::Result<Option<rayon::ThreadPool>> {
-    if threads <= 1 {
-        return Ok(None);
-    }
+/// The CPU time the calling thread has run so far, where the OS reports it
+/// (Linux: `CLOCK_THREAD_CPUTIME_ID`; `/proc/thread-self/schedstat` lags a
+/// running thread by up to a scheduler tick); `None` elsewhere. Unlike a
+/// wall clock it does not count the time the thread waited for a core that
+/// other nodes on the host held.
+#[cfg(target_os = "linux")]
+pub fn thread_cpu_time() -> Option<std::time::Duration> {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).ok()?;
+    Some(std::time::Duration::from(t))
+}
+
+/// See the Linux version: no thread clock here.
+#[cfg(not(target_os = "linux"))]
+pub fn thread_cpu_time() -> Option<std::time::Duration> {
+    None
+}
+
+/// A pool of `threads` threads (at least 1) for one trainer's tensor work.
+/// The trainer's loop runs inside it, so the rayon loops candle starts (a
+/// convolution's) stay in it too: with one thread, every part of a step
+/// runs on that thread, none in rayon's global pool.
+pub fn compute_pool(threads: usize, name: &str) -> anyhow::Result<rayon::ThreadPool> {
     let name = name.to_string();
     rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
+        .num_threads(threads.max(1))
         .thread_name(move |i| format!("compute-{name}-{i}"))
         .build()
-        .map(Some)
         .context("building the compute thread pool")
 }
 
@@ -88,8 +103,34 @@ mod tests {
 
     #[test]
     fn a_pool_has_the_threads_asked_for() {
-        let pool = compute_pool(3, "t").ok().flatten();
+        let pool = compute_pool(3, "t").ok();
         assert_eq!(pool.map(|p| p.install(rayon::current_num_threads)), Some(3));
-        assert!(compute_pool(1, "t").ok().flatten().is_none());
+        // One thread: a rayon loop started inside runs on the caller's thread.
+        let one = compute_pool(0, "t").ok();
+        let same = one.map(|p| {
+            p.install(|| {
+                use rayon::prelude::*;
+                let me = std::thread::current().id();
+                (0..64).into_par_iter().all(|_| std::thread::current().id() == me)
+            })
+        });
+        assert_eq!(same, Some(true));
+    }
+
+    #[test]
+    fn a_threads_cpu_time_grows_with_its_work_and_not_with_its_sleep() {
+        let Some(start) = thread_cpu_time() else { return }; // not Linux
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let slept = thread_cpu_time().map(|t| t.saturating_sub(start));
+        assert!(slept.is_some_and(|d| d < std::time::Duration::from_millis(25)), "{slept:?}");
+        let busy_until = std::time::Instant::now() + std::time::Duration::from_millis(50);
+        let mut x = 0u64;
+        while std::time::Instant::now() < busy_until {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let worked = thread_cpu_time().map(|t| t.saturating_sub(start));
+        // At least half the busy loop ran on a core (the rest the host may
+        // have given to other threads).
+        assert!(worked.is_some_and(|d| d >= std::time::Duration::from_millis(25)), "{worked:?} after {x} turns");
     }
 }
