@@ -338,6 +338,9 @@ async fn an_idle_aggregator_is_removed_and_its_shards_move_without_loss() -> any
     base.cluster.explore_window_steps = 20;
     base.cluster.explore_idle_share = 0.45;
     base.cluster.slowdown = 16.0;
+    // One compute thread on any host, so that the slowdown stretches CPU
+    // time everywhere (with more it falls back to wall time).
+    base.training.threads = Some(1);
     let steps = base.training.steps;
     let spec = ClusterSpec::new(4, base);
     let reports = wait_all(Cluster::start(&spec).await?).await?;

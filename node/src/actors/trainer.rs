@@ -25,8 +25,8 @@ struct TrainerActor {
     /// This node's training samples (none before `LoadTrain`).
     train: Option<Dataset>,
     receiver: mpsc::Receiver<TrainerCommand>,
-    /// The tensor work runs on one thread (a pool of one), so that
-    /// thread's CPU time is the work's.
+    /// The tensor work runs on the CPU, on one thread (the loop's, in a
+    /// pool of one), so that thread's CPU time is the work's.
     alone: bool,
 }
 
@@ -45,7 +45,10 @@ pub fn spawn(
     let initial = model.parameters()?;
     let (sender, receiver) = mpsc::channel(capacity.max(1));
     let pool = crate::ops::threads::compute_pool(threads, name)?;
-    let actor = TrainerActor { model, data, train: None, receiver, alone: pool.current_num_threads() == 1 };
+    // On a GPU the thread's CPU time is kernel launches and however the
+    // driver waits, not the work.
+    let alone = pool.current_num_threads() == 1 && device.is_cpu();
+    let actor = TrainerActor { model, data, train: None, receiver, alone };
     let thread = std::thread::Builder::new()
         .name(format!("trainer-{name}"))
         .spawn(move || pool.install(move || actor.run()))
@@ -89,5 +92,32 @@ impl TrainerActor {
         }
         let cpu_time = cpu_start.and_then(|start| Some(crate::ops::threads::thread_cpu_time()?.saturating_sub(start)));
         Ok(Gradients { loss: out.loss, samples: out.samples, grads: out.grads, factors: out.factors, cpu_time })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn gradients_carry_the_threads_cpu_time_only_when_asked_and_one_thread_did_the_work() -> anyhow::Result<()> {
+        let cfg = crate::config::NodeConfig::default();
+        for threads in [1, 2] {
+            let data = shoal_models::data::open(&shoal_models::data::DatasetKind::Digits, None)?;
+            let model = cfg.model_config(&data.test);
+            let rows: Vec<usize> = (0..data.train_len).collect();
+            let (trainer, _thread, _) = spawn(model, 7, Device::Cpu, data, 4, threads, "t")?;
+            trainer.load_train(rows).await?;
+            let unasked = trainer.gradients((0..64).collect(), false, false).await?;
+            assert_eq!(unasked.cpu_time, None, "{threads} threads, not asked");
+            let asked = trainer.gradients((0..64).collect(), false, true).await?;
+            assert_eq!(asked.samples, 64);
+            if threads > 1 {
+                assert_eq!(asked.cpu_time, None, "two threads: one thread's clock is not the work's");
+            } else if crate::ops::threads::thread_cpu_time().is_some() {
+                assert!(asked.cpu_time.is_some_and(|t| !t.is_zero()), "{:?}", asked.cpu_time);
+            }
+        }
+        Ok(())
     }
 }

@@ -15,9 +15,9 @@ pub struct Gradients {
     /// The fully connected layers' weight gradients as their sufficient
     /// factors, when asked for (`cluster.compression.push = "sfb"`).
     pub factors: Vec<LayerFactors>,
-    /// The CPU time the trainer thread spent on them, when asked for and
-    /// the OS reports it and the work ran on that one thread (one compute
-    /// thread, `training.threads = 1`); `None` otherwise.
+    /// The CPU time the trainer's thread spent on them, when asked for,
+    /// the OS reports it, and the work ran on that one thread (the CPU
+    /// device with one compute thread); `None` otherwise.
     pub cpu_time: Option<std::time::Duration>,
 }
 
