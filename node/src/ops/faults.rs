@@ -275,18 +275,21 @@ struct SlowLedger {
 impl SlowLedger {
     /// How long to wait for a step that owes `owed`.
     fn wait(&self, owed: Duration) -> Duration {
-        let owed = i64::try_from(owed.as_nanos()).unwrap_or(i64::MAX).saturating_add(self.carry_ns);
-        Duration::from_nanos(u64::try_from(owed).unwrap_or(0))
+        Duration::from_nanos(u64::try_from(nanos(owed).saturating_add(self.carry_ns)).unwrap_or(0))
     }
 
     /// A step that owed `owed` waited `took`. The credit is bounded by
     /// [`MAX_SLOW_CREDIT`], so that one long stall does not leave the
     /// machine at full speed for many steps.
     fn paid(&mut self, owed: Duration, took: Duration) {
-        let nanos = |d: Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
-        let max = nanos(MAX_SLOW_CREDIT);
-        self.carry_ns = self.carry_ns.saturating_add(nanos(owed)).saturating_sub(nanos(took)).max(-max);
+        self.carry_ns =
+            self.carry_ns.saturating_add(nanos(owed)).saturating_sub(nanos(took)).max(-nanos(MAX_SLOW_CREDIT));
     }
+}
+
+/// `d` in nanoseconds, saturating.
+fn nanos(d: Duration) -> i64 {
+    i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
 }
 
 /// The most oversleeping the slowdown carries to later steps.
