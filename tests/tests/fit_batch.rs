@@ -1,4 +1,4 @@
-//! A worker computing 4x slower fits its batch to the BSP rounds
+//! A worker computing 8x slower fits its batch to the BSP rounds
 //! (`cluster.fit_batch`) over real loopback TCP, while the workers at the
 //! cluster's pace keep their full batch and take on the samples it sheds
 //! (`cluster.fit_rebalance`, the default).
@@ -7,17 +7,22 @@
 //! cores at once) a healthy worker was starved for most of 9 steps in a
 //! row and, measured 2x slower than its peers, fitted its batch (CI: 1 to
 //! 5 steps of 300). Test binaries run one after another.
+//!
+//! 8x, not 4x: the slowdown stretches the trainer's CPU time, and at 4x
+//! node3 slept so much less than under the old wall-time stretch that the
+//! healthy workers were starved more, and one of them fitted its batch in
+//! 2 of about 17 runs alone (7 steps of 300); 14 of 14 passed at 8x.
 
 use shoal_tests::{elastic_config, run_with_slow_node3, status, ELASTIC_STEPS as STEPS};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_4x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reaches_93_percent() -> anyhow::Result<()> {
-    // node3 computes 4x slower; with cluster.fit_batch it trains on a
-    // smaller batch instead of holding every BSP round back 4x.
+async fn an_8x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reaches_93_percent() -> anyhow::Result<()> {
+    // node3 computes 8x slower; with cluster.fit_batch it trains on a
+    // smaller batch instead of holding every BSP round back.
     let mut base = elastic_config("fit-batch");
     base.cluster.fit_batch = true;
     let batch = base.training.batch_size as u64;
-    let (slow, reports) = run_with_slow_node3(base, 4.0).await?;
+    let (slow, reports) = run_with_slow_node3(base, 8.0).await?;
     for r in &reports {
         let s = status(r)?;
         eprintln!(
@@ -48,7 +53,7 @@ async fn a_4x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reache
     }
     let s = status(reports.iter().find(|r| r.peer_id == slow).ok_or_else(|| anyhow::anyhow!("no node3"))?)?;
     // Most of its steps ran on a fitted batch, on average at most half the
-    // full one (a quarter if compute were all that a step costs).
+    // full one (an eighth if compute were all that a step costs).
     assert!(s.fitted_steps * 2 >= STEPS, "node3 fitted only {} of {STEPS} steps", s.fitted_steps);
     assert!(s.samples * 2 <= STEPS * batch, "node3 trained {} samples of {}", s.samples, STEPS * batch);
     // The others took on what node3 shed: the rounds held about the
