@@ -21,6 +21,8 @@ pub struct NodeOverride {
     pub fault_delay_ms: Option<u64>,
     /// Fault injection: this node computes this many times slower.
     pub slowdown: Option<f64>,
+    /// Fault injection: this node's link, Mbit/s each way (`cluster.link_mbps`).
+    pub link_mbps: Option<f64>,
     /// Fault injection: this node pushes bad gradients.
     pub byzantine: Option<crate::ops::faults::Byzantine>,
     /// This node's own push and pull encodings.
@@ -73,6 +75,9 @@ impl ClusterSpec {
             }
             if let Some(s) = o.slowdown {
                 c.cluster.slowdown = s;
+            }
+            if let Some(m) = o.link_mbps {
+                c.cluster.link_mbps = m;
             }
             if let Some(k) = o.compression {
                 c.cluster.compression = k;

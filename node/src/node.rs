@@ -349,11 +349,7 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
             incarnation,
             config_hash: hash,
             capabilities: Capabilities {
-                device: match t.device {
-                    shoal_models::DeviceKind::Cpu => Device::Cpu,
-                    shoal_models::DeviceKind::Cuda(_) => Device::Cuda,
-                    shoal_models::DeviceKind::Metal(_) => Device::Metal,
-                },
+                device: device_class(t.device),
                 // At start; the rates are the worker's measurements
                 // (SelfState), filled in as it trains.
                 memory_bytes: c.memory_bytes,
@@ -443,7 +439,7 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
         leave: leave_rx,
         faults: faults.clone(),
         old_wire: Default::default(),
-        step_bytes: Default::default(),
+        link: Default::default(),
     };
     let leave = LeaveSwitch::new(leave_tx);
     let http = match config.http.addr()? {
@@ -557,7 +553,7 @@ async fn drive(
         if !roster.members.iter().any(|m| m.1) {
             bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
         }
-        let health = c.health_policy(worker.plan.total_len(), worker.plan.len());
+        let health = c.health_policy(worker.plan.total_len(), worker.plan.len(), config.training.batch_size);
         election::start(
             placement_tx,
             ElectionConfig {
@@ -579,6 +575,7 @@ async fn drive(
                 }),
                 can_aggregate: c.can_aggregate,
                 memory_bytes: c.memory_bytes,
+                device: device_class(config.training.device),
                 total_steps: config.training.steps,
                 failure_timeout_ms: c.failure_timeout_ms,
                 name: name.to_string(),
@@ -988,6 +985,15 @@ async fn resume_from(
     aggregator.resume(states).await?;
     worker.snapshot.send_modify(|s| s.version = rp.step);
     Ok(Some(rp))
+}
+
+/// The device class a node gossips in its capabilities.
+fn device_class(kind: shoal_models::DeviceKind) -> Device {
+    match kind {
+        shoal_models::DeviceKind::Cpu => Device::Cpu,
+        shoal_models::DeviceKind::Cuda(_) => Device::Cuda,
+        shoal_models::DeviceKind::Metal(_) => Device::Metal,
+    }
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ use cap::Cap;
 
 use shoal_models::rng::DetRng;
 use shoal_node::policy::health::ServiceTracker;
-use shoal_node::policy::placement::{elect, inputs_from_view, ElectPolicy, Placement};
+use shoal_node::policy::placement::{elect, inputs_from_view, ElectPolicy, Own, Placement};
 use shoal_node::policy::view::{SelfState, View};
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::PeerId;
@@ -56,6 +56,8 @@ const TICK_MS: u64 = 100; // one heartbeat period
 const TIMEOUT_MS: u64 = 1_000; // failure detection: 10 heartbeats
 const MAX_DELAY_TICKS: u64 = 2;
 const TOTAL_STEPS: u64 = 1_000_000;
+/// Every simulated node may aggregate, offers no memory figure and trains on the CPU.
+const OWN: Own = Own { can_aggregate: true, memory_bytes: 0, device: Device::Cpu };
 
 struct SimNode {
     id: PeerId,
@@ -209,7 +211,7 @@ impl Sim {
                 }
             }
             n.me.service = n.tracker.report(n.me.step, FORGET_STEPS);
-            let (members, service) = inputs_from_view(&n.view, &n.me, true, 0, TOTAL_STEPS, now, TIMEOUT_MS);
+            let (members, service) = inputs_from_view(&n.view, &n.me, OWN, TOTAL_STEPS, now, TIMEOUT_MS);
             n.placement = elect(&members, &service, SHARDS, ElectPolicy::default());
             let owned = n.placement.as_ref().map(|p| p.owned_by(&n.id)).unwrap_or_default();
             n.me.role = if owned.is_empty() { Role::Worker } else { Role::Aggregator };
@@ -388,7 +390,7 @@ fn run(seed: u64, count: usize, alone: bool) -> Report {
     // Capacity levels settled too: only the fast node may hold a level other
     // than 0, and while it is measured (it owns shards) it holds 1 (weight 2).
     let n = &sim.nodes[slow_one];
-    let (mut members, service) = inputs_from_view(&n.view, &n.me, true, 0, TOTAL_STEPS, sim.now, TIMEOUT_MS);
+    let (mut members, service) = inputs_from_view(&n.view, &n.me, OWN, TOTAL_STEPS, sim.now, TIMEOUT_MS);
     let raised: Vec<(PeerId, i8)> = p.levels.iter().copied().filter(|(_, l)| *l != 0).collect();
     let fast_measured = service.contains_key(&fast_id);
     let want = if fast_measured { vec![(fast_id, 1)] } else { vec![] };

@@ -14,7 +14,7 @@ use crate::handles::membership::{MembershipHandle, ViewSnapshot};
 use crate::handles::status::{RoleView, StatusEvent, StatusHandle};
 use crate::ops::logging::short;
 use crate::policy::explore::{Decision, ExplorePolicy, Explorer};
-use crate::policy::placement::{elect, inputs_from_view, observation, ElectPolicy, Placement};
+use crate::policy::placement::{elect, inputs_from_view, observation, ElectPolicy, Own, Placement};
 use crate::policy::view::SelfState;
 
 /// Settings of the election actor.
@@ -29,6 +29,8 @@ pub struct ElectionConfig {
     /// The memory this node had left at start (its heartbeats'
     /// `capabilities.memory_bytes`; 0 unknown).
     pub memory_bytes: u64,
+    /// This node's device class (its heartbeats' `capabilities.device`).
+    pub device: shoal_protocol::Device,
     pub total_steps: u64,
     pub failure_timeout_ms: u64,
     pub name: String,
@@ -65,8 +67,7 @@ async fn run(
             inputs_from_view(
                 &snap.view,
                 &mine,
-                cfg.can_aggregate,
-                cfg.memory_bytes,
+                Own { can_aggregate: cfg.can_aggregate, memory_bytes: cfg.memory_bytes, device: cfg.device },
                 cfg.total_steps,
                 snap.now_ms,
                 cfg.failure_timeout_ms,

@@ -175,6 +175,10 @@ impl StatusActor {
                 s.bytes_out += out;
                 s.bytes_in += r#in;
             }
+            StatusEvent::Link { bytes, secs } => {
+                s.link_bytes += bytes;
+                s.link_secs += secs;
+            }
             StatusEvent::PushLatency(ms) => s.push_latency_ms = ema(s.push_latency_ms, ms),
             StatusEvent::PullLatency(ms) => s.pull_latency_ms = ema(s.pull_latency_ms, ms),
             StatusEvent::Evaluated(e) => {

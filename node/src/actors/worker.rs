@@ -162,9 +162,35 @@ pub struct Worker {
     /// `PushPull`, a `PushGrad` and a `PullShard`; 3: no `PushPullMany`,
     /// one `PushPull` per shard; 4: no `Timed`, only round trips are timed).
     pub old_wire: OldWire,
-    /// Shard bytes pushed and pulled since the last step ended (the
-    /// measured exchange rate in this node's capabilities).
-    pub step_bytes: std::sync::atomic::AtomicU64,
+    /// This step's exchanges with remote owners: the link rate in this
+    /// node's capabilities.
+    pub link: LinkMeter,
+}
+
+/// Bytes moved in exchanges with remote owners, and the time those
+/// exchanges took: each round trip less the time the owner held its answer
+/// for the round (the slowest worker's time, not this node's link). The
+/// rate is per exchange: exchanges with several owners at once add their
+/// times, so the figure is what one exchange moves per second, comparable
+/// between nodes whatever their number of owners.
+#[derive(Debug, Default)]
+pub struct LinkMeter {
+    bytes: std::sync::atomic::AtomicU64,
+    micros: std::sync::atomic::AtomicU64,
+}
+
+impl LinkMeter {
+    fn add(&self, bytes: u64, took: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.bytes.fetch_add(bytes, Relaxed);
+        self.micros.fetch_add(u64::try_from(took.as_micros()).unwrap_or(u64::MAX), Relaxed);
+    }
+
+    /// Bytes and seconds since the last call.
+    fn take(&self) -> (u64, f64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.bytes.swap(0, Relaxed), self.micros.swap(0, Relaxed) as f64 / 1e6)
+    }
 }
 
 /// One shard's gradient as this step pushes it: the values an owner gets
@@ -404,7 +430,11 @@ impl Worker {
         let mut last_report = ReportClock {
             at: None,
             demoting: Default::default(),
-            health: self.config.cluster.health_policy(self.plan.total_len(), self.plan.len()),
+            health: self.config.cluster.health_policy(
+                self.plan.total_len(),
+                self.plan.len(),
+                self.config.training.batch_size,
+            ),
         };
         let mut pace = crate::policy::explore::PaceMeter::default();
         // Error feedback of the lossy push encodings (cluster.compression).
@@ -549,8 +579,8 @@ impl Worker {
             });
             self.status.record(StatusEvent::Version(version));
             let p = pace.observe(started.elapsed().as_secs_f64(), comm);
-            let moved = self.step_bytes.swap(0, std::sync::atomic::Ordering::Relaxed);
-            let (compute_rate, net_rate) = pace.rates(g.samples, compute, moved, comm);
+            let (link_bytes, link_secs) = self.link.take();
+            let (compute_rate, net_rate) = pace.rates(g.samples, compute, link_bytes, link_secs);
             // Gossip mode: the last step is reported once the final models
             // are averaged (`gossip_consensus`), so that peers linger until
             // every node has fetched the copies it averages.
@@ -1199,7 +1229,9 @@ impl Worker {
             return Ok(reply);
         }
         self.moved(bytes, 0);
-        self.time_service(owner, bytes, sent.elapsed(), reported, step);
+        let round_trip = sent.elapsed();
+        self.timed_link(bytes, round_trip);
+        self.time_service(owner, bytes, round_trip, reported, step);
         Ok(reply)
     }
 
@@ -1271,10 +1303,11 @@ impl Worker {
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
         let (resp, reported) = timed_request(&self.net, &self.old_wire, owner, req).await?;
+        let mut received = 0;
         let (reply, held_ms) = match resp {
             ShardResponse::Exchanged(x) => {
                 let held = x.held_ms;
-                let received = x.state_bytes();
+                received = x.state_bytes();
                 if received > 0 {
                     hold(self.faults.receive_delay(received)).await;
                     self.moved(0, received);
@@ -1300,6 +1333,7 @@ impl Worker {
             // (Otherwise the caller records the push as after a plain one.)
             self.status.record(StatusEvent::PushLatency(round_trip.as_secs_f64() * 1e3));
         }
+        self.timed_link(bytes + received, round_trip);
         self.time_service(owner, bytes, round_trip, reported, step);
         Ok(reply)
     }
@@ -1454,6 +1488,7 @@ impl Worker {
             self.status.record(StatusEvent::PushLatency(round_trip.as_secs_f64() * 1e3));
         }
         if served_bytes > 0 {
+            self.timed_link(bytes + received, round_trip);
             self.time_service(owner, served_bytes, round_trip, reported, step);
         }
         Ok(out)
@@ -1469,11 +1504,16 @@ impl Worker {
         }
     }
 
-    /// Shard bytes sent (`out`) and received (`r#in`): counted in /status
-    /// and in this step's exchange rate.
+    /// One exchange with a remote owner for the link rate: counted in this
+    /// step's rate and in /status.
+    fn timed_link(&self, bytes: u64, took: Duration) {
+        self.link.add(bytes, took);
+        self.status.record(StatusEvent::Link { bytes, secs: took.as_secs_f64() });
+    }
+
+    /// Shard bytes sent (`out`) and received (`r#in`): counted in /status.
     fn moved(&self, out: u64, r#in: u64) {
         self.status.record(StatusEvent::Bytes { out, r#in });
-        self.step_bytes.fetch_add(out.saturating_add(r#in), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The encoding this worker asks its pulls in (`cluster.compression.pull`).

@@ -43,6 +43,15 @@ pub struct StatusSnapshot {
     pub last_bits_per_byte: Option<f32>,
     pub bytes_out: u64,
     pub bytes_in: u64,
+    /// Bytes of the exchanges with remote owners that were timed for the
+    /// link rate, and their time: round trips less the time owners held
+    /// answers for the round, exchanges in parallel adding theirs (the
+    /// gossiped `capabilities.net_bytes_per_sec` is a moving average of
+    /// the per-step ratio).
+    #[serde(default)]
+    pub link_bytes: u64,
+    #[serde(default)]
+    pub link_secs: f64,
     pub push_latency_ms: Option<f64>,
     pub pull_latency_ms: Option<f64>,
     /// Seconds of step time spent computing gradients vs. communicating
@@ -189,6 +198,11 @@ pub enum StatusEvent {
     Bytes {
         out: u64,
         r#in: u64,
+    },
+    /// One exchange timed for the link rate.
+    Link {
+        bytes: u64,
+        secs: f64,
     },
     PushLatency(f64),
     PullLatency(f64),

@@ -332,9 +332,8 @@ pub fn agreed_limit(proposals: impl IntoIterator<Item = u16>) -> Option<usize> {
 /// A worker's moving averages of its step time and communication time, and
 /// of its measured capabilities as its heartbeat's `Capabilities` carries
 /// them: its compute rate (samples per second of gradient computation) and
-/// its exchange rate (bytes pushed and pulled per second of a step's
-/// communication time, which includes the waits for a round: a lower bound
-/// on the link's rate).
+/// its link rate (bytes per second of its exchanges with remote owners,
+/// the owners' holds for the round left out: `worker::LinkMeter`).
 ///
 /// The first step (connection set-up, the first pull, cold caches) stands
 /// alone until the second replaces it; from then on the averages weigh the
@@ -369,9 +368,10 @@ impl Mean {
         self.value += (1.0 / self.n as f64).max(Self::ALPHA) * (v - self.value);
     }
 
-    /// The average as an `f32` field of a heartbeat; 0 before any value.
-    fn as_f32(&self) -> f32 {
-        if self.n == 0 {
+    /// The average as an `f32` field of a heartbeat; 0 (not measured)
+    /// before `min` values.
+    fn as_f32(&self, min: u64) -> f32 {
+        if self.n < min.max(1) {
             0.0
         } else {
             self.value.min(f64::from(f32::MAX)) as f32
@@ -401,7 +401,9 @@ impl PaceMeter {
 
     /// The same step's rates: `samples` computed in `compute_secs`, `bytes`
     /// moved in `comm_secs`. Returns samples/s and bytes/s, 0 for what is
-    /// not measured yet; a step with nothing to measure (no samples, no
+    /// not measured on [`RATE_MIN_STEPS`] steps yet (the election judges
+    /// the rates: one step, the first with its connection set-up above
+    /// all, says little); a step with nothing to measure (no samples, no
     /// bytes, no time) leaves that average as it was.
     pub fn rates(&mut self, samples: usize, compute_secs: f64, bytes: u64, comm_secs: f64) -> (f32, f32) {
         if samples > 0 && compute_secs.is_finite() && compute_secs > 0.0 {
@@ -410,9 +412,12 @@ impl PaceMeter {
         if bytes > 0 && comm_secs.is_finite() && comm_secs > 0.0 {
             self.net_rate.push(bytes as f64 / comm_secs);
         }
-        (self.compute_rate.as_f32(), self.net_rate.as_f32())
+        (self.compute_rate.as_f32(RATE_MIN_STEPS), self.net_rate.as_f32(RATE_MIN_STEPS))
     }
 }
+
+/// Steps a rate must be measured on before it is gossiped.
+pub const RATE_MIN_STEPS: u64 = 3;
 
 /// The median of a list (lower median for an even count); `None` if empty.
 pub fn lower_median<T: Copy + PartialOrd>(mut v: Vec<T>) -> Option<T> {
@@ -647,9 +652,14 @@ mod tests {
     fn pace_meter_averages_the_rates_it_measured() {
         let mut m = PaceMeter::default();
         assert_eq!(m.rates(0, 0.0, 0, 0.0), (0.0, 0.0), "nothing measured");
-        assert_eq!(m.rates(64, 0.032, 0, 0.0), (2000.0, 0.0), "no bytes moved yet");
-        let (c, n) = m.rates(64, 0.016, 1_000_000, 0.5);
-        assert!((c - 3000.0).abs() < 1e-3, "the mean of 2000 and 4000: {c}");
+        assert_eq!(m.rates(64, 0.032, 0, 0.0), (0.0, 0.0), "one step: not reported yet");
+        assert_eq!(m.rates(64, 0.032, 0, 0.0), (0.0, 0.0), "two steps: not reported yet");
+        let (c, n) = m.rates(64, 0.008, 1_000_000, 0.5);
+        assert!((c - 4000.0).abs() < 1e-3, "the mean of 2000, 2000 and 8000: {c}");
+        assert_eq!(n, 0.0, "one exchange: not reported yet");
+        m.rates(64, 0.008, 1_000_000, 0.5);
+        let (c, n) = m.rates(64, 0.008, 1_000_000, 0.5);
+        assert!((c - 5600.0).abs() < 1e-3, "the mean of 2000, 2000 and three 8000: {c}");
         assert_eq!(n, 2_000_000.0);
         assert_eq!(m.rates(32, f64::NAN, 10, 0.0), (c, n), "bad times leave the averages");
     }

@@ -23,7 +23,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use shoal_protocol::{PeerId, ServiceObservation, MAX_SERVICE_OBSERVATIONS};
+use shoal_protocol::{Device, PeerId, ServiceObservation, MAX_SERVICE_OBSERVATIONS};
 
 /// Thresholds of the straggler detector.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -36,11 +36,19 @@ pub struct HealthPolicy {
     /// µs per MiB: on a fast LAN or loopback, where a push takes well under a
     /// millisecond, scheduling noise alone reaches 3x and must not move shards.
     pub min_excess_micros_per_mib: f64,
+    /// The same floor per sample of compute, for gossiped compute rates
+    /// ([`capability_levels`]): the floor per step over the batch.
+    pub min_excess_micros_per_sample: f64,
 }
 
 impl Default for HealthPolicy {
     fn default() -> Self {
-        Self { demote_ratio: 3.0, restore_ratio: 1.5, min_excess_micros_per_mib: 0.0 }
+        Self {
+            demote_ratio: 3.0,
+            restore_ratio: 1.5,
+            min_excess_micros_per_mib: 0.0,
+            min_excess_micros_per_sample: 0.0,
+        }
     }
 }
 
@@ -169,6 +177,106 @@ pub fn capacity_levels(
             (*peer, level_with_hysteresis(raw, prior(peer).clamp(MIN_LEVEL, MAX_LEVEL)))
         })
         .collect()
+}
+
+/// What a member says it can do, from its heartbeat's `capabilities`: its
+/// device class and its measured rates (0: not measured yet).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Capacity {
+    pub device: Device,
+    /// The trainer's samples per second of compute time.
+    pub compute_samples_per_sec: f32,
+    /// Bytes per second of its exchanges with remote owners.
+    pub net_bytes_per_sec: f32,
+}
+
+impl Default for Capacity {
+    fn default() -> Self {
+        Self { device: Device::Cpu, compute_samples_per_sec: 0.0, net_bytes_per_sec: 0.0 }
+    }
+}
+
+/// Capacity levels from gossiped capabilities: a cap on each member's
+/// weight in the rendezvous, never a raise. A member that computes at a
+/// quarter of the norm, or moves bytes at a quarter of it, is weighted as
+/// an owner four times slower ([`weight_of`] -2), measured as an owner or
+/// not; at half the norm, -1. The norm of each rate is the upper median of
+/// the members that report it (the faster middle one: with two members,
+/// the slower is judged against the faster); compute rates are compared
+/// only between members of the same device class, since a GPU's samples
+/// per second say nothing of the CPU that sums its shards.
+///
+/// The hysteresis is that of [`capacity_levels`], with the same `prior`
+/// (the level the member holds in its own latest placement), so a rate
+/// hovering at a band edge does not move shards, and so is the noise floor:
+/// a link rate counts only once the time it adds per MiB passes
+/// [`LEVEL_FLOOR_FACTOR`] times `min_excess_micros_per_mib` (on loopback a
+/// round trip is mostly scheduling), and a compute rate once the time it
+/// adds per sample passes that factor times `min_excess_micros_per_sample`
+/// (a step of a small model takes a millisecond or two, and the per-step
+/// rates of healthy nodes sharing two cores were seen 2x apart). Members with no reported rate, and
+/// those within about 2.4x of the norm, are not in the map; nor is anyone
+/// under static roles (an infinite floor: only failures move shards).
+///
+/// Why: service times only measure owners. Before a node has owned a
+/// shard, the election knew nothing of it, and exploring upwards from one
+/// owner picked the next one by hash: an edge board on a slow uplink was
+/// as likely as a server. And an owner's reported service time leaves out
+/// its link, so a slow uplink did not lower its share.
+pub fn capability_levels(
+    caps: &BTreeMap<PeerId, Capacity>,
+    prior: impl Fn(&PeerId) -> i8,
+    policy: HealthPolicy,
+) -> BTreeMap<PeerId, i8> {
+    const MICROS_PER_MIB_AT_ONE_BYTE_PER_SEC: f64 = 1024.0 * 1024.0 * 1e6;
+    // Whether `rate` adds at least the floor `min` (µs per unit) to the
+    // norm's time per unit; `micros` converts 1 / rate to µs per unit.
+    let past_floor =
+        |micros: f64, rate: f64, norm: f64, min: f64| micros * (1.0 / rate - 1.0 / norm) >= LEVEL_FLOOR_FACTOR * min;
+    let upper_median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    };
+    let reported = |r: f32| f64::from(r).is_finite() && r > 0.0;
+    let mut out = BTreeMap::new();
+    if !policy.min_excess_micros_per_mib.is_finite() {
+        return out;
+    }
+    for (peer, c) in caps {
+        let mut raws = Vec::with_capacity(2);
+        if reported(c.compute_samples_per_sec) {
+            let mut same: Vec<f64> = caps
+                .values()
+                .filter(|o| o.device == c.device && reported(o.compute_samples_per_sec))
+                .map(|o| f64::from(o.compute_samples_per_sec))
+                .collect();
+            if let Some(norm) = upper_median(&mut same) {
+                let rate = f64::from(c.compute_samples_per_sec);
+                if past_floor(1e6, rate, norm, policy.min_excess_micros_per_sample) {
+                    raws.push((rate / norm).log2());
+                }
+            }
+        }
+        if reported(c.net_bytes_per_sec) {
+            let mut all: Vec<f64> = caps
+                .values()
+                .filter(|o| reported(o.net_bytes_per_sec))
+                .map(|o| f64::from(o.net_bytes_per_sec))
+                .collect();
+            if let Some(norm) = upper_median(&mut all) {
+                let rate = f64::from(c.net_bytes_per_sec);
+                if past_floor(MICROS_PER_MIB_AT_ONE_BYTE_PER_SEC, rate, norm, policy.min_excess_micros_per_mib) {
+                    raws.push((rate / norm).log2());
+                }
+            }
+        }
+        let Some(raw) = raws.into_iter().reduce(f64::min) else { continue };
+        let level = level_with_hysteresis(raw.min(0.0), prior(peer).clamp(MIN_LEVEL, MAX_LEVEL)).min(0);
+        if level < 0 {
+            out.insert(*peer, level);
+        }
+    }
+    out
 }
 
 /// The level for a speed of `2^raw` times the norm, given the current level.
@@ -395,10 +503,74 @@ mod tests {
     }
 
     #[test]
+    fn capability_levels_only_lower_a_weight_with_hysteresis_and_per_device_norms() {
+        let peers: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
+        let caps = |rates: [(f32, f32); 4]| -> BTreeMap<PeerId, Capacity> {
+            peers
+                .iter()
+                .zip(rates)
+                .map(|(p, (c, n))| {
+                    (*p, Capacity { device: Device::Cpu, compute_samples_per_sec: c, net_bytes_per_sec: n })
+                })
+                .collect()
+        };
+        let at = |l: i8| move |_: &PeerId| l;
+        // Links of 100 MB/s (10 ms per MiB) against a floor of 2 x 1 ms per MiB.
+        let policy = HealthPolicy { min_excess_micros_per_mib: 1000.0, ..HealthPolicy::default() };
+        let capability_levels = |c: &BTreeMap<PeerId, Capacity>, prior| capability_levels(c, prior, policy);
+        let healthy = (1000.0, 1e8);
+        // Equal rates, or one node 4x faster: nobody is capped (never raised).
+        assert!(capability_levels(&caps([healthy; 4]), at(0)).is_empty());
+        assert!(capability_levels(&caps([healthy, healthy, healthy, (4000.0, 4e8)]), at(0)).is_empty());
+        // A quarter of the norm's compute: -2; 0.4x its link: -1; 0.45x of
+        // either from level 0: inside the hysteresis, still 0.
+        let l = capability_levels(&caps([healthy, healthy, healthy, (250.0, 1e8)]), at(0));
+        assert_eq!(l, BTreeMap::from([(peers[3], -2)]));
+        let l = capability_levels(&caps([healthy, healthy, healthy, (1000.0, 4e7)]), at(0));
+        assert_eq!(l, BTreeMap::from([(peers[3], -1)]));
+        assert!(capability_levels(&caps([healthy, healthy, healthy, (450.0, 4.5e7)]), at(0)).is_empty());
+        // Held at -1, it stays there at 0.55x and comes back at 0.7x.
+        let l = capability_levels(&caps([healthy, healthy, healthy, (550.0, 1e8)]), at(-1));
+        assert_eq!(l, BTreeMap::from([(peers[3], -1)]));
+        assert!(capability_levels(&caps([healthy, healthy, healthy, (700.0, 1e8)]), at(-1)).is_empty());
+        // Not measured yet (0), or nonsense: not judged, and not in the norm.
+        assert!(capability_levels(&caps([healthy, healthy, (0.0, 0.0), (f32::NAN, -1.0)]), at(0)).is_empty());
+        // Two members: the slower is judged against the faster.
+        let two: BTreeMap<PeerId, Capacity> = caps([healthy, (250.0, 1e8), healthy, healthy])
+            .into_iter()
+            .filter(|(p, _)| peers[..2].contains(p))
+            .collect();
+        assert_eq!(capability_levels(&two, at(0)), BTreeMap::from([(peers[1], -2)]));
+        // Compute is compared within a device class: three CUDA boxes do not
+        // make the CPU node slow, and it does not make them fast.
+        let mut mixed = caps([(100_000.0, 1e8), (100_000.0, 1e8), (100_000.0, 1e8), healthy]);
+        for p in &peers[..3] {
+            if let Some(c) = mixed.get_mut(p) {
+                c.device = Device::Cuda;
+            }
+        }
+        assert!(capability_levels(&mixed, at(0)).is_empty());
+        // A link 0.4x the norm's adds 15 ms per MiB: judged against a floor
+        // of 2 x 1 ms, not against one of 2 x 10 ms (loopback noise); and
+        // static roles judge nobody.
+        let slow_link = caps([healthy, healthy, healthy, (1000.0, 4e7)]);
+        let floor = |m: f64| HealthPolicy { min_excess_micros_per_mib: m, ..HealthPolicy::default() };
+        assert_eq!(super::capability_levels(&slow_link, at(0), floor(1000.0)).len(), 1);
+        assert!(super::capability_levels(&slow_link, at(0), floor(10_000.0)).is_empty());
+        let starved = caps([healthy, healthy, healthy, (250.0, 1e8)]);
+        assert!(super::capability_levels(&starved, at(0), floor(f64::INFINITY)).is_empty());
+        // Compute: a quarter of 1000 samples/s adds 3 ms per sample; judged
+        // against a floor of 2 x 1 ms per sample, not 2 x 2 ms.
+        let per_sample = |m: f64| HealthPolicy { min_excess_micros_per_sample: m, ..HealthPolicy::default() };
+        assert_eq!(super::capability_levels(&starved, at(0), per_sample(1000.0)).len(), 1);
+        assert!(super::capability_levels(&starved, at(0), per_sample(2000.0)).is_empty());
+    }
+
+    #[test]
     fn one_report_alone_names_the_owners_it_would_demote() {
         let me = PeerId::random();
         let owners: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
-        let policy = HealthPolicy { demote_ratio: 3.0, restore_ratio: 1.5, min_excess_micros_per_mib: 50.0 };
+        let policy = HealthPolicy { min_excess_micros_per_mib: 50.0, ..HealthPolicy::default() };
         let none = BTreeSet::new();
         let mut report: Vec<ServiceObservation> = owners.iter().map(|&o| obs(o, 100.0)).collect();
         assert!(would_demote(me, &report, &none, policy).is_empty());
@@ -455,7 +627,7 @@ mod tests {
         // owner serves at 2 ms per MiB.
         let owners: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
         let me = PeerId::random();
-        let policy = HealthPolicy { demote_ratio: 3.0, restore_ratio: 1.5, min_excess_micros_per_mib: 5_000.0 };
+        let policy = HealthPolicy { min_excess_micros_per_mib: 5_000.0, ..HealthPolicy::default() };
         let mut paths = PathLatency::default();
         let (mut raw, mut net) = (ServiceTracker::default(), ServiceTracker::default());
         for step in 0..10 {

@@ -4,7 +4,10 @@
 //! [`elect`] is pure (no clock, no RNG, no I/O): the members of the view and
 //! the median service times in go, a [`Placement`] comes out. Stragglers (see
 //! [`crate::policy::health`]) are excluded; the rest, weighted by measured capacity
-//! ([`crate::policy::health::capacity_levels`]) and limited to the number of
+//! ([`crate::policy::health::capacity_levels`]), capped by their gossiped
+//! compute and link rates ([`crate::policy::health::capability_levels`]: the
+//! heaviest are kept when k is limited, so exploring upwards adds the best
+//! equipped nodes first) and limited to the number of
 //! aggregators the members agree on ([`crate::policy::explore::agreed_limit`]),
 //! share the shards by weighted
 //! rendezvous with bounded loads ([`crate::policy::assign`]), and each shard gets a
@@ -28,11 +31,13 @@
 use std::collections::BTreeMap;
 
 use shoal_models::rng::stable_hash64;
-use shoal_protocol::{PeerId, Role};
+use shoal_protocol::{Device, PeerId, Role};
 
 use crate::policy::assign::{assign, AssignPolicy, Candidate};
 use crate::policy::explore::{agreed_limit, lower_median, Observation};
-use crate::policy::health::{capacity_levels, medians, stragglers, weight_of, HealthPolicy};
+use crate::policy::health::{
+    capability_levels, capacity_levels, medians, stragglers, weight_of, Capacity, HealthPolicy,
+};
 use crate::policy::view::{SelfState, View};
 
 /// A live member of the view, as the election sees it.
@@ -55,6 +60,9 @@ pub struct Member {
     /// The memory it offers for owning shards, bytes (0: not reported, no
     /// limit).
     pub memory_bytes: u64,
+    /// Its device and measured rates: a cap on its weight
+    /// ([`crate::policy::health::capability_levels`]).
+    pub capacity: Capacity,
 }
 
 /// Knobs of the election.
@@ -164,8 +172,15 @@ pub fn elect(
     }
     let prior = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.capacity_level);
     let measured = capacity_levels(&capable_service, prior, policy.health);
-    let levels: Vec<(PeerId, i8)> =
-        eligible.iter().map(|m| (m.peer, measured.get(&m.peer).copied().unwrap_or(0))).collect();
+    let caps: BTreeMap<PeerId, Capacity> = members.iter().map(|m| (m.peer, m.capacity)).collect();
+    let capped = capability_levels(&caps, prior, policy.health);
+    let levels: Vec<(PeerId, i8)> = eligible
+        .iter()
+        .map(|m| {
+            let level = |map: &BTreeMap<PeerId, i8>| map.get(&m.peer).copied().unwrap_or(0);
+            (m.peer, level(&measured).min(level(&capped)))
+        })
+        .collect();
     let weight = |p: &PeerId| levels.iter().find(|(q, _)| q == p).map_or(1.0, |(_, l)| weight_of(*l));
     let mut candidates: Vec<Candidate<Vec<u8>>> =
         eligible.iter().map(|m| Candidate { peer: m.peer.to_bytes(), weight: weight(&m.peer) }).collect();
@@ -231,15 +246,23 @@ pub fn elect(
     })
 }
 
+/// This node's configured capabilities, as the election needs them (its
+/// measured rates are in [`SelfState`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Own {
+    pub can_aggregate: bool,
+    /// The memory it offers for owning shards, bytes (0 unknown).
+    pub memory_bytes: u64,
+    pub device: Device,
+}
+
 /// The election's inputs from this node's view: live peers that take part
-/// in the run plus itself (`my_memory_bytes`: the memory it offers for
-/// owning shards, 0 unknown), and
+/// in the run plus itself, and
 /// the median service time of every owner over all reports (its own included).
 pub fn inputs_from_view(
     view: &View,
     me: &SelfState,
-    my_can_aggregate: bool,
-    my_memory_bytes: u64,
+    own: Own,
     total_steps: u64,
     now_ms: u64,
     timeout_ms: u64,
@@ -268,18 +291,28 @@ pub fn inputs_from_view(
                 aggregators: hb.pace.aggregators,
                 capacity_level: hb.pace.capacity_level,
                 memory_bytes: hb.capabilities.memory_bytes,
+                capacity: Capacity {
+                    device: hb.capabilities.device,
+                    compute_samples_per_sec: hb.capabilities.compute_samples_per_sec,
+                    net_bytes_per_sec: hb.capabilities.net_bytes_per_sec,
+                },
             }
         })
         .collect();
     members.push(Member {
         peer: view.me,
-        can_aggregate: my_can_aggregate,
+        can_aggregate: own.can_aggregate,
         serving: me.role == Role::Aggregator,
         active: me.step < total_steps && !me.leaving,
         leaving: me.leaving,
         aggregators: me.pace.aggregators,
         capacity_level: me.pace.capacity_level,
-        memory_bytes: my_memory_bytes,
+        memory_bytes: own.memory_bytes,
+        capacity: Capacity {
+            device: own.device,
+            compute_samples_per_sec: me.compute_samples_per_sec,
+            net_bytes_per_sec: me.net_bytes_per_sec,
+        },
     });
     let reports = live
         .iter()
@@ -337,6 +370,7 @@ mod tests {
                 aggregators: 0,
                 capacity_level: 0,
                 memory_bytes: 0,
+                capacity: Capacity::default(),
             })
             .collect()
     }
@@ -410,6 +444,64 @@ mod tests {
         let Some(r) = elect(&m, &service, 64, ElectPolicy::default()) else { panic!("no placement") };
         assert_eq!((r.limit, r.aggregators()), (None, 4), "one proposal alone does not cap k");
         assert_ne!(q.epoch, r.epoch);
+    }
+
+    #[test]
+    fn gossiped_rates_cap_a_weak_nodes_weight_and_exploring_from_one_owner_skips_it() {
+        let cpu = |compute: f32, net: f32| Capacity {
+            device: Device::Cpu,
+            compute_samples_per_sec: compute,
+            net_bytes_per_sec: net,
+        };
+        let mut m = members(4);
+        for x in &mut m {
+            x.capacity = cpu(4000.0, 50e6);
+        }
+        // node 3: an edge board, computing at a quarter of the others' rate.
+        m[3].capacity = cpu(1000.0, 50e6);
+        let Some(p) = elect(&m, &BTreeMap::new(), 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!(p.level_of(&m[3].peer), -2, "{:?}", p.levels);
+        // Weights 1, 1, 1, 0.25: its cap is ceil(64 * 0.25 / 3.25) = 5.
+        let weak = p.owned_by(&m[3].peer).len();
+        assert!((1..=5).contains(&weak), "the quarter-weight node owns {weak} of 64 shards");
+        // Measured service as fast as the rest does not lift the cap.
+        let service: BTreeMap<PeerId, f64> = m.iter().map(|x| (x.peer, 100.0)).collect();
+        let Some(q) = elect(&m, &service, 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!(q.level_of(&m[3].peer), -2);
+        // A slow link alone (a fifth of the others' rate) caps it too; a node
+        // that has not measured anything yet is not judged.
+        m[3].capacity = cpu(4000.0, 10e6);
+        let Some(r) = elect(&m, &BTreeMap::new(), 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!(r.level_of(&m[3].peer), -2);
+        m[3].capacity = cpu(0.0, 0.0);
+        let Some(r0) = elect(&m, &BTreeMap::new(), 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!(r0.level_of(&m[3].peer), 0);
+        // Exploring from one owner: whichever node the hash favours, the
+        // weak one is never picked while a healthy one is spare, for one or
+        // three owners.
+        for limit in [1u16, 3] {
+            for trial in 0..16 {
+                let mut m = members(4);
+                for x in &mut m {
+                    x.capacity = cpu(4000.0, 50e6);
+                    x.aggregators = limit;
+                }
+                let weak = trial % 4;
+                m[weak].capacity = cpu(1000.0, 50e6);
+                let Some(p) = elect(&m, &BTreeMap::new(), 8, ElectPolicy::default()) else { panic!("no placement") };
+                assert!(p.owned_by(&m[weak].peer).is_empty(), "limit {limit}: the weak node owns shards");
+                assert_eq!(p.aggregators(), usize::from(limit));
+            }
+        }
+        // A GPU box's samples/s are compared with other GPUs only: among
+        // three CPU nodes it is not the norm that makes them look slow.
+        let mut m = members(4);
+        for x in &mut m[..3] {
+            x.capacity = cpu(4000.0, 50e6);
+        }
+        m[3].capacity = Capacity { device: Device::Cuda, compute_samples_per_sec: 400_000.0, net_bytes_per_sec: 50e6 };
+        let Some(g) = elect(&m, &BTreeMap::new(), 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert!(g.levels.iter().all(|(_, l)| *l == 0), "{:?}", g.levels);
     }
 
     #[test]
