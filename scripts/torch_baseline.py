@@ -4,7 +4,7 @@
 The work: Fashion-MNIST read from the IDX files Shoal reads (pixels / 255,
 no other normalisation), the MLP 784-256-128-10 or the CNN of `--model cnn`,
 PyTorch's default init (which Shoal's init copies), SGD with momentum 0.9,
-one epoch.
+one epoch (`--epochs`). `--device cuda` puts the single-process run on a GPU.
 
   single: one process, `--threads` intra-op threads, every batch of the epoch.
   ddp:    `--world` processes with DistributedDataParallel over gloo on
@@ -82,9 +82,10 @@ def train(rank, world, args, result_path):
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     data = load(args.data)
-    xtr, ytr = (torch.from_numpy(a) for a in data["train"])
-    xte, yte = (torch.from_numpy(a) for a in data["test"])
-    net = build(args.model, torch)
+    device = torch.device(args.device)
+    xtr, ytr = (torch.from_numpy(a).to(device) for a in data["train"])
+    xte, yte = (torch.from_numpy(a).to(device) for a in data["test"])
+    net = build(args.model, torch).to(device)
     if world > 1:
         import torch.distributed as dist
 
@@ -93,8 +94,13 @@ def train(rank, world, args, result_path):
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, nesterov=args.nesterov)
     loss_fn = torch.nn.CrossEntropyLoss()
     part = np.arange(rank, len(xtr), world)
-    order = np.random.default_rng(args.seed).permutation(part)
-    batches = [torch.from_numpy(order[i : i + args.batch_size]) for i in range(0, len(order), args.batch_size)]
+    rng = np.random.default_rng(args.seed)
+    batches = []
+    for _ in range(max(1, args.epochs)):
+        order = rng.permutation(part)
+        batches += [
+            torch.from_numpy(order[i : i + args.batch_size]).to(device) for i in range(0, len(order), args.batch_size)
+        ]
     if args.steps:
         batches = batches[: args.steps]
     if world > 1:
@@ -114,6 +120,8 @@ def train(rank, world, args, result_path):
         opt.step()
     if world > 1:
         dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     secs = time.perf_counter() - started
     samples = sum(len(b) for b in batches)
     if rank == 0:
@@ -133,13 +141,18 @@ def main():
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=0, help="cap on steps per rank (0: one epoch)")
+    p.add_argument("--steps", type=int, default=0, help="cap on steps per rank (0: every step of --epochs)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--nesterov", action="store_true")
     p.add_argument("--cosine", action="store_true", help="cosine decay to lr/100 over the steps (Shoal's lr_decay)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores / processes)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--epochs", type=int, default=1, help="epochs, each in a fresh order (--steps caps the total)")
+    p.add_argument("--device", default="cpu", help="single mode: cpu or cuda[:N] (data and model on it)")
     args = p.parse_args()
+    if args.mode != "single" and args.device != "cpu":
+        print("--device applies to --mode single only", file=sys.stderr)
+        return 2
     try:
         import torch  # noqa: F401
         import numpy  # noqa: F401
@@ -166,7 +179,7 @@ def main():
             mp.spawn(train, args=(world, args, result), nprocs=world, join=True)
         with open(result) as f:
             out = json.load(f)
-    out.update({"mode": args.mode, "model": args.model, "world": world, "threads": args.threads,
+    out.update({"mode": args.mode, "model": args.model, "world": world, "threads": args.threads, "device": args.device,
                 "batch_size": args.batch_size, "torch": __import__("torch").__version__})
     print(json.dumps(out))
     return 0

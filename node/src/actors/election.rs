@@ -166,12 +166,15 @@ fn announce(
     let owned = new.owned_by(me);
     let before = old.map(|o| o.owned_by(me));
     status.record(StatusEvent::Aggregators(new.aggregators()));
-    if old.is_none_or(|o| o.owners != new.owners || o.stragglers != new.stragglers) {
+    if old.is_none_or(|o| o.owners != new.owners || o.stragglers != new.stragglers || o.levels != new.levels) {
         info!(
             node = name,
             epoch = new.epoch,
             owners = ?new.owners.iter().map(short).collect::<Vec<_>>(),
             stragglers = ?new.stragglers.iter().map(short).collect::<Vec<_>>(),
+            // Capacity levels other than 0 (service times, capped by the
+            // gossiped rates): weight 2^level.
+            levels = ?new.levels.iter().filter(|(_, l)| *l != 0).map(|(p, l)| (short(p), *l)).collect::<Vec<_>>(),
             short_of_memory = ?new.short_of_memory.iter().map(short).collect::<Vec<_>>(),
             limit = ?new.limit,
             "placement"
