@@ -394,17 +394,17 @@ impl ClusterConfig {
 
     /// The straggler detector's thresholds for a model of `params` values
     /// in `shards` shards: the floor `straggler_min_excess_ms` is per push,
-    /// reports are per MiB of the mean shard, and compute rates per sample
-    /// of a `batch`. Static roles judge nobody slow
+    /// reports are per MiB of the mean shard, and gossiped compute rates by
+    /// the time they add to a step. Static roles judge nobody slow
     /// (only failures move shards).
-    pub fn health_policy(&self, params: usize, shards: usize, batch: usize) -> crate::policy::health::HealthPolicy {
+    pub fn health_policy(&self, params: usize, shards: usize) -> crate::policy::health::HealthPolicy {
         use crate::policy::health::HealthPolicy;
         if !self.elastic {
             return HealthPolicy {
                 demote_ratio: f64::INFINITY,
                 restore_ratio: f64::INFINITY,
                 min_excess_micros_per_mib: f64::INFINITY,
-                min_excess_micros_per_sample: f64::INFINITY,
+                min_excess_micros_per_step: f64::INFINITY,
             };
         }
         let shard_mib = (params as f64 * 4.0 / shards.max(1) as f64) / (1024.0 * 1024.0);
@@ -412,7 +412,7 @@ impl ClusterConfig {
             demote_ratio: self.demote_ratio,
             restore_ratio: self.restore_ratio,
             min_excess_micros_per_mib: self.straggler_min_excess_ms * 1e3 / shard_mib.max(f64::MIN_POSITIVE),
-            min_excess_micros_per_sample: self.straggler_min_excess_ms * 1e3 / batch.max(1) as f64,
+            min_excess_micros_per_step: self.straggler_min_excess_ms * 1e3,
         }
     }
 

@@ -553,7 +553,7 @@ async fn drive(
         if !roster.members.iter().any(|m| m.1) {
             bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
         }
-        let health = c.health_policy(worker.plan.total_len(), worker.plan.len(), config.training.batch_size);
+        let health = c.health_policy(worker.plan.total_len(), worker.plan.len());
         election::start(
             placement_tx,
             ElectionConfig {

@@ -20,8 +20,14 @@ use crate::payload::{Encoding, Payload};
 /// and `ShardResponse::Exchanged`; 3 added `ShardRequest::Probe` and
 /// `ShardResponse::Probed`; 4 added `ShardRequest::PushPullMany` and
 /// `ShardResponse::ExchangedMany`; 5 added `ShardRequest::Timed` and
-/// `ShardResponse::Timed`.
-pub const WIRE_VERSION: u16 = 5;
+/// `ShardResponse::Timed`; 6 changed no frame: from 6 a heartbeat's
+/// `capabilities.net_bytes_per_sec` is the link rate (waits for the round
+/// left out), and the election caps weights by the gossiped rates only
+/// while every live member speaks 6 or later.
+pub const WIRE_VERSION: u16 = 6;
+
+/// The first wire minor whose heartbeats' rates cap weights in the election.
+pub const CAPABILITIES_MINOR: u16 = 6;
 
 /// How deep requests and answers may nest in one message: a `Timed`
 /// answer holding an `ExchangedMany` of answers is two levels. Deeper

@@ -430,11 +430,7 @@ impl Worker {
         let mut last_report = ReportClock {
             at: None,
             demoting: Default::default(),
-            health: self.config.cluster.health_policy(
-                self.plan.total_len(),
-                self.plan.len(),
-                self.config.training.batch_size,
-            ),
+            health: self.config.cluster.health_policy(self.plan.total_len(), self.plan.len()),
         };
         let mut pace = crate::policy::explore::PaceMeter::default();
         // Error feedback of the lossy push encodings (cluster.compression).

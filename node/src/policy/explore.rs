@@ -357,11 +357,22 @@ pub struct PaceMeter {
 struct Mean {
     value: f64,
     n: u64,
+    /// [`Mean::push_after_first`] has dropped the first value.
+    dropped_first: bool,
 }
 
 impl Mean {
     /// Weight of the newest value once warmed up.
     const ALPHA: f64 = 0.1;
+
+    /// As [`Mean::push`], but the first value stands alone until the
+    /// second replaces it (the first step: connection set-up, cold caches).
+    fn push_after_first(&mut self, v: f64) {
+        if self.n == 1 && !self.dropped_first {
+            *self = Self { dropped_first: true, ..Self::default() };
+        }
+        self.push(v);
+    }
 
     fn push(&mut self, v: f64) {
         self.n += 1;
@@ -401,16 +412,17 @@ impl PaceMeter {
 
     /// The same step's rates: `samples` computed in `compute_secs`, `bytes`
     /// moved in `comm_secs`. Returns samples/s and bytes/s, 0 for what is
-    /// not measured on [`RATE_MIN_STEPS`] steps yet (the election judges
-    /// the rates: one step, the first with its connection set-up above
-    /// all, says little); a step with nothing to measure (no samples, no
-    /// bytes, no time) leaves that average as it was.
+    /// not measured on [`RATE_MIN_STEPS`] steps after the first yet (the
+    /// election judges the rates, and one step says little; the first, with
+    /// its connection set-up, is dropped as in [`PaceMeter::observe`]); a
+    /// step with nothing to measure (no samples, no bytes, no time) leaves
+    /// that average as it was.
     pub fn rates(&mut self, samples: usize, compute_secs: f64, bytes: u64, comm_secs: f64) -> (f32, f32) {
         if samples > 0 && compute_secs.is_finite() && compute_secs > 0.0 {
-            self.compute_rate.push(samples as f64 / compute_secs);
+            self.compute_rate.push_after_first(samples as f64 / compute_secs);
         }
         if bytes > 0 && comm_secs.is_finite() && comm_secs > 0.0 {
-            self.net_rate.push(bytes as f64 / comm_secs);
+            self.net_rate.push_after_first(bytes as f64 / comm_secs);
         }
         (self.compute_rate.as_f32(RATE_MIN_STEPS), self.net_rate.as_f32(RATE_MIN_STEPS))
     }
@@ -652,14 +664,17 @@ mod tests {
     fn pace_meter_averages_the_rates_it_measured() {
         let mut m = PaceMeter::default();
         assert_eq!(m.rates(0, 0.0, 0, 0.0), (0.0, 0.0), "nothing measured");
-        assert_eq!(m.rates(64, 0.032, 0, 0.0), (0.0, 0.0), "one step: not reported yet");
-        assert_eq!(m.rates(64, 0.032, 0, 0.0), (0.0, 0.0), "two steps: not reported yet");
+        assert_eq!(m.rates(64, 0.001, 0, 0.0), (0.0, 0.0), "the first step: dropped at the second");
+        assert_eq!(m.rates(64, 0.032, 0, 0.0), (0.0, 0.0), "one step after it: not reported yet");
+        assert_eq!(m.rates(64, 0.032, 0, 0.0), (0.0, 0.0), "two: not reported yet");
         let (c, n) = m.rates(64, 0.008, 1_000_000, 0.5);
         assert!((c - 4000.0).abs() < 1e-3, "the mean of 2000, 2000 and 8000: {c}");
         assert_eq!(n, 0.0, "one exchange: not reported yet");
-        m.rates(64, 0.008, 1_000_000, 0.5);
+        for _ in 0..3 {
+            m.rates(64, 0.008, 1_000_000, 0.5);
+        }
         let (c, n) = m.rates(64, 0.008, 1_000_000, 0.5);
-        assert!((c - 5600.0).abs() < 1e-3, "the mean of 2000, 2000 and three 8000: {c}");
+        assert!((c - 44_000.0 / 7.0).abs() < 1e-2, "the mean of 2000, 2000 and five 8000: {c}");
         assert_eq!(n, 2_000_000.0);
         assert_eq!(m.rates(32, f64::NAN, 10, 0.0), (c, n), "bad times leave the averages");
     }

@@ -36,19 +36,14 @@ pub struct HealthPolicy {
     /// µs per MiB: on a fast LAN or loopback, where a push takes well under a
     /// millisecond, scheduling noise alone reaches 3x and must not move shards.
     pub min_excess_micros_per_mib: f64,
-    /// The same floor per sample of compute, for gossiped compute rates
-    /// ([`capability_levels`]): the floor per step over the batch.
-    pub min_excess_micros_per_sample: f64,
+    /// The same floor per step, for gossiped compute rates
+    /// ([`capability_levels`]): `straggler_min_excess_ms`.
+    pub min_excess_micros_per_step: f64,
 }
 
 impl Default for HealthPolicy {
     fn default() -> Self {
-        Self {
-            demote_ratio: 3.0,
-            restore_ratio: 1.5,
-            min_excess_micros_per_mib: 0.0,
-            min_excess_micros_per_sample: 0.0,
-        }
+        Self { demote_ratio: 3.0, restore_ratio: 1.5, min_excess_micros_per_mib: 0.0, min_excess_micros_per_step: 0.0 }
     }
 }
 
@@ -179,8 +174,9 @@ pub fn capacity_levels(
         .collect()
 }
 
-/// What a member says it can do, from its heartbeat's `capabilities`: its
-/// device class and its measured rates (0: not measured yet).
+/// What a member says it can do, from its heartbeat: its device class and
+/// measured rates (`capabilities`; 0: not measured yet), and its compute
+/// time per step (`pace`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Capacity {
     pub device: Device,
@@ -188,35 +184,40 @@ pub struct Capacity {
     pub compute_samples_per_sec: f32,
     /// Bytes per second of its exchanges with remote owners.
     pub net_bytes_per_sec: f32,
+    /// Its recent compute time per step, µs (step less communication).
+    pub compute_micros: f32,
 }
 
 impl Default for Capacity {
     fn default() -> Self {
-        Self { device: Device::Cpu, compute_samples_per_sec: 0.0, net_bytes_per_sec: 0.0 }
+        Self { device: Device::Cpu, compute_samples_per_sec: 0.0, net_bytes_per_sec: 0.0, compute_micros: 0.0 }
     }
 }
 
 /// Capacity levels from gossiped capabilities: a cap on each member's
-/// weight in the rendezvous, never a raise. A member that computes at a
-/// quarter of the norm, or moves bytes at a quarter of it, is weighted as
-/// an owner four times slower ([`weight_of`] -2), measured as an owner or
-/// not; at half the norm, -1. The norm of each rate is the upper median of
-/// the members that report it (the faster middle one: with two members,
-/// the slower is judged against the faster); compute rates are compared
-/// only between members of the same device class, since a GPU's samples
-/// per second say nothing of the CPU that sums its shards.
+/// weight in the rendezvous, never a raise. From level 0, a member whose
+/// compute rate or link rate is under 1/2^1.25 (about 0.42) of the norm's
+/// weighs as an owner at level -1 (weight 0.5), and one at a quarter or
+/// less as -2 (weight 0.25), measured as an owner or not. The norm of each
+/// rate is the upper median of the members that report it (the faster
+/// middle one: with two members, the slower is judged against the
+/// faster); compute rates are compared only between members of the same
+/// device class, since a GPU's samples per second say nothing of the CPU
+/// that sums its shards.
 ///
 /// The hysteresis is that of [`capacity_levels`], with the same `prior`
-/// (the level the member holds in its own latest placement), so a rate
-/// hovering at a band edge does not move shards, and so is the noise floor:
-/// a link rate counts only once the time it adds per MiB passes
-/// [`LEVEL_FLOOR_FACTOR`] times `min_excess_micros_per_mib` (on loopback a
-/// round trip is mostly scheduling), and a compute rate once the time it
-/// adds per sample passes that factor times `min_excess_micros_per_sample`
-/// (a step of a small model takes a millisecond or two, and the per-step
-/// rates of healthy nodes sharing two cores were seen 2x apart). Members with no reported rate, and
-/// those within about 2.4x of the norm, are not in the map; nor is anyone
-/// under static roles (an infinite floor: only failures move shards).
+/// (the level the member holds in its own latest placement: the lower of
+/// its service and capability levels), so a rate hovering at a band edge
+/// does not move shards. So is the noise floor: a link rate counts only
+/// once the time it adds per MiB passes [`LEVEL_FLOOR_FACTOR`] times
+/// `min_excess_micros_per_mib` (on loopback a round trip is mostly
+/// scheduling), and a compute rate once the time it adds to the member's
+/// own step (its gossiped compute time less what the norm's rate would
+/// take) passes that factor times `min_excess_micros_per_step` (a step of
+/// a small model takes a millisecond or two, and the rates of healthy
+/// nodes sharing two cores were seen 2x apart). Members with no reported
+/// rate are not in the map; nor is anyone under static roles (an infinite
+/// floor: only failures move shards).
 ///
 /// Why: service times only measure owners. Before a node has owned a
 /// shard, the election knew nothing of it, and exploring upwards from one
@@ -229,44 +230,37 @@ pub fn capability_levels(
     policy: HealthPolicy,
 ) -> BTreeMap<PeerId, i8> {
     const MICROS_PER_MIB_AT_ONE_BYTE_PER_SEC: f64 = 1024.0 * 1024.0 * 1e6;
-    // Whether `rate` adds at least the floor `min` (µs per unit) to the
-    // norm's time per unit; `micros` converts 1 / rate to µs per unit.
-    let past_floor =
-        |micros: f64, rate: f64, norm: f64, min: f64| micros * (1.0 / rate - 1.0 / norm) >= LEVEL_FLOOR_FACTOR * min;
-    let upper_median = |v: &mut Vec<f64>| {
+    let mut out = BTreeMap::new();
+    if !(policy.min_excess_micros_per_mib.is_finite() && policy.min_excess_micros_per_step.is_finite()) {
+        return out;
+    }
+    let reported = |r: f32| f64::from(r).is_finite() && r > 0.0;
+    // The faster middle value of the rates reported by the members that
+    // `pick` selects.
+    let norm = |pick: &dyn Fn(&Capacity) -> Option<f32>| {
+        let mut v: Vec<f64> = caps.values().filter_map(pick).filter(|r| reported(*r)).map(f64::from).collect();
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied()
     };
-    let reported = |r: f32| f64::from(r).is_finite() && r > 0.0;
-    let mut out = BTreeMap::new();
-    if !policy.min_excess_micros_per_mib.is_finite() {
-        return out;
-    }
+    let floor = LEVEL_FLOOR_FACTOR;
     for (peer, c) in caps {
         let mut raws = Vec::with_capacity(2);
+        let compute = f64::from(c.compute_samples_per_sec);
         if reported(c.compute_samples_per_sec) {
-            let mut same: Vec<f64> = caps
-                .values()
-                .filter(|o| o.device == c.device && reported(o.compute_samples_per_sec))
-                .map(|o| f64::from(o.compute_samples_per_sec))
-                .collect();
-            if let Some(norm) = upper_median(&mut same) {
-                let rate = f64::from(c.compute_samples_per_sec);
-                if past_floor(1e6, rate, norm, policy.min_excess_micros_per_sample) {
-                    raws.push((rate / norm).log2());
+            if let Some(norm) = norm(&|o: &Capacity| (o.device == c.device).then_some(o.compute_samples_per_sec)) {
+                // The time its step would lose at the norm's rate.
+                let excess = f64::from(c.compute_micros).max(0.0) * (1.0 - compute / norm);
+                if excess >= floor * policy.min_excess_micros_per_step {
+                    raws.push((compute / norm).log2());
                 }
             }
         }
+        let link = f64::from(c.net_bytes_per_sec);
         if reported(c.net_bytes_per_sec) {
-            let mut all: Vec<f64> = caps
-                .values()
-                .filter(|o| reported(o.net_bytes_per_sec))
-                .map(|o| f64::from(o.net_bytes_per_sec))
-                .collect();
-            if let Some(norm) = upper_median(&mut all) {
-                let rate = f64::from(c.net_bytes_per_sec);
-                if past_floor(MICROS_PER_MIB_AT_ONE_BYTE_PER_SEC, rate, norm, policy.min_excess_micros_per_mib) {
-                    raws.push((rate / norm).log2());
+            if let Some(norm) = norm(&|o: &Capacity| Some(o.net_bytes_per_sec)) {
+                let excess = MICROS_PER_MIB_AT_ONE_BYTE_PER_SEC * (1.0 / link - 1.0 / norm);
+                if excess >= floor * policy.min_excess_micros_per_mib {
+                    raws.push((link / norm).log2());
                 }
             }
         }
@@ -510,7 +504,17 @@ mod tests {
                 .iter()
                 .zip(rates)
                 .map(|(p, (c, n))| {
-                    (*p, Capacity { device: Device::Cpu, compute_samples_per_sec: c, net_bytes_per_sec: n })
+                    // Each step computes 8 ms at the norm's rate.
+                    let compute_micros = 8000.0 * 1000.0 / c;
+                    (
+                        *p,
+                        Capacity {
+                            device: Device::Cpu,
+                            compute_samples_per_sec: c,
+                            net_bytes_per_sec: n,
+                            compute_micros,
+                        },
+                    )
                 })
                 .collect()
         };
@@ -559,11 +563,12 @@ mod tests {
         assert!(super::capability_levels(&slow_link, at(0), floor(10_000.0)).is_empty());
         let starved = caps([healthy, healthy, healthy, (250.0, 1e8)]);
         assert!(super::capability_levels(&starved, at(0), floor(f64::INFINITY)).is_empty());
-        // Compute: a quarter of 1000 samples/s adds 3 ms per sample; judged
-        // against a floor of 2 x 1 ms per sample, not 2 x 2 ms.
-        let per_sample = |m: f64| HealthPolicy { min_excess_micros_per_sample: m, ..HealthPolicy::default() };
-        assert_eq!(super::capability_levels(&starved, at(0), per_sample(1000.0)).len(), 1);
-        assert!(super::capability_levels(&starved, at(0), per_sample(2000.0)).is_empty());
+        // Compute: at a quarter of the norm's rate, a step of 32 ms would
+        // take 8 at the norm's: 24 ms more, judged against a floor of
+        // 2 x 10 ms per step, not 2 x 15 ms.
+        let per_step = |m: f64| HealthPolicy { min_excess_micros_per_step: m, ..HealthPolicy::default() };
+        assert_eq!(super::capability_levels(&starved, at(0), per_step(10_000.0)).len(), 1);
+        assert!(super::capability_levels(&starved, at(0), per_step(15_000.0)).is_empty());
     }
 
     #[test]

@@ -31,7 +31,7 @@
 use std::collections::BTreeMap;
 
 use shoal_models::rng::stable_hash64;
-use shoal_protocol::{Device, PeerId, Role};
+use shoal_protocol::{Capabilities, Device, Pace, PeerId, Role, CAPABILITIES_MINOR, WIRE_VERSION};
 
 use crate::policy::assign::{assign, AssignPolicy, Candidate};
 use crate::policy::explore::{agreed_limit, lower_median, Observation};
@@ -63,6 +63,32 @@ pub struct Member {
     /// Its device and measured rates: a cap on its weight
     /// ([`crate::policy::health::capability_levels`]).
     pub capacity: Capacity,
+    /// The wire minor it speaks: rates cap weights only once every member
+    /// speaks [`CAPABILITIES_MINOR`] or later (older nodes cap nobody and
+    /// gossip another exchange rate).
+    pub protocol_minor: u16,
+}
+
+/// A member's [`Capacity`] from its heartbeat's fields, each value rounded
+/// to a quarter of a power of two (19%): the rates are moving averages that
+/// change every step, and the election runs again whenever its inputs
+/// change (on every heartbeat, unrounded). The levels' hysteresis is wider
+/// than a step of the rounding.
+fn capacity(c: &Capabilities, pace: Pace) -> Capacity {
+    let round = |v: f32| {
+        if v.is_finite() && v > 0.0 {
+            ((v.log2() * 4.0).round() / 4.0).exp2()
+        } else {
+            0.0
+        }
+    };
+    let compute_micros = pace.step_micros.saturating_sub(pace.comm_micros) as f32;
+    Capacity {
+        device: c.device,
+        compute_samples_per_sec: round(c.compute_samples_per_sec),
+        net_bytes_per_sec: round(c.net_bytes_per_sec),
+        compute_micros: round(compute_micros),
+    }
 }
 
 /// Knobs of the election.
@@ -172,8 +198,12 @@ pub fn elect(
     }
     let prior = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.capacity_level);
     let measured = capacity_levels(&capable_service, prior, policy.health);
-    let caps: BTreeMap<PeerId, Capacity> = members.iter().map(|m| (m.peer, m.capacity)).collect();
-    let capped = capability_levels(&caps, prior, policy.health);
+    let capped = if members.iter().all(|m| m.protocol_minor >= CAPABILITIES_MINOR) {
+        let caps: BTreeMap<PeerId, Capacity> = members.iter().map(|m| (m.peer, m.capacity)).collect();
+        capability_levels(&caps, prior, policy.health)
+    } else {
+        BTreeMap::new()
+    };
     let levels: Vec<(PeerId, i8)> = eligible
         .iter()
         .map(|m| {
@@ -291,11 +321,8 @@ pub fn inputs_from_view(
                 aggregators: hb.pace.aggregators,
                 capacity_level: hb.pace.capacity_level,
                 memory_bytes: hb.capabilities.memory_bytes,
-                capacity: Capacity {
-                    device: hb.capabilities.device,
-                    compute_samples_per_sec: hb.capabilities.compute_samples_per_sec,
-                    net_bytes_per_sec: hb.capabilities.net_bytes_per_sec,
-                },
+                capacity: capacity(&hb.capabilities, hb.pace),
+                protocol_minor: hb.protocol_minor,
             }
         })
         .collect();
@@ -308,11 +335,17 @@ pub fn inputs_from_view(
         aggregators: me.pace.aggregators,
         capacity_level: me.pace.capacity_level,
         memory_bytes: own.memory_bytes,
-        capacity: Capacity {
-            device: own.device,
-            compute_samples_per_sec: me.compute_samples_per_sec,
-            net_bytes_per_sec: me.net_bytes_per_sec,
-        },
+        capacity: capacity(
+            &Capabilities {
+                device: own.device,
+                memory_bytes: own.memory_bytes,
+                compute_samples_per_sec: me.compute_samples_per_sec,
+                net_bytes_per_sec: me.net_bytes_per_sec,
+                can_aggregate: own.can_aggregate,
+            },
+            me.pace,
+        ),
+        protocol_minor: WIRE_VERSION,
     });
     let reports = live
         .iter()
@@ -371,6 +404,7 @@ mod tests {
                 capacity_level: 0,
                 memory_bytes: 0,
                 capacity: Capacity::default(),
+                protocol_minor: WIRE_VERSION,
             })
             .collect()
     }
@@ -448,10 +482,12 @@ mod tests {
 
     #[test]
     fn gossiped_rates_cap_a_weak_nodes_weight_and_exploring_from_one_owner_skips_it() {
+        // Steps of 64 samples: 16 ms of compute at 4000 samples/s.
         let cpu = |compute: f32, net: f32| Capacity {
             device: Device::Cpu,
             compute_samples_per_sec: compute,
             net_bytes_per_sec: net,
+            compute_micros: 64e6 / compute,
         };
         let mut m = members(4);
         for x in &mut m {
@@ -468,6 +504,12 @@ mod tests {
         let service: BTreeMap<PeerId, f64> = m.iter().map(|x| (x.peer, 100.0)).collect();
         let Some(q) = elect(&m, &service, 64, ElectPolicy::default()) else { panic!("no placement") };
         assert_eq!(q.level_of(&m[3].peer), -2);
+        // A member of an older release (wire minor 5) caps nobody and
+        // gossips another exchange rate: while one is live, nobody is capped.
+        m[0].protocol_minor = CAPABILITIES_MINOR - 1;
+        let Some(old) = elect(&m, &BTreeMap::new(), 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert!(old.levels.iter().all(|(_, l)| *l == 0), "{:?}", old.levels);
+        m[0].protocol_minor = WIRE_VERSION;
         // A slow link alone (a fifth of the others' rate) caps it too; a node
         // that has not measured anything yet is not judged.
         m[3].capacity = cpu(4000.0, 10e6);
@@ -499,7 +541,12 @@ mod tests {
         for x in &mut m[..3] {
             x.capacity = cpu(4000.0, 50e6);
         }
-        m[3].capacity = Capacity { device: Device::Cuda, compute_samples_per_sec: 400_000.0, net_bytes_per_sec: 50e6 };
+        m[3].capacity = Capacity {
+            device: Device::Cuda,
+            compute_samples_per_sec: 400_000.0,
+            net_bytes_per_sec: 50e6,
+            compute_micros: 160.0,
+        };
         let Some(g) = elect(&m, &BTreeMap::new(), 64, ElectPolicy::default()) else { panic!("no placement") };
         assert!(g.levels.iter().all(|(_, l)| *l == 0), "{:?}", g.levels);
     }
