@@ -292,15 +292,20 @@ impl CustomOp2 for LayerNormParamGrad {
     }
 }
 
-/// `x [.., cols] + bias [cols]`. candle's broadcast add sums the bias
-/// gradient over rows with a strided reduction, a tenth of a GPT step; here
-/// the rows are summed in one contiguous pass.
+/// `x [.., cols] + bias`, where the bias holds `cols` values in any shape
+/// (the GPT adds its `[t, width]` position embeddings to rows of
+/// `t * width`). candle's broadcast add sums the bias gradient over rows
+/// with a strided reduction, a tenth of a GPT step; here the rows are
+/// summed in one contiguous pass.
 pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     if fast_path(x) && fast_path(bias) {
         let cols = bias.elem_count();
         Ok(x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias { cols })?)
     } else {
-        Ok(x.broadcast_add(bias)?)
+        // Off the CPU (or not f32): the bias flattened, as the fused kernel
+        // reads it. Broadcasting its own shape failed on CUDA for the GPT
+        // ([n, t * width] + [t, width]).
+        Ok(x.broadcast_add(&bias.flatten_all()?)?)
     }
 }
 
@@ -485,7 +490,7 @@ impl CustomOp2 for SoftmaxGrad {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     /// Forward values and input gradients equal candle's composed ops.
     #[test]
@@ -524,6 +529,14 @@ mod tests {
             let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff < 1e-4, "add_bias gradient differs by {diff}");
         }
+        // A bias of another shape but as many values (the GPT's position
+        // embeddings), on the path the other devices take (f64 here): the
+        // same sums as the fused kernel's.
+        let b2 = b.as_tensor().reshape((3, 11))?;
+        let fused = add_bias(x.as_tensor(), &b2)?;
+        let other = add_bias(&x.as_tensor().to_dtype(DType::F64)?, &b2.to_dtype(DType::F64)?)?;
+        let diff = (fused - other.to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "add_bias off the fused path differs by {diff}");
         // Layer norm: the gradients of the input, the gain and the bias.
         let gain = Var::from_tensor(&(Tensor::randn(1f32, 0.3, 33, &dev)?))?;
         let bias = Var::from_tensor(&(Tensor::randn(0f32, 0.3, 33, &dev)?))?;
