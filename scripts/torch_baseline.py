@@ -96,18 +96,27 @@ def train(rank, world, args, result_path):
     part = np.arange(rank, len(xtr), world)
     rng = np.random.default_rng(args.seed)
     batches = []
+    per_epoch = 0
     for _ in range(max(1, args.epochs)):
         order = rng.permutation(part)
         batches += [
             torch.from_numpy(order[i : i + args.batch_size]).to(device) for i in range(0, len(order), args.batch_size)
         ]
+        per_epoch = per_epoch or len(batches)
     if args.steps:
         batches = batches[: args.steps]
     if world > 1:
         dist.barrier()
     net.train()
     started = time.perf_counter()
+    # From the second epoch on (first-use costs left out), as Shoal's
+    # per-epoch lines after the first.
+    steady_from = None
     for step, idx in enumerate(batches):
+        if step == per_epoch and world == 1:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            steady_from = time.perf_counter()
         if args.cosine:
             # Shoal's `lr_decay = cosine`: from lr down to lr / 100 over the steps.
             floor = args.lr / 100
@@ -122,13 +131,18 @@ def train(rank, world, args, result_path):
         dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    secs = time.perf_counter() - started
+    ended = time.perf_counter()
+    secs = ended - started
     samples = sum(len(b) for b in batches)
+    steady = None
+    if steady_from is not None and ended > steady_from:
+        steady = sum(len(b) for b in batches[per_epoch:]) / (ended - steady_from)
     if rank == 0:
         acc = evaluate(net.module if world > 1 else net, xte, yte, torch)
         with open(result_path, "w") as f:
             json.dump(
-                {"samples_per_sec": samples * world / secs, "accuracy": acc, "steps": len(batches), "secs": secs}, f
+                {"samples_per_sec": samples * world / secs, "steady_samples_per_sec": steady, "accuracy": acc,
+                 "steps": len(batches), "secs": secs}, f
             )
     if world > 1:
         dist.destroy_process_group()
