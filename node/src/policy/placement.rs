@@ -70,14 +70,17 @@ pub struct Member {
 }
 
 /// A member's [`Capacity`] from its heartbeat's fields, each value rounded
-/// to a quarter of a power of two (19%): the rates are moving averages that
-/// change every step, and the election runs again whenever its inputs
-/// change (on every heartbeat, unrounded). The levels' hysteresis is wider
-/// than a step of the rounding.
+/// to a sixteenth of a power of two (4.4%): the rates are moving averages
+/// that change every step, and the election runs again whenever its inputs
+/// change (on every heartbeat, unrounded). The levels' hysteresis (a
+/// quarter of a power of two) spans four steps of the rounding; with one
+/// step as wide as the hysteresis, a ratio of rates rounded onto the edge
+/// of a band, and a node capped at level -2 went to -1 and back within 12
+/// steps (`capabilities.rs`).
 fn capacity(c: &Capabilities, pace: Pace) -> Capacity {
     let round = |v: f32| {
         if v.is_finite() && v > 0.0 {
-            ((v.log2() * 4.0).round() / 4.0).exp2()
+            ((v.log2() * 16.0).round() / 16.0).exp2()
         } else {
             0.0
         }
