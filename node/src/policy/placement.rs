@@ -210,8 +210,10 @@ pub fn elect(
     let levels: Vec<(PeerId, i8)> = eligible
         .iter()
         .map(|m| {
-            let level = |map: &BTreeMap<PeerId, i8>| map.get(&m.peer).copied().unwrap_or(0);
-            (m.peer, level(&measured).min(level(&capped)))
+            // A cap lowers the service-time level; no cap leaves it, a
+            // faster owner's positive level included.
+            let level = measured.get(&m.peer).copied().unwrap_or(0);
+            (m.peer, capped.get(&m.peer).map_or(level, |&cap| level.min(cap)))
         })
         .collect();
     let weight = |p: &PeerId| levels.iter().find(|(q, _)| q == p).map_or(1.0, |(_, l)| weight_of(*l));
@@ -513,6 +515,12 @@ mod tests {
         let Some(old) = elect(&m, &BTreeMap::new(), 64, ElectPolicy::default()) else { panic!("no placement") };
         assert!(old.levels.iter().all(|(_, l)| *l == 0), "{:?}", old.levels);
         m[0].protocol_minor = WIRE_VERSION;
+        // An owner measured 2.5x faster keeps its raised level (weight 2)
+        // beside the capped node: caps only ever lower a level.
+        let faster: BTreeMap<PeerId, f64> =
+            m.iter().enumerate().map(|(i, x)| (x.peer, if i == 0 { 40.0 } else { 100.0 })).collect();
+        let Some(f) = elect(&m, &faster, 64, ElectPolicy::default()) else { panic!("no placement") };
+        assert_eq!((f.level_of(&m[0].peer), f.level_of(&m[3].peer)), (1, -2), "{:?}", f.levels);
         // A slow link alone (a fifth of the others' rate) caps it too; a node
         // that has not measured anything yet is not judged.
         m[3].capacity = cpu(4000.0, 10e6);
