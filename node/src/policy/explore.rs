@@ -344,7 +344,6 @@ pub fn agreed_limit(proposals: impl IntoIterator<Item = u16>) -> Option<usize> {
 /// trial against that.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PaceMeter {
-    steps: u64,
     step: Mean,
     comm: Mean,
     compute_rate: Mean,
@@ -395,13 +394,9 @@ impl PaceMeter {
     /// (the other fields of the returned pace are left 0).
     pub fn observe(&mut self, step_secs: f64, comm_secs: f64) -> Pace {
         let (s, c) = (step_secs.max(0.0) * 1e6, comm_secs.clamp(0.0, step_secs.max(0.0)) * 1e6);
-        self.steps += 1;
-        if self.steps == 2 {
-            // The first step stands alone until the second replaces it.
-            (self.step, self.comm) = (Mean::default(), Mean::default());
-        }
-        self.step.push(s);
-        self.comm.push(c);
+        // The first step stands alone until the second replaces it.
+        self.step.push_after_first(s);
+        self.comm.push_after_first(c);
         let step_micros = self.step.value.min(u32::MAX as f64) as u32;
         Pace {
             step_micros,
@@ -414,7 +409,7 @@ impl PaceMeter {
     /// moved in `comm_secs`. Returns samples/s and bytes/s, 0 for what is
     /// not measured on [`RATE_MIN_STEPS`] steps after the first yet (the
     /// election judges the rates, and one step says little; the first, with
-    /// its connection set-up, is dropped as in [`PaceMeter::observe`]); a
+    /// its connection set-up, is dropped, as for the step time); a
     /// step with nothing to measure (no samples, no bytes, no time) leaves
     /// that average as it was.
     pub fn rates(&mut self, samples: usize, compute_secs: f64, bytes: u64, comm_secs: f64) -> (f32, f32) {

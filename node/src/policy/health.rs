@@ -235,19 +235,33 @@ pub fn capability_levels(
         return out;
     }
     let reported = |r: f32| f64::from(r).is_finite() && r > 0.0;
-    // The faster middle value of the rates reported by the members that
-    // `pick` selects.
-    let norm = |pick: &dyn Fn(&Capacity) -> Option<f32>| {
-        let mut v: Vec<f64> = caps.values().filter_map(pick).filter(|r| reported(*r)).map(f64::from).collect();
+    // The faster middle value of the reported rates among `rates`.
+    let upper_median = |rates: &mut dyn Iterator<Item = f32>| {
+        let mut v: Vec<f64> = rates.filter(|r| reported(*r)).map(f64::from).collect();
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied()
     };
+    // Each norm once: the compute rate's per device class, the link's.
+    let mut devices: Vec<Device> = Vec::new();
+    for c in caps.values() {
+        if !devices.contains(&c.device) {
+            devices.push(c.device);
+        }
+    }
+    let compute_norms: Vec<(Device, Option<f64>)> = devices
+        .iter()
+        .map(|&d| {
+            let mut same = caps.values().filter(|c| c.device == d).map(|c| c.compute_samples_per_sec);
+            (d, upper_median(&mut same))
+        })
+        .collect();
+    let link_norm = upper_median(&mut caps.values().map(|c| c.net_bytes_per_sec));
     let floor = LEVEL_FLOOR_FACTOR;
     for (peer, c) in caps {
         let mut raws = Vec::with_capacity(2);
         let compute = f64::from(c.compute_samples_per_sec);
         if reported(c.compute_samples_per_sec) {
-            if let Some(norm) = norm(&|o: &Capacity| (o.device == c.device).then_some(o.compute_samples_per_sec)) {
+            if let Some(norm) = compute_norms.iter().find(|(d, _)| *d == c.device).and_then(|(_, n)| *n) {
                 // The time its step would lose at the norm's rate.
                 let excess = f64::from(c.compute_micros).max(0.0) * (1.0 - compute / norm);
                 if excess >= floor * policy.min_excess_micros_per_step {
@@ -257,7 +271,7 @@ pub fn capability_levels(
         }
         let link = f64::from(c.net_bytes_per_sec);
         if reported(c.net_bytes_per_sec) {
-            if let Some(norm) = norm(&|o: &Capacity| Some(o.net_bytes_per_sec)) {
+            if let Some(norm) = link_norm {
                 let excess = MICROS_PER_MIB_AT_ONE_BYTE_PER_SEC * (1.0 / link - 1.0 / norm);
                 if excess >= floor * policy.min_excess_micros_per_mib {
                     raws.push((link / norm).log2());
