@@ -37,7 +37,7 @@ use crate::handles::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot
 use crate::ops::logging::short;
 use crate::policy::explore::ExplorePolicy;
 use crate::policy::health::ServiceTracker;
-use crate::policy::placement::{owner_shard_bytes, ElectPolicy, Placement};
+use crate::policy::placement::{owner_shard_bytes, ElectPolicy, Own, Placement};
 use crate::policy::resume::{offers_of, resume_point, ResumePoint};
 use crate::policy::sync::SyncPolicy;
 use crate::policy::view::{Roster, RosterStatus, SelfState};
@@ -573,9 +573,11 @@ async fn drive(
                     };
                     (policy, (c.start_aggregators > 0).then_some(c.start_aggregators as usize))
                 }),
-                can_aggregate: c.can_aggregate,
-                memory_bytes: c.memory_bytes,
-                device: device_class(config.training.device),
+                own: Own {
+                    can_aggregate: c.can_aggregate,
+                    memory_bytes: c.memory_bytes,
+                    device: device_class(config.training.device),
+                },
                 total_steps: config.training.steps,
                 failure_timeout_ms: c.failure_timeout_ms,
                 name: name.to_string(),

@@ -25,12 +25,8 @@ pub struct ElectionConfig {
     /// Explore the number of aggregators from this start (`None`: every
     /// capable node); `None` here: no exploration.
     pub explore: Option<(ExplorePolicy, Option<usize>)>,
-    pub can_aggregate: bool,
-    /// The memory this node had left at start (its heartbeats'
-    /// `capabilities.memory_bytes`; 0 unknown).
-    pub memory_bytes: u64,
-    /// This node's device class (its heartbeats' `capabilities.device`).
-    pub device: shoal_protocol::Device,
+    /// This node's configured capabilities (as its heartbeats carry them).
+    pub own: Own,
     pub total_steps: u64,
     pub failure_timeout_ms: u64,
     pub name: String,
@@ -64,14 +60,7 @@ async fn run(
         let inputs = {
             let snap = view.borrow_and_update();
             let mine = me.borrow_and_update();
-            inputs_from_view(
-                &snap.view,
-                &mine,
-                Own { can_aggregate: cfg.can_aggregate, memory_bytes: cfg.memory_bytes, device: cfg.device },
-                cfg.total_steps,
-                snap.now_ms,
-                cfg.failure_timeout_ms,
-            )
+            inputs_from_view(&snap.view, &mine, cfg.own, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms)
         };
         let unchanged = last_inputs.as_ref() == Some(&inputs);
         let (members, service) = last_inputs.insert(inputs);

@@ -31,7 +31,7 @@
 use std::collections::BTreeMap;
 
 use shoal_models::rng::stable_hash64;
-use shoal_protocol::{Capabilities, Device, Pace, PeerId, Role, CAPABILITIES_MINOR, WIRE_VERSION};
+use shoal_protocol::{Device, Pace, PeerId, Role, CAPABILITIES_MINOR, WIRE_VERSION};
 
 use crate::policy::assign::{assign, AssignPolicy, Candidate};
 use crate::policy::explore::{agreed_limit, lower_median, Observation};
@@ -77,7 +77,7 @@ pub struct Member {
 /// step as wide as the hysteresis, a ratio of rates rounded onto the edge
 /// of a band, and a node capped at level -2 went to -1 and back within 12
 /// steps (`capabilities.rs`).
-fn capacity(c: &Capabilities, pace: Pace) -> Capacity {
+fn capacity(device: Device, compute_samples_per_sec: f32, net_bytes_per_sec: f32, pace: Pace) -> Capacity {
     let round = |v: f32| {
         if v.is_finite() && v > 0.0 {
             ((v.log2() * 16.0).round() / 16.0).exp2()
@@ -87,9 +87,9 @@ fn capacity(c: &Capabilities, pace: Pace) -> Capacity {
     };
     let compute_micros = pace.step_micros.saturating_sub(pace.comm_micros) as f32;
     Capacity {
-        device: c.device,
-        compute_samples_per_sec: round(c.compute_samples_per_sec),
-        net_bytes_per_sec: round(c.net_bytes_per_sec),
+        device,
+        compute_samples_per_sec: round(compute_samples_per_sec),
+        net_bytes_per_sec: round(net_bytes_per_sec),
         compute_micros: round(compute_micros),
     }
 }
@@ -326,7 +326,12 @@ pub fn inputs_from_view(
                 aggregators: hb.pace.aggregators,
                 capacity_level: hb.pace.capacity_level,
                 memory_bytes: hb.capabilities.memory_bytes,
-                capacity: capacity(&hb.capabilities, hb.pace),
+                capacity: capacity(
+                    hb.capabilities.device,
+                    hb.capabilities.compute_samples_per_sec,
+                    hb.capabilities.net_bytes_per_sec,
+                    hb.pace,
+                ),
                 protocol_minor: hb.protocol_minor,
             }
         })
@@ -340,16 +345,7 @@ pub fn inputs_from_view(
         aggregators: me.pace.aggregators,
         capacity_level: me.pace.capacity_level,
         memory_bytes: own.memory_bytes,
-        capacity: capacity(
-            &Capabilities {
-                device: own.device,
-                memory_bytes: own.memory_bytes,
-                compute_samples_per_sec: me.compute_samples_per_sec,
-                net_bytes_per_sec: me.net_bytes_per_sec,
-                can_aggregate: own.can_aggregate,
-            },
-            me.pace,
-        ),
+        capacity: capacity(own.device, me.compute_samples_per_sec, me.net_bytes_per_sec, me.pace),
         protocol_minor: WIRE_VERSION,
     });
     let reports = live
