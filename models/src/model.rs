@@ -7,6 +7,7 @@ use std::str::FromStr;
 use candle_core::{DType, Device, ModuleT, Tensor, D};
 use candle_nn::{Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
 
+use crate::convnet::{CnnStep, ConvParams, LinearParams, Unfold};
 use crate::data::{Dataset, ImageShape};
 use crate::error::{ModelError, Result};
 use crate::gpt::{Gpt, GptSize};
@@ -320,61 +321,23 @@ struct Conv {
     k: usize,
 }
 
-/// `[b, c, h, w]` to `[c * k * k, b * h * w]`: row `(ci, ky, kx)`, column
-/// `(bi, y, x)` holds input pixel `(bi, ci, y + ky - k/2, x + kx - k/2)`, or
-/// 0 outside the image.
+/// candle's op for [`Unfold`] of a `[b, c, h, w]` input; its backward is
+/// the fold.
 #[derive(Debug, Clone, Copy)]
-struct Im2Col {
-    k: usize,
-    dims: (usize, usize, usize, usize),
-}
+struct Im2Col(Unfold);
 
-/// The adjoint of [`Im2Col`]: sums each column entry back into its pixel.
+/// The adjoint of [`Im2Col`].
 #[derive(Debug, Clone, Copy)]
-struct Col2Im(Im2Col);
+struct Col2Im(Unfold);
 
-impl Im2Col {
-    /// Visit every run of column-matrix entries that maps to a run of
-    /// image pixels: `f(column index, image index, length)`.
-    fn for_each(&self, mut f: impl FnMut(usize, usize, usize)) {
-        let (b, c, h, w) = self.dims;
-        let (k, pad) = (self.k, self.k / 2);
-        let cols = b * h * w;
-        for ci in 0..c {
-            for ky in 0..k {
-                for kx in 0..k {
-                    let row = ((ci * k + ky) * k + kx) * cols;
-                    for bi in 0..b {
-                        let img = (bi * c + ci) * h * w;
-                        for y in 0..h {
-                            let sy = y + ky;
-                            if sy < pad || sy - pad >= h {
-                                continue;
-                            }
-                            let src = img + (sy - pad) * w;
-                            let dst = row + (bi * h + y) * w;
-                            // x + kx - pad within 0..w
-                            let x0 = pad.saturating_sub(kx);
-                            let x1 = (w + pad).saturating_sub(kx).min(w);
-                            if x1 > x0 {
-                                f(dst + x0, src + x0 + kx - pad, x1 - x0);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn contiguous_f32<'a>(
-        storage: &'a candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<&'a [f32]> {
-        let data = storage.as_slice::<f32>()?;
-        match layout.contiguous_offsets() {
-            Some((a, b)) => Ok(&data[a..b]),
-            None => candle_core::bail!("im2col needs a contiguous input"),
-        }
+fn contiguous_f32<'a>(
+    storage: &'a candle_core::CpuStorage,
+    layout: &candle_core::Layout,
+) -> candle_core::Result<&'a [f32]> {
+    let data = storage.as_slice::<f32>()?;
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("im2col needs a contiguous input"),
     }
 }
 
@@ -388,15 +351,12 @@ impl candle_core::CustomOp1 for Im2Col {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let input = Self::contiguous_f32(storage, layout)?;
-        let (b, c, h, w) = self.dims;
-        let mut out = vec![0f32; c * self.k * self.k * b * h * w];
-        self.for_each(|dst, src, n| out[dst..dst + n].copy_from_slice(&input[src..src + n]));
-        Ok((candle_core::CpuStorage::F32(out), (c * self.k * self.k, b * h * w).into()))
+        let out = self.0.unfold(contiguous_f32(storage, layout)?);
+        Ok((candle_core::CpuStorage::F32(out), (self.0.rows(), self.0.cols()).into()))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(grad_res.contiguous()?.apply_op1_no_bwd(&Col2Im(*self))?))
+        Ok(Some(grad_res.contiguous()?.apply_op1_no_bwd(&Col2Im(self.0))?))
     }
 }
 
@@ -410,15 +370,8 @@ impl candle_core::CustomOp1 for Col2Im {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let cols = Im2Col::contiguous_f32(storage, layout)?;
-        let (b, c, h, w) = self.0.dims;
-        let mut out = vec![0f32; b * c * h * w];
-        self.0.for_each(|col, px, n| {
-            for (o, c) in out[px..px + n].iter_mut().zip(&cols[col..col + n]) {
-                *o += c;
-            }
-        });
-        Ok((candle_core::CpuStorage::F32(out), (b, c, h, w).into()))
+        let out = self.0.fold(contiguous_f32(storage, layout)?);
+        Ok((candle_core::CpuStorage::F32(out), self.0.dims.into()))
     }
 }
 
@@ -433,7 +386,7 @@ impl Conv {
         }
         let (b, c, h, w) = x.dims4()?;
         let kk = self.k * self.k;
-        let cols = x.contiguous()?.apply_op1(Im2Col { k: self.k, dims: (b, c, h, w) })?;
+        let cols = x.contiguous()?.apply_op1(Im2Col(Unfold { k: self.k, dims: (b, c, h, w), channel_major: false }))?;
         let weight = self.conv.weight();
         let out_c = weight.dim(0)?;
         // [out, c*k*k] x [c*k*k, b*h*w]: one product for the whole batch.
@@ -444,6 +397,17 @@ impl Conv {
         };
         Ok(y.reshape((out_c, b, h, w))?.transpose(0, 1)?.contiguous()?)
     }
+}
+
+/// 2x2 max pooling, stride 2, as two maxima over a view: candle 0.11's
+/// `max_pool2d` scales its gradient by the share of the window that holds
+/// the maximum (1/4 for a single one), which trained each convolution
+/// under a pool with 4x too small a gradient (16x for the first); the
+/// maximum's backward passes the whole gradient to the winner.
+fn max_pool2(x: &Tensor) -> Result<Tensor> {
+    let (b, c, h, w) = x.dims4()?;
+    let x = x.narrow(2, 0, h / 2 * 2)?.narrow(3, 0, w / 2 * 2)?.contiguous()?;
+    Ok(x.reshape((b, c, h / 2, 2, w / 2, 2))?.max(5)?.max(3)?)
 }
 
 /// A fully connected layer seen during a factored backward pass: its
@@ -556,13 +520,29 @@ impl Model {
                 x
             }
             Net::Cnn { conv1, conv2, fc1, fc2 } => {
-                let x = conv1.forward(images)?.relu()?.max_pool2d(2)?;
-                let x = conv2.forward(&x)?.relu()?.max_pool2d(2)?;
+                let x = max_pool2(&conv1.forward(images)?.relu()?)?;
+                let x = max_pool2(&conv2.forward(&x)?.relu()?)?;
                 let x = linear(fc1, "fc1", &x.flatten_from(1)?, train, &mut taps)?.relu()?;
                 linear(fc2, "fc2", &x, train, &mut taps)?
             }
             // Windows in, logits at every position of the context out.
             Net::Gpt(g) => g.logits(&g.inputs_and_targets(images)?.0)?,
+        })
+    }
+
+    /// The CNN's hand-written step ([`crate::convnet`]), for a CNN with
+    /// biases on the CPU in f32; `None` otherwise (candle's graph).
+    fn cnn_step<'a>(&'a self, images: &Tensor) -> Option<CnnStep<'a>> {
+        let Net::Cnn { conv1, conv2, fc1, fc2 } = &self.net else { return None };
+        if !images.device().is_cpu() || images.dtype() != DType::F32 {
+            return None;
+        }
+        let conv = |name, c: &'a Conv| Some(ConvParams { name, weight: c.conv.weight(), bias: c.conv.bias()?, k: c.k });
+        let linear = |name, l: &'a Linear| Some(LinearParams { name, weight: l.weight(), bias: l.bias()? });
+        Some(CnnStep {
+            conv: [conv("conv1", conv1)?, conv("conv2", conv2)?],
+            fc: [linear("fc1", fc1)?, linear("fc2", fc2)?],
+            layout: &self.layout,
         })
     }
 
@@ -618,7 +598,19 @@ impl TrainableModel for Model {
         self.forward_tapped(images, train, None)
     }
 
+    fn gradients(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
+        if let Some(step) = self.cnn_step(images) {
+            return step.gradients(images, labels, false);
+        }
+        let (loss, store) = self.backward(images, labels)?;
+        let grads = self.layout.flatten_grads(&self.varmap, &store)?;
+        Ok(GradOutput { loss, samples: images.dim(0)?, grads, factors: Vec::new() })
+    }
+
     fn gradients_factored(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
+        if let Some(step) = self.cnn_step(images) {
+            return step.gradients(images, labels, true);
+        }
         if matches!(self.net, Net::Gpt(_)) {
             return self.gradients(images, labels);
         }
@@ -747,6 +739,78 @@ mod tests {
                 assert!(worst <= 1e-5, "{kind}: layer at {} rebuilt within {worst}", f.offset);
             }
         }
+        Ok(())
+    }
+
+    /// The CNN's hand-written CPU step ([`crate::convnet`]) gives candle's
+    /// graph's loss and gradients, factors included, on 1 and 3 channels
+    /// and both kernel sizes.
+    #[test]
+    fn hand_written_cnn_step_matches_the_graph() -> Result<()> {
+        let dev = Device::Cpu;
+        for (channels, side, batch) in [(1, 8, 5), (3, 8, 3), (1, 28, 4)] {
+            let shape = ImageShape { channels, height: side, width: side };
+            let model = Model::new(ModelConfig::new(ArchKind::Cnn, shape, 10), 11, &dev)?;
+            let x = Tensor::randn(0f32, 1.0, (batch, channels, side, side), &dev)?;
+            let y = Tensor::from_vec((0..batch as u32).map(|i| (i * 7) % 10).collect::<Vec<_>>(), batch, &dev)?;
+            let (loss, store) = model.backward(&x, &y)?;
+            let graph = model.layout.flatten_grads(&model.varmap, &store)?;
+            let out = model.gradients_factored(&x, &y)?;
+            assert!((out.loss - loss).abs() <= 1e-5, "{side}x{side}x{channels}: loss {} vs {loss}", out.loss);
+            assert_eq!(out.grads.len(), graph.len());
+            let scale = graph.iter().fold(0f32, |m, g| m.max(g.abs()));
+            for entry in model.layout.entries() {
+                let range = entry.offset..entry.offset + entry.len;
+                let worst =
+                    out.grads[range.clone()].iter().zip(&graph[range]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(worst <= 1e-5 * scale.max(1.0), "{side}x{side}x{channels} {}: off by {worst}", entry.name);
+            }
+            assert_eq!(out.factors.len(), 2);
+            assert_eq!(model.gradients(&x, &y)?.grads, out.grads, "factors change nothing");
+        }
+        Ok(())
+    }
+
+    /// The CNN's gradients against central differences of the loss, for
+    /// entries of every layer: pins the pooling's backward (candle 0.11's
+    /// own `max_pool2d` gives a quarter of it) independently of candle.
+    #[test]
+    fn cnn_gradients_match_finite_differences() -> Result<()> {
+        let dev = Device::Cpu;
+        let shape = ImageShape { channels: 1, height: 8, width: 8 };
+        let model = Model::new(ModelConfig::new(ArchKind::Cnn, shape, 10), 3, &dev)?;
+        let x = Tensor::randn(0f32, 1.0, (6, 1, 8, 8), &dev)?;
+        let y = Tensor::new(&[1u32, 4, 9, 0, 4, 7], &dev)?;
+        let params = model.parameters()?;
+        let analytic = model.gradients(&x, &y)?.grads;
+        let loss_at = |p: &[f32]| -> Result<f64> {
+            model.set_parameters(p)?;
+            Ok(model.gradients(&x, &y)?.loss as f64)
+        };
+        let mut checked = 0;
+        for entry in model.layout.entries() {
+            // The entry with the largest gradient: well above f32's noise.
+            let range = entry.offset..entry.offset + entry.len;
+            let i =
+                range.clone().max_by(|&a, &b| analytic[a].abs().total_cmp(&analytic[b].abs())).unwrap_or(entry.offset);
+            let eps = 1e-2f32;
+            let mut p = params.clone();
+            p[i] += eps;
+            let up = loss_at(&p)?;
+            p[i] -= 2.0 * eps;
+            let down = loss_at(&p)?;
+            let numeric = (up - down) / (2.0 * eps as f64);
+            let a = analytic[i] as f64;
+            assert!(
+                (numeric - a).abs() <= 0.05 * a.abs() + 1e-4,
+                "{}[{}]: analytic {a}, numeric {numeric}",
+                entry.name,
+                i - entry.offset
+            );
+            checked += 1;
+        }
+        model.set_parameters(&params)?;
+        assert_eq!(checked, 8);
         Ok(())
     }
 

@@ -1,0 +1,380 @@
+//! The CNN's training step on the CPU, written out by hand.
+//!
+//! candle's autograd took most of the CNN's step on the CPU in work that is
+//! not arithmetic (issue 14): a freshly zeroed gradient tensor for every
+//! node of the graph and an addition into it, max-pool's backward built
+//! from upsampling, comparison and average pooling, transposes between
+//! candle's `[b, c, h, w]` and the products' `[c, b, h, w]`, and the bias,
+//! ReLU and pooling as separate passes. Here the step is the matrix
+//! products (still candle's, hence the same `gemm` kernels) and one pass
+//! each for the unfolding, the bias with ReLU and pooling, its backward,
+//! and the fold. Activations stay channel-major (`[c, b, h, w]`), the
+//! layout the products produce, so nothing is transposed but the small
+//! input of the first linear layer.
+//!
+//! The arithmetic is the candle graph's: `tests` check gradients and loss
+//! against it. Two cases differ by definition, both of measure zero for
+//! real-valued data: a pre-activation of exactly 0 (candle's ReLU passes
+//! the gradient there, this one does not, as PyTorch), and exact ties
+//! inside a pooling window (candle splits the gradient among them, this
+//! one gives it to the first, as PyTorch).
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{ModelError, Result};
+use crate::layout::ParamLayout;
+use crate::model::{GradOutput, LayerFactors};
+
+/// The geometry of a same-padded, stride-1 `k x k` convolution's
+/// unfolding: `[c * k * k, b * h * w]`, row `(ci, ky, kx)`, column
+/// `(bi, y, x)` holding input pixel `(bi, ci, y + ky - k/2, x + kx - k/2)`,
+/// or 0 outside the image. The input is `[b, c, h, w]`, or `[c, b, h, w]`
+/// when `channel_major`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Unfold {
+    pub k: usize,
+    /// `(b, c, h, w)`.
+    pub dims: (usize, usize, usize, usize),
+    pub channel_major: bool,
+}
+
+impl Unfold {
+    pub fn rows(&self) -> usize {
+        self.dims.1 * self.k * self.k
+    }
+
+    pub fn cols(&self) -> usize {
+        let (b, _, h, w) = self.dims;
+        b * h * w
+    }
+
+    /// Offset of image `bi`'s channel `ci` in the input.
+    fn plane(&self, bi: usize, ci: usize) -> usize {
+        let (b, c, h, w) = self.dims;
+        if self.channel_major {
+            (ci * b + bi) * h * w
+        } else {
+            (bi * c + ci) * h * w
+        }
+    }
+
+    /// Every run of row `row` that maps to a run of input pixels:
+    /// `f(column, input index, length)`. The other columns of the row are 0.
+    pub fn row_runs(&self, row: usize, mut f: impl FnMut(usize, usize, usize)) {
+        let (b, _, h, w) = self.dims;
+        let (k, pad) = (self.k, self.k / 2);
+        let (ci, ky, kx) = (row / (k * k), row / k % k, row % k);
+        // x + kx - pad within 0..w
+        let x0 = pad.saturating_sub(kx);
+        let x1 = (w + pad).saturating_sub(kx).min(w);
+        if x1 <= x0 {
+            return;
+        }
+        for bi in 0..b {
+            let img = self.plane(bi, ci);
+            for y in 0..h {
+                let sy = y + ky;
+                if sy < pad || sy - pad >= h {
+                    continue;
+                }
+                f((bi * h + y) * w + x0, img + (sy - pad) * w + x0 + kx - pad, x1 - x0);
+            }
+        }
+    }
+
+    /// The unfolded matrix, rows in parallel.
+    pub fn unfold(&self, input: &[f32]) -> Vec<f32> {
+        let cols = self.cols();
+        let mut out = vec![0f32; self.rows() * cols];
+        out.par_chunks_mut(cols.max(1)).enumerate().for_each(|(r, row)| {
+            self.row_runs(r, |col, src, n| row[col..col + n].copy_from_slice(&input[src..src + n]));
+        });
+        out
+    }
+
+    /// The adjoint of [`Self::unfold`]: each entry of `cols` summed back
+    /// into its pixel; channels in parallel when channel-major.
+    pub fn fold(&self, cols: &[f32]) -> Vec<f32> {
+        let (b, c, h, w) = self.dims;
+        let (plane, width, kk) = (b * h * w, self.cols(), self.k * self.k);
+        let mut out = vec![0f32; c * plane];
+        let add = |dst: &mut [f32], r: usize, shift: usize| {
+            let row = &cols[r * width..(r + 1) * width];
+            self.row_runs(r, |col, px, n| {
+                let px = px - shift;
+                dst[px..px + n].iter_mut().zip(&row[col..col + n]).for_each(|(d, s)| *d += s);
+            });
+        };
+        if self.channel_major {
+            out.par_chunks_mut(plane.max(1)).enumerate().for_each(|(ci, dst)| {
+                (ci * kk..(ci + 1) * kk).for_each(|r| add(dst, r, ci * plane));
+            });
+        } else {
+            (0..self.rows()).for_each(|r| add(&mut out, r, 0));
+        }
+        out
+    }
+}
+
+/// Bias, ReLU and 2x2 max pooling of a convolution's output `y`
+/// (`[c, b, h, w]`), channels in parallel: the pooled `[c, b, h/2, w/2]`
+/// and, for each pooled value, which of its window's four entries won
+/// (the first maximum).
+fn bias_relu_pool(y: &[f32], bias: &[f32], (b, h, w): (usize, usize, usize)) -> (Vec<f32>, Vec<u8>) {
+    let (ph, pw) = (h / 2, w / 2);
+    let mut pooled = vec![0f32; bias.len() * b * ph * pw];
+    let mut arg = vec![0u8; pooled.len()];
+    let plane = (b * ph * pw).max(1);
+    pooled.par_chunks_mut(plane).zip(arg.par_chunks_mut(plane)).enumerate().for_each(|(ci, (p, a))| {
+        let bias = bias[ci];
+        for bi in 0..b {
+            let img = &y[(ci * b + bi) * h * w..];
+            for oy in 0..ph {
+                for ox in 0..pw {
+                    let at = |i: usize| img[(2 * oy + i / 2) * w + 2 * ox + i % 2];
+                    let (mut best, mut which) = (at(0), 0u8);
+                    for i in 1..4 {
+                        if at(i) > best {
+                            (best, which) = (at(i), i as u8);
+                        }
+                    }
+                    let o = (bi * ph + oy) * pw + ox;
+                    p[o] = (best + bias).max(0.0);
+                    a[o] = which;
+                }
+            }
+        }
+    });
+    (pooled, arg)
+}
+
+/// The backward of [`bias_relu_pool`]: the gradient with respect to `y`
+/// (zero off each window's winner and where the ReLU was off) and the
+/// bias's gradient.
+fn unpool(
+    grad: &[f32],
+    pooled: &[f32],
+    arg: &[u8],
+    (c, b, h, w): (usize, usize, usize, usize),
+) -> (Vec<f32>, Vec<f32>) {
+    let (ph, pw) = (h / 2, w / 2);
+    let mut dy = vec![0f32; c * b * h * w];
+    let mut dbias = vec![0f32; c];
+    dy.par_chunks_mut((b * h * w).max(1)).zip(dbias.par_iter_mut()).enumerate().for_each(|(ci, (d, db))| {
+        let base = ci * b * ph * pw;
+        let mut sum = 0f32;
+        for bi in 0..b {
+            for oy in 0..ph {
+                for ox in 0..pw {
+                    let o = base + (bi * ph + oy) * pw + ox;
+                    if pooled[o] > 0.0 {
+                        let i = arg[o] as usize;
+                        d[(bi * h + 2 * oy + i / 2) * w + 2 * ox + i % 2] = grad[o];
+                        sum += grad[o];
+                    }
+                }
+            }
+        }
+        *db = sum;
+    });
+    (dy, dbias)
+}
+
+/// A contiguous f32 CPU tensor's values, read in place.
+fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(ModelError::Invalid("the hand-written CNN step runs on the CPU only".into()));
+    };
+    let data = cpu.as_slice::<f32>()?;
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| ModelError::Invalid("the hand-written CNN step needs contiguous tensors".into()))?;
+    Ok(f(&data[a..b]))
+}
+
+fn values(t: &Tensor) -> Result<Vec<f32>> {
+    with_values(t, <[f32]>::to_vec)
+}
+
+fn cpu(values: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
+    Ok(Tensor::from_vec(values, (rows, cols), &Device::Cpu)?)
+}
+
+/// Column sums of a `[rows, cols]` matrix.
+fn column_sums(m: &[f32], cols: usize) -> Vec<f32> {
+    let mut sums = vec![0f32; cols];
+    for row in m.chunks(cols.max(1)) {
+        sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+    }
+    sums
+}
+
+/// One convolution block's parameters.
+pub(crate) struct ConvParams<'a> {
+    pub name: &'a str,
+    pub weight: &'a Tensor,
+    pub bias: &'a Tensor,
+    pub k: usize,
+}
+
+/// One linear layer's parameters.
+pub(crate) struct LinearParams<'a> {
+    pub name: &'a str,
+    pub weight: &'a Tensor,
+    pub bias: &'a Tensor,
+}
+
+/// What a convolution block's backward needs from its forward.
+struct Block<'a> {
+    conv: &'a ConvParams<'a>,
+    unfold: Unfold,
+    /// `[out, c * k * k]`.
+    weight: Tensor,
+    /// The unfolded input.
+    cols: Tensor,
+    /// After bias, ReLU and pooling, `[out, b, h/2, w/2]`.
+    pooled: Vec<f32>,
+    arg: Vec<u8>,
+    /// The convolution's output, `(out, b, h, w)`.
+    out: (usize, usize, usize, usize),
+}
+
+/// The CNN of [`crate::model::Arch::Cnn`]: two conv + ReLU + 2x2 max-pool
+/// blocks, then linear + ReLU and linear.
+pub(crate) struct CnnStep<'a> {
+    pub conv: [ConvParams<'a>; 2],
+    pub fc: [LinearParams<'a>; 2],
+    pub layout: &'a ParamLayout,
+}
+
+impl CnnStep<'_> {
+    /// Forward and backward on `images` `[b, c, h, w]` with `labels` `[b]`:
+    /// gradients of the mean cross-entropy in layout order, and, when
+    /// `factored`, the linear layers' sufficient factors.
+    pub fn gradients(&self, images: &Tensor, labels: &Tensor, factored: bool) -> Result<GradOutput> {
+        let (b, c, h, w) = images.dims4()?;
+        let labels = labels.to_vec1::<u32>()?;
+        if labels.len() != b {
+            return Err(ModelError::Invalid(format!("{} labels for {b} images", labels.len())));
+        }
+        let mut grads = vec![0f32; self.layout.total_len()];
+
+        // Forward, keeping what the backward needs.
+        let images = values(&images.contiguous()?)?;
+        let mut blocks: Vec<Block> = Vec::with_capacity(self.conv.len());
+        let mut dims = (b, c, h, w);
+        for conv in &self.conv {
+            let input: &[f32] = blocks.last().map_or(&images, |last| &last.pooled);
+            let unfold = Unfold { k: conv.k, dims, channel_major: !blocks.is_empty() };
+            let out_c = conv.weight.dim(0)?;
+            let weight = conv.weight.reshape((out_c, unfold.rows()))?;
+            let cols = cpu(unfold.unfold(input), unfold.rows(), unfold.cols())?;
+            let bias = values(conv.bias)?;
+            let (pooled, arg) =
+                with_values(&weight.matmul(&cols)?, |y| bias_relu_pool(y, &bias, (dims.0, dims.2, dims.3)))?;
+            blocks.push(Block { conv, unfold, weight, cols, pooled, arg, out: (out_c, dims.0, dims.2, dims.3) });
+            dims = (dims.0, out_c, dims.2 / 2, dims.3 / 2);
+        }
+        // [c, b, hw] to [b, c * hw]: PyTorch's flattening order.
+        let (_, pc, ph, pw) = dims;
+        let pooled = blocks.last().map_or(&images, |last| &last.pooled);
+        let hw = ph * pw;
+        let flat_len = pc * hw;
+        let mut flat = vec![0f32; b * flat_len];
+        for (ci, plane) in pooled.chunks(b * hw).enumerate() {
+            for (bi, px) in plane.chunks(hw).enumerate() {
+                flat[bi * flat_len + ci * hw..][..hw].copy_from_slice(px);
+            }
+        }
+        let flat = cpu(flat, b, flat_len)?;
+        let [fc1, fc2] = &self.fc;
+        let bias1 = values(fc1.bias)?;
+        let mut hidden = values(&flat.matmul(&fc1.weight.t()?)?)?;
+        for row in hidden.chunks_mut(bias1.len()) {
+            row.iter_mut().zip(&bias1).for_each(|(v, b)| *v = (*v + b).max(0.0));
+        }
+        let width = bias1.len();
+        let hidden = cpu(hidden, b, width)?;
+        let bias2 = values(fc2.bias)?;
+        let mut logits = values(&hidden.matmul(&fc2.weight.t()?)?)?;
+        let classes = bias2.len();
+
+        // Mean cross-entropy and its gradient with respect to the logits.
+        let mut loss = 0f64;
+        for (row, &label) in logits.chunks_mut(classes).zip(&labels) {
+            let label = label as usize;
+            if label >= classes {
+                return Err(ModelError::Invalid(format!("label {label} with {classes} classes")));
+            }
+            row.iter_mut().zip(&bias2).for_each(|(v, b)| *v += b);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
+            loss += (max + sum.ln() - row[label]) as f64;
+            for (i, v) in row.iter_mut().enumerate() {
+                *v = ((*v - max).exp() / sum - (i == label) as u8 as f32) / b as f32;
+            }
+        }
+        let dlogits = cpu(logits, b, classes)?;
+
+        // Backward through the linear layers.
+        let mut put = |name: &str, part: &str, values: &[f32]| -> Result<()> {
+            let entry = self
+                .layout
+                .entry(&format!("{name}.{part}"))
+                .ok_or_else(|| ModelError::Invalid(format!("no variable {name}.{part}")))?;
+            if entry.len != values.len() {
+                return Err(ModelError::Invalid(format!("{name}.{part}: {} values, not {}", values.len(), entry.len)));
+            }
+            grads[entry.offset..entry.offset + entry.len].copy_from_slice(values);
+            Ok(())
+        };
+        with_values(&dlogits.t()?.matmul(&hidden)?, |g| put(fc2.name, "weight", g))??;
+        with_values(&dlogits, |d| put(fc2.name, "bias", &column_sums(d, classes)))??;
+        let mut dhidden = values(&dlogits.matmul(fc2.weight)?)?;
+        with_values(&hidden, |hv| dhidden.iter_mut().zip(hv).for_each(|(d, &v)| *d *= (v > 0.0) as u8 as f32))?;
+        let dhidden = cpu(dhidden, b, width)?;
+        with_values(&dhidden.t()?.matmul(&flat)?, |g| put(fc1.name, "weight", g))??;
+        with_values(&dhidden, |d| put(fc1.name, "bias", &column_sums(d, width)))??;
+        let dflat = values(&dhidden.matmul(fc1.weight)?)?;
+        let mut grad = vec![0f32; dflat.len()];
+        for (ci, plane) in grad.chunks_mut(b * hw).enumerate() {
+            for (bi, px) in plane.chunks_mut(hw).enumerate() {
+                px.copy_from_slice(&dflat[bi * flat_len + ci * hw..][..hw]);
+            }
+        }
+
+        // Backward through the convolution blocks, last first.
+        for (i, Block { conv, unfold, weight, cols, pooled, arg, out: dims }) in blocks.into_iter().enumerate().rev() {
+            let (dy, dbias) = unpool(&grad, &pooled, &arg, dims);
+            let dy = cpu(dy, dims.0, dims.1 * dims.2 * dims.3)?;
+            with_values(&dy.matmul(&cols.t()?)?, |g| put(conv.name, "weight", g))??;
+            put(conv.name, "bias", &dbias)?;
+            if i > 0 {
+                let dcols = weight.t()?.matmul(&dy)?;
+                grad = with_values(&dcols, |d| unfold.fold(d))?;
+            }
+        }
+
+        let factors = if factored {
+            let factor = |layer: &LinearParams, delta: &Tensor, input: &Tensor| -> Result<LayerFactors> {
+                let entry = self
+                    .layout
+                    .entry(&format!("{}.weight", layer.name))
+                    .ok_or_else(|| ModelError::Invalid(format!("no variable {}.weight", layer.name)))?;
+                Ok(LayerFactors {
+                    offset: entry.offset,
+                    rows: delta.dim(1)?,
+                    cols: input.dim(1)?,
+                    delta: values(delta)?,
+                    input: values(input)?,
+                })
+            };
+            vec![factor(fc1, &dhidden, &flat)?, factor(fc2, &dlogits, &hidden)?]
+        } else {
+            Vec::new()
+        };
+        Ok(GradOutput { loss: (loss / b.max(1) as f64) as f32, samples: b, grads, factors })
+    }
+}
