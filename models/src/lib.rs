@@ -22,7 +22,7 @@
 //! Nothing here talks to the network, and nothing here panics on bad input.
 
 pub mod checkpoint;
-mod convnet;
+mod cpu_step;
 pub mod data;
 pub mod device;
 pub mod error;

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use candle_core::{DType, Device, ModuleT, Tensor, D};
 use candle_nn::{Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
 
-use crate::convnet::{CnnStep, ConvParams, LinearParams, Unfold};
+use crate::cpu_step::{CnnStep, ConvParams, CpuStep, Dense, LinearParams, MlpStep, Unfold};
 use crate::data::{Dataset, ImageShape};
 use crate::error::{ModelError, Result};
 use crate::gpt::{Gpt, GptSize};
@@ -530,19 +530,30 @@ impl Model {
         })
     }
 
-    /// The CNN's hand-written step ([`crate::convnet`]), for a CNN with
-    /// biases on the CPU in f32; `None` otherwise (candle's graph).
-    fn cnn_step<'a>(&'a self, images: &Tensor) -> Option<CnnStep<'a>> {
-        let Net::Cnn { conv1, conv2, fc1, fc2 } = &self.net else { return None };
+    /// The hand-written step ([`crate::cpu_step`]) of an MLP or a CNN with
+    /// biases, on the CPU in f32; `None` otherwise (candle's graph).
+    fn cpu_step<'a>(&'a self, images: &Tensor) -> Option<CpuStep<'a>> {
         if !images.device().is_cpu() || images.dtype() != DType::F32 {
             return None;
         }
-        let conv = |name, c: &'a Conv| Some(ConvParams { name, weight: c.conv.weight(), bias: c.conv.bias()?, k: c.k });
-        let linear = |name, l: &'a Linear| Some(LinearParams { name, weight: l.weight(), bias: l.bias()? });
-        Some(CnnStep {
-            conv: [conv("conv1", conv1)?, conv("conv2", conv2)?],
-            fc: [linear("fc1", fc1)?, linear("fc2", fc2)?],
-            layout: &self.layout,
+        let linear = |name: String, l: &'a Linear| Some(LinearParams { name, weight: l.weight(), bias: l.bias()? });
+        Some(match &self.net {
+            Net::Mlp(layers) => {
+                let layers =
+                    layers.iter().enumerate().map(|(i, l)| linear(format!("fc{i}"), l)).collect::<Option<_>>()?;
+                CpuStep::Mlp(MlpStep { dense: Dense { layers }, layout: &self.layout })
+            }
+            Net::Cnn { conv1, conv2, fc1, fc2 } => {
+                let conv = |name, c: &'a Conv| {
+                    Some(ConvParams { name, weight: c.conv.weight(), bias: c.conv.bias()?, k: c.k })
+                };
+                CpuStep::Cnn(CnnStep {
+                    conv: [conv("conv1", conv1)?, conv("conv2", conv2)?],
+                    fc: Dense { layers: vec![linear("fc1".into(), fc1)?, linear("fc2".into(), fc2)?] },
+                    layout: &self.layout,
+                })
+            }
+            Net::Gpt(_) => return None,
         })
     }
 
@@ -599,7 +610,7 @@ impl TrainableModel for Model {
     }
 
     fn gradients(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
-        if let Some(step) = self.cnn_step(images) {
+        if let Some(step) = self.cpu_step(images) {
             return step.gradients(images, labels, false);
         }
         let (loss, store) = self.backward(images, labels)?;
@@ -608,7 +619,7 @@ impl TrainableModel for Model {
     }
 
     fn gradients_factored(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
-        if let Some(step) = self.cnn_step(images) {
+        if let Some(step) = self.cpu_step(images) {
             return step.gradients(images, labels, true);
         }
         if matches!(self.net, Net::Gpt(_)) {
@@ -742,43 +753,54 @@ mod tests {
         Ok(())
     }
 
-    /// The CNN's hand-written CPU step ([`crate::convnet`]) gives candle's
-    /// graph's loss and gradients, factors included, on 1 and 3 channels
-    /// and both kernel sizes.
+    /// The hand-written CPU steps ([`crate::cpu_step`]) give candle's
+    /// graph's loss and gradients: the MLP, and the CNN on 1 and 3
+    /// channels with both kernel sizes.
     #[test]
-    fn hand_written_cnn_step_matches_the_graph() -> Result<()> {
+    fn hand_written_steps_match_the_graph() -> Result<()> {
         let dev = Device::Cpu;
-        for (channels, side, batch) in [(1, 8, 5), (3, 8, 3), (1, 28, 4)] {
+        for (kind, channels, side, batch) in
+            [(ArchKind::Mlp, 1, 8, 5), (ArchKind::Cnn, 1, 8, 5), (ArchKind::Cnn, 3, 8, 3), (ArchKind::Cnn, 1, 28, 4)]
+        {
             let shape = ImageShape { channels, height: side, width: side };
-            let model = Model::new(ModelConfig::new(ArchKind::Cnn, shape, 10), 11, &dev)?;
+            let model = Model::new(ModelConfig::new(kind, shape, 10), 11, &dev)?;
             let x = Tensor::randn(0f32, 1.0, (batch, channels, side, side), &dev)?;
             let y = Tensor::from_vec((0..batch as u32).map(|i| (i * 7) % 10).collect::<Vec<_>>(), batch, &dev)?;
             let (loss, store) = model.backward(&x, &y)?;
             let graph = model.layout.flatten_grads(&model.varmap, &store)?;
             let out = model.gradients_factored(&x, &y)?;
-            assert!((out.loss - loss).abs() <= 1e-5, "{side}x{side}x{channels}: loss {} vs {loss}", out.loss);
+            let case = format!("{kind} {side}x{side}x{channels}");
+            assert!((out.loss - loss).abs() <= 1e-5, "{case}: loss {} vs {loss}", out.loss);
             assert_eq!(out.grads.len(), graph.len());
             let scale = graph.iter().fold(0f32, |m, g| m.max(g.abs()));
             for entry in model.layout.entries() {
                 let range = entry.offset..entry.offset + entry.len;
                 let worst =
                     out.grads[range.clone()].iter().zip(&graph[range]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert!(worst <= 1e-5 * scale.max(1.0), "{side}x{side}x{channels} {}: off by {worst}", entry.name);
+                assert!(worst <= 1e-5 * scale.max(1.0), "{case} {}: off by {worst}", entry.name);
             }
-            assert_eq!(out.factors.len(), 2);
+            assert_eq!(out.factors.len(), if kind == ArchKind::Mlp { 3 } else { 2 });
             assert_eq!(model.gradients(&x, &y)?.grads, out.grads, "factors change nothing");
         }
         Ok(())
     }
 
-    /// The CNN's gradients against central differences of the loss, for
-    /// entries of every layer: pins the pooling's backward (candle 0.11's
-    /// own `max_pool2d` gives a quarter of it) independently of candle.
+    /// The hand-written steps' gradients against central differences of
+    /// the loss, for an entry of every variable: pins the pooling's
+    /// backward (candle 0.11's own `max_pool2d` gives a quarter of it)
+    /// independently of candle.
     #[test]
-    fn cnn_gradients_match_finite_differences() -> Result<()> {
+    fn cpu_step_gradients_match_finite_differences() -> Result<()> {
+        for kind in [ArchKind::Mlp, ArchKind::Cnn] {
+            finite_differences(kind)?;
+        }
+        Ok(())
+    }
+
+    fn finite_differences(kind: ArchKind) -> Result<()> {
         let dev = Device::Cpu;
         let shape = ImageShape { channels: 1, height: 8, width: 8 };
-        let model = Model::new(ModelConfig::new(ArchKind::Cnn, shape, 10), 3, &dev)?;
+        let model = Model::new(ModelConfig::new(kind, shape, 10), 3, &dev)?;
         let x = Tensor::randn(0f32, 1.0, (6, 1, 8, 8), &dev)?;
         let y = Tensor::new(&[1u32, 4, 9, 0, 4, 7], &dev)?;
         let params = model.parameters()?;
@@ -810,7 +832,7 @@ mod tests {
             checked += 1;
         }
         model.set_parameters(&params)?;
-        assert_eq!(checked, 8);
+        assert_eq!(checked, model.layout.entries().len());
         Ok(())
     }
 

@@ -1,19 +1,20 @@
-//! The CNN's training step on the CPU, written out by hand.
+//! The MLP's and the CNN's training steps on the CPU, written out by hand.
 //!
-//! candle's autograd took most of the CNN's step on the CPU in work that is
-//! not arithmetic (issue 14): a freshly zeroed gradient tensor for every
+//! candle's autograd took most of these small models' steps on the CPU in
+//! work that is not arithmetic (issue 14): a freshly zeroed gradient tensor for every
 //! node of the graph and an addition into it, max-pool's backward built
 //! from upsampling, comparison and average pooling, transposes between
 //! candle's `[b, c, h, w]` and the products' `[c, b, h, w]`, and the bias,
-//! ReLU and pooling as separate passes. Here the step is the matrix
+//! ReLU and pooling as separate passes, each op's output allocated and,
+//! for element-wise ops, handed to a thread pool. Here the step is the matrix
 //! products (still candle's, hence the same `gemm` kernels) and one pass
 //! each for the unfolding, the bias with ReLU and pooling, its backward,
 //! and the fold. Activations stay channel-major (`[c, b, h, w]`), the
 //! layout the products produce, so nothing is transposed but the small
 //! input of the first linear layer.
 //!
-//! The arithmetic is the candle graph's: `tests` check gradients and loss
-//! against it. Two cases differ by definition, both of measure zero for
+//! The arithmetic is the candle graph's: `model`'s tests check gradients,
+//! loss and factors against it and against central differences. Two cases differ by definition, both of measure zero for
 //! real-valued data: a pre-activation of exactly 0 (candle's ReLU passes
 //! the gradient there, this one does not, as PyTorch), and exact ties
 //! inside a pooling window (candle splits the gradient among them, this
@@ -185,12 +186,12 @@ fn unpool(
 fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
-        return Err(ModelError::Invalid("the hand-written CNN step runs on the CPU only".into()));
+        return Err(ModelError::Invalid("the hand-written step runs on the CPU only".into()));
     };
     let data = cpu.as_slice::<f32>()?;
     let (a, b) = layout
         .contiguous_offsets()
-        .ok_or_else(|| ModelError::Invalid("the hand-written CNN step needs contiguous tensors".into()))?;
+        .ok_or_else(|| ModelError::Invalid("the hand-written step needs contiguous tensors".into()))?;
     Ok(f(&data[a..b]))
 }
 
@@ -221,9 +222,185 @@ pub(crate) struct ConvParams<'a> {
 
 /// One linear layer's parameters.
 pub(crate) struct LinearParams<'a> {
-    pub name: &'a str,
+    pub name: String,
     pub weight: &'a Tensor,
     pub bias: &'a Tensor,
+}
+
+/// The gradient vector in layout order, filled by variable name.
+struct Grads<'a> {
+    layout: &'a ParamLayout,
+    values: Vec<f32>,
+}
+
+impl<'a> Grads<'a> {
+    fn new(layout: &'a ParamLayout) -> Self {
+        Self { layout, values: vec![0f32; layout.total_len()] }
+    }
+
+    fn entry(&self, name: &str, part: &str) -> Result<&'a crate::layout::ParamEntry> {
+        self.layout
+            .entry(&format!("{name}.{part}"))
+            .ok_or_else(|| ModelError::Invalid(format!("no variable {name}.{part}")))
+    }
+
+    fn put(&mut self, name: &str, part: &str, values: &[f32]) -> Result<()> {
+        let entry = self.entry(name, part)?;
+        if entry.len != values.len() {
+            return Err(ModelError::Invalid(format!("{name}.{part}: {} values, not {}", values.len(), entry.len)));
+        }
+        self.values[entry.offset..entry.offset + entry.len].copy_from_slice(values);
+        Ok(())
+    }
+
+    fn put_tensor(&mut self, name: &str, part: &str, t: &Tensor) -> Result<()> {
+        with_values(t, |v| self.put(name, part, v))?
+    }
+}
+
+fn labels_of(labels: &Tensor, batch: usize) -> Result<Vec<u32>> {
+    let labels = labels.to_vec1::<u32>()?;
+    if labels.len() != batch {
+        return Err(ModelError::Invalid(format!("{} labels for {batch} inputs", labels.len())));
+    }
+    Ok(labels)
+}
+
+/// Linear layers with ReLU between them, the last giving the logits of a
+/// mean cross-entropy.
+pub(crate) struct Dense<'a> {
+    pub layers: Vec<LinearParams<'a>>,
+}
+
+/// What [`Dense::train`] gives besides the gradients.
+struct DenseOut {
+    /// Summed over the batch.
+    loss: f64,
+    /// With respect to the input, `[b, in]`, when asked for.
+    input_grad: Option<Vec<f32>>,
+    factors: Vec<LayerFactors>,
+}
+
+impl Dense<'_> {
+    /// Forward and backward on `input` `[b, in]`, the layers' gradients
+    /// into `grads`.
+    fn train(
+        &self,
+        input: Tensor,
+        labels: &[u32],
+        grads: &mut Grads,
+        input_grad: bool,
+        factored: bool,
+    ) -> Result<DenseOut> {
+        let b = input.dim(0)?;
+        // Each layer's input: the batch, then the ReLU of each hidden layer.
+        let mut acts = vec![input];
+        let mut logits = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let bias = values(layer.bias)?;
+            let mut z = values(&acts[i].matmul(&layer.weight.t()?)?)?;
+            let last = i + 1 == self.layers.len();
+            for row in z.chunks_mut(bias.len().max(1)) {
+                if last {
+                    row.iter_mut().zip(&bias).for_each(|(v, b)| *v += b);
+                } else {
+                    row.iter_mut().zip(&bias).for_each(|(v, b)| *v = (*v + b).max(0.0));
+                }
+            }
+            if last {
+                logits = z;
+            } else {
+                acts.push(cpu(z, b, bias.len())?);
+            }
+        }
+        let classes = self.layers.last().map_or(Ok(0), |l| l.bias.dim(0))?;
+
+        // Mean cross-entropy and its gradient with respect to the logits.
+        let mut loss = 0f64;
+        for (row, &label) in logits.chunks_mut(classes.max(1)).zip(labels) {
+            let label = label as usize;
+            if label >= classes {
+                return Err(ModelError::Invalid(format!("label {label} with {classes} classes")));
+            }
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
+            loss += (max + sum.ln() - row[label]) as f64;
+            for (i, v) in row.iter_mut().enumerate() {
+                *v = ((*v - max).exp() / sum - (i == label) as u8 as f32) / b as f32;
+            }
+        }
+
+        // Backward, last layer first; `delta` is the gradient with respect
+        // to the layer's output.
+        let mut delta = cpu(logits, b, classes)?;
+        let mut deltas = Vec::with_capacity(self.layers.len());
+        let mut input_gradient = None;
+        for (i, layer) in self.layers.iter().enumerate().rev() {
+            grads.put_tensor(&layer.name, "weight", &delta.t()?.matmul(&acts[i])?)?;
+            let width = delta.dim(1)?;
+            with_values(&delta, |d| grads.put(&layer.name, "bias", &column_sums(d, width)))??;
+            let next = if i > 0 || input_grad {
+                let mut dx = values(&delta.matmul(layer.weight)?)?;
+                if i > 0 {
+                    with_values(&acts[i], |a| dx.iter_mut().zip(a).for_each(|(d, &v)| *d *= (v > 0.0) as u8 as f32))?;
+                    Some(cpu(dx, b, acts[i].dim(1)?)?)
+                } else {
+                    input_gradient = Some(dx);
+                    None
+                }
+            } else {
+                None
+            };
+            deltas.push(delta);
+            match next {
+                Some(next) => delta = next,
+                None => break,
+            }
+        }
+        let factors = if factored {
+            deltas
+                .iter()
+                .rev()
+                .zip(self.layers.iter().zip(&acts))
+                .map(|(delta, (layer, input))| {
+                    Ok(LayerFactors {
+                        offset: grads.entry(&layer.name, "weight")?.offset,
+                        rows: delta.dim(1)?,
+                        cols: input.dim(1)?,
+                        delta: values(delta)?,
+                        input: values(input)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        Ok(DenseOut { loss, input_grad: input_gradient, factors })
+    }
+}
+
+/// The MLP of [`crate::model::Arch::Mlp`].
+pub(crate) struct MlpStep<'a> {
+    pub dense: Dense<'a>,
+    pub layout: &'a ParamLayout,
+}
+
+impl MlpStep<'_> {
+    /// Forward and backward on `images` (flattened per sample) with
+    /// `labels` `[b]`: gradients of the mean cross-entropy in layout order
+    /// and, when `factored`, the layers' sufficient factors.
+    pub fn gradients(&self, images: &Tensor, labels: &Tensor, factored: bool) -> Result<GradOutput> {
+        let b = images.dim(0)?;
+        let labels = labels_of(labels, b)?;
+        let mut grads = Grads::new(self.layout);
+        let out = self.dense.train(images.flatten_from(1)?.contiguous()?, &labels, &mut grads, false, factored)?;
+        Ok(GradOutput {
+            loss: (out.loss / b.max(1) as f64) as f32,
+            samples: b,
+            grads: grads.values,
+            factors: out.factors,
+        })
+    }
 }
 
 /// What a convolution block's backward needs from its forward.
@@ -245,7 +422,7 @@ struct Block<'a> {
 /// blocks, then linear + ReLU and linear.
 pub(crate) struct CnnStep<'a> {
     pub conv: [ConvParams<'a>; 2],
-    pub fc: [LinearParams<'a>; 2],
+    pub fc: Dense<'a>,
     pub layout: &'a ParamLayout,
 }
 
@@ -255,11 +432,8 @@ impl CnnStep<'_> {
     /// `factored`, the linear layers' sufficient factors.
     pub fn gradients(&self, images: &Tensor, labels: &Tensor, factored: bool) -> Result<GradOutput> {
         let (b, c, h, w) = images.dims4()?;
-        let labels = labels.to_vec1::<u32>()?;
-        if labels.len() != b {
-            return Err(ModelError::Invalid(format!("{} labels for {b} images", labels.len())));
-        }
-        let mut grads = vec![0f32; self.layout.total_len()];
+        let labels = labels_of(labels, b)?;
+        let mut grads = Grads::new(self.layout);
 
         // Forward, keeping what the backward needs.
         let images = values(&images.contiguous()?)?;
@@ -288,56 +462,8 @@ impl CnnStep<'_> {
                 flat[bi * flat_len + ci * hw..][..hw].copy_from_slice(px);
             }
         }
-        let flat = cpu(flat, b, flat_len)?;
-        let [fc1, fc2] = &self.fc;
-        let bias1 = values(fc1.bias)?;
-        let mut hidden = values(&flat.matmul(&fc1.weight.t()?)?)?;
-        for row in hidden.chunks_mut(bias1.len()) {
-            row.iter_mut().zip(&bias1).for_each(|(v, b)| *v = (*v + b).max(0.0));
-        }
-        let width = bias1.len();
-        let hidden = cpu(hidden, b, width)?;
-        let bias2 = values(fc2.bias)?;
-        let mut logits = values(&hidden.matmul(&fc2.weight.t()?)?)?;
-        let classes = bias2.len();
-
-        // Mean cross-entropy and its gradient with respect to the logits.
-        let mut loss = 0f64;
-        for (row, &label) in logits.chunks_mut(classes).zip(&labels) {
-            let label = label as usize;
-            if label >= classes {
-                return Err(ModelError::Invalid(format!("label {label} with {classes} classes")));
-            }
-            row.iter_mut().zip(&bias2).for_each(|(v, b)| *v += b);
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
-            loss += (max + sum.ln() - row[label]) as f64;
-            for (i, v) in row.iter_mut().enumerate() {
-                *v = ((*v - max).exp() / sum - (i == label) as u8 as f32) / b as f32;
-            }
-        }
-        let dlogits = cpu(logits, b, classes)?;
-
-        // Backward through the linear layers.
-        let mut put = |name: &str, part: &str, values: &[f32]| -> Result<()> {
-            let entry = self
-                .layout
-                .entry(&format!("{name}.{part}"))
-                .ok_or_else(|| ModelError::Invalid(format!("no variable {name}.{part}")))?;
-            if entry.len != values.len() {
-                return Err(ModelError::Invalid(format!("{name}.{part}: {} values, not {}", values.len(), entry.len)));
-            }
-            grads[entry.offset..entry.offset + entry.len].copy_from_slice(values);
-            Ok(())
-        };
-        with_values(&dlogits.t()?.matmul(&hidden)?, |g| put(fc2.name, "weight", g))??;
-        with_values(&dlogits, |d| put(fc2.name, "bias", &column_sums(d, classes)))??;
-        let mut dhidden = values(&dlogits.matmul(fc2.weight)?)?;
-        with_values(&hidden, |hv| dhidden.iter_mut().zip(hv).for_each(|(d, &v)| *d *= (v > 0.0) as u8 as f32))?;
-        let dhidden = cpu(dhidden, b, width)?;
-        with_values(&dhidden.t()?.matmul(&flat)?, |g| put(fc1.name, "weight", g))??;
-        with_values(&dhidden, |d| put(fc1.name, "bias", &column_sums(d, width)))??;
-        let dflat = values(&dhidden.matmul(fc1.weight)?)?;
+        let out = self.fc.train(cpu(flat, b, flat_len)?, &labels, &mut grads, true, factored)?;
+        let dflat = out.input_grad.ok_or_else(|| ModelError::Invalid("no gradient reached the convolutions".into()))?;
         let mut grad = vec![0f32; dflat.len()];
         for (ci, plane) in grad.chunks_mut(b * hw).enumerate() {
             for (bi, px) in plane.chunks_mut(hw).enumerate() {
@@ -349,32 +475,33 @@ impl CnnStep<'_> {
         for (i, Block { conv, unfold, weight, cols, pooled, arg, out: dims }) in blocks.into_iter().enumerate().rev() {
             let (dy, dbias) = unpool(&grad, &pooled, &arg, dims);
             let dy = cpu(dy, dims.0, dims.1 * dims.2 * dims.3)?;
-            with_values(&dy.matmul(&cols.t()?)?, |g| put(conv.name, "weight", g))??;
-            put(conv.name, "bias", &dbias)?;
+            grads.put_tensor(conv.name, "weight", &dy.matmul(&cols.t()?)?)?;
+            grads.put(conv.name, "bias", &dbias)?;
             if i > 0 {
                 let dcols = weight.t()?.matmul(&dy)?;
                 grad = with_values(&dcols, |d| unfold.fold(d))?;
             }
         }
+        Ok(GradOutput {
+            loss: (out.loss / b.max(1) as f64) as f32,
+            samples: b,
+            grads: grads.values,
+            factors: out.factors,
+        })
+    }
+}
 
-        let factors = if factored {
-            let factor = |layer: &LinearParams, delta: &Tensor, input: &Tensor| -> Result<LayerFactors> {
-                let entry = self
-                    .layout
-                    .entry(&format!("{}.weight", layer.name))
-                    .ok_or_else(|| ModelError::Invalid(format!("no variable {}.weight", layer.name)))?;
-                Ok(LayerFactors {
-                    offset: entry.offset,
-                    rows: delta.dim(1)?,
-                    cols: input.dim(1)?,
-                    delta: values(delta)?,
-                    input: values(input)?,
-                })
-            };
-            vec![factor(fc1, &dhidden, &flat)?, factor(fc2, &dlogits, &hidden)?]
-        } else {
-            Vec::new()
-        };
-        Ok(GradOutput { loss: (loss / b.max(1) as f64) as f32, samples: b, grads, factors })
+/// The hand-written step of a model that has one.
+pub(crate) enum CpuStep<'a> {
+    Mlp(MlpStep<'a>),
+    Cnn(CnnStep<'a>),
+}
+
+impl CpuStep<'_> {
+    pub fn gradients(&self, images: &Tensor, labels: &Tensor, factored: bool) -> Result<GradOutput> {
+        match self {
+            Self::Mlp(step) => step.gradients(images, labels, factored),
+            Self::Cnn(step) => step.gradients(images, labels, factored),
+        }
     }
 }
