@@ -403,8 +403,12 @@ impl Conv {
 /// `max_pool2d` scales its gradient by the share of the window that holds
 /// the maximum (1/4 for a single one), which trained each convolution
 /// under a pool with 4x too small a gradient (16x for the first); the
-/// maximum's backward passes the whole gradient to the winner.
-fn max_pool2(x: &Tensor) -> Result<Tensor> {
+/// maximum's backward passes the whole gradient to the winner. Outside
+/// training, candle's faster op: the values are the same.
+fn max_pool2(x: &Tensor, train: bool) -> Result<Tensor> {
+    if !train {
+        return Ok(x.max_pool2d(2)?);
+    }
     let (b, c, h, w) = x.dims4()?;
     let x = x.narrow(2, 0, h / 2 * 2)?.narrow(3, 0, w / 2 * 2)?.contiguous()?;
     Ok(x.reshape((b, c, h / 2, 2, w / 2, 2))?.max(5)?.max(3)?)
@@ -520,8 +524,8 @@ impl Model {
                 x
             }
             Net::Cnn { conv1, conv2, fc1, fc2 } => {
-                let x = max_pool2(&conv1.forward(images)?.relu()?)?;
-                let x = max_pool2(&conv2.forward(&x)?.relu()?)?;
+                let x = max_pool2(&conv1.forward(images)?.relu()?, train)?;
+                let x = max_pool2(&conv2.forward(&x)?.relu()?, train)?;
                 let x = linear(fc1, "fc1", &x.flatten_from(1)?, train, &mut taps)?.relu()?;
                 linear(fc2, "fc2", &x, train, &mut taps)?
             }
