@@ -13,12 +13,13 @@
 //! layout the products produce, so nothing is transposed but the small
 //! input of the first linear layer.
 //!
-//! The arithmetic is the candle graph's: `model`'s tests check gradients,
-//! loss and factors against it and against central differences. Two cases differ by definition, both of measure zero for
+//! The arithmetic is the candle graph's: `model`'s tests check loss,
+//! gradients and factors against it, and the gradients against central
+//! differences. Two cases differ by definition, both of measure zero for
 //! real-valued data: a pre-activation of exactly 0 (candle's ReLU passes
 //! the gradient there, this one does not, as PyTorch), and exact ties
-//! inside a pooling window (candle splits the gradient among them, this
-//! one gives it to the first, as PyTorch).
+//! inside a pooling window (the graph's maximum gives the whole gradient
+//! to each of them, this one to the first, as PyTorch).
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -259,6 +260,9 @@ impl<'a> Grads<'a> {
 }
 
 fn labels_of(labels: &Tensor, batch: usize) -> Result<Vec<u32>> {
+    if batch == 0 {
+        return Err(ModelError::Invalid("an empty batch has no gradient".into()));
+    }
     let labels = labels.to_vec1::<u32>()?;
     if labels.len() != batch {
         return Err(ModelError::Invalid(format!("{} labels for {batch} inputs", labels.len())));
@@ -433,6 +437,9 @@ impl CnnStep<'_> {
     pub fn gradients(&self, images: &Tensor, labels: &Tensor, factored: bool) -> Result<GradOutput> {
         let (b, c, h, w) = images.dims4()?;
         let labels = labels_of(labels, b)?;
+        if h < 4 || w < 4 {
+            return Err(ModelError::Invalid(format!("the CNN needs images of 4x4 or more, not {h}x{w}")));
+        }
         let mut grads = Grads::new(self.layout);
 
         // Forward, keeping what the backward needs.
@@ -457,16 +464,16 @@ impl CnnStep<'_> {
         let hw = ph * pw;
         let flat_len = pc * hw;
         let mut flat = vec![0f32; b * flat_len];
-        for (ci, plane) in pooled.chunks(b * hw).enumerate() {
-            for (bi, px) in plane.chunks(hw).enumerate() {
+        for (ci, plane) in pooled.chunks((b * hw).max(1)).enumerate() {
+            for (bi, px) in plane.chunks(hw.max(1)).enumerate() {
                 flat[bi * flat_len + ci * hw..][..hw].copy_from_slice(px);
             }
         }
         let out = self.fc.train(cpu(flat, b, flat_len)?, &labels, &mut grads, true, factored)?;
         let dflat = out.input_grad.ok_or_else(|| ModelError::Invalid("no gradient reached the convolutions".into()))?;
         let mut grad = vec![0f32; dflat.len()];
-        for (ci, plane) in grad.chunks_mut(b * hw).enumerate() {
-            for (bi, px) in plane.chunks_mut(hw).enumerate() {
+        for (ci, plane) in grad.chunks_mut((b * hw).max(1)).enumerate() {
+            for (bi, px) in plane.chunks_mut(hw.max(1)).enumerate() {
                 px.copy_from_slice(&dflat[bi * flat_len + ci * hw..][..hw]);
             }
         }

@@ -629,6 +629,27 @@ impl TrainableModel for Model {
         if matches!(self.net, Net::Gpt(_)) {
             return self.gradients(images, labels);
         }
+        self.graph_gradients_factored(images, labels)
+    }
+
+    fn logits_and_targets(&self, images: &Tensor, labels: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
+        match &self.net {
+            Net::Gpt(g) => {
+                let (inputs, targets) = g.inputs_and_targets(images)?;
+                let logits = g.logits(&inputs)?;
+                let (n, t, v) = logits.dims3()?;
+                Ok((logits.reshape((n * t, v))?, targets))
+            }
+            _ => Ok((self.forward(images, train)?, labels.clone())),
+        }
+    }
+}
+
+impl Model {
+    /// [`TrainableModel::gradients_factored`] through candle's graph: each
+    /// linear layer's output gets a zero probe whose gradient is the
+    /// layer's delta. Devices other than the CPU take this path.
+    fn graph_gradients_factored(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
         let mut taps = Vec::new();
         let logits = self.forward_tapped(images, true, Some(&mut taps))?;
         let loss = candle_nn::loss::cross_entropy(&logits, labels)?;
@@ -659,18 +680,6 @@ impl TrainableModel for Model {
             });
         }
         Ok(GradOutput { loss: loss.to_scalar::<f32>()?, samples: images.dim(0)?, grads, factors })
-    }
-
-    fn logits_and_targets(&self, images: &Tensor, labels: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
-        match &self.net {
-            Net::Gpt(g) => {
-                let (inputs, targets) = g.inputs_and_targets(images)?;
-                let logits = g.logits(&inputs)?;
-                let (n, t, v) = logits.dims3()?;
-                Ok((logits.reshape((n * t, v))?, targets))
-            }
-            _ => Ok((self.forward(images, train)?, labels.clone())),
-        }
     }
 }
 
@@ -758,8 +767,8 @@ mod tests {
     }
 
     /// The hand-written CPU steps ([`crate::cpu_step`]) give candle's
-    /// graph's loss and gradients: the MLP, and the CNN on 1 and 3
-    /// channels with both kernel sizes.
+    /// graph's loss, gradients and factors: the MLP, and the CNN on 1 and
+    /// 3 channels with both kernel sizes.
     #[test]
     fn hand_written_steps_match_the_graph() -> Result<()> {
         let dev = Device::Cpu;
@@ -785,14 +794,27 @@ mod tests {
             }
             assert_eq!(out.factors.len(), if kind == ArchKind::Mlp { 3 } else { 2 });
             assert_eq!(model.gradients(&x, &y)?.grads, out.grads, "factors change nothing");
+            // The graph's probes (the path off the CPU) give the same factors.
+            let probed = model.graph_gradients_factored(&x, &y)?;
+            assert_eq!(probed.factors.len(), out.factors.len(), "{case}");
+            for (p, f) in probed.factors.iter().zip(&out.factors) {
+                assert_eq!((p.offset, p.rows, p.cols), (f.offset, f.rows, f.cols), "{case}");
+                for (what, a, b) in [("delta", &p.delta, &f.delta), ("input", &p.input, &f.input)] {
+                    let worst = a.iter().zip(b.iter()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    assert!(a.len() == b.len() && worst <= 1e-5, "{case}: {what} at {} off by {worst}", f.offset);
+                }
+            }
+            let worst = probed.grads.iter().zip(&graph).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(worst <= 1e-6 * scale.max(1.0), "{case}: the probes change the gradients by {worst}");
         }
         Ok(())
     }
 
     /// The hand-written steps' gradients against central differences of
-    /// the loss, for an entry of every variable: pins the pooling's
+    /// their own loss, for an entry of every variable: pins the pooling's
     /// backward (candle 0.11's own `max_pool2d` gives a quarter of it)
-    /// independently of candle.
+    /// independently of candle; the graph is pinned through its equality
+    /// with these steps.
     #[test]
     fn cpu_step_gradients_match_finite_differences() -> Result<()> {
         for kind in [ArchKind::Mlp, ArchKind::Cnn] {
@@ -844,6 +866,23 @@ mod tests {
         }
         model.set_parameters(&params)?;
         assert_eq!(checked, model.layout.entries().len());
+        Ok(())
+    }
+
+    /// Bad batches are errors on the hand-written path, not panics.
+    #[test]
+    fn cpu_step_refuses_bad_batches() -> Result<()> {
+        let shape = ImageShape { channels: 1, height: 8, width: 8 };
+        for kind in [ArchKind::Mlp, ArchKind::Cnn] {
+            let model = Model::new(ModelConfig::new(kind, shape, 10), 1, &Device::Cpu)?;
+            let empty = seeded_images(0, 1, 8, 1)?;
+            assert!(model.gradients(&empty, &Tensor::new(&[] as &[u32], &Device::Cpu)?).is_err(), "{kind}: empty");
+            let x = seeded_images(2, 1, 8, 1)?;
+            assert!(model.gradients(&x, &Tensor::new(&[1u32, 10], &Device::Cpu)?).is_err(), "{kind}: label 10");
+            assert!(model.gradients(&x, &Tensor::new(&[1u32], &Device::Cpu)?).is_err(), "{kind}: one label");
+            let tiny = seeded_images(2, 1, 2, 1)?;
+            assert!(model.gradients(&tiny, &Tensor::new(&[1u32, 2], &Device::Cpu)?).is_err(), "{kind}: 2x2");
+        }
         Ok(())
     }
 
