@@ -189,11 +189,7 @@ fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         return Err(ModelError::Invalid("the hand-written step runs on the CPU only".into()));
     };
-    let data = cpu.as_slice::<f32>()?;
-    let (a, b) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| ModelError::Invalid("the hand-written step needs contiguous tensors".into()))?;
-    Ok(f(&data[a..b]))
+    Ok(f(crate::kernels::contiguous(cpu, layout)?))
 }
 
 fn values(t: &Tensor) -> Result<Vec<f32>> {

@@ -35,11 +35,13 @@ fn fast_path(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == candle_core::DType::F32
 }
 
-fn contiguous<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+/// A contiguous f32 CPU storage's values, in place (the fused kernels', the
+/// im2col op's and the hand-written steps' reads).
+pub(crate) fn contiguous<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
     let data = storage.as_slice::<f32>()?;
     match layout.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("fused kernel needs a contiguous input"),
+        None => candle_core::bail!("a CPU kernel needs a contiguous f32 input"),
     }
 }
 

@@ -330,17 +330,6 @@ struct Im2Col(Unfold);
 #[derive(Debug, Clone, Copy)]
 struct Col2Im(Unfold);
 
-fn contiguous_f32<'a>(
-    storage: &'a candle_core::CpuStorage,
-    layout: &candle_core::Layout,
-) -> candle_core::Result<&'a [f32]> {
-    let data = storage.as_slice::<f32>()?;
-    match layout.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("im2col needs a contiguous input"),
-    }
-}
-
 impl candle_core::CustomOp1 for Im2Col {
     fn name(&self) -> &'static str {
         "im2col"
@@ -351,7 +340,7 @@ impl candle_core::CustomOp1 for Im2Col {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let out = self.0.unfold(contiguous_f32(storage, layout)?);
+        let out = self.0.unfold(crate::kernels::contiguous(storage, layout)?);
         Ok((candle_core::CpuStorage::F32(out), (self.0.rows(), self.0.cols()).into()))
     }
 
@@ -370,7 +359,7 @@ impl candle_core::CustomOp1 for Col2Im {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let out = self.0.fold(contiguous_f32(storage, layout)?);
+        let out = self.0.fold(crate::kernels::contiguous(storage, layout)?);
         Ok((candle_core::CpuStorage::F32(out), self.0.dims.into()))
     }
 }
