@@ -76,6 +76,7 @@ pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle
         failed: FailedPeers::default(),
         responses: FuturesUnordered::new(),
         kad_bootstrapped: false,
+        encoded: Arc::default(),
     };
     tokio::spawn(actor.run());
     NetworkHandle::new(sender, local_peer, paths)
@@ -104,6 +105,50 @@ struct NetworkActor {
     /// Each connected peer's ping round trip, read by the worker to time
     /// owners' service without the path's latency.
     paths: Arc<std::sync::Mutex<PathLatency>>,
+    /// The shard states this owner last encoded, shared by every pull of
+    /// the same round.
+    encoded: Arc<EncodedStates>,
+}
+
+/// Each shard's state as last encoded for pullers, one per encoding. Every
+/// worker's pull of a round is answered from the same parameters (one
+/// `Arc` that the aggregator hands to all of them), so they are encoded
+/// once and the payload (a shared buffer) is cloned for the others, not
+/// encoded once per worker. An entry is reused only for the very `Arc` it
+/// was made from (held weakly, so the parameters are not kept alive by it);
+/// it holds the encoded bytes until the shard's next state replaces it, so
+/// an owner keeps at most one encoded copy of each shard it serves, per
+/// encoding asked for.
+#[derive(Debug, Default)]
+struct EncodedStates {
+    entries: std::sync::Mutex<HashMap<(u32, Encoding), EncodedEntry>>,
+}
+
+type EncodedEntry = (std::sync::Weak<Vec<f32>>, Arc<tokio::sync::OnceCell<Payload>>);
+
+impl EncodedStates {
+    /// `params` (shard `shard`'s state) in `encoding`: encoded here the
+    /// first time, the same payload afterwards. Concurrent callers for the
+    /// same state wait for the one encoding it.
+    async fn get(
+        &self,
+        shard: u32,
+        params: &Arc<Vec<f32>>,
+        encoding: Encoding,
+    ) -> Result<Payload, shoal_protocol::ProtocolError> {
+        let cell = {
+            let mut entries = self.entries.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            match entries.get(&(shard, encoding)) {
+                Some((made_from, cell)) if std::ptr::eq(made_from.as_ptr(), Arc::as_ptr(params)) => cell.clone(),
+                _ => {
+                    let cell = Arc::new(tokio::sync::OnceCell::new());
+                    entries.insert((shard, encoding), (Arc::downgrade(params), cell.clone()));
+                    cell
+                }
+            }
+        };
+        cell.get_or_try_init(|| async { Payload::encode(params, encoding) }).await.cloned()
+    }
 }
 
 /// Failed peers remembered. Past this, the one marked longest ago is
@@ -434,12 +479,13 @@ impl NetworkActor {
                 let epoch = routes.epoch;
                 let delay = self.parts.faults.serve_delay();
                 let faults = self.parts.faults.clone();
+                let encoded = self.encoded.clone();
                 match agg.try_pull(peer, shard, p.min_version, wait) {
                     Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
                     Ok(rx) => self.responses.push(Box::pin(async move {
                         let resp = match rx.await {
                             Ok(PullReply::State { version, params }) => {
-                                match shard_state(run, shard, version, epoch, &params, encoding) {
+                                match shard_state(&encoded, run, (shard, version, epoch), &params, encoding).await {
                                     Ok(s) => ShardResponse::ShardState(s),
                                     Err(e) => ShardResponse::error(&e),
                                 }
@@ -558,7 +604,7 @@ impl NetworkActor {
             ShardRequest::PushPull(p) => {
                 let faults = self.parts.faults.clone();
                 let delay = faults.serve_delay() + faults.receive_delay(p.push.grad.byte_len());
-                let taken = serve_push_pull(peer, routes, run, p);
+                let taken = serve_push_pull(peer, routes, run, &self.encoded, p);
                 Box::pin(async move {
                     let resp = push_pull_answer(taken).await;
                     let sent = resp.state_bytes();
@@ -582,7 +628,8 @@ impl NetworkActor {
                 let faults = self.parts.faults.clone();
                 let received: u64 = batch.iter().map(|p| p.push.grad.byte_len()).sum();
                 let delay = faults.serve_delay() + faults.receive_delay(received);
-                let taken: Vec<_> = batch.into_iter().map(|p| serve_push_pull(peer, routes, run, p)).collect();
+                let taken: Vec<_> =
+                    batch.into_iter().map(|p| serve_push_pull(peer, routes, run, &self.encoded, p)).collect();
                 Box::pin(async move {
                     let answers = push_pull_many_answers(taken).await;
                     let sent = answers.iter().map(ShardResponse::state_bytes).sum();
@@ -704,7 +751,13 @@ enum Taken {
 
 /// Serve one `PushPull` (alone or in a `PushPullMany`): the push's outcome
 /// comes first (at once for a refusal). Link emulation is the caller's.
-fn serve_push_pull(peer: PeerId, routes: &Routes, run: &RunId, p: PushPull) -> Half<Taken> {
+fn serve_push_pull(
+    peer: PeerId,
+    routes: &Routes,
+    run: &RunId,
+    encoded: &Arc<EncodedStates>,
+    p: PushPull,
+) -> Half<Taken> {
     let now = |resp: ShardResponse| -> Half<Taken> { Box::pin(std::future::ready(Taken::Answered(resp))) };
     let Some(agg) = &routes.aggregator else {
         // Peers can agree on the roster a moment before we do: ask them to retry.
@@ -719,6 +772,7 @@ fn serve_push_pull(peer: PeerId, routes: &Routes, run: &RunId, p: PushPull) -> H
     let wait = Duration::from_millis(p.max_wait_ms as u64);
     let epoch = routes.epoch;
     let run = run.clone();
+    let encoded = encoded.clone();
     let Ok((pushed, pulled)) = agg.try_push_pull(peer, (shard, p.push.base_version, p.push.samples, grad), wait) else {
         return now(wire_error(ErrorCode::Busy, "aggregator busy"));
     };
@@ -736,7 +790,7 @@ fn serve_push_pull(peer: PeerId, routes: &Routes, run: &RunId, p: PushPull) -> H
                     let held_ms = held_ms(since);
                     match pulled {
                         Ok(PullReply::State { version, params }) => {
-                            match shard_state(run, shard, version, epoch, &params, encoding) {
+                            match shard_state(&encoded, run, (shard, version, epoch), &params, encoding).await {
                                 Ok(s) => ShardResponse::Exchanged(Exchanged { accepted, held_ms, state: Some(s) }),
                                 Err(e) => ShardResponse::error(&e),
                             }
@@ -807,16 +861,15 @@ fn push_response(shard: u32, r: PushReply) -> ShardResponse {
 }
 
 /// A shard's parameters as sent to a puller, in the encoding it asked for
-/// (the owner's copy stays f32).
-fn shard_state(
+/// (the owner's copy stays f32), encoded once per state (`encoded`).
+async fn shard_state(
+    encoded: &EncodedStates,
     run: RunId,
-    shard: u32,
-    version: u64,
-    epoch: u64,
-    params: &[f32],
+    (shard, version, epoch): (u32, u64, u64),
+    params: &Arc<Vec<f32>>,
     encoding: Encoding,
 ) -> Result<ShardState, shoal_protocol::ProtocolError> {
-    Ok(ShardState { run, shard, version, epoch, params: Payload::encode(params, encoding)? })
+    Ok(ShardState { run, shard, version, epoch, params: encoded.get(shard, params, encoding).await? })
 }
 
 /// The longest time an answer (or a batch's answers) was held for its

@@ -361,6 +361,21 @@ fn exchanged(x: shoal_protocol::Exchanged) -> anyhow::Result<Pushed> {
     })
 }
 
+/// `params` copied into `spare`'s buffer when nothing else holds it any
+/// more (the snapshot a step replaced, once the trainer has loaded it), or
+/// else into a fresh one: one model-sized allocation less per step, and no
+/// fresh pages to fault in.
+fn copy_into(spare: Option<Arc<Vec<f32>>>, params: &[f32]) -> Vec<f32> {
+    match spare.and_then(|a| Arc::try_unwrap(a).ok()) {
+        Some(mut buf) => {
+            buf.clear();
+            buf.extend_from_slice(params);
+            buf
+        }
+        None => params.to_vec(),
+    }
+}
+
 /// `owner` does not own the shard: try next the owner it `named`, if
 /// another, or else wait for the placement to change.
 async fn follow_hint(
@@ -452,6 +467,8 @@ impl Worker {
         // Backup workers: a worker whose push missed its round skips ahead.
         let skips_ahead = self.backup_mode();
         let mut step = routing.start_step;
+        // The snapshot a step replaced: its buffer takes the next step's copy.
+        let mut spare: Option<Arc<Vec<f32>>> = None;
         while step < t.steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");
@@ -556,9 +573,9 @@ impl Worker {
                 }
             };
             let set_started = Instant::now();
-            let params_arc = Arc::new(params.clone());
+            let params_arc = Arc::new(copy_into(spare.take(), &params));
             self.trainer.set_params(params_arc.clone()).await?;
-            self.snapshot.send_replace(ModelSnapshot { version, params: params_arc });
+            spare = Some(self.snapshot.send_replace(ModelSnapshot { version, params: params_arc }).params);
             let apply = set_started.elapsed().as_secs_f64();
             let comm = match exchange_secs {
                 Some(x) => x + apply,
@@ -1661,6 +1678,23 @@ mod tests {
         assert_ne!(seen[0], seen[5], "the next epoch is reshuffled");
         assert!(WorkerBatches::new(2, 2, 3, 8, 7).is_err(), "an empty partition is an error");
         Ok(())
+    }
+
+    #[test]
+    fn a_spare_buffer_is_reused_only_when_no_one_else_holds_it() {
+        let params = vec![1.0f32, 2.0, 3.0];
+        let spare = Arc::new(vec![9.0f32; 8]);
+        let at = spare.as_ptr();
+        let reused = copy_into(Some(spare), &params);
+        assert_eq!(reused, params);
+        assert_eq!(reused.as_ptr(), at, "the spare's buffer took the copy");
+        let shared = Arc::new(vec![9.0f32; 8]);
+        let reader = shared.clone();
+        let fresh = copy_into(Some(shared), &params);
+        assert_eq!(fresh, params);
+        assert_ne!(fresh.as_ptr(), reader.as_ptr(), "a buffer someone still reads is left alone");
+        assert_eq!(*reader, vec![9.0f32; 8]);
+        assert_eq!(copy_into(None, &params), params);
     }
 
     #[test]
