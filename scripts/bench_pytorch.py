@@ -14,6 +14,13 @@ SGD; batch 64 per worker; one epoch split over the workers):
   mlp-4k: the same at a constant lr 0.05 on both sides (issue 14's work);
   mlp-4c: the same at lr 0.2 (0.05 x 4 workers, the linear scaling rule)
          with cosine decay to lr/100, on both sides.
+  exchange-4: `shoal bench exchange` (push and pull of a 100 MB model
+         across 4 in-process nodes, f32; then int8 pushes with bf16 pulls)
+         against gloo's all_reduce of the same 100 MB across 4 processes
+         (scripts/torch_baseline.py --mode allreduce). Its "samples/s"
+         column is the model's GB/s (bytes over a round's time; higher is
+         better) and its accuracy columns are the compressed case's GB/s
+         on Shoal's side and 0 on PyTorch's.
   gpt-1: `shoal train --model gpt` (4 layers, 4 heads, width 128, context
          64; AdamW lr 2e-3; 200 steps of 32 windows) on the GPL v3 text that
          models/data ships, against the same GPT in PyTorch
@@ -78,14 +85,41 @@ def torch_gpt():
     return {"samples_per_sec": r["samples_per_sec"], "accuracy": r["bits_per_byte"]}
 
 
+def shoal_exchange(shoal):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "exchange.json")
+        run([shoal, "bench", "exchange", "--json", path])
+        with open(path) as f:
+            r = json.load(f)
+    by = {c["case"]: c["effective_gb_per_s"] for c in r["cases"]}
+    f32 = next(v for k, v in by.items() if k.startswith("f32"))
+    small = next((v for k, v in by.items() if not k.startswith("f32")), 0.0)
+    return {"samples_per_sec": f32, "accuracy": small}
+
+
+def torch_allreduce():
+    out = run([sys.executable, os.path.join(HERE, "torch_baseline.py"), "--mode", "allreduce", "--world", "4",
+               "--mb", "100"])
+    r = json.loads(out.strip().splitlines()[-1])
+    if not r.get("sum_correct"):
+        raise SystemExit(f"gloo's all_reduce gave a wrong sum: {r}")
+    return {"samples_per_sec": r["gb_per_s"], "accuracy": 0.0}
+
+
 def torch_case(args_list):
     out = run([sys.executable, os.path.join(HERE, "torch_baseline.py"), "--nesterov", *args_list])
     return json.loads(out.strip().splitlines()[-1])
 
 
 def quality(case, value):
-    """Accuracy as a percentage; a GPT's bits per byte as they are."""
-    return f"{value:>9.3f}b" if case.startswith("gpt") else f"{value * 100:>9.2f}%"
+    """Accuracy as a percentage; a GPT's bits per byte and the exchange's GB/s as they are."""
+    if case.startswith("gpt"):
+        return f"{value:>9.3f}b"
+    if case.startswith("exchange"):
+        return f"{value:>7.3f}GB/s"
+    return f"{value * 100:>9.2f}%"
 
 
 def main():
@@ -120,6 +154,7 @@ def main():
                    lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data,
                                        "--lr", "0.2", "--cosine"])),
         "gpt-1": (lambda: shoal_gpt(args.shoal), torch_gpt),
+        "exchange-4": (lambda: shoal_exchange(args.shoal), torch_allreduce),
     }
     results = {}
     print(f"shoal vs pytorch on {cores} cores, {args.runs} runs per case (medians)")
@@ -143,7 +178,8 @@ def main():
         }
         row["ratio"] = row["shoal_samples_per_sec"] / row["torch_samples_per_sec"]
         results[name] = row
-        print(f"{name:<7} {row['shoal_samples_per_sec']:>12.0f} {row['torch_samples_per_sec']:>12.0f} "
+        rate = ".3f" if name.startswith("exchange") else ".0f"
+        print(f"{name:<7} {row['shoal_samples_per_sec']:>12{rate}} {row['torch_samples_per_sec']:>12{rate}} "
               f"{row['ratio']:>6.2f}x {quality(name, row['shoal_accuracy'])} {quality(name, row['torch_accuracy'])}",
               flush=True)
     if args.json:

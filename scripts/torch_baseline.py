@@ -10,6 +10,11 @@ one epoch (`--epochs`). `--device cuda` puts the single-process run on a GPU.
   ddp:    `--world` processes with DistributedDataParallel over gloo on
           127.0.0.1; rank r trains on samples r, r+world, ... (Shoal's
           rank-strided partition), reshuffled per epoch, batch per rank.
+  allreduce: `--world` processes over gloo on 127.0.0.1, no training: one
+          all_reduce (sum) of `--mb` MB of f32 per round, one warm-up round
+          then `--rounds` timed ones (the exchange `shoal bench exchange`
+          measures on Shoal's side). Prints the median round's seconds and
+          gb_per_s = MB / 1000 / seconds.
 
 Prints one JSON object on stdout: samples_per_sec (training loop only, data
 already in memory, process start excluded), accuracy on the 10k test set,
@@ -148,9 +153,43 @@ def train(rank, world, args, result_path):
         dist.destroy_process_group()
 
 
+def allreduce(rank, world, args, result_path):
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    n = int(args.mb * 1e6) // 4
+    x = torch.full((n,), float(rank + 1))
+    secs = []
+    for r in range(args.rounds + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(x)
+        took = time.perf_counter() - started
+        if r > 0:
+            secs.append(took)
+        x.fill_(float(rank + 1))
+    # Every rank holds the sum of 1..world: a round that lost data would show.
+    dist.all_reduce(x)
+    want = world * (world + 1) / 2
+    ok = bool(torch.all(x == want).item())
+    # The slowest rank's time is the round's.
+    worst = torch.tensor(secs)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        med = statistics.median(worst.tolist())
+        with open(result_path, "w") as f:
+            json.dump({"bytes": n * 4, "rounds": args.rounds, "secs": med, "secs_all": worst.tolist(),
+                       "gb_per_s": n * 4 / 1e9 / med, "sum_correct": ok}, f)
+    dist.destroy_process_group()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["single", "ddp"], default="single")
+    p.add_argument("--mode", choices=["single", "ddp", "allreduce"], default="single")
     p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--world", type=int, default=4)
@@ -163,6 +202,8 @@ def main():
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--epochs", type=int, default=1, help="epochs, each in a fresh order (--steps caps the total)")
     p.add_argument("--device", default="cpu", help="single mode: cpu or cuda[:N] (data and model on it)")
+    p.add_argument("--mb", type=float, default=100.0, help="allreduce mode: MB (10^6 bytes) of f32 per round")
+    p.add_argument("--rounds", type=int, default=5, help="allreduce mode: timed rounds after one warm-up")
     args = p.parse_args()
     if args.mode != "single" and args.device != "cpu":
         print("--device applies to --mode single only", file=sys.stderr)
@@ -183,6 +224,9 @@ def main():
         args.threads = max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
+        if args.mode == "allreduce" and (world < 2 or args.rounds < 1 or args.mb <= 0):
+            print("allreduce needs --world >= 2, --rounds >= 1 and --mb > 0", file=sys.stderr)
+            return 2
         if world == 1:
             train(0, 1, args, result)
         else:
@@ -190,7 +234,8 @@ def main():
 
             os.environ["MASTER_ADDR"] = "127.0.0.1"
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-            mp.spawn(train, args=(world, args, result), nprocs=world, join=True)
+            fn = allreduce if args.mode == "allreduce" else train
+            mp.spawn(fn, args=(world, args, result), nprocs=world, join=True)
         with open(result) as f:
             out = json.load(f)
     out.update({"mode": args.mode, "model": args.model, "world": world, "threads": args.threads, "device": args.device,

@@ -38,6 +38,7 @@ fn main() -> ExitCode {
         Command::Bench { command: BenchCommand::Aggregators(args) } => cmd::bench::aggregators(args),
         Command::Bench { command: BenchCommand::Checkpoint(args) } => cmd::bench_checkpoint::run(args),
         Command::Bench { command: BenchCommand::Comm(args) } => cmd::bench_comm::run(args),
+        Command::Bench { command: BenchCommand::Exchange(args) } => cmd::bench_exchange::run(args),
         Command::Testnet { command: TestnetCommand::Run(args) } => cmd::testnet::run(args),
         Command::Testnet { command: TestnetCommand::Check { scenario } } => cmd::testnet::check(&scenario),
     };

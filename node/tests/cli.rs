@@ -488,3 +488,34 @@ fn the_binary_runs_under_its_allocator_tunables_unless_the_user_set_some() {
     let off = tunables_of_a_running_node(Some(""));
     assert_eq!(off.as_deref(), Some(""), "an empty value keeps glibc's defaults");
 }
+
+/// `shoal bench exchange` on a small model: every worker's push and pull
+/// moves (n-1)/n of the model each way in f32, the compressed case moves
+/// well under half of that, and both report a rate.
+#[test]
+fn bench_exchange_moves_the_bytes_an_all_reduce_would() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let json = dir.path().join("exchange.json");
+    let path = json.to_string_lossy().into_owned();
+    let o = shoal(&["bench", "exchange", "--mb", "2", "--steps", "3", "--shards", "8", "--json", &path]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let raw = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{e}"));
+    let v: serde_json::Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{e}: {raw}"));
+    let model = v["model_bytes"].as_f64().unwrap_or(0.0);
+    assert!((model - 2e6).abs() < 2e3, "the model is about 2 MB: {model}");
+    let cases = v["cases"].as_array().cloned().unwrap_or_default();
+    assert_eq!(cases.len(), 2, "{raw}");
+    let wire = |i: usize| cases[i]["wire_bytes_per_step"].as_f64().unwrap_or(0.0);
+    // 4 workers, each pushing and pulling 3/4 of the model: 6 models per
+    // step, plus the payloads' few header bytes.
+    let f32_wire = wire(0);
+    assert!(f32_wire >= 6.0 * model && f32_wire < 6.0 * model * 1.01, "f32 wire {f32_wire} for a {model}-byte model");
+    // int8 pushes (1.016 B per value) and bf16 pulls (2 B): about 0.38x.
+    assert!(wire(1) < 0.45 * f32_wire, "compressed {} against f32 {f32_wire}", wire(1));
+    for c in &cases {
+        let rate = c["effective_gb_per_s"].as_f64().unwrap_or(0.0);
+        assert!(rate.is_finite() && rate > 0.0, "{c}");
+    }
+    assert!(out.contains("x raw TCP"), "{out}");
+}

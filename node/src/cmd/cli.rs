@@ -451,6 +451,31 @@ pub enum BenchCommand {
     Checkpoint(BenchCheckpointArgs),
     /// Compression, overlap and DiLoCo against f32 BSP at emulated link rates: bytes, hidden communication, accuracy.
     Comm(BenchCommArgs),
+    /// Push and pull of a 100 MB model across 4 nodes (the exchange of an all-reduce) against raw TCP.
+    Exchange(BenchExchangeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchExchangeArgs {
+    /// Nodes in the cluster (each a worker and an owner).
+    #[arg(long, default_value_t = 4)]
+    pub nodes: usize,
+    /// Model size in MB (10^6 bytes of f32 parameters).
+    #[arg(long, default_value_t = 100.0)]
+    pub mb: f64,
+    /// Steps per node (the first, with its connection set-up, included).
+    #[arg(long, default_value_t = 8)]
+    pub steps: u64,
+    /// Shards the model is split into.
+    #[arg(long, default_value_t = 16)]
+    pub shards: u32,
+    /// Cases to run: `f32` (lossless) and `int8` (int8 pushes with error
+    /// feedback, bf16 pulls).
+    #[arg(long, value_delimiter = ',', default_value = "f32,int8")]
+    pub cases: Vec<String>,
+    /// Also write the numbers as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
