@@ -547,9 +547,17 @@ impl Payload {
                 self.decode_into(&mut out)?;
                 Ok(out)
             }
-            // Dense ones come in order, chunk by chunk: appended to an
-            // empty vector, so that it is written once, not zero-filled
-            // first.
+            // Dense ones are appended to an empty vector, so that it is
+            // written once, not zero-filled first: f32 straight from the
+            // frame's bytes, the others chunk by chunk, in order.
+            Dtype::F32 => {
+                self.check_out_len(numel)?;
+                self.check_body()?;
+                let mut out = Vec::with_capacity(numel);
+                out.extend(self.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+                check_finite(&out)?;
+                Ok(out)
+            }
             dtype => {
                 self.check_body()?;
                 let mut out = Vec::with_capacity(numel);
