@@ -540,37 +540,9 @@ impl Payload {
     pub fn decode(&self) -> Result<Vec<f32>> {
         let numel = usize::try_from(self.meta.numel)
             .map_err(|_| ProtocolError::InvalidTensor("numel does not fit in memory".into()))?;
-        match self.meta.dtype()? {
-            // Sparse and factored tensors write out of order (or not at all).
-            Dtype::TopK | Dtype::Factors => {
-                let mut out = vec![0.0f32; numel];
-                self.decode_into(&mut out)?;
-                Ok(out)
-            }
-            // Dense ones are appended to an empty vector, so that it is
-            // written once, not zero-filled first: f32 straight from the
-            // frame's bytes, the others chunk by chunk, in order.
-            Dtype::F32 => {
-                self.check_out_len(numel)?;
-                self.check_body()?;
-                let mut out = Vec::with_capacity(numel);
-                out.extend(self.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-                check_finite(&out)?;
-                Ok(out)
-            }
-            dtype => {
-                self.check_body()?;
-                let mut out = Vec::with_capacity(numel);
-                self.for_each_dense_chunk(dtype, |_, chunk| out.extend_from_slice(chunk))?;
-                if out.len() != numel {
-                    return Err(ProtocolError::InvalidTensor(format!(
-                        "decoded {} elements, the header says {numel}",
-                        out.len()
-                    )));
-                }
-                Ok(out)
-            }
-        }
+        let mut out = vec![0.0f32; numel];
+        self.decode_into(&mut out)?;
+        Ok(out)
     }
 
     /// Decodes into `out`, which must have exactly `numel` elements. On error
@@ -843,13 +815,9 @@ fn encode_dense(
     width: usize,
     mut put: impl FnMut(usize, &[f32], &mut [u8]) -> Result<()>,
 ) -> Result<(Vec<u8>, u64)> {
-    // Each chunk is converted in a buffer on the stack (in L1) and appended:
-    // the output is written once, never zero-filled first (a memset of the
-    // whole payload cost as much as the conversion itself).
-    let mut out = Vec::with_capacity(values.len() * width);
-    let mut buf = [0u8; CHUNK * 4];
+    let mut out = vec![0u8; values.len() * width];
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    for (c, chunk) in values.chunks(CHUNK).enumerate() {
+    for (c, (chunk, dst)) in values.chunks(CHUNK).zip(out.chunks_mut(CHUNK * width)).enumerate() {
         let start = c * CHUNK;
         check_finite(chunk).map_err(|e| match e {
             ProtocolError::NonFinite { index, value } => {
@@ -857,10 +825,8 @@ fn encode_dense(
             }
             other => other,
         })?;
-        let dst = &mut buf[..chunk.len() * width];
         put(start, chunk, dst)?;
         hasher.update(dst);
-        out.extend_from_slice(dst);
     }
     Ok((out, hasher.digest()))
 }
