@@ -224,8 +224,8 @@ def main():
         args.threads = max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        if args.mode == "allreduce" and (world < 2 or args.rounds < 1 or args.mb <= 0):
-            print("allreduce needs --world >= 2, --rounds >= 1 and --mb > 0", file=sys.stderr)
+        if args.mode == "allreduce" and (world < 2 or args.rounds < 1 or not (math.isfinite(args.mb) and args.mb > 0)):
+            print("allreduce needs --world >= 2, --rounds >= 1 and a finite --mb > 0", file=sys.stderr)
             return 2
         if world == 1:
             train(0, 1, args, result)

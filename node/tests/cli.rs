@@ -158,6 +158,10 @@ fn bad_flags_are_rejected_before_work() {
         &["train", "--batch-size", "0"],
         &["train", "--lr", "-1"],
         &["train", "--optimizer", "lion"],
+        &["bench", "exchange", "--mb", "inf"],
+        &["bench", "exchange", "--mb", "0"],
+        &["bench", "exchange", "--cases", "f32,fp8"],
+        &["bench", "exchange", "--nodes", "1"],
     ] {
         let o = shoal(args);
         let (_, err) = text(&o);

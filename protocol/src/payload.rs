@@ -834,10 +834,12 @@ fn encode_dense(
 /// `x.round().clamp(-127.0, 127.0) as i8` (half away from zero) for a
 /// finite `x`, written so that the loop over a block vectorises: `round` is
 /// a call into libm on baseline x86-64, which cost a fifth of int8
-/// encoding. The cast truncates toward zero (and saturates); the fraction
-/// it dropped is exact, and decides the rounding.
+/// encoding. `x` is first brought within +-128 (where every f32 keeps its
+/// fraction exactly); the cast then truncates toward zero, and the
+/// fraction it dropped decides the rounding.
 #[inline]
 fn quantize(x: f32) -> i8 {
+    let x = x.clamp(-128.0, 128.0);
     let t = x as i32;
     let frac = x - t as f32;
     let q = t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5);
@@ -1127,6 +1129,7 @@ mod tests {
     #[test]
     fn quantize_rounds_half_away_from_zero_as_round_does() {
         let mut xs = vec![0.0f32, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5, 127.0, 127.49, 200.0, -1e9];
+        xs.extend([3e9f32, -3e9, 2147483648.0, -2147483648.0, f32::MAX, f32::MIN, 127.5, -127.5, 128.0, -128.5]);
         xs.extend([0.49999997f32, -0.49999997, 0.50000006, 1.4999999, 126.49999, f32::MIN_POSITIVE]);
         for i in -260_000..=260_000 {
             xs.push(i as f32 / 1000.0);

@@ -110,15 +110,17 @@ struct NetworkActor {
     encoded: Arc<EncodedStates>,
 }
 
-/// Each shard's state as last encoded for pullers, one per encoding. Every
-/// worker's pull of a round is answered from the same parameters (one
-/// `Arc` that the aggregator hands to all of them), so they are encoded
+/// Shard states encoded for pulls still being answered. Every worker's
+/// pull of a BSP round is answered from the same parameters (one `Arc`
+/// that the aggregator hands to all of them at once), so they are encoded
 /// once and the payload (a shared buffer) is cloned for the others, not
 /// encoded once per worker. An entry is reused only for the very `Arc` it
-/// was made from (held weakly, so the parameters are not kept alive by it);
-/// it holds the encoded bytes until the shard's next state replaces it, so
-/// an owner keeps at most one encoded copy of each shard it serves, per
-/// encoding asked for.
+/// was made from, held weakly: once every answer that holds that `Arc` has
+/// been built, the entry is dead and is dropped at the next insertion, so
+/// the encoded bytes live no longer than the pulls they serve. Only the
+/// dense encodings a worker pulls in (f32, f16, bf16) are cached; a pull
+/// asking for another is encoded on its own, so a peer cannot grow the
+/// table by cycling through encodings.
 #[derive(Debug, Default)]
 struct EncodedStates {
     entries: std::sync::Mutex<HashMap<(u32, Encoding), EncodedEntry>>,
@@ -136,11 +138,17 @@ impl EncodedStates {
         params: &Arc<Vec<f32>>,
         encoding: Encoding,
     ) -> Result<Payload, shoal_protocol::ProtocolError> {
+        if !matches!(encoding, Encoding::F32 | Encoding::F16 | Encoding::Bf16) {
+            return Payload::encode(params, encoding);
+        }
         let cell = {
             let mut entries = self.entries.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             match entries.get(&(shard, encoding)) {
                 Some((made_from, cell)) if std::ptr::eq(made_from.as_ptr(), Arc::as_ptr(params)) => cell.clone(),
                 _ => {
+                    // States no answer holds any more (a past round's, a
+                    // shard that moved away) go before a new one comes in.
+                    entries.retain(|_, (made_from, _)| made_from.strong_count() > 0);
                     let cell = Arc::new(tokio::sync::OnceCell::new());
                     entries.insert((shard, encoding), (Arc::downgrade(params), cell.clone()));
                     cell
@@ -898,6 +906,35 @@ mod tests {
 
     use super::*;
     use crate::handles::net::{ModelSnapshot, Routes};
+
+    #[tokio::test]
+    async fn a_round_s_pulls_share_one_encoding_and_past_states_are_let_go() {
+        let cache = EncodedStates::default();
+        let round = Arc::new(vec![1.0f32, 2.0, 3.0]);
+        let a = cache.get(0, &round, Encoding::F32).await.expect("encodes");
+        let b = cache.get(0, &round.clone(), Encoding::F32).await.expect("encodes");
+        assert_eq!(a.decode().expect("decodes"), *round);
+        assert_eq!(a.data().as_ptr(), b.data().as_ptr(), "the second pull gets the first one's buffer");
+        // Another encoding of the same state is its own entry.
+        let half = cache.get(0, &round, Encoding::Bf16).await.expect("encodes");
+        assert_eq!(half.decode().expect("decodes"), *round);
+        // The next round's parameters (a new Arc) are encoded afresh, even
+        // with the same values; the old round's entries go once no one
+        // holds its parameters.
+        drop(round);
+        let next = Arc::new(vec![4.0f32, 5.0, 6.0]);
+        let c = cache.get(0, &next, Encoding::F32).await.expect("encodes");
+        assert_eq!(c.decode().expect("decodes"), *next);
+        assert_eq!(
+            cache.entries.lock().expect("not poisoned").len(),
+            1,
+            "the past round's f32 and bf16 entries are gone"
+        );
+        // Encodings no worker pulls in are not kept.
+        let int8 = cache.get(1, &next, Encoding::Int8 { block: 2 }).await.expect("encodes");
+        assert_eq!(int8.numel(), 3);
+        assert_eq!(cache.entries.lock().expect("not poisoned").len(), 1);
+    }
 
     /// A refusal in a batch is answered without waiting for the other
     /// shards' rounds: the accepted entries go back without a state (their

@@ -16,6 +16,13 @@ use crate::cmd::cli::BenchExchangeArgs;
 use crate::config::{Aggregators, NodeConfig};
 use crate::policy::compress::{CompressionConfig, PullCompression, PushCompression};
 
+/// The largest model the bench builds, in MB (each of the nodes holds it
+/// several times over).
+const MAX_MB: f64 = 10_000.0;
+
+/// The cases `--cases` can name.
+const CASES: [&str; 2] = ["f32", "int8"];
+
 /// Inputs and classes of the digits data set the model trains on.
 const INPUTS: usize = 64;
 const CLASSES: usize = 10;
@@ -28,7 +35,8 @@ struct Measured {
     comm_secs: f64,
     /// Mean over workers of a whole step.
     step_secs: f64,
-    /// Payload bytes each worker pushed plus pulled per step.
+    /// Payload bytes a worker pushed plus pulled per step (mean over
+    /// workers; the cluster's total is `nodes` times this).
     wire_bytes_per_step: f64,
     model_bytes: f64,
 }
@@ -100,15 +108,19 @@ async fn measure(args: &BenchExchangeArgs, run: &str, compression: CompressionCo
 
 #[allow(clippy::print_stdout)] // The CLI's own output.
 pub fn run(args: BenchExchangeArgs) -> anyhow::Result<()> {
-    if args.nodes < 2
-        || args.steps < 2
-        || args.shards < args.nodes as u32
-        || args.mb.is_nan()
-        || args.mb <= 0.0
-        || args.cases.is_empty()
-    {
-        anyhow::bail!("need --nodes >= 2, --steps >= 2, --shards >= --nodes, --mb > 0 and a case");
+    if args.nodes < 2 || args.steps < 2 || args.shards < args.nodes as u32 {
+        anyhow::bail!("need --nodes >= 2, --steps >= 2 and --shards >= --nodes");
     }
+    if !(args.mb.is_finite() && args.mb > 0.0 && args.mb <= MAX_MB) {
+        anyhow::bail!("--mb must be above 0 and at most {MAX_MB}");
+    }
+    if let Some(bad) = args.cases.iter().find(|c| !CASES.contains(&c.as_str())) {
+        anyhow::bail!("unknown case `{bad}`: use {}", CASES.join(" or "));
+    }
+    if args.cases.is_empty() {
+        anyhow::bail!("--cases names no case: use {}", CASES.join(" or "));
+    }
+
     let threads = crate::ops::threads::configure_process(crate::ops::threads::share(args.nodes));
     let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
     rt.block_on(async move {
