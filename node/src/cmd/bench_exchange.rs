@@ -23,6 +23,20 @@ const MAX_MB: f64 = 10_000.0;
 /// The cases `--cases` can name.
 const CASES: [&str; 2] = ["f32", "int8"];
 
+/// A case's printed name, run id and encodings; `None` for a name not in
+/// [`CASES`].
+fn case(name: &str) -> Option<(&'static str, &'static str, CompressionConfig)> {
+    match name {
+        "f32" => Some(("f32 push + f32 pull", "exchange-f32", CompressionConfig::default())),
+        "int8" => Some((
+            "int8+EF push + bf16 pull",
+            "exchange-int8",
+            CompressionConfig { push: PushCompression::Int8, pull: PullCompression::Bf16 },
+        )),
+        _ => None,
+    }
+}
+
 /// Inputs and classes of the digits data set the model trains on.
 const INPUTS: usize = 64;
 const CLASSES: usize = 10;
@@ -35,8 +49,7 @@ struct Measured {
     comm_secs: f64,
     /// Mean over workers of a whole step.
     step_secs: f64,
-    /// Payload bytes a worker pushed plus pulled per step (mean over
-    /// workers; the cluster's total is `nodes` times this).
+    /// Payload bytes all workers pushed plus pulled in one step.
     wire_bytes_per_step: f64,
     model_bytes: f64,
 }
@@ -65,11 +78,10 @@ fn hidden_for(mb: f64) -> usize {
     (k.round() as usize).max(1)
 }
 
-fn config(args: &BenchExchangeArgs, run: &str, compression: CompressionConfig) -> NodeConfig {
+fn config(args: &BenchExchangeArgs, hidden: usize, run: &str, compression: CompressionConfig) -> NodeConfig {
     let mut cfg = NodeConfig { run_id: run.into(), ..NodeConfig::default() };
     cfg.training.dataset = DatasetKind::Digits;
-    let k = hidden_for(args.mb);
-    cfg.training.mlp_hidden = Some(vec![k, k]);
+    cfg.training.mlp_hidden = Some(vec![hidden, hidden]);
     cfg.training.steps = args.steps;
     cfg.training.batch_size = 1;
     cfg.training.lr = Some(0.01);
@@ -87,8 +99,13 @@ fn config(args: &BenchExchangeArgs, run: &str, compression: CompressionConfig) -
     cfg
 }
 
-async fn measure(args: &BenchExchangeArgs, run: &str, compression: CompressionConfig) -> anyhow::Result<Measured> {
-    let cfg = config(args, run, compression);
+async fn measure(
+    args: &BenchExchangeArgs,
+    hidden: usize,
+    run: &str,
+    compression: CompressionConfig,
+) -> anyhow::Result<Measured> {
+    let cfg = config(args, hidden, run, compression);
     let reports = Cluster::start(&ClusterSpec::new(args.nodes, cfg)).await?.wait().await?;
     let model_bytes = reports.first().map(|r| r.params.len() * 4).unwrap_or(0) as f64;
     let (mut comm, mut step, mut bytes, mut steps) = (0.0, 0.0, 0.0, 0u64);
@@ -103,7 +120,12 @@ async fn measure(args: &BenchExchangeArgs, run: &str, compression: CompressionCo
         steps += s.step;
     }
     let steps = steps.max(1) as f64;
-    Ok(Measured { comm_secs: comm / steps, step_secs: step / steps, wire_bytes_per_step: bytes / steps, model_bytes })
+    Ok(Measured {
+        comm_secs: comm / steps,
+        step_secs: step / steps,
+        wire_bytes_per_step: bytes / args.steps as f64,
+        model_bytes,
+    })
 }
 
 #[allow(clippy::print_stdout)] // The CLI's own output.
@@ -114,7 +136,7 @@ pub fn run(args: BenchExchangeArgs) -> anyhow::Result<()> {
     if !(args.mb.is_finite() && args.mb > 0.0 && args.mb <= MAX_MB) {
         anyhow::bail!("--mb must be above 0 and at most {MAX_MB}");
     }
-    if let Some(bad) = args.cases.iter().find(|c| !CASES.contains(&c.as_str())) {
+    if let Some(bad) = args.cases.iter().find(|c| case(c).is_none()) {
         anyhow::bail!("unknown case `{bad}`: use {}", CASES.join(" or "));
     }
     if args.cases.is_empty() {
@@ -125,25 +147,20 @@ pub fn run(args: BenchExchangeArgs) -> anyhow::Result<()> {
     let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
     rt.block_on(async move {
         let hidden = hidden_for(args.mb);
+        let model_bytes = params_of(hidden) as f64 * 4.0;
         println!(
             "shoal bench exchange: {} nodes, MLP {INPUTS}-{hidden}-{hidden}-{CLASSES} ({:.1} MB of f32), {} shards, \
              batch 1, BSP, {} steps; {threads} compute thread(s) per node",
             args.nodes,
-            params_of(hidden) as f64 * 4.0 / 1e6,
+            model_bytes / 1e6,
             args.shards,
             args.steps,
         );
-        let compressed = CompressionConfig { push: PushCompression::Int8, pull: PullCompression::Bf16 };
         let mut measured = Vec::new();
-        for case in &args.cases {
-            let (name, run, c) = match case.as_str() {
-                "f32" => ("f32 push + f32 pull", "exchange-f32", CompressionConfig::default()),
-                "int8" => ("int8+EF push + bf16 pull", "exchange-int8", compressed),
-                other => anyhow::bail!("unknown case `{other}`: use f32 or int8"),
-            };
-            measured.push((name, measure(&args, run, c).await?));
+        // Every name was checked above.
+        for (name, run, c) in args.cases.iter().filter_map(|c| case(c)) {
+            measured.push((name, measure(&args, hidden, run, c).await?));
         }
-        let model_bytes = params_of(hidden) as f64 * 4.0;
         // The baseline: the bytes an f32 exchange puts on the wire in one
         // step (each worker pushes and pulls the (n-1)/n of the model that
         // others own), through one raw TCP connection.
@@ -170,13 +187,13 @@ pub fn run(args: BenchExchangeArgs) -> anyhow::Result<()> {
                 name,
                 m.step_secs * 1e3,
                 m.comm_secs * 1e3,
-                m.wire_bytes_per_step * args.nodes as f64 / 1e6,
+                m.wire_bytes_per_step / 1e6,
                 m.effective_gb_per_s(),
                 m.effective_gb_per_s() / raw_gb_per_s
             );
             cases.push(serde_json::json!({
                 "case": name, "step_secs": m.step_secs, "comm_secs": m.comm_secs,
-                "wire_bytes_per_step": m.wire_bytes_per_step * args.nodes as f64,
+                "wire_bytes_per_step": m.wire_bytes_per_step,
                 "effective_gb_per_s": m.effective_gb_per_s(),
                 "over_raw_tcp": m.effective_gb_per_s() / raw_gb_per_s,
             }));
