@@ -103,15 +103,21 @@ impl ParamLayout {
         Ok(out)
     }
 
-    /// Write a flat vector back into the variables.
+    /// Write a flat vector back into the variables. On the CPU the values
+    /// are copied straight over each variable's storage; elsewhere they go
+    /// to the device as a tensor first.
     pub fn write_vars(&self, varmap: &VarMap, flat: &[f32]) -> Result<()> {
         self.check_len(flat)?;
         let data = lock(varmap)?;
         for e in &self.entries {
             let var = data.get(&e.name).ok_or_else(|| missing(&e.name))?;
             self.check_shape(e, var.dims())?;
-            let t = Tensor::from_slice(&flat[e.range()], e.shape.as_slice(), var.device())?;
-            var.set(&t)?;
+            let values = &flat[e.range()];
+            if var.device().is_cpu() && var.dtype() == DType::F32 {
+                var.as_tensor().inplace_op1(&Overwrite(values))?;
+            } else {
+                var.set(&Tensor::from_slice(values, e.shape.as_slice(), var.device())?)?;
+            }
         }
         Ok(())
     }
@@ -182,6 +188,35 @@ fn lock(varmap: &VarMap) -> Result<std::sync::MutexGuard<'_, std::collections::H
 
 fn missing(name: &str) -> ModelError {
     ModelError::Invalid(format!("variable map has no parameter {name}"))
+}
+
+/// Copies its values over a CPU f32 tensor's storage, in place: what
+/// `Var::set` does, without building a tensor of the values first (one
+/// allocation and one copy of the model less each time parameters load).
+struct Overwrite<'a>(&'a [f32]);
+
+impl candle_core::InplaceOp1 for Overwrite<'_> {
+    fn name(&self) -> &'static str {
+        "overwrite"
+    }
+
+    fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
+        let candle_core::CpuStorage::F32(dst) = storage else {
+            return Err(candle_core::Error::Msg("overwrite: the tensor is not f32".into()));
+        };
+        match layout.contiguous_offsets() {
+            Some((a, b)) if b - a == self.0.len() && b <= dst.len() => {
+                dst[a..b].copy_from_slice(self.0);
+                Ok(())
+            }
+            _ => Err(candle_core::Error::Msg(format!(
+                "overwrite: {} values for a tensor of shape {:?} (contiguous: {})",
+                self.0.len(),
+                layout.shape(),
+                layout.is_contiguous()
+            ))),
+        }
+    }
 }
 
 /// Copy a tensor's values into `out` (as long as the tensor), for
@@ -411,5 +446,24 @@ mod tests {
             assert_eq!(covered, s.len());
         }
         assert!(ParamLayout::from_shapes(vec![("x".into(), vec![1]), ("x".into(), vec![2])]).is_err());
+    }
+
+    #[test]
+    fn written_vars_read_back_and_reach_tensors_that_share_them() -> Result<()> {
+        let varmap = VarMap::new();
+        let dev = candle_core::Device::Cpu;
+        let w = varmap.get((3, 4), "b.weight", candle_nn::Init::Const(0.0), DType::F32, &dev)?;
+        varmap.get(5, "a.bias", candle_nn::Init::Const(0.0), DType::F32, &dev)?;
+        let layout = ParamLayout::from_varmap(&varmap)?;
+        let flat: Vec<f32> = (0..layout.total_len()).map(|i| i as f32 * 0.5 - 3.0).collect();
+        layout.write_vars(&varmap, &flat)?;
+        assert_eq!(layout.flatten_vars(&varmap)?, flat);
+        // `w` was taken before the write: it is the variable, and sees it.
+        let e = layout.entry("b.weight").map(|e| e.range()).unwrap_or_default();
+        assert_eq!(w.flatten_all()?.to_vec1::<f32>()?, flat[e].to_vec());
+        // A vector of the wrong length is an error and writes nothing.
+        assert!(layout.write_vars(&varmap, &flat[1..]).is_err());
+        assert_eq!(layout.flatten_vars(&varmap)?, flat);
+        Ok(())
     }
 }

@@ -210,7 +210,7 @@ const ALIGN_PASSES: usize = 8;
 #[derive(Debug)]
 struct Exchanged {
     version: u64,
-    params: Arc<Vec<f32>>,
+    params: Values,
     /// The push missed its round and was dropped (`cluster.backup_workers`).
     dropped: bool,
 }
@@ -220,7 +220,39 @@ struct Exchanged {
 #[derive(Debug)]
 enum Pushed {
     Reply(PushReply),
-    State { version: u64, params: Arc<Vec<f32>> },
+    State { version: u64, params: Values },
+}
+
+/// A shard's values as an exchange got them: decoded already (the local
+/// owner's state, a pull's), or the owner's payload as it came off the
+/// wire, decoded straight into the model once every shard of the step is
+/// in. No shard-sized vector is allocated and filled for the second case,
+/// and the values are not copied twice.
+#[derive(Debug)]
+enum Values {
+    Decoded(Arc<Vec<f32>>),
+    Wire { payload: Payload, from: PeerId },
+}
+
+impl Values {
+    fn len(&self) -> u64 {
+        match self {
+            Values::Decoded(v) => v.len() as u64,
+            Values::Wire { payload, .. } => payload.numel(),
+        }
+    }
+
+    /// Write the values into `out` (as long as they are). A payload is
+    /// checked as it is decoded (its checksum, and every value finite).
+    fn write_into(&self, out: &mut [f32]) -> anyhow::Result<()> {
+        match self {
+            Values::Decoded(v) => out.copy_from_slice(v),
+            Values::Wire { payload, from } => {
+                payload.decode_into(out).with_context(|| format!("the state {from} sent"))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What a shard's first push attempt became when it went in a
@@ -354,9 +386,9 @@ async fn timed_request(
 
 /// What an owner's `Exchanged` answer means to the push's exchange: the
 /// shard's next state, or (without one) an accepted gradient to pull for.
-fn exchanged(x: shoal_protocol::Exchanged) -> anyhow::Result<Pushed> {
+fn exchanged(x: shoal_protocol::Exchanged, from: PeerId) -> anyhow::Result<Pushed> {
     Ok(match x.state {
-        Some(s) => Pushed::State { version: s.version, params: Arc::new(s.params.decode()?) },
+        Some(s) => Pushed::State { version: s.version, params: Values::Wire { payload: s.params, from } },
         None => Pushed::Reply(PushReply::Accepted { version: x.accepted.version, staleness: x.accepted.staleness }),
     })
 }
@@ -979,10 +1011,12 @@ impl Worker {
             if dropped {
                 dropped_len += shard.len();
             }
-            if values.len() != shard.len() {
+            if values.len() != shard.len() as u64 {
                 bail!("shard {}: owner sent {} values, expected {}", shard.id, values.len(), shard.len());
             }
-            params[shard.range()].copy_from_slice(&values);
+            values
+                .write_into(&mut params[shard.range()])
+                .with_context(|| format!("step {step}: shard {}", shard.id))?;
             let before = versions[shard.id as usize];
             if version < before {
                 self.status.record(StatusEvent::VersionRegression(before - version));
@@ -1017,7 +1051,7 @@ impl Worker {
             let pulled = try_join_all(behind.iter().map(|&i| self.pull_at_least(shards[i].id, top))).await?;
             for (i, (version, params)) in behind.into_iter().zip(pulled) {
                 results[i].version = version;
-                results[i].params = params;
+                results[i].params = Values::Decoded(params);
             }
         }
         let versions: Vec<u64> = results.iter().map(|r| r.version).collect();
@@ -1196,7 +1230,7 @@ impl Worker {
             match self.pull_from(owner, shard, min_version, left).await {
                 Ok(PullReply::State { version, params }) => {
                     self.status.record(StatusEvent::PullLatency(started.elapsed().as_secs_f64() * 1e3));
-                    return Ok(Exchanged { version, params, dropped });
+                    return Ok(Exchanged { version, params: Values::Decoded(params), dropped });
                 }
                 Ok(PullReply::NotReady { current_version }) => {
                     last = format!("{owner} still at version {current_version}, waiting for {min_version}");
@@ -1325,7 +1359,7 @@ impl Worker {
                     hold(self.faults.receive_delay(received)).await;
                     self.moved(0, received);
                 }
-                (exchanged(x)?, held)
+                (exchanged(x, owner)?, held)
             }
             ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
                 info!(%owner, "owner speaks an older wire revision: pushing and pulling separately");
@@ -1487,7 +1521,7 @@ impl Worker {
                     held_ms = held_ms.max(x.held_ms);
                     served_bytes += size;
                     any_state |= x.state.is_some();
-                    exchanged(x)
+                    exchanged(x, owner)
                 }
                 other => self.push_reply(owner, shard, other).map(Pushed::Reply),
             };
