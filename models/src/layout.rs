@@ -449,6 +449,22 @@ mod tests {
     }
 
     #[test]
+    fn overwrite_writes_only_its_view_and_refuses_a_wrong_length() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let t = Tensor::arange(0f32, 12.0, &dev)?;
+        // A view starting at element 4: the write lands at 4..8 of the storage.
+        let view = t.narrow(0, 4, 4)?;
+        view.inplace_op1(&Overwrite(&[-1.0, -2.0, -3.0, -4.0]))?;
+        let mut expect: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        expect[4..8].copy_from_slice(&[-1.0, -2.0, -3.0, -4.0]);
+        assert_eq!(t.to_vec1::<f32>()?, expect);
+        assert!(view.inplace_op1(&Overwrite(&[1.0; 3])).is_err());
+        assert!(Tensor::arange(0u32, 4, &dev)?.inplace_op1(&Overwrite(&[1.0; 4])).is_err());
+        assert_eq!(t.to_vec1::<f32>()?, expect, "a refused write changes nothing");
+        Ok(())
+    }
+
+    #[test]
     fn written_vars_read_back_and_reach_tensors_that_share_them() -> Result<()> {
         let varmap = VarMap::new();
         let dev = candle_core::Device::Cpu;

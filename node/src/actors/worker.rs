@@ -224,10 +224,11 @@ enum Pushed {
 }
 
 /// A shard's values as an exchange got them: decoded already (the local
-/// owner's state, a pull's), or the owner's payload as it came off the
-/// wire, decoded straight into the model once every shard of the step is
-/// in. No shard-sized vector is allocated and filled for the second case,
-/// and the values are not copied twice.
+/// owner's state, a separate pull's), or a remote owner's `Exchanged`
+/// payload as it came off the wire, checked on arrival ([`exchanged`]) and
+/// decoded straight into the flat parameters once every shard of the step
+/// is in. No shard-sized vector is allocated and filled for the second
+/// case, and the values are not copied twice.
 #[derive(Debug)]
 enum Values {
     Decoded(Arc<Vec<f32>>),
@@ -243,7 +244,8 @@ impl Values {
     }
 
     /// Write the values into `out` (as long as they are). A payload is
-    /// checked as it is decoded (its checksum, and every value finite).
+    /// checked again as it is decoded (its checksum, and every value
+    /// finite); on an error `out` may be partly written.
     fn write_into(&self, out: &mut [f32]) -> anyhow::Result<()> {
         match self {
             Values::Decoded(v) => out.copy_from_slice(v),
@@ -386,9 +388,16 @@ async fn timed_request(
 
 /// What an owner's `Exchanged` answer means to the push's exchange: the
 /// shard's next state, or (without one) an accepted gradient to pull for.
+/// The state's payload is checked here, on arrival (checksum, every value
+/// finite; nothing is allocated), so that a bad one fails this attempt and
+/// the exchange tries again, as for any failed request; it is decoded
+/// later, into the model's flat parameters ([`Values::write_into`]).
 fn exchanged(x: shoal_protocol::Exchanged, from: PeerId) -> anyhow::Result<Pushed> {
     Ok(match x.state {
-        Some(s) => Pushed::State { version: s.version, params: Values::Wire { payload: s.params, from } },
+        Some(s) => {
+            s.params.verify().with_context(|| format!("the state of shard {} that {from} sent", x.accepted.shard))?;
+            Pushed::State { version: s.version, params: Values::Wire { payload: s.params, from } }
+        }
         None => Pushed::Reply(PushReply::Accepted { version: x.accepted.version, staleness: x.accepted.staleness }),
     })
 }
@@ -1711,6 +1720,52 @@ mod tests {
         }
         assert_ne!(seen[0], seen[5], "the next epoch is reshuffled");
         assert!(WorkerBatches::new(2, 2, 3, 8, 7).is_err(), "an empty partition is an error");
+        Ok(())
+    }
+
+    #[test]
+    fn wire_values_land_in_their_range_and_bad_ones_fail_on_arrival() -> anyhow::Result<()> {
+        let from = PeerId::random();
+        let values: Vec<f32> = (0..300).map(|i| i as f32 * 0.25 - 7.0).collect();
+        for encoding in [Encoding::F32, Encoding::Bf16] {
+            let payload = Payload::encode(&values, encoding)?;
+            let expect = payload.decode()?;
+            let answer = shoal_protocol::Exchanged {
+                accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
+                state: Some(shoal_protocol::ShardState {
+                    run: RunId::default(),
+                    shard: 3,
+                    version: 8,
+                    epoch: 0,
+                    params: payload,
+                }),
+                held_ms: 0,
+            };
+            let Pushed::State { version, params } = exchanged(answer, from)? else { panic!("no state") };
+            assert_eq!((version, params.len()), (8, 300));
+            let mut flat = vec![-1.0f32; 500];
+            params.write_into(&mut flat[100..400])?;
+            assert_eq!(&flat[100..400], &expect[..], "{encoding:?}");
+            assert!(flat[..100].iter().chain(&flat[400..]).all(|&x| x == -1.0), "{encoding:?}: outside its range");
+        }
+        // A body that does not match its checksum fails on arrival.
+        let good = Payload::encode(&values, Encoding::F32)?;
+        let mut body = good.data().to_vec();
+        body[17] ^= 0x40;
+        let bad = Payload::from_parts(good.meta().clone(), body.into(), u64::MAX)?;
+        let answer = shoal_protocol::Exchanged {
+            accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
+            state: Some(shoal_protocol::ShardState {
+                run: RunId::default(),
+                shard: 3,
+                version: 8,
+                epoch: 0,
+                params: bad,
+            }),
+            held_ms: 0,
+        };
+        let err = exchanged(answer, from).err().map(|e| format!("{e:#}")).unwrap_or_default();
+        assert!(err.contains("shard 3") && err.contains("checksum"), "{err}");
         Ok(())
     }
 
