@@ -231,8 +231,18 @@ struct Grads<'a> {
 }
 
 impl<'a> Grads<'a> {
-    fn new(layout: &'a ParamLayout) -> Self {
-        Self { layout, values: vec![0f32; layout.total_len()] }
+    /// Zeroed gradients: in `spare` (a gradient its user is done with, see
+    /// [`crate::Model::recycle_gradients`]) when it is the model's size, so
+    /// that no fresh model-sized buffer is faulted in; else in a new one.
+    fn new(layout: &'a ParamLayout, spare: Option<Vec<f32>>) -> Self {
+        let values = match spare {
+            Some(mut v) if v.len() == layout.total_len() => {
+                v.fill(0.0);
+                v
+            }
+            _ => vec![0f32; layout.total_len()],
+        };
+        Self { layout, values }
     }
 
     fn entry(&self, name: &str, part: &str) -> Result<&'a crate::layout::ParamEntry> {
@@ -389,10 +399,16 @@ impl MlpStep<'_> {
     /// Forward and backward on `images` (flattened per sample) with
     /// `labels` `[b]`: gradients of the mean cross-entropy in layout order
     /// and, when `factored`, the layers' sufficient factors.
-    pub fn gradients(&self, images: &Tensor, labels: &Tensor, factored: bool) -> Result<GradOutput> {
+    pub fn gradients(
+        &self,
+        images: &Tensor,
+        labels: &Tensor,
+        factored: bool,
+        spare: Option<Vec<f32>>,
+    ) -> Result<GradOutput> {
         let b = images.dim(0)?;
         let labels = labels_of(labels, b)?;
-        let mut grads = Grads::new(self.layout);
+        let mut grads = Grads::new(self.layout, spare);
         let out = self.dense.train(images.flatten_from(1)?.contiguous()?, &labels, &mut grads, false, factored)?;
         Ok(GradOutput {
             loss: (out.loss / b.max(1) as f64) as f32,
@@ -430,13 +446,19 @@ impl CnnStep<'_> {
     /// Forward and backward on `images` `[b, c, h, w]` with `labels` `[b]`:
     /// gradients of the mean cross-entropy in layout order, and, when
     /// `factored`, the linear layers' sufficient factors.
-    pub fn gradients(&self, images: &Tensor, labels: &Tensor, factored: bool) -> Result<GradOutput> {
+    pub fn gradients(
+        &self,
+        images: &Tensor,
+        labels: &Tensor,
+        factored: bool,
+        spare: Option<Vec<f32>>,
+    ) -> Result<GradOutput> {
         let (b, c, h, w) = images.dims4()?;
         let labels = labels_of(labels, b)?;
         if h < 4 || w < 4 {
             return Err(ModelError::Invalid(format!("the CNN needs images of 4x4 or more, not {h}x{w}")));
         }
-        let mut grads = Grads::new(self.layout);
+        let mut grads = Grads::new(self.layout, spare);
 
         // Forward, keeping what the backward needs.
         let images = values(&images.contiguous()?)?;
@@ -501,10 +523,18 @@ pub(crate) enum CpuStep<'a> {
 }
 
 impl CpuStep<'_> {
-    pub fn gradients(&self, images: &Tensor, labels: &Tensor, factored: bool) -> Result<GradOutput> {
+    /// Gradients of the mean loss on one batch, written into `spare` when
+    /// it is a model-sized buffer (see [`crate::Model::recycle_gradients`]).
+    pub fn gradients(
+        &self,
+        images: &Tensor,
+        labels: &Tensor,
+        factored: bool,
+        spare: Option<Vec<f32>>,
+    ) -> Result<GradOutput> {
         match self {
-            Self::Mlp(step) => step.gradients(images, labels, factored),
-            Self::Cnn(step) => step.gradients(images, labels, factored),
+            Self::Mlp(step) => step.gradients(images, labels, factored, spare),
+            Self::Cnn(step) => step.gradients(images, labels, factored, spare),
         }
     }
 }

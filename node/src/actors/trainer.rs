@@ -69,6 +69,7 @@ impl TrainerActor {
                 TrainerCommand::Evaluate { reply } => {
                     let _ = reply.send(self.model.evaluate(&self.data.test, 512).map_err(Into::into));
                 }
+                TrainerCommand::Recycle { grads } => self.model.recycle_gradients(grads),
                 TrainerCommand::LoadTrain { rows, reply } => {
                     let loaded = self.data.take_train(&rows).map_err(anyhow::Error::from).map(|train| {
                         let bytes = train.memory_bytes();

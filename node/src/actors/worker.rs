@@ -613,6 +613,9 @@ impl Worker {
                     }
                 }
             };
+            // The gradients are pushed (or applied): their buffer takes the
+            // next step's.
+            self.trainer.recycle(g.grads);
             let set_started = Instant::now();
             let params_arc = Arc::new(copy_into(spare.take(), &params));
             self.trainer.set_params(params_arc.clone()).await?;

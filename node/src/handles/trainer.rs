@@ -27,6 +27,7 @@ pub(crate) enum TrainerCommand {
     SetParams { params: Arc<Vec<f32>>, reply: oneshot::Sender<anyhow::Result<()>> },
     Evaluate { reply: oneshot::Sender<anyhow::Result<Evaluation>> },
     LoadTrain { rows: Vec<usize>, reply: oneshot::Sender<anyhow::Result<usize>> },
+    Recycle { grads: Vec<f32> },
 }
 
 /// Cloneable handle to the trainer thread.
@@ -63,6 +64,13 @@ impl TrainerHandle {
     /// the trainer thread's CPU time for them ([`Gradients::cpu_time`]).
     pub async fn gradients(&self, indices: Vec<usize>, factored: bool, cpu_time: bool) -> anyhow::Result<Gradients> {
         self.call(|reply| TrainerCommand::Gradients { indices, factored, cpu_time, reply }).await
+    }
+
+    /// Hand back a step's gradients once they are pushed: the next step's
+    /// are written into the same buffer (`Model::recycle_gradients`).
+    /// Never waits: when the mailbox is full the buffer is dropped.
+    pub fn recycle(&self, grads: Vec<f32>) {
+        let _ = self.sender.try_send(TrainerCommand::Recycle { grads });
     }
 
     /// Load new parameters (flat, `ParamLayout` order) into the model.
