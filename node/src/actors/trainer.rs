@@ -121,4 +121,22 @@ mod tests {
         }
         Ok(())
     }
+
+    #[tokio::test]
+    async fn a_recycled_gradient_buffer_takes_the_next_steps_gradients() -> anyhow::Result<()> {
+        let cfg = crate::config::NodeConfig::default();
+        let data = shoal_models::data::open(&shoal_models::data::DatasetKind::Digits, None)?;
+        let model = cfg.model_config(&data.test);
+        let rows: Vec<usize> = (0..data.train_len).collect();
+        let (trainer, _thread, _) = spawn(model, 7, Device::Cpu, data, 4, 1, "r")?;
+        trainer.load_train(rows).await?;
+        let first = trainer.gradients((0..32).collect(), false, false).await?;
+        let again = trainer.gradients((0..32).collect(), false, false).await?;
+        let at = first.grads.as_ptr();
+        trainer.recycle(first.grads);
+        let next = trainer.gradients((0..32).collect(), false, false).await?;
+        assert_eq!(next.grads.as_ptr(), at, "the recycled buffer took the gradients");
+        assert_eq!(next.grads, again.grads, "the same batch, the same gradients");
+        Ok(())
+    }
 }
