@@ -30,7 +30,7 @@ pub use codec::{ShardCodec, SHARD_PROTOCOL};
 pub use config::{Admission, Discovery, Gossip, Limits, ProtocolConfig, Timeouts};
 pub use error::ProtocolError;
 pub use messages::*;
-pub use payload::{Dtype, Encoding, FactorBlock, Payload, TensorMeta};
+pub use payload::{Dtype, Encoding, FactorBlock, Payload, TensorMeta, Verified};
 pub use validate::{
     validate_gossip, validate_heartbeat, validate_request, validate_request_fields, validate_response,
     validate_response_fields, ValidationContext,

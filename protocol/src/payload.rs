@@ -545,18 +545,36 @@ impl Payload {
         Ok(out)
     }
 
+    /// [`Self::verify`], keeping the outcome: the [`Verified`] payload
+    /// decodes later without reading the body for its checks again.
+    pub fn verified(self) -> Result<Verified> {
+        self.verify()?;
+        Ok(Verified(self))
+    }
+
     /// Decodes into `out`, which must have exactly `numel` elements. On error
     /// `out` may be partly written.
     pub fn decode_into(&self, out: &mut [f32]) -> Result<()> {
         self.check_out_len(out.len())?;
         self.check_body()?;
+        self.decode_body_into(out, true)
+    }
+
+    /// The decode after `check_out_len` and `check_body`. f32 values are
+    /// checked for finiteness in a pass of their own, and only when
+    /// `check_f32`; the other encodings check each chunk as they convert it.
+    fn decode_body_into(&self, out: &mut [f32], check_f32: bool) -> Result<()> {
         match self.meta.dtype()? {
             Dtype::F32 => {
                 // Fast path: straight from the frame bytes into `out`.
                 for (o, b) in out.iter_mut().zip(self.data.chunks_exact(4)) {
                     *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 }
-                check_finite(out)
+                if check_f32 {
+                    check_finite(out)
+                } else {
+                    Ok(())
+                }
             }
             Dtype::TopK => {
                 out.fill(0.0);
@@ -792,6 +810,24 @@ fn emit_chunk(start: usize, chunk: &[f32], f: &mut impl FnMut(usize, &[f32])) ->
     })?;
     f(start, chunk);
     Ok(())
+}
+
+/// A payload whose checksum and values [`Payload::verified`] has checked
+/// (for a receiver that checks on arrival and decodes later): its decode
+/// does not read the body for those checks a second time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verified(Payload);
+
+impl Verified {
+    pub fn numel(&self) -> u64 {
+        self.0.numel()
+    }
+
+    /// [`Payload::decode_into`], without the checks already made.
+    pub fn decode_into(&self, out: &mut [f32]) -> Result<()> {
+        self.0.check_out_len(out.len())?;
+        self.0.decode_body_into(out, false)
+    }
 }
 
 /// Errors with the first non-finite value. Scans branch-free per chunk so the
@@ -1124,6 +1160,32 @@ mod tests {
         assert_eq!(body.as_ptr(), frame[5..].as_ptr());
         let q = Payload::from_parts(p.meta().clone(), body, 10).unwrap();
         assert_eq!(q.decode().unwrap(), vec![1.5, -2.0]);
+    }
+
+    #[test]
+    fn a_verified_payload_decodes_as_the_checked_decode_and_a_bad_one_is_not_verified() {
+        let values: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        for encoding in [Encoding::F32, Encoding::F16, Encoding::Bf16, Encoding::Int8 { block: 64 }] {
+            let p = Payload::encode(&values, encoding).expect("encodes");
+            let expect = p.decode().expect("decodes");
+            let v = p.verified().expect("verifies");
+            assert_eq!(v.numel(), 5000);
+            let mut out = vec![f32::NAN; 5000];
+            v.decode_into(&mut out).expect("decodes");
+            assert_eq!(out, expect, "{encoding:?}");
+            assert!(v.decode_into(&mut out[1..]).is_err(), "{encoding:?}: a wrong length");
+        }
+        let good = Payload::encode(&values, Encoding::F32).expect("encodes");
+        let mut body = good.data().to_vec();
+        body[40] ^= 1;
+        let corrupt = Payload::from_parts(good.meta().clone(), body.into(), u64::MAX).expect("parts");
+        assert!(matches!(corrupt.verified(), Err(ProtocolError::ChecksumMismatch { .. })));
+        let inf = f32::INFINITY.to_le_bytes();
+        let mut body = good.data().to_vec();
+        body[8..12].copy_from_slice(&inf);
+        let meta = TensorMeta { checksum: checksum(&body), ..good.meta().clone() };
+        let nonfinite = Payload::from_parts(meta, body.into(), u64::MAX).expect("parts");
+        assert!(matches!(nonfinite.verified(), Err(ProtocolError::NonFinite { index: 2, .. })));
     }
 
     #[test]

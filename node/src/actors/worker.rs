@@ -232,7 +232,7 @@ enum Pushed {
 #[derive(Debug)]
 enum Values {
     Decoded(Arc<Vec<f32>>),
-    Wire { payload: Payload, from: PeerId },
+    Wire { payload: shoal_protocol::Verified, from: PeerId },
 }
 
 impl Values {
@@ -243,9 +243,8 @@ impl Values {
         }
     }
 
-    /// Write the values into `out` (as long as they are). A payload is
-    /// checked again as it is decoded (its checksum, and every value
-    /// finite); on an error `out` may be partly written.
+    /// Write the values into `out` (as long as they are); on an error
+    /// `out` may be partly written.
     fn write_into(&self, out: &mut [f32]) -> anyhow::Result<()> {
         match self {
             Values::Decoded(v) => out.copy_from_slice(v),
@@ -395,8 +394,11 @@ async fn timed_request(
 fn exchanged(x: shoal_protocol::Exchanged, from: PeerId) -> anyhow::Result<Pushed> {
     Ok(match x.state {
         Some(s) => {
-            s.params.verify().with_context(|| format!("the state of shard {} that {from} sent", x.accepted.shard))?;
-            Pushed::State { version: s.version, params: Values::Wire { payload: s.params, from } }
+            let payload = s
+                .params
+                .verified()
+                .with_context(|| format!("the state of shard {} that {from} sent", x.accepted.shard))?;
+            Pushed::State { version: s.version, params: Values::Wire { payload, from } }
         }
         None => Pushed::Reply(PushReply::Accepted { version: x.accepted.version, staleness: x.accepted.staleness }),
     })
@@ -1730,21 +1732,16 @@ mod tests {
     fn wire_values_land_in_their_range_and_bad_ones_fail_on_arrival() -> anyhow::Result<()> {
         let from = PeerId::random();
         let values: Vec<f32> = (0..300).map(|i| i as f32 * 0.25 - 7.0).collect();
+        // Shard 3's round 7 taken, its version 8 sent back.
+        let answer = |params: Payload| shoal_protocol::Exchanged {
+            accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
+            state: Some(shoal_protocol::ShardState { run: RunId::default(), shard: 3, version: 8, epoch: 0, params }),
+            held_ms: 0,
+        };
         for encoding in [Encoding::F32, Encoding::Bf16] {
             let payload = Payload::encode(&values, encoding)?;
             let expect = payload.decode()?;
-            let answer = shoal_protocol::Exchanged {
-                accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
-                state: Some(shoal_protocol::ShardState {
-                    run: RunId::default(),
-                    shard: 3,
-                    version: 8,
-                    epoch: 0,
-                    params: payload,
-                }),
-                held_ms: 0,
-            };
-            let Pushed::State { version, params } = exchanged(answer, from)? else { panic!("no state") };
+            let Pushed::State { version, params } = exchanged(answer(payload), from)? else { panic!("no state") };
             assert_eq!((version, params.len()), (8, 300));
             let mut flat = vec![-1.0f32; 500];
             params.write_into(&mut flat[100..400])?;
@@ -1756,18 +1753,7 @@ mod tests {
         let mut body = good.data().to_vec();
         body[17] ^= 0x40;
         let bad = Payload::from_parts(good.meta().clone(), body.into(), u64::MAX)?;
-        let answer = shoal_protocol::Exchanged {
-            accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
-            state: Some(shoal_protocol::ShardState {
-                run: RunId::default(),
-                shard: 3,
-                version: 8,
-                epoch: 0,
-                params: bad,
-            }),
-            held_ms: 0,
-        };
-        let err = exchanged(answer, from).err().map(|e| format!("{e:#}")).unwrap_or_default();
+        let err = exchanged(answer(bad), from).err().map(|e| format!("{e:#}")).unwrap_or_default();
         assert!(err.contains("shard 3") && err.contains("checksum"), "{err}");
         Ok(())
     }
