@@ -26,7 +26,7 @@ use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
 use crate::layout::ParamLayout;
-use crate::model::{GradOutput, LayerFactors};
+use crate::grads::{GradOutput, LayerFactors};
 
 /// The geometry of a same-padded, stride-1 `k x k` convolution's
 /// unfolding: `[c * k * k, b * h * w]`, row `(ci, ky, kx)`, column

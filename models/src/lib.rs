@@ -27,6 +27,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod gpt;
+pub mod grads;
 pub mod kernels;
 pub mod layout;
 pub mod model;

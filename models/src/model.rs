@@ -11,6 +11,7 @@ use crate::cpu_step::{CnnStep, ConvParams, CpuStep, Dense, LinearParams, MlpStep
 use crate::data::{Dataset, ImageShape};
 use crate::error::{ModelError, Result};
 use crate::gpt::{Gpt, GptSize};
+pub use crate::grads::{GradOutput, LayerFactors};
 use crate::layout::ParamLayout;
 use crate::rng::DetRng;
 
@@ -178,37 +179,6 @@ impl ModelConfig {
             }
         }
     }
-}
-
-/// Result of one forward/backward pass.
-#[derive(Debug, Clone)]
-pub struct GradOutput {
-    /// Mean cross-entropy over the batch.
-    pub loss: f32,
-    /// Number of samples in the batch (the weight of these gradients when
-    /// peers aggregate).
-    pub samples: usize,
-    /// Gradients of the mean loss, flattened by the model's [`ParamLayout`].
-    pub grads: Vec<f32>,
-    /// The fully connected layers' weight gradients as their sufficient
-    /// factors ([`TrainableModel::gradients_factored`]; empty otherwise).
-    pub factors: Vec<LayerFactors>,
-}
-
-/// A fully connected layer's weight gradient over a batch as its
-/// sufficient factors (Poseidon): `grad[r][c] = sum_b delta[b][r] *
-/// input[b][c]`, `batch x (rows + cols)` values for `rows x cols`.
-#[derive(Debug, Clone)]
-pub struct LayerFactors {
-    /// Where the `[rows, cols]` weight starts in the flat layout.
-    pub offset: usize,
-    pub rows: usize,
-    pub cols: usize,
-    /// `batch x rows`: the gradient of the mean loss with respect to the
-    /// layer's output.
-    pub delta: Vec<f32>,
-    /// `batch x cols`: the layer's input.
-    pub input: Vec<f32>,
 }
 
 /// Loss and accuracy on a data set. For a language model, `loss` is the

@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use crate::handles::net::NetworkHandle;
+use crate::policy::backoff::Backoff;
 use crate::policy::view::{Roster, View};
 
 /// Where a late node joins the run.
@@ -136,7 +137,7 @@ pub async fn fetch_model(
         let len = shard.len();
         async move {
             let mut last = String::from("no donor answered");
-            let mut backoff = Duration::from_millis(20);
+            let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
             for attempt in 0.. {
                 let donor = donors[(id as usize + attempt) % donors.len()];
                 let req = ShardRequest::StateSync(StateSync { run: run.clone(), shard: id, min_version: 0 });
@@ -152,13 +153,15 @@ pub async fn fetch_model(
                     Err(e) => last = format!("{e}"),
                 }
                 debug!(shard = id, %donor, reason = %last, "state sync attempt failed");
-                if Instant::now() + backoff >= deadline {
-                    break;
-                }
+                let left = deadline.saturating_duration_since(Instant::now());
                 // Every donor was tried once: back off before the next round.
                 if (attempt + 1) % donors.len() == 0 {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    match backoff.next_within(left) {
+                        Some(delay) => tokio::time::sleep(delay).await,
+                        None => break,
+                    }
+                } else if left.is_zero() {
+                    break;
                 }
             }
             bail!("shard {id}: could not fetch it from any of {} donors: {last}", donors.len())

@@ -16,13 +16,20 @@ pub fn current() -> Option<Memory> {
     parse(&status)
 }
 
-/// Parse the `VmRSS` and `VmHWM` lines of a `/proc/PID/status` text (the
-/// testnet launcher reads other processes' memory with the same parsers).
+/// Parse the `VmRSS` and `VmHWM` lines of a `/proc/PID/status` text.
 pub fn parse(status: &str) -> Option<Memory> {
-    Some(Memory {
-        rss_bytes: shoal_testnet::report::vm_rss_bytes(status)?,
-        peak_rss_bytes: shoal_testnet::report::vm_hwm_bytes(status)?,
-    })
+    Some(Memory { rss_bytes: kib_line(status, "VmRSS:")?, peak_rss_bytes: kib_line(status, "VmHWM:")? })
+}
+
+/// The value of the line `key` of a `/proc` text that counts in kB
+/// (`/proc/PID/status`, `/proc/meminfo`), in bytes; `None` for a missing
+/// line or another unit.
+fn kib_line(text: &str, key: &str) -> Option<u64> {
+    let rest = text.lines().find_map(|l| l.strip_prefix(key))?;
+    match rest.split_whitespace().collect::<Vec<_>>()[..] {
+        [n, "kB"] => n.parse::<u64>().ok()?.checked_mul(1024),
+        _ => None,
+    }
 }
 
 /// Memory left for this process: the kernel's `MemAvailable`, capped by
@@ -31,7 +38,7 @@ pub fn parse(status: &str) -> Option<Memory> {
 pub fn available_bytes() -> Option<u64> {
     let machine = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|t| shoal_testnet::report::kb_field_bytes(&t, "MemAvailable:"));
+        .and_then(|t| kib_line(&t, "MemAvailable:"));
     match (machine, cgroup_headroom()) {
         (Some(m), Some(c)) => Some(m.min(c)),
         (m, c) => m.or(c),
@@ -58,6 +65,9 @@ mod tests {
         assert_eq!(parse(text), Some(Memory { rss_bytes: 40960 * 1024, peak_rss_bytes: 61440 * 1024 }));
         assert_eq!(parse("VmRSS:\t12 MB\nVmHWM:\t1 kB\n"), None, "only kB is understood");
         assert_eq!(parse("VmRSS:\t12 kB\n"), None, "no peak line");
+        assert_eq!(kib_line("MemAvailable:   2048 kB\n", "MemAvailable:"), Some(2 << 20));
+        assert_eq!(kib_line("MemAvailable: x kB\n", "MemAvailable:"), None, "not a number");
+        assert_eq!(kib_line(&format!("MemTotal: {} kB\n", u64::MAX), "MemTotal:"), None, "overflow");
     }
 
     #[cfg(target_os = "linux")]
@@ -73,7 +83,7 @@ mod tests {
     fn the_machine_has_memory_left_within_its_total() {
         let left = available_bytes().expect("/proc/meminfo");
         let text = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
-        let total = shoal_testnet::report::kb_field_bytes(&text, "MemTotal:").expect("MemTotal");
+        let total = kib_line(&text, "MemTotal:").expect("MemTotal");
         assert!(left > 1 << 20 && left <= total, "{left} of {total}");
     }
 }

@@ -3,6 +3,7 @@
 //! runtime.
 
 pub mod assign;
+pub mod backoff;
 pub mod compress;
 pub mod explore;
 pub mod fit;
