@@ -13,12 +13,16 @@
 //!
 //! glibc reads its tunables only when a process starts, and setting them
 //! from inside (`mallopt`) would need unsafe code, which this workspace
-//! forbids. So `shoal` re-executes itself once at start with
+//! forbids. A `#[global_allocator]` (jemalloc, mimalloc) was measured
+//! instead and was slower on this workload (docs/benchmarks.md, "Tried and
+//! not kept"). So `shoal` re-executes itself once at start with
 //! `GLIBC_TUNABLES` set to [`tunables`] (the same binary, arguments and
-//! process id; `exec` replaces the image). The block sizes are the peak
-//! of the largest step, so a node's peak memory is unchanged; what
-//! changes is that up to [`TRIM_THRESHOLD`] of freed memory stays mapped
-//! for the next step instead of going back to the kernel.
+//! process id; `execve` replaces the image; a binary the kernel cannot
+//! execute directly, as under qemu-user, runs on glibc's defaults). The
+//! block sizes are the peak of the largest step, so a node's peak memory
+//! is unchanged; what changes is that up to [`TRIM_THRESHOLD`] of freed
+//! memory stays mapped for the next step instead of going back to the
+//! kernel.
 //!
 //! A `GLIBC_TUNABLES` already in the environment is left as it is: set it
 //! (empty for glibc's defaults) to choose otherwise. Other C libraries
@@ -59,20 +63,48 @@ pub fn reexec_tuned() -> Option<String> {
     exec_with_tunables()
 }
 
+/// `execve` itself, not `std::process::Command::exec`: std's exec goes
+/// through glibc's `execvp`, which on `ENOEXEC` hands the file to `/bin/sh`
+/// as a script. Under qemu-user without binfmt (the way CI runs the
+/// aarch64 build) the kernel cannot execute the ELF file, and a shell then
+/// read it and failed with a syntax error instead of the node starting. A
+/// plain `execve` fails with `ENOEXEC`, and the node runs on glibc's
+/// defaults.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn exec_with_tunables() -> Option<String> {
-    use std::os::unix::process::CommandExt;
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => return Some(format!("cannot find this binary to re-execute it: {e}")),
-    };
-    let mut args = std::env::args_os();
-    let mut cmd = std::process::Command::new(&exe);
-    if let Some(arg0) = args.next() {
-        cmd.arg0(arg0);
+    match std::env::current_exe() {
+        Ok(exe) => Some(exec_tuned(&exe)),
+        Err(e) => Some(format!("cannot find this binary to re-execute it: {e}")),
     }
-    let err = cmd.args(args).env(TUNABLES_VAR, tunables()).exec();
-    Some(format!("cannot re-execute {} with {TUNABLES_VAR}: {err}", exe.display()))
+}
+
+/// Replace this process with `exe`, run with this process's arguments and
+/// environment and `GLIBC_TUNABLES` set to [`tunables`]. Returns only on
+/// failure, with the reason.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn exec_tuned(exe: &std::path::Path) -> String {
+    use std::ffi::{CString, OsStr};
+    use std::os::unix::ffi::OsStrExt;
+    let c_string = |s: &OsStr| CString::new(s.as_bytes()).ok();
+    let Some(path) = c_string(exe.as_os_str()) else {
+        return format!("cannot re-execute {}: a NUL in its path", exe.display());
+    };
+    // Arguments and variables came from the kernel as C strings: none holds a NUL.
+    let args: Vec<CString> = std::env::args_os().filter_map(|a| c_string(&a)).collect();
+    let mut env: Vec<CString> = std::env::vars_os()
+        .filter(|(k, _)| k != TUNABLES_VAR)
+        .filter_map(|(k, v)| CString::new([k.as_bytes(), b"=", v.as_bytes()].concat()).ok())
+        .collect();
+    env.extend(CString::new(format!("{TUNABLES_VAR}={}", tunables())).ok());
+    match nix::unistd::execve(&path, &args, &env) {
+        Ok(never) => match never {},
+        Err(nix::errno::Errno::ENOEXEC) => format!(
+            "cannot re-execute {} with {TUNABLES_VAR}: the kernel cannot run it directly (an emulator such as \
+             qemu-user without binfmt?)",
+            exe.display()
+        ),
+        Err(e) => format!("cannot re-execute {} with {TUNABLES_VAR}: {e}", exe.display()),
+    }
 }
 
 /// Never called: [`should_reexec`] is false without glibc.
@@ -90,6 +122,27 @@ mod tests {
         assert!(should_reexec(true, false));
         assert!(!should_reexec(true, true), "a user's GLIBC_TUNABLES (or the re-executed process) is left alone");
         assert!(!should_reexec(false, false), "musl and other systems keep their allocator");
+    }
+
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn a_file_the_kernel_cannot_execute_is_not_handed_to_a_shell() -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        // An executable file that is neither an ELF binary nor a `#!`
+        // script, as an aarch64 binary is to an x86-64 kernel without
+        // binfmt. glibc's execvp (std's exec) would run it with /bin/sh and
+        // replace this test process; execve fails with ENOEXEC and returns.
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("not-a-binary");
+        std::fs::write(&file, "echo this must not run as a script\n")?;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o755))?;
+        let why = exec_tuned(&file);
+        assert!(why.contains("the kernel cannot run it directly"), "{why}");
+        assert!(why.contains(&file.display().to_string()), "{why}");
+        // A binary that is not there fails with the system's reason.
+        let gone = exec_tuned(&dir.path().join("missing"));
+        assert!(gone.contains("ENOENT"), "{gone}");
+        Ok(())
     }
 
     #[test]
