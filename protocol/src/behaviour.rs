@@ -34,23 +34,35 @@ use crate::config::{is_quic_addr, ProtocolConfig};
 use crate::error::{ProtocolError, Result};
 use crate::frame;
 use crate::messages::{GossipMessage, RunId, ShardRequest};
+pub use crate::wire::IDENTIFY_PROTOCOL_VERSION;
+use crate::wire::{identify_wire_version, KAD_PROTOCOL_NAME, WIRE_VERSION};
 
-/// Kademlia protocol id: our own, so Shoal nodes never join the public IPFS DHT.
-pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/kad/1.0.0");
-/// Identify protocol version string.
-pub const IDENTIFY_PROTOCOL_VERSION: &str = "/shoal/1.0.0";
+/// Kademlia protocol id (`/shoal/kad/<version>.0.0`).
+pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new(KAD_PROTOCOL_NAME);
 
-/// Major version of the gossip messages, part of the topic: an
-/// incompatible change to `GossipMessage` (a new field in `Heartbeat`)
-/// moves it, so nodes of different majors do not hear each other at all
-/// rather than rejecting each other's messages. 2: `Heartbeat::pace`;
-/// 3: `Heartbeat::checkpoints`; 4: `Heartbeat::suspects`; 5:
-/// `Pace::batch_permille`.
-pub const GOSSIP_MAJOR: u16 = 5;
-
-/// The gossip topic of a run: `/shoal/<run-id>/membership/<major>`.
+/// The gossip topic of a run: `/shoal/<run-id>/membership/<wire version>`.
+/// Nodes of another version subscribe to another topic, so they do not
+/// hear each other at all rather than rejecting each other's messages.
 pub fn membership_topic(run: &RunId) -> IdentTopic {
-    IdentTopic::new(format!("/shoal/{run}/membership/{GOSSIP_MAJOR}"))
+    IdentTopic::new(format!("/shoal/{run}/membership/{WIRE_VERSION}"))
+}
+
+/// Checks the protocol version a peer reported through identify (the
+/// earliest point where a peer's version is known) against ours. A peer of
+/// another version cannot exchange a frame with this node (multistream-select
+/// refuses its shard protocol), so the node should say so, naming both
+/// versions, instead of leaving only failed requests to explain it.
+pub fn check_peer_version(protocol_version: &str) -> Result<()> {
+    match identify_wire_version(protocol_version) {
+        Some(theirs) if theirs == WIRE_VERSION => Ok(()),
+        Some(theirs) => Err(ProtocolError::VersionMismatch { ours: WIRE_VERSION, theirs }),
+        None => Err(ProtocolError::InvalidField {
+            field: "protocol_version",
+            reason: format!(
+                "{protocol_version:?} is not a Shoal wire version; this node speaks {IDENTIFY_PROTOCOL_VERSION:?}"
+            ),
+        }),
+    }
 }
 
 /// Gossipsub message id: xxh3-128 over the topic and the data. A stable
@@ -199,7 +211,7 @@ pub struct ShoalBehaviour {
     pub connection_limits: connection_limits::Behaviour,
     /// Membership gossip (heartbeats, announcements; never tensors).
     pub gossipsub: gossipsub::Behaviour,
-    /// `/shoal/shard/1.0.0`.
+    /// [`SHARD_PROTOCOL`].
     pub shard: request_response::Behaviour<ShardCodec>,
     /// Identify (listen addresses, protocols, agent).
     pub identify: identify::Behaviour,
@@ -232,7 +244,7 @@ impl fmt::Debug for ShoalBehaviour {
 }
 
 impl ShoalBehaviour {
-    /// Sends a request on `/shoal/shard/1.0.0`.
+    /// Sends a request on [`SHARD_PROTOCOL`].
     pub fn send_request(&mut self, peer: &PeerId, req: ShardRequest) -> OutboundRequestId {
         self.shard.send_request(peer, req)
     }
@@ -496,7 +508,23 @@ mod tests {
     #[test]
     fn topic_name_follows_the_run() {
         let t = membership_topic(&RunId::new("exp-1").unwrap());
-        assert_eq!(t.to_string(), "/shoal/exp-1/membership/5");
+        assert_eq!(t.to_string(), format!("/shoal/exp-1/membership/{WIRE_VERSION}"));
+    }
+
+    #[test]
+    fn a_peer_of_another_version_is_named_with_both_versions() {
+        check_peer_version(IDENTIFY_PROTOCOL_VERSION).unwrap();
+        let theirs = WIRE_VERSION + 1;
+        let err = check_peer_version(&format!("/shoal/{theirs}.0.0")).unwrap_err();
+        assert!(matches!(err, ProtocolError::VersionMismatch { ours: WIRE_VERSION, theirs: t } if t == theirs));
+        let both = format!("version {theirs}, this node speaks version {WIRE_VERSION}");
+        assert!(err.to_string().contains(&both), "{err}");
+        let err = check_peer_version("/ipfs/0.1.0").unwrap_err();
+        assert!(
+            matches!(&err, ProtocolError::InvalidField { field: "protocol_version", reason }
+                if reason.contains("/ipfs/0.1.0") && reason.contains(IDENTIFY_PROTOCOL_VERSION)),
+            "{err}"
+        );
     }
 
     #[tokio::test]
@@ -569,8 +597,11 @@ mod tests {
         assert_eq!(cfg.run_id.as_str(), "exp-2");
         assert_eq!(cfg.limits.max_request_bytes, 1 << 20);
         assert_eq!(cfg.limits.max_response_bytes, crate::config::Limits::default().max_response_bytes);
-        assert!(serde_json::from_str::<ProtocolConfig>(r#"{"run_id":"bad id"}"#).is_err());
-        assert!(serde_json::from_str::<ProtocolConfig>(r#"{"typo":1}"#).is_err());
+        // serde_json's error has no variants to match: its message names what was wrong.
+        let err = serde_json::from_str::<ProtocolConfig>(r#"{"run_id":"bad id"}"#).unwrap_err();
+        assert!(err.to_string().contains(r#"invalid run id "bad id""#), "{err}");
+        let err = serde_json::from_str::<ProtocolConfig>(r#"{"typo":1}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field `typo`"), "{err}");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The request-response codec for `/shoal/shard/1.0.0`.
+//! The request-response codec for [`SHARD_PROTOCOL`] (`/shoal/shard/1.0.0`).
 //!
 //! Framing lives in [`crate::frame`]; this module only moves frames over a
 //! stream with size checks before allocation and size-scaled deadlines:
@@ -21,12 +21,14 @@ use libp2p::StreamProtocol;
 use crate::config::{Limits, Timeouts};
 use crate::error::ProtocolError;
 use crate::frame::{self, EncodedFrame, FrameKind, FramePrefix, PREFIX_LEN};
-use crate::messages::{ErrorCode, ShardRequest, ShardResponse, WIRE_VERSION};
+use crate::messages::{ShardRequest, ShardResponse};
+use crate::wire::SHARD_PROTOCOL_NAME;
 
-/// Protocol id of the shard request-response protocol. A breaking change to
-/// the wire gets a new id (`/shoal/shard/2.0.0`), negotiated by
-/// multistream-select.
-pub const SHARD_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/shard/1.0.0");
+/// Protocol id of the shard request-response protocol. It carries the wire
+/// version (`/shoal/shard/<version>.0.0`), so multistream-select refuses a
+/// peer of another version before any frame: the requester sees
+/// `OutboundFailure::UnsupportedProtocols`.
+pub const SHARD_PROTOCOL: StreamProtocol = StreamProtocol::new(SHARD_PROTOCOL_NAME);
 
 /// Codec for [`ShardRequest`] / [`ShardResponse`].
 ///
@@ -111,9 +113,8 @@ async fn with_deadline<T>(
     }
 }
 
-/// A frame read off the stream: prefix, header bytes, body bytes.
+/// A frame read off the stream: header bytes, body bytes.
 struct RawFrame {
-    prefix: FramePrefix,
     header: Vec<u8>,
     body: Bytes,
 }
@@ -128,7 +129,14 @@ async fn read_frame<T: AsyncRead + Unpin + Send>(
     let (limits, timeouts) = (&codec.limits, &codec.timeouts);
     let mut prefix = [0u8; PREFIX_LEN];
     with_deadline(first_byte_wait, "reading frame prefix", io.read_exact(&mut prefix)).await?;
-    let prefix = FramePrefix::parse(&prefix)?;
+    let prefix = FramePrefix::parse(&prefix).inspect_err(|e| {
+        // Multistream-select refuses a peer of another version before this,
+        // so a frame of another version comes from a peer that negotiated a
+        // name it does not speak: worth a line of its own.
+        if let ProtocolError::VersionMismatch { ours, theirs } = e {
+            tracing::warn!(ours, theirs, "refusing a frame of another wire version");
+        }
+    })?;
     // Cheap checks before allocating anything the peer asked for: the frame
     // limit, then the shared budget of bytes being read right now.
     prefix.check(kind, max_frame, limits.max_header_bytes)?;
@@ -143,7 +151,7 @@ async fn read_frame<T: AsyncRead + Unpin + Send>(
         Ok((header, body))
     })
     .await?;
-    Ok(RawFrame { prefix, header, body: Bytes::from(body) })
+    Ok(RawFrame { header, body: Bytes::from(body) })
 }
 
 async fn write_frame<T: AsyncWrite + Unpin + Send>(
@@ -165,21 +173,14 @@ async fn write_frame<T: AsyncWrite + Unpin + Send>(
 impl ShardCodec {
     async fn read_request_inner<T: AsyncRead + Unpin + Send>(&self, io: &mut T) -> io::Result<ShardRequest> {
         let raw = read_frame(self, io, FrameKind::Request, self.limits.max_request_bytes, self.timeouts.base()).await?;
-        let version = raw.prefix.version;
-        // The frame was well formed and within limits: from here on, problems
-        // become an `Undecodable` request that the node answers with an
-        // error, so the sender learns why.
+        // The frame was well formed, of our version and within limits: from
+        // here on, problems become an `Undecodable` request that the node
+        // answers with an error, so the sender learns why.
         Ok(match frame::decode_message::<ShardRequest>(&raw.header, raw.body, self.limits.max_tensor_elements) {
             Ok(req) => req,
             Err(e) => {
-                let code = if version > WIRE_VERSION { ErrorCode::UnsupportedVersion } else { e.code() };
-                tracing::debug!(version, error = %e, "undecodable shard request");
-                let reason = if version > WIRE_VERSION {
-                    format!("frame version {version} not understood (this peer speaks {WIRE_VERSION}): {e}")
-                } else {
-                    e.to_string()
-                };
-                ShardRequest::Undecodable { version, code, reason }
+                tracing::debug!(error = %e, "undecodable shard request");
+                ShardRequest::Undecodable { code: e.code(), reason: e.to_string() }
             }
         })
     }
@@ -189,7 +190,7 @@ impl ShardCodec {
             read_frame(self, io, FrameKind::Response, self.limits.max_response_bytes, self.timeouts.response_wait())
                 .await?;
         frame::decode_message::<ShardResponse>(&raw.header, raw.body, self.limits.max_tensor_elements).map_err(|e| {
-            tracing::debug!(version = raw.prefix.version, error = %e, "undecodable shard response");
+            tracing::debug!(error = %e, "undecodable shard response");
             io::Error::from(e)
         })
     }
@@ -302,7 +303,7 @@ mod tests {
         let mut codec = ShardCodec::new(limits, Timeouts::default());
         // A prefix announcing a 1 TiB body and nothing after it: if the codec
         // allocated first it would abort; it must fail on the check instead.
-        let prefix = FramePrefix { version: 1, kind: FrameKind::Request, header_len: 10, body_len: 1 << 40 };
+        let prefix = FramePrefix { version: WIRE_VERSION, kind: FrameKind::Request, header_len: 10, body_len: 1 << 40 };
         let mut rd = Cursor::new(prefix.to_bytes().to_vec());
         let err = block_on(codec.read_request(&SHARD_PROTOCOL, &mut rd)).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
@@ -319,18 +320,53 @@ mod tests {
         assert!(buf.into_inner().is_empty(), "nothing may be written");
     }
 
+    /// A frame of any other wire version, older or newer, is refused at its
+    /// prefix with an error that names both versions, even when the message
+    /// behind it would decode.
     #[test]
-    fn newer_version_with_unknown_message_becomes_undecodable() {
+    fn a_frame_of_another_version_is_refused_naming_both_versions() {
+        let mut writer = ShardCodec::default();
+        let mut buf = Cursor::new(Vec::new());
+        block_on(writer.write_request(&SHARD_PROTOCOL, &mut buf, push(10))).unwrap();
+        let frame = buf.into_inner();
         let mut codec = ShardCodec::default();
-        // A frame of the next minor version whose header is variant 99 (unknown to us).
+        // Positive control: our own version is read.
+        block_on(codec.read_request(&SHARD_PROTOCOL, &mut Cursor::new(frame.clone()))).unwrap();
+        for theirs in [WIRE_VERSION + 1, WIRE_VERSION - 1, u16::MAX] {
+            let mut bytes = frame.clone();
+            bytes[2..4].copy_from_slice(&theirs.to_le_bytes());
+            let err = block_on(codec.read_request(&SHARD_PROTOCOL, &mut Cursor::new(bytes.clone()))).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+            let inner = err.get_ref().and_then(|e| e.downcast_ref::<ProtocolError>());
+            assert!(
+                matches!(inner, Some(&ProtocolError::VersionMismatch { ours: WIRE_VERSION, theirs: t }) if t == theirs),
+                "{err:?}"
+            );
+            let text = err.to_string();
+            assert!(text.contains(&format!("version {theirs}")) && text.contains(&format!("version {WIRE_VERSION}")));
+            // The in-memory decoder refuses it the same way.
+            let decoded = frame::decode_request_frame(Bytes::from(bytes), &Limits::default());
+            assert!(matches!(
+                decoded,
+                Err(ProtocolError::VersionMismatch { ours: WIRE_VERSION, theirs: t }) if t == theirs
+            ));
+        }
+    }
+
+    /// A well-formed frame of our version whose header names no known
+    /// request is handed to the node as `Undecodable`, to answer with an
+    /// error instead of a reset stream.
+    #[test]
+    fn unknown_message_of_our_version_becomes_undecodable() {
+        let mut codec = ShardCodec::default();
         let header = [99u8, 0, 0];
-        let prefix = FramePrefix { version: WIRE_VERSION + 1, kind: FrameKind::Request, header_len: 3, body_len: 0 };
+        let prefix = FramePrefix { version: WIRE_VERSION, kind: FrameKind::Request, header_len: 3, body_len: 0 };
         let mut bytes = prefix.to_bytes().to_vec();
         bytes.extend_from_slice(&header);
         let req = block_on(codec.read_request(&SHARD_PROTOCOL, &mut Cursor::new(bytes))).unwrap();
         match req.undecodable_reply() {
-            Some(ShardResponse::Error(WireError { code: ErrorCode::UnsupportedVersion, .. })) => {}
-            other => panic!("expected UnsupportedVersion, got {other:?}"),
+            Some(ShardResponse::Error(WireError { code: ErrorCode::InvalidRequest, .. })) => {}
+            other => panic!("expected InvalidRequest, got {other:?}"),
         }
     }
 

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ProtocolError, Result};
 use crate::messages::RunId;
+use crate::wire::PREFIX_LEN;
 
 const MIB: u64 = 1024 * 1024;
 
@@ -293,9 +294,7 @@ impl ProtocolConfig {
     pub fn validate(&self) -> Result<()> {
         let l = &self.limits;
         let bad = |m: String| Err(ProtocolError::Config(m));
-        if l.max_request_bytes < crate::frame::PREFIX_LEN as u64 + 1024
-            || l.max_response_bytes < crate::frame::PREFIX_LEN as u64 + 1024
-        {
+        if l.max_request_bytes < PREFIX_LEN as u64 + 1024 || l.max_response_bytes < PREFIX_LEN as u64 + 1024 {
             return bad("limits.max_request_bytes and max_response_bytes must be at least 1 KiB".into());
         }
         if l.max_inflight_read_bytes < l.max_request_bytes.max(l.max_response_bytes) {

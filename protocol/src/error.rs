@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use libp2p::PeerId;
 
-use crate::messages::ErrorCode;
+use crate::error_code::ErrorCode;
 
 /// Everything that can go wrong on Shoal's wire.
 ///
@@ -32,13 +32,14 @@ pub enum ProtocolError {
         /// The magic expected for this kind of frame.
         expected: [u8; 2],
     },
-    /// The peer speaks a wire version this build does not understand.
-    #[error("unsupported wire version {found}; this peer speaks version {supported}")]
-    UnsupportedVersion {
-        /// The version in the frame.
-        found: u16,
-        /// The version this build speaks.
-        supported: u16,
+    /// The peer speaks another wire version. There is one version at a
+    /// time: a peer of another one, older or newer, is refused.
+    #[error("the peer speaks wire version {theirs}, this node speaks version {ours}: peers must speak the same one")]
+    VersionMismatch {
+        /// The version this build speaks ([`crate::wire::WIRE_VERSION`]).
+        ours: u16,
+        /// The version the peer sent or announced.
+        theirs: u16,
     },
     /// A request arrived where a response was expected, or vice versa, or a
     /// reserved byte was not zero.
@@ -194,7 +195,7 @@ impl ProtocolError {
         match self {
             ProtocolError::TooLarge { .. } => "too_large",
             ProtocolError::BadMagic { .. } => "bad_magic",
-            ProtocolError::UnsupportedVersion { .. } => "unsupported_version",
+            ProtocolError::VersionMismatch { .. } => "version_mismatch",
             ProtocolError::BadPrefix(_) => "bad_prefix",
             ProtocolError::Decode(_) => "decode",
             ProtocolError::Encode(_) => "encode",
@@ -227,7 +228,7 @@ impl ProtocolError {
     pub fn code(&self) -> ErrorCode {
         match self {
             ProtocolError::TooLarge { .. } => ErrorCode::TooLarge,
-            ProtocolError::UnsupportedVersion { .. } => ErrorCode::UnsupportedVersion,
+            ProtocolError::VersionMismatch { .. } => ErrorCode::UnsupportedVersion,
             ProtocolError::RunMismatch { .. } => ErrorCode::RunMismatch,
             ProtocolError::ShardOutOfRange { .. } => ErrorCode::ShardOutOfRange,
             ProtocolError::ChecksumMismatch { .. } => ErrorCode::ChecksumMismatch,

@@ -7,7 +7,7 @@
 //! ```text
 //! offset size field
 //!  0     2    magic        b"SH"
-//!  2     2    version      u16 LE, the sender's wire minor revision (`WIRE_VERSION`)
+//!  2     2    version      u16 LE, the sender's wire version: must be ours (`WIRE_VERSION`)
 //!  4     1    kind         1 = request, 2 = response
 //!  5     3    reserved     must be zero
 //!  8     4    header_len   u32 LE, bytes of postcard header
@@ -17,6 +17,10 @@
 //! ```
 //!
 //! Gossip messages are `b"SG"`, version u16 LE, then postcard(GossipMessage).
+//!
+//! A prefix of another version is refused before anything after it is read:
+//! multistream-select has already refused a peer of another version (the
+//! version is in the protocol names), so this is defence in depth.
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
@@ -25,15 +29,7 @@ use serde::Serialize;
 use crate::config::Limits;
 use crate::error::{ProtocolError, Result};
 use crate::messages::{GossipMessage, HasPayloads, ShardRequest, ShardResponse, WIRE_VERSION};
-
-/// Bytes in the fixed frame prefix.
-pub const PREFIX_LEN: usize = 20;
-/// Magic of request-response frames.
-pub const SHARD_MAGIC: [u8; 2] = *b"SH";
-/// Magic of gossip messages.
-pub const GOSSIP_MAGIC: [u8; 2] = *b"SG";
-/// Bytes before the postcard body of a gossip message.
-pub const GOSSIP_PREFIX_LEN: usize = 4;
+pub use crate::wire::{GOSSIP_MAGIC, GOSSIP_PREFIX_LEN, PREFIX_LEN, SHARD_MAGIC};
 
 /// Direction of a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,7 +44,8 @@ pub enum FrameKind {
 /// The fixed 20-byte prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FramePrefix {
-    /// Wire minor revision of the sender.
+    /// Wire version of the sender; [`FramePrefix::parse`] refuses any but
+    /// [`WIRE_VERSION`].
     pub version: u16,
     /// Request or response.
     pub kind: FrameKind,
@@ -70,15 +67,13 @@ impl FramePrefix {
         b
     }
 
-    /// Parses a prefix, checking magic, kind and reserved bytes.
+    /// Parses a prefix, checking magic, version, kind and reserved bytes.
     pub fn parse(b: &[u8; PREFIX_LEN]) -> Result<FramePrefix> {
         if b[0..2] != SHARD_MAGIC {
             return Err(ProtocolError::BadMagic { found: [b[0], b[1]], expected: SHARD_MAGIC });
         }
         let version = u16::from_le_bytes([b[2], b[3]]);
-        if version == 0 {
-            return Err(ProtocolError::UnsupportedVersion { found: 0, supported: WIRE_VERSION });
-        }
+        check_version(version)?;
         let kind = match b[4] {
             1 => FrameKind::Request,
             2 => FrameKind::Response,
@@ -149,6 +144,14 @@ impl EncodedFrame {
         }
         v
     }
+}
+
+/// Refuses a frame or gossip message of any wire version but ours.
+fn check_version(theirs: u16) -> Result<()> {
+    if theirs != WIRE_VERSION {
+        return Err(ProtocolError::VersionMismatch { ours: WIRE_VERSION, theirs });
+    }
+    Ok(())
 }
 
 /// Encodes a message into a frame, refusing frames over `max_frame`.
@@ -279,20 +282,10 @@ pub fn decode_gossip(data: &[u8], limits: &Limits) -> Result<GossipMessage> {
     if head[0..2] != GOSSIP_MAGIC {
         return Err(ProtocolError::BadMagic { found: [head[0], head[1]], expected: GOSSIP_MAGIC });
     }
-    let version = u16::from_le_bytes([head[2], head[3]]);
-    if version == 0 {
-        return Err(ProtocolError::UnsupportedVersion { found: 0, supported: WIRE_VERSION });
-    }
-    match postcard::take_from_bytes::<GossipMessage>(rest) {
-        Ok((msg, [])) => Ok(msg),
-        Ok((_, trailing)) => {
-            Err(ProtocolError::Decode(format!("{} trailing bytes after gossip message", trailing.len())))
-        }
-        // A newer minor may add variants we cannot read: say so precisely.
-        Err(_) if version > WIRE_VERSION => {
-            Err(ProtocolError::UnsupportedVersion { found: version, supported: WIRE_VERSION })
-        }
-        Err(e) => Err(e.into()),
+    check_version(u16::from_le_bytes([head[2], head[3]]))?;
+    match postcard::take_from_bytes::<GossipMessage>(rest)? {
+        (msg, []) => Ok(msg),
+        (_, trailing) => Err(ProtocolError::Decode(format!("{} trailing bytes after gossip message", trailing.len()))),
     }
 }
 
@@ -311,11 +304,11 @@ mod tests {
         }
         header.extend_from_slice(&[10, 0]);
         let r = decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20);
-        assert!(r.is_err(), "{r:?}");
+        assert!(matches!(r, Err(ProtocolError::Decode(_))), "{r:?}");
         // Timed requests inside Timed requests.
         let header = vec![8u8; 200_000];
         let r = decode_message::<ShardRequest>(&header, Bytes::new(), 1 << 20);
-        assert!(r.is_err(), "{r:?}");
+        assert!(matches!(r, Err(ProtocolError::Decode(_))), "{r:?}");
 
         // As deep as the wire allows decodes, and the depth count is back
         // at zero afterwards (also after a refusal): the same message
@@ -331,6 +324,7 @@ mod tests {
         let deeper =
             ShardResponse::Timed { service_us: 7, answer: Box::new(ShardResponse::ExchangedMany(vec![timed])) };
         let header = postcard::to_allocvec(&deeper).expect("encodes");
-        assert!(decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20).is_err());
+        let r = decode_message::<ShardResponse>(&header, Bytes::new(), 1 << 20);
+        assert!(matches!(r, Err(ProtocolError::Decode(_))), "{r:?}");
     }
 }

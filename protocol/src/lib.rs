@@ -6,6 +6,8 @@
 //! - [`frame`] and [`codec`]: the byte layout of `/shoal/shard/1.0.0` frames
 //!   and the request-response codec with size limits and size-scaled
 //!   deadlines.
+//! - [`wire`]: the one wire version, the protocol names that carry it, and
+//!   the frame prefix layout. A peer of another version is refused.
 //! - [`validate`]: checks a receiver runs on anything a peer sends.
 //! - [`behaviour`]: the composed libp2p `NetworkBehaviour` and
 //!   [`build_swarm`].
@@ -20,12 +22,14 @@ pub mod bench;
 pub mod codec;
 pub mod config;
 pub mod error;
+pub mod error_code;
 pub mod frame;
 pub mod messages;
 pub mod payload;
 pub mod validate;
+pub mod wire;
 
-pub use behaviour::{build_swarm, membership_topic, ShoalBehaviour, ShoalBehaviourEvent};
+pub use behaviour::{build_swarm, check_peer_version, membership_topic, ShoalBehaviour, ShoalBehaviourEvent};
 pub use codec::{ShardCodec, SHARD_PROTOCOL};
 pub use config::{Admission, Discovery, Gossip, Limits, ProtocolConfig, Timeouts};
 pub use error::ProtocolError;

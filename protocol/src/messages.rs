@@ -2,10 +2,10 @@
 //! `docs/protocol.md` for the byte-level rules); tensors inside messages are
 //! [`Payload`]s whose bodies travel after the postcard header.
 //!
-//! Compatibility rule: postcard is not self-describing, so the field order of
-//! every struct and the variant order of every enum *is* the wire format. New
-//! variants may be appended at the end of an enum in a minor revision;
-//! anything else (reordering, new fields) needs a new protocol id.
+//! Postcard is not self-describing, so the field order of every struct and
+//! the variant order of every enum *is* the wire format: any change to them
+//! (a new variant included) moves [`WIRE_VERSION`], and peers of different
+//! versions refuse each other.
 
 use std::fmt;
 
@@ -13,21 +13,14 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ProtocolError;
+pub use crate::error_code::ErrorCode;
 use crate::payload::{Encoding, Payload};
+pub use crate::wire::WIRE_VERSION;
 
-/// Minor revision of the `/shoal/shard/1.0.0` wire (frame prefix `version`
-/// field and `Heartbeat::protocol_minor`). 2 added `ShardRequest::PushPull`
-/// and `ShardResponse::Exchanged`; 3 added `ShardRequest::Probe` and
-/// `ShardResponse::Probed`; 4 added `ShardRequest::PushPullMany` and
-/// `ShardResponse::ExchangedMany`; 5 added `ShardRequest::Timed` and
-/// `ShardResponse::Timed`; 6 changed no frame: from 6 a heartbeat's
-/// `capabilities.net_bytes_per_sec` is the link rate (waits for the round
-/// left out), and the election caps weights by the gossiped rates only
-/// while every live member speaks 6 or later.
-pub const WIRE_VERSION: u16 = 6;
-
-/// The first wire minor whose heartbeats' rates cap weights in the election.
-pub const CAPABILITIES_MINOR: u16 = 6;
+/// The wire version whose heartbeats' rates cap weights in the election:
+/// [`WIRE_VERSION`] itself, since every member of a view speaks it. Kept
+/// while the node's placement still compares versions against it.
+pub const CAPABILITIES_MINOR: u16 = WIRE_VERSION;
 
 /// How deep requests and answers may nest in one message: a `Timed`
 /// answer holding an `ExchangedMany` of answers is two levels. Deeper
@@ -205,8 +198,8 @@ pub struct PullShard {
     pub encoding: Encoding,
 }
 
-/// Push a gradient and get the shard's next state in the same exchange
-/// (wire minor 2): one request per shard and step instead of a `PushGrad`
+/// Push a gradient and get the shard's next state in the same exchange:
+/// one request per shard and step instead of a `PushGrad`
 /// and a `PullShard`. The owner takes the gradient as it would a
 /// `PushGrad`; if it is accepted, the owner holds the answer until the
 /// version the worker needs exists (BSP: the one after the round the
@@ -265,9 +258,7 @@ pub struct Handoff {
     /// view names another owner. A receiver keeps a transfer that has been
     /// forwarded often (views disagree) instead of passing it on again, so
     /// a transfer cannot bounce between two nodes until their views agree.
-    /// Replicas carry 0. (Until wire minor 2 this field was the reserved
-    /// `epoch`, always 0: the layout is unchanged, and a peer that sends 0
-    /// on every forward only loses the bound.) Handoffs are fenced by
+    /// Replicas carry 0. Handoffs are fenced by
     /// `version`, not by epoch: the placement epoch is a hash of the
     /// election's inputs, not an ordered number. A transfer that meets an
     /// installed copy of the same or a higher version is `Fenced`.
@@ -307,8 +298,8 @@ pub struct ManifestRequest {
     pub run: RunId,
 }
 
-/// Time a demoted owner's service without giving it a shard (wire minor
-/// 3). Workers send one now and then to each owner the placement keeps out
+/// Time a demoted owner's service without giving it a shard. Workers send
+/// one now and then to each owner the placement keeps out
 /// as a straggler, with padding the size of their typical push, so that the
 /// verdict about it rests on fresh measurements: it stays out while it is
 /// slow and comes back once it is not, instead of being handed shards again
@@ -336,11 +327,11 @@ pub enum ShardRequest {
     StateSync(StateSync),
     /// Variant 4.
     Manifest(ManifestRequest),
-    /// Variant 5 (wire minor 2).
+    /// Variant 5.
     PushPull(PushPull),
-    /// Variant 6 (wire minor 3).
+    /// Variant 6.
     Probe(Probe),
-    /// Variant 7 (wire minor 4): several shards of one owner in one
+    /// Variant 7: several shards of one owner in one
     /// exchange. Each `PushPull` is served exactly as if it had come alone;
     /// the answer is an `ExchangedMany` with each one's answer, in order.
     /// One request instead of one per shard: at small shard sizes the cost
@@ -348,7 +339,7 @@ pub enum ShardRequest {
     /// bytes, bounds a step. At most [`MAX_BATCH_SHARDS`], each shard at
     /// most once, all of one run.
     PushPullMany(Vec<PushPull>),
-    /// Variant 8 (wire minor 5): serve the request inside as if it had
+    /// Variant 8: serve the request inside as if it had
     /// come alone, and say how long this node took: the answer is
     /// [`ShardResponse::Timed`] around the request's own answer. Only
     /// around the requests whose service the straggler detector times
@@ -357,13 +348,11 @@ pub enum ShardRequest {
     Timed(#[serde(deserialize_with = "nesting::nested")] Box<ShardRequest>),
     /// Never on the wire: the codec hands this to the node when a frame was
     /// well formed (within limits) but its header or tensors could not be
-    /// understood — for example a newer peer's message. The node answers it
+    /// understood (a bad tensor header, an unknown variant). The node answers it
     /// with `ShardResponse::Error` (see [`ShardRequest::Undecodable`]'s
     /// `code`), so the sender learns why instead of seeing a reset stream.
     #[serde(skip)]
     Undecodable {
-        /// Frame version the sender used.
-        version: u16,
         /// What to answer with.
         code: ErrorCode,
         /// Why decoding failed.
@@ -463,7 +452,7 @@ pub struct ShardState {
     pub params: Payload,
 }
 
-/// Answer to a `PushPull` whose gradient was accepted (wire minor 2).
+/// Answer to a `PushPull` whose gradient was accepted.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Exchanged {
     /// As the `Accepted` answer to a `PushGrad`.
@@ -511,37 +500,6 @@ pub struct Manifest {
     pub step: u64,
     /// Shards, at most 4096.
     pub shards: Vec<ShardSummary>,
-}
-
-/// Machine-readable error codes. Unknown codes from newer peers decode as
-/// [`ErrorCode::Unknown`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum ErrorCode {
-    /// The request was malformed or failed validation.
-    InvalidRequest,
-    /// The frame version is not supported.
-    UnsupportedVersion,
-    /// The request is for another run.
-    RunMismatch,
-    /// Model config hash differs.
-    ConfigMismatch,
-    /// Shard id out of range.
-    ShardOutOfRange,
-    /// A payload's checksum did not match.
-    ChecksumMismatch,
-    /// A payload contained NaN or infinity.
-    NonFinite,
-    /// The requested or received encoding is not supported.
-    UnsupportedEncoding,
-    /// A size limit was exceeded.
-    TooLarge,
-    /// The node is overloaded; retry later.
-    Busy,
-    /// Anything else on the responder's side.
-    Internal,
-    /// A code this build does not know (sent by a newer peer).
-    #[serde(other)]
-    Unknown,
 }
 
 /// An error answer.
@@ -626,18 +584,18 @@ pub enum ShardResponse {
     Manifest(Manifest),
     /// Variant 8: an error.
     Error(WireError),
-    /// Variant 9 (wire minor 2): a `PushPull` was accepted.
+    /// Variant 9: a `PushPull` was accepted.
     Exchanged(Exchanged),
-    /// Variant 10 (wire minor 3): the answer to a `Probe`.
+    /// Variant 10: the answer to a `Probe`.
     Probed {
         /// Padding bytes the responder received.
         bytes: u64,
     },
-    /// Variant 11 (wire minor 4): the answers to a `PushPullMany`, one per
+    /// Variant 11: the answers to a `PushPullMany`, one per
     /// `PushPull` and in its order, each what that `PushPull` alone would
     /// have got (never another `ExchangedMany`).
     ExchangedMany(#[serde(deserialize_with = "nesting::nested")] Vec<ShardResponse>),
-    /// Variant 12 (wire minor 5): the answer to a `ShardRequest::Timed`.
+    /// Variant 12: the answer to a `ShardRequest::Timed`.
     Timed {
         /// How long the responder took to serve the request, in µs: from
         /// taking it off the connection to having the answer ready to
@@ -761,7 +719,7 @@ pub struct Pace {
     /// (hysteresis from gossiped state, as for stragglers).
     pub capacity_level: i8,
     /// The share of its step's own batch the sender trained on in its last
-    /// step, in thousandths (gossip major 5; `cluster.fit_batch`): 1000 all
+    /// step, in thousandths (`cluster.fit_batch`): 1000 all
     /// of it, below 1000 a slow worker's fitted batch, above 1000 a worker
     /// that takes on the samples the fitted ones shed; 0 before its first
     /// step. At most [`MAX_BATCH_PERMILLE`].
@@ -780,7 +738,7 @@ pub const MAX_SUSPECTS: usize = 16;
 pub const MAX_OFFER_BITSET_BYTES: usize = 32;
 
 /// Shard checkpoints the sender holds on disk at one version, offered for
-/// resuming a run after a full stop (gossip major 3). Nodes that form a
+/// resuming a run after a full stop. Nodes that form a
 /// roster agree on the resume point from their members' offers.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointOffer {
@@ -831,7 +789,10 @@ pub struct Heartbeat {
     pub epoch: Epoch,
     /// Hash of the model config and layout.
     pub config_hash: u64,
-    /// Wire minor revision the sender speaks ([`WIRE_VERSION`]).
+    /// The wire version the sender speaks ([`WIRE_VERSION`]). The gossip
+    /// topic already keeps peers of other versions apart; a node also
+    /// refuses a heartbeat whose version is not its own. (The name is older
+    /// than the one-version rule.)
     pub protocol_minor: u16,
     /// Capabilities.
     pub capabilities: Capabilities,
@@ -845,13 +806,13 @@ pub struct Heartbeat {
     pub model_version: Version,
     /// Service times of owners the sender pushes to, at most 32.
     pub service: Vec<ServiceObservation>,
-    /// The sender's pace and its proposed number of aggregators (gossip major 2).
+    /// The sender's pace and its proposed number of aggregators.
     pub pace: Pace,
     /// Shard checkpoints on the sender's disk, at most
-    /// [`MAX_CHECKPOINT_OFFERS`] versions (gossip major 3).
+    /// [`MAX_CHECKPOINT_OFFERS`] versions.
     pub checkpoints: Vec<CheckpointOffer>,
     /// Workers whose gradients the sender, as a shard owner, rejected
-    /// round after round, at most [`MAX_SUSPECTS`] (gossip major 4). A
+    /// round after round, at most [`MAX_SUSPECTS`]. A
     /// claim of the sender's, reported in every node's view; nothing acts
     /// on it.
     pub suspects: Vec<PeerId>,

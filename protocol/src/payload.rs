@@ -1173,7 +1173,11 @@ mod tests {
             let mut out = vec![f32::NAN; 5000];
             v.decode_into(&mut out).expect("decodes");
             assert_eq!(out, expect, "{encoding:?}");
-            assert!(v.decode_into(&mut out[1..]).is_err(), "{encoding:?}: a wrong length");
+            let wrong_length = v.decode_into(&mut out[1..]);
+            assert!(
+                matches!(&wrong_length, Err(ProtocolError::InvalidTensor(r)) if r.contains("output buffer")),
+                "{encoding:?}: a wrong length: {wrong_length:?}"
+            );
         }
         let good = Payload::encode(&values, Encoding::F32).expect("encodes");
         let mut body = good.data().to_vec();
@@ -1264,19 +1268,21 @@ mod tests {
         let a = FactorBlock { start: 3, rows: 4, cols: 6, left: &la, right: &ra };
         let b = FactorBlock { start: 29, rows: 6, cols: 5, left: &lb, right: &rb };
         // Out of order, overlapping, past the end, wrong factor lengths.
-        assert!(Payload::encode_factored(&full, &[b, a]).is_err());
-        assert!(Payload::encode_factored(&full, &[a, FactorBlock { start: 20, ..b }]).is_err());
-        assert!(Payload::encode_factored(&full, &[FactorBlock { start: 40, ..b }]).is_err());
-        assert!(Payload::encode_factored(&full, &[FactorBlock { right: &ra[..5], ..a }]).is_err());
+        let refused = |blocks: &[FactorBlock<'_>], why: &str| {
+            matches!(Payload::encode_factored(&full, blocks), Err(ProtocolError::InvalidTensor(r)) if r.contains(why))
+        };
+        assert!(refused(&[b, a], "block 1 at 3..27 overlaps another"));
+        assert!(refused(&[a, FactorBlock { start: 20, ..b }], "block 1 at 20..50 overlaps another"));
+        assert!(refused(&[FactorBlock { start: 40, ..b }], "runs past 60 entries"));
+        assert!(refused(&[FactorBlock { right: &ra[..5], ..a }], "4 left and 5 right values for 4 x 6"));
         // Factors no smaller than the block: 2 x (2 + 2) against 2 x 2.
         let two = [1.0, 2.0, 3.0, 4.0];
-        assert!(Payload::encode_factored(
-            &full,
-            &[FactorBlock { start: 0, rows: 2, cols: 2, left: &two, right: &two }]
-        )
-        .is_err());
+        assert!(refused(&[FactorBlock { start: 0, rows: 2, cols: 2, left: &two, right: &two }], "no smaller"));
         let nan = [f32::NAN, 1.0, 1.0, 1.0];
-        assert!(Payload::encode_factored(&full, &[FactorBlock { left: &nan, ..a }]).is_err());
+        assert!(matches!(
+            Payload::encode_factored(&full, &[FactorBlock { left: &nan, ..a }]),
+            Err(ProtocolError::NonFinite { value, .. }) if value.is_nan()
+        ));
 
         // A received table that claims more values than it carries.
         let p = Payload::encode_factored(&full, &[a, b]).expect("valid");
@@ -1287,17 +1293,20 @@ mod tests {
         meta.checksum = checksum(&body);
         let q = Payload::from_parts(meta, body, 1000).expect("the header alone is consistent");
         assert!(matches!(q.verify().unwrap_err(), ProtocolError::InvalidTensor(_)));
-        assert!(q.decode().is_err());
+        assert!(matches!(q.decode(), Err(ProtocolError::InvalidTensor(r)) if r.contains("the header says")));
         // A table whose first block overlaps the second.
         let mut body = p.data().to_vec();
         body[0..4].copy_from_slice(&27u32.to_le_bytes());
         let mut meta = p.meta().clone();
         meta.checksum = checksum(&body);
         let q = Payload::from_parts(meta, Bytes::from(body), 1000).expect("header consistent");
-        assert!(q.verify().is_err());
+        assert!(matches!(q.verify(), Err(ProtocolError::InvalidTensor(r)) if r.contains("overlaps another")));
         // Too many blocks for a header.
         let mut meta = p.meta().clone();
         meta.block = MAX_FACTOR_BLOCKS + 1;
-        assert!(meta.check(1000).is_err());
+        assert!(matches!(
+            meta.check(1000),
+            Err(ProtocolError::InvalidTensor(r)) if r.contains("factored blocks, at most")
+        ));
     }
 }

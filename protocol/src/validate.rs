@@ -456,14 +456,23 @@ mod tests {
         validate_response_fields(&good, &ctx()).unwrap();
         // A shard past the model's, a wrong size or another run is refused.
         let far = ShardResponse::ShardState(state(9, &[1.0, 2.0, 3.0]));
-        assert!(validate_response_fields(&far, &ctx()).is_err());
+        assert!(matches!(
+            validate_response_fields(&far, &ctx()),
+            Err(ProtocolError::ShardOutOfRange { shard: 9, num_shards: 4 })
+        ));
         let short = ShardResponse::ShardState(state(1, &[1.0, 2.0]));
-        assert!(validate_response_fields(&short, &ctx()).is_err());
+        assert!(matches!(validate_response_fields(&short, &ctx()), Err(ProtocolError::InvalidTensor(_))));
         let mut other = state(1, &[1.0, 2.0, 3.0]);
         other.run = RunId::new("run-b").unwrap();
-        assert!(validate_response_fields(&ShardResponse::ShardState(other), &ctx()).is_err());
+        assert!(matches!(
+            validate_response_fields(&ShardResponse::ShardState(other), &ctx()),
+            Err(ProtocolError::RunMismatch { found, .. }) if found == "run-b"
+        ));
         let late = ShardResponse::NotReady { shard: 4, current_version: 0 };
-        assert!(validate_response_fields(&late, &ctx()).is_err());
+        assert!(matches!(
+            validate_response_fields(&late, &ctx()),
+            Err(ProtocolError::ShardOutOfRange { shard: 4, .. })
+        ));
         // A corrupt body passes the fields and is caught by the decode.
         let mut bad = state(1, &[1.0, 2.0, 3.0]);
         let mut body = bad.params.data().to_vec();
@@ -486,20 +495,40 @@ mod tests {
         let good = ShardRequest::PushPullMany(vec![one(0, &[1.0; 3]), one(2, &[2.0; 3])]);
         validate_request(&good, &me, &ctx()).unwrap();
         // Empty, a shard twice, one bad entry, or more than the most.
-        let refused = |v: Vec<PushPull>| validate_request(&ShardRequest::PushPullMany(v), &me, &ctx()).is_err();
-        assert!(refused(Vec::new()));
-        assert!(refused(vec![one(2, &[1.0; 3]), one(2, &[2.0; 3])]));
-        assert!(refused(vec![one(0, &[1.0; 3]), one(1, &[2.0; 2])]));
-        assert!(refused(vec![one(0, &[1.0; 3]), one(9, &[2.0; 3])]));
-        assert!(refused((0..=MAX_BATCH_SHARDS as u32).map(|i| one(i % 4, &[1.0; 3])).collect()));
+        let refused = |v: Vec<PushPull>| validate_request(&ShardRequest::PushPullMany(v), &me, &ctx());
+        // The batch's own checks name the field and say what was wrong.
+        let batch_refused = |v: Vec<PushPull>, why: &str| {
+            let r = refused(v);
+            matches!(r, Err(ProtocolError::InvalidField { field: "push_pulls", reason }) if reason.contains(why))
+        };
+        assert!(batch_refused(Vec::new(), "empty"));
+        assert!(batch_refused(vec![one(2, &[1.0; 3]), one(2, &[2.0; 3])], "shard 2 twice"));
+        assert!(matches!(
+            refused(vec![one(0, &[1.0; 3]), one(1, &[2.0; 2])]),
+            Err(ProtocolError::InvalidTensor(reason)) if reason.contains("shard 1")
+        ));
+        assert!(matches!(
+            refused(vec![one(0, &[1.0; 3]), one(9, &[2.0; 3])]),
+            Err(ProtocolError::ShardOutOfRange { shard: 9, .. })
+        ));
+        assert!(batch_refused((0..=MAX_BATCH_SHARDS as u32).map(|i| one(i % 4, &[1.0; 3])).collect(), "at most"));
         // Another sender's gradients are refused, as in a PushPull.
-        assert!(validate_request(&good, &PeerId::random(), &ctx()).is_err());
+        assert!(matches!(
+            validate_request(&good, &PeerId::random(), &ctx()),
+            Err(ProtocolError::SenderMismatch { .. })
+        ));
 
         let answers = |v: Vec<ShardResponse>| validate_response(&ShardResponse::ExchangedMany(v), &ctx());
         let accepted = |shard| ShardResponse::Accepted(Accepted { shard, version: 1, staleness: 0 });
         answers(vec![accepted(0), accepted(1)]).unwrap();
-        assert!(answers(vec![accepted(0), accepted(7)]).is_err());
-        assert!(answers(vec![ShardResponse::ExchangedMany(vec![accepted(0)])]).is_err());
+        assert!(matches!(
+            answers(vec![accepted(0), accepted(7)]),
+            Err(ProtocolError::ShardOutOfRange { shard: 7, .. })
+        ));
+        assert!(matches!(
+            answers(vec![ShardResponse::ExchangedMany(vec![accepted(0)])]),
+            Err(ProtocolError::InvalidField { field: "answers", reason }) if reason == "nested batch"
+        ));
     }
 
     #[test]
@@ -511,7 +540,10 @@ mod tests {
         validate_request(&timed(good.clone()), &me, &ctx()).unwrap();
         validate_request(&timed(ShardRequest::PushGrad(push(me, &[1.0; 3]))), &me, &ctx()).unwrap();
         // The inner request's own checks apply (another sender's gradient).
-        assert!(validate_request(&timed(good.clone()), &PeerId::random(), &ctx()).is_err());
+        assert!(matches!(
+            validate_request(&timed(good.clone()), &PeerId::random(), &ctx()),
+            Err(ProtocolError::SenderMismatch { .. })
+        ));
         // Not around a request the detector does not time, nor another Timed.
         let pull = ShardRequest::PullShard(PullShard {
             run: RunId::new("run-a").unwrap(),
@@ -520,18 +552,33 @@ mod tests {
             max_wait_ms: 0,
             encoding: Encoding::F32,
         });
-        assert!(validate_request(&timed(pull), &me, &ctx()).is_err());
-        assert!(validate_request(&timed(timed(good)), &me, &ctx()).is_err());
+        assert!(matches!(
+            validate_request(&timed(pull), &me, &ctx()),
+            Err(ProtocolError::InvalidField { field: "timed", reason }) if reason.starts_with("pull_shard")
+        ));
+        assert!(matches!(
+            validate_request(&timed(timed(good)), &me, &ctx()),
+            Err(ProtocolError::InvalidField { field: "timed", reason }) if reason.starts_with("timed")
+        ));
 
         let accepted = ShardResponse::Accepted(Accepted { shard: 1, version: 1, staleness: 0 });
         let answer = |a: ShardResponse| ShardResponse::Timed { service_us: 250, answer: Box::new(a) };
         validate_response(&answer(accepted.clone()), &ctx()).unwrap();
         validate_response(&answer(ShardResponse::ExchangedMany(vec![accepted.clone()])), &ctx()).unwrap();
         let in_batch = ShardResponse::ExchangedMany(vec![answer(accepted.clone())]);
-        assert!(validate_response(&in_batch, &ctx()).is_err());
-        assert!(validate_response(&answer(answer(accepted)), &ctx()).is_err());
+        assert!(matches!(
+            validate_response(&in_batch, &ctx()),
+            Err(ProtocolError::InvalidField { field: "answers", reason }) if reason.contains("timed")
+        ));
+        assert!(matches!(
+            validate_response(&answer(answer(accepted)), &ctx()),
+            Err(ProtocolError::InvalidField { field: "answer", .. })
+        ));
         let far = ShardResponse::Accepted(Accepted { shard: 9, version: 1, staleness: 0 });
-        assert!(validate_response(&answer(far), &ctx()).is_err());
+        assert!(matches!(
+            validate_response(&answer(far), &ctx()),
+            Err(ProtocolError::ShardOutOfRange { shard: 9, .. })
+        ));
     }
 
     #[test]
@@ -630,20 +677,35 @@ mod tests {
             suspects: vec![PeerId::random()],
         };
         validate_heartbeat(&hb, Some(&me), &ctx()).unwrap();
-        assert!(validate_heartbeat(&hb, Some(&PeerId::random()), &ctx()).is_err());
-        assert!(validate_heartbeat(&hb, None, &ctx()).is_err());
+        assert!(matches!(
+            validate_heartbeat(&hb, Some(&PeerId::random()), &ctx()),
+            Err(ProtocolError::SenderMismatch { .. })
+        ));
+        assert!(matches!(
+            validate_heartbeat(&hb, None, &ctx()),
+            Err(ProtocolError::InvalidField { field: "source", .. })
+        ));
         let mut bad = hb.clone();
         bad.owned_shards.push(9);
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::ShardOutOfRange { .. })));
         let mut bad = hb.clone();
         bad.pace.comm_micros = 1001;
-        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
+        assert!(matches!(
+            validate_heartbeat(&bad, Some(&me), &ctx()),
+            Err(ProtocolError::InvalidField { field: "pace.comm_micros", .. })
+        ));
         let mut bad = hb.clone();
         bad.pace.capacity_level = 3;
-        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
+        assert!(matches!(
+            validate_heartbeat(&bad, Some(&me), &ctx()),
+            Err(ProtocolError::InvalidField { field: "pace.capacity_level", .. })
+        ));
         let mut bad = hb.clone();
         bad.pace.batch_permille = MAX_BATCH_PERMILLE + 1;
-        assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::InvalidField { .. })));
+        assert!(matches!(
+            validate_heartbeat(&bad, Some(&me), &ctx()),
+            Err(ProtocolError::InvalidField { field: "pace.batch_permille", .. })
+        ));
         let mut ok = hb.clone();
         ok.checkpoints = vec![CheckpointOffer::new(40, 40, [0, 2])];
         assert!(validate_heartbeat(&ok, Some(&me), &ctx()).is_ok());
@@ -653,10 +715,16 @@ mod tests {
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::ShardOutOfRange { .. })));
         let mut bad = hb.clone();
         bad.checkpoints = vec![CheckpointOffer::default(); MAX_CHECKPOINT_OFFERS + 1];
-        assert!(validate_heartbeat(&bad, Some(&me), &ctx()).is_err());
+        assert!(matches!(
+            validate_heartbeat(&bad, Some(&me), &ctx()),
+            Err(ProtocolError::InvalidField { field: "checkpoints", .. })
+        ));
         let mut bad = hb.clone();
         bad.suspects = vec![PeerId::random(); MAX_SUSPECTS + 1];
-        assert!(validate_heartbeat(&bad, Some(&me), &ctx()).is_err());
+        assert!(matches!(
+            validate_heartbeat(&bad, Some(&me), &ctx()),
+            Err(ProtocolError::InvalidField { field: "suspects", .. })
+        ));
         let mut bad = hb;
         bad.capabilities.net_bytes_per_sec = f32::NAN;
         assert!(matches!(validate_heartbeat(&bad, Some(&me), &ctx()), Err(ProtocolError::NonFinite { .. })));

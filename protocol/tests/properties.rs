@@ -70,13 +70,14 @@ proptest! {
     fn arbitrary_headers_behind_a_valid_prefix_never_panic(
         header in proptest::collection::vec(any::<u8>(), 0..300),
         body in proptest::collection::vec(any::<u8>(), 0..300),
-        version in 1u16..3,
     ) {
-        // A well-formed prefix gets the garbage past the framing checks and
-        // into postcard and the tensor re-attachment.
+        // A well-formed prefix (of our version: any other is refused at the
+        // prefix) gets the garbage past the framing checks and into postcard
+        // and the tensor re-attachment.
         let l = limits();
         for kind in [frame::FrameKind::Request, frame::FrameKind::Response] {
-            let prefix = FramePrefix { version, kind, header_len: header.len() as u32, body_len: body.len() as u64 };
+            let (header_len, body_len) = (header.len() as u32, body.len() as u64);
+            let prefix = FramePrefix { version: WIRE_VERSION, kind, header_len, body_len };
             let mut bytes = prefix.to_bytes().to_vec();
             bytes.extend_from_slice(&header);
             bytes.extend_from_slice(&body);
@@ -171,7 +172,7 @@ fn unknown_error_codes_from_newer_peers_decode_as_unknown() {
 
 #[test]
 fn undecodable_is_never_sent() {
-    let req = ShardRequest::Undecodable { version: 1, code: ErrorCode::InvalidRequest, reason: "x".into() };
+    let req = ShardRequest::Undecodable { code: ErrorCode::InvalidRequest, reason: "x".into() };
     assert!(matches!(frame::encode_request(&req, &limits()), Err(ProtocolError::Encode(_))));
 }
 
@@ -188,13 +189,29 @@ fn wrong_kind_and_magic_are_rejected() {
     assert!(matches!(frame::decode_response_frame(Bytes::from(bad), &limits()), Err(ProtocolError::BadMagic { .. })));
 }
 
+/// Gossip carries the wire version too: a message of another version is
+/// refused at its prefix, naming both versions.
+#[test]
+fn gossip_of_another_version_is_refused() {
+    let leaving = Announcement::Leaving { run: RunId::default(), peer: PeerId::random(), incarnation: 3 };
+    let msg = GossipMessage::Announce(leaving);
+    let bytes = frame::encode_gossip(&msg, &limits()).unwrap();
+    assert_eq!(frame::decode_gossip(&bytes, &limits()).unwrap(), msg, "our version decodes");
+    for theirs in [WIRE_VERSION - 1, WIRE_VERSION + 1] {
+        let mut other = bytes.clone();
+        other[2..4].copy_from_slice(&theirs.to_le_bytes());
+        let err = frame::decode_gossip(&other, &limits()).unwrap_err();
+        assert!(matches!(err, ProtocolError::VersionMismatch { ours: WIRE_VERSION, theirs: t } if t == theirs));
+    }
+}
+
 #[test]
 fn documented_example_frame_is_stable() {
     // The example in docs/protocol.md: a StateSync request.
     let req = ShardRequest::StateSync(StateSync { run: RunId::new("demo").unwrap(), shard: 3, min_version: 300 });
     let bytes = frame::encode_request(&req, &limits()).unwrap().to_vec();
     let expected: Vec<u8> = vec![
-        0x53, 0x48, 0x06, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 6, kind 1, reserved
+        0x53, 0x48, 0x01, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 1, kind 1, reserved
         0x09, 0x00, 0x00, 0x00, // header_len 9
         0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // body_len 0
         0x03, // ShardRequest variant 3 = StateSync

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use shoal_models::rng::stable_hash64;
-use shoal_protocol::{CheckpointOffer, Heartbeat, Pace, PeerId, Role, ServiceObservation};
+use shoal_protocol::{CheckpointOffer, Heartbeat, Pace, PeerId, Role, ServiceObservation, WIRE_VERSION};
 use tracing::warn;
 
 /// The agreed set of nodes of a run, sorted by peer id bytes.
@@ -72,8 +72,9 @@ pub enum RosterStatus {
 /// identities cannot grow the view without bound.
 pub const MAX_PEERS: usize = 4096;
 
-/// Most peers with another config that the view remembers (they are only
-/// named in the error when no roster forms).
+/// Most peers with another config, and most peers of another wire version,
+/// that the view remembers (they are only named in the error when no roster
+/// forms).
 pub const MAX_MISMATCHED: usize = 64;
 
 /// The pure view.
@@ -86,13 +87,25 @@ pub struct View {
     /// Peers seen with another config: peer -> their config hash (at most
     /// [`MAX_MISMATCHED`]).
     pub mismatched: BTreeMap<PeerId, u64>,
+    /// Peers seen speaking another wire version: peer -> their version (at
+    /// most [`MAX_MISMATCHED`]). The wire has one version, so they cannot
+    /// exchange shards with this node.
+    pub other_version: BTreeMap<PeerId, u16>,
     /// Heartbeats of new peers ignored because the view was full.
     pub refused: u64,
 }
 
 impl View {
     pub fn new(me: PeerId, my_can_aggregate: bool, config_hash: u64) -> Self {
-        Self { me, my_can_aggregate, config_hash, peers: BTreeMap::new(), mismatched: BTreeMap::new(), refused: 0 }
+        Self {
+            me,
+            my_can_aggregate,
+            config_hash,
+            peers: BTreeMap::new(),
+            mismatched: BTreeMap::new(),
+            other_version: BTreeMap::new(),
+            refused: 0,
+        }
     }
 
     /// Take in a heartbeat. Returns whether the view changed in a way that
@@ -100,6 +113,19 @@ impl View {
     pub fn observe(&mut self, hb: Heartbeat, now_ms: u64) -> bool {
         if hb.peer == self.me {
             return false;
+        }
+        if hb.protocol_minor != WIRE_VERSION {
+            if self.other_version.len() >= MAX_MISMATCHED && !self.other_version.contains_key(&hb.peer) {
+                self.refused += 1;
+                return false;
+            }
+            let new = self.other_version.insert(hb.peer, hb.protocol_minor).is_none();
+            if new {
+                warn!(peer = %hb.peer, theirs = hb.protocol_minor, ours = WIRE_VERSION,
+                      "peer speaks wire version {}, this node speaks version {WIRE_VERSION}; ignoring it",
+                      hb.protocol_minor);
+            }
+            return new;
         }
         if hb.config_hash != self.config_hash {
             if self.mismatched.len() >= MAX_MISMATCHED && !self.mismatched.contains_key(&hb.peer) {
@@ -339,6 +365,37 @@ mod tests {
         assert!(v.observe(hb(other, 5, 0), 0));
         assert!(!v.observe(hb(other, 4, 0), 1), "an older heartbeat changes nothing");
         assert_eq!(v.expire(10_000, 1000), vec![other]);
+    }
+
+    /// A heartbeat of another wire version, older or newer, is refused and
+    /// counted as a config mismatch is; the view remembers a bounded number
+    /// of such peers.
+    #[test]
+    fn heartbeats_of_another_wire_version_are_refused() {
+        let me = PeerId::random();
+        let mut v = View::new(me, true, 7);
+        for theirs in [WIRE_VERSION - 1, WIRE_VERSION + 1] {
+            let other = PeerId::random();
+            let mut hb_other = hb(other, 1, 0);
+            hb_other.protocol_minor = theirs;
+            assert!(v.observe(hb_other.clone(), 0), "a new peer of another version is news");
+            hb_other.seq = 2;
+            assert!(!v.observe(hb_other, 1), "and only once");
+            assert!(!v.peers.contains_key(&other));
+            assert_eq!(v.other_version.get(&other), Some(&theirs));
+        }
+        assert!(v.mismatched.is_empty(), "not counted as another config");
+        // Positive control: our version joins the view.
+        let same = PeerId::random();
+        assert!(v.observe(hb(same, 1, 0), 2));
+        assert!(v.peers.contains_key(&same) && !v.other_version.contains_key(&same));
+        // Bounded like the config mismatches.
+        for _ in 0..MAX_MISMATCHED + 3 {
+            let mut other = hb(PeerId::random(), 1, 0);
+            other.protocol_minor = WIRE_VERSION + 1;
+            v.observe(other, 3);
+        }
+        assert_eq!((v.other_version.len(), v.refused), (MAX_MISMATCHED, 5));
     }
 
     /// A flood of fresh identities fills the view to its bound and no
