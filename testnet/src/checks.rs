@@ -20,95 +20,11 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
-
-use crate::report::{ResourceSample, Summary};
-
-/// The `[checks]` table of a scenario.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Checks {
-    /// Seconds at the start of each node process's life whose memory is not
-    /// judged (model, data and pools are allocated then).
-    pub warmup_secs: f64,
-    /// Largest allowed growth of a node process's RSS after warm-up, as a
-    /// fraction of its RSS when warm-up ended.
-    pub max_rss_growth: Option<f64>,
-    /// Fail when any node closed a BSP round at `round_timeout_ms`.
-    pub no_forced_rounds: bool,
-    /// Run the scenario again without events; fail when the survivors' mean
-    /// final accuracy differs from that run's by more than this many points.
-    pub accuracy_within_points: Option<f64>,
-    /// Run the scenario again without events; fail when the survivors' mean
-    /// final accuracy is more than this many points below that run's. For
-    /// runs whose events may help as well as hurt (a mixed testnet under
-    /// ASP ended 0.34 to 0.73 points above its all-native twin).
-    pub max_accuracy_drop_points: Option<f64>,
-    /// Largest allowed peak resident memory (`VmHWM`), in bytes, by node
-    /// name (from `max_peak_rss_mib` of a `[[node]]` table).
-    pub max_peak_rss: BTreeMap<String, u64>,
-}
-
-impl Checks {
-    pub fn is_empty(&self) -> bool {
-        self.max_rss_growth.is_none()
-            && !self.no_forced_rounds
-            && self.accuracy_within_points.is_none()
-            && self.max_accuracy_drop_points.is_none()
-            && self.max_peak_rss.is_empty()
-    }
-
-    /// Whether judging needs the same scenario run again without events.
-    pub fn needs_fault_free_run(&self) -> bool {
-        self.accuracy_within_points.is_some() || self.max_accuracy_drop_points.is_some()
-    }
-}
-
-/// Memory of one node process (one life: a restarted node is a new one).
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct RssGrowth {
-    pub node: String,
-    pub pid: u32,
-    /// Seconds since the testnet started, of the first sample after warm-up.
-    pub from_secs: f64,
-    pub to_secs: f64,
-    /// RSS at the first sample after warm-up.
-    pub baseline_bytes: u64,
-    /// Highest RSS after warm-up.
-    pub peak_bytes: u64,
-    /// `peak / baseline - 1`.
-    pub growth: f64,
-}
-
-/// The verdict on a run, written into `summary.json` as `checks`.
-#[derive(Debug, Clone, Serialize, Default, PartialEq)]
-pub struct CheckReport {
-    /// Every node process that lived past warm-up for at least two samples.
-    pub rss: Vec<RssGrowth>,
-    /// Processes too short-lived to judge (fewer than two samples after warm-up).
-    pub rss_not_judged: Vec<String>,
-    /// The peak resident memory (`VmHWM`) of each node with a
-    /// `max_peak_rss_mib`, over all its lives, in bytes.
-    pub peak_rss: BTreeMap<String, u64>,
-    /// Rounds each node closed at the timeout (over all its lives).
-    pub rounds_forced: BTreeMap<String, u64>,
-    /// Of those, the rounds forced within [`HEAL_GRACE_SECS`] after a
-    /// partition healed: excused (see [`judge`]).
-    pub rounds_forced_after_heal: u64,
-    /// Mean final accuracy of the nodes that trained to the end (not killed,
-    /// not left).
-    pub survivors_accuracy: Option<f64>,
-    pub survivors: Vec<String>,
-    /// The same mean in the fault-free run.
-    pub fault_free_accuracy: Option<f64>,
-    /// Each check that failed, in words. Empty: the run passed.
-    pub failures: Vec<String>,
-}
-
-impl CheckReport {
-    pub fn passed(&self) -> bool {
-        self.failures.is_empty()
-    }
-}
+use crate::report::{ResourceSample, Sample, Summary};
+// The table a scenario sets and the verdict the report carries: at home in
+// their file formats, and kept here under their old paths.
+pub use crate::report::{CheckReport, RssGrowth};
+pub use crate::scenario::Checks;
 
 /// Mean final accuracy of the nodes that trained to the end, and their names.
 pub fn survivors_accuracy(s: &Summary) -> (Option<f64>, Vec<String>) {
@@ -162,10 +78,10 @@ pub const HEAL_GRACE_SECS: f64 = 30.0;
 
 /// Each node's forced rounds as (seconds, count) from its `/status`
 /// samples: the counter's increases, and its value after a restart.
-fn forced_rounds(samples: &[crate::report::Sample]) -> Vec<(String, f64, u64)> {
+fn forced_rounds(samples: &[Sample]) -> Vec<(String, f64, u64)> {
     let mut last: BTreeMap<&str, u64> = BTreeMap::new();
     let mut out = Vec::new();
-    let mut sorted: Vec<&crate::report::Sample> = samples.iter().collect();
+    let mut sorted: Vec<&Sample> = samples.iter().collect();
     sorted.sort_by(|a, b| a.secs.total_cmp(&b.secs));
     for s in sorted {
         let before = last.insert(s.node.as_str(), s.rounds_forced).unwrap_or(0);
@@ -202,6 +118,23 @@ pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> Ch
     (r.survivors_accuracy, r.survivors) = survivors_accuracy(run);
     r.fault_free_accuracy = fault_free.and_then(|f| survivors_accuracy(f).0);
 
+    memory_failures(checks, run, &mut r);
+    if checks.no_forced_rounds {
+        for (node, secs, n) in &unexcused {
+            r.failures.push(format!(
+                "rounds: {node} closed {n} BSP round(s) at the round timeout (seen at {secs:.0} s, not within \
+                 {HEAL_GRACE_SECS} s after a partition healed)"
+            ));
+        }
+    }
+    if checks.needs_fault_free_run() {
+        accuracy_failures(checks, &mut r);
+    }
+    r
+}
+
+/// The memory checks: growth after warm-up and peak resident memory.
+fn memory_failures(checks: &Checks, run: &Summary, r: &mut CheckReport) {
     if let Some(max) = checks.max_rss_growth {
         if r.rss.is_empty() {
             r.failures.push(
@@ -243,36 +176,29 @@ pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> Ch
             }
         }
     }
-    if checks.no_forced_rounds {
-        for (node, secs, n) in &unexcused {
-            r.failures.push(format!(
-                "rounds: {node} closed {n} BSP round(s) at the round timeout (seen at {secs:.0} s, not within \
-                 {HEAL_GRACE_SECS} s after a partition healed)"
-            ));
-        }
-    }
-    if checks.needs_fault_free_run() {
-        match (r.survivors_accuracy, r.fault_free_accuracy) {
-            (Some(a), Some(b)) => {
-                let diff = (a - b) * 100.0;
-                let limits = [
-                    checks.accuracy_within_points.filter(|p| diff.abs() > *p).map(|p| format!("±{p}")),
-                    checks.max_accuracy_drop_points.filter(|p| diff < -*p).map(|p| format!("at most {p} below")),
-                ];
-                for limit in limits.into_iter().flatten() {
-                    r.failures.push(format!(
-                        "accuracy: the survivors reached {:.2}%, the fault-free run {:.2}%: {diff:+.2} points \
-                         (limit {limit})",
-                        a * 100.0,
-                        b * 100.0
-                    ));
-                }
+}
+
+/// The accuracy checks: the survivors' mean against the fault-free run's.
+fn accuracy_failures(checks: &Checks, r: &mut CheckReport) {
+    match (r.survivors_accuracy, r.fault_free_accuracy) {
+        (Some(a), Some(b)) => {
+            let diff = (a - b) * 100.0;
+            let limits = [
+                checks.accuracy_within_points.filter(|p| diff.abs() > *p).map(|p| format!("±{p}")),
+                checks.max_accuracy_drop_points.filter(|p| diff < -*p).map(|p| format!("at most {p} below")),
+            ];
+            for limit in limits.into_iter().flatten() {
+                r.failures.push(format!(
+                    "accuracy: the survivors reached {:.2}%, the fault-free run {:.2}%: {diff:+.2} points \
+                     (limit {limit})",
+                    a * 100.0,
+                    b * 100.0
+                ));
             }
-            (None, _) => r.failures.push("accuracy: no node trained to the end".into()),
-            (_, None) => r.failures.push("accuracy: the fault-free run has no node that trained to the end".into()),
         }
+        (None, _) => r.failures.push("accuracy: no node trained to the end".into()),
+        (_, None) => r.failures.push("accuracy: the fault-free run has no node that trained to the end".into()),
     }
-    r
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -321,7 +247,7 @@ pub fn describe(r: &CheckReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{NodeOutcome, Sample};
+    use crate::report::NodeOutcome;
 
     fn res(secs: f64, node: &str, pid: u32, mib: u64) -> ResourceSample {
         ResourceSample { secs, node: node.into(), pid, rss_bytes: mib << 20, peak_rss_bytes: mib << 20, open_fds: 20 }

@@ -7,6 +7,8 @@
 //!   node's HTTP control endpoint and real process kills, shows a live table
 //!   and writes a report;
 //! - [`report`]: `summary.json` and the accuracy/loss plot;
+//! - [`layers`]: how layers of a node's TOML config combine (shared with
+//!   the node);
 //! - [`checks`]: what a soak asserts (memory after warm-up, forced rounds,
 //!   accuracy against a fault-free run), judged from the summaries.
 //!
@@ -17,6 +19,7 @@
 
 pub mod checks;
 pub mod http;
+pub mod layers;
 pub mod process;
 pub mod report;
 pub mod scenario;

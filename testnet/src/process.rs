@@ -18,6 +18,11 @@
 //! every node process has exited, or kills them all at the scenario's time
 //! limit or when it is told to stop ([`RunOptions::stop`]: `shoal testnet
 //! run` sets it on SIGINT or SIGTERM), and writes the report either way.
+//!
+//! What differs between backends (how a node is started, frozen and
+//! killed, which address it is reached at, what is cleaned up) is a
+//! `Launcher`, chosen once per run: `ProcessLauncher` (an aarch64 node runs
+//! under qemu there) or `DockerLauncher`.
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::SocketAddr;
@@ -156,17 +161,12 @@ impl NodeProc {
     }
 }
 
-struct Launcher<'a> {
+/// A running testnet: the scenario, its nodes, and the launcher of the
+/// backend they run on.
+struct Testnet<'a> {
     scenario: &'a Scenario,
     opts: &'a RunOptions,
-    /// Docker backend: the network and the containers made (removed on drop).
-    docker_net: Option<String>,
-    /// A relay scenario's second network, which only the relay node shares
-    /// with the far nodes (removed on drop).
-    far_net: Option<String>,
-    /// The relay node's address on the far network.
-    relay_far_addr: Option<String>,
-    containers: Vec<String>,
+    launcher: Box<dyn Launcher>,
     nodes: Vec<NodeProc>,
     begun: Instant,
 }
@@ -175,7 +175,36 @@ const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 const POLL: Duration = Duration::from_millis(500);
 
-impl Launcher<'_> {
+/// What a node is started with, whichever backend runs it.
+struct NodeArgs {
+    /// `node{i}`.
+    name: String,
+    /// Its config file, written from the scenario.
+    config: PathBuf,
+    arch: Arch,
+    /// On the far network of a relay scenario.
+    far: bool,
+    /// The relay node of a relay scenario.
+    relay_server: bool,
+    /// `--no-mdns`: every discovery but mDNS.
+    no_mdns: bool,
+    /// `--bootstrap <addr>`, `--relay-server` or `--relay <addr>`.
+    peers: Vec<String>,
+    /// `RUST_LOG` for the node.
+    log_filter: String,
+}
+
+impl NodeArgs {
+    fn mdns_flag(&self) -> &'static [&'static str] {
+        if self.no_mdns {
+            &["--no-mdns"]
+        } else {
+            &[]
+        }
+    }
+}
+
+impl Testnet<'_> {
     fn secs(&self) -> f64 {
         self.begun.elapsed().as_secs_f64()
     }
@@ -184,7 +213,7 @@ impl Launcher<'_> {
     fn write_config(&self, i: usize) -> anyhow::Result<PathBuf> {
         let mut cfg = self.scenario.node_config.clone();
         let spec = self.scenario.node_spec(i);
-        merge_tables(&mut cfg, &spec.config);
+        crate::layers::merge_tables(&mut cfg, spec.config.clone());
         cfg.insert("run_id".into(), self.scenario.run_id.clone().into());
         let table = |cfg: &mut toml::Table, key: &str| -> anyhow::Result<toml::Table> {
             match cfg.remove(key) {
@@ -222,15 +251,7 @@ impl Launcher<'_> {
         if cfg.contains_key("checkpoint") {
             // Each node its own folder in the report, kept across restarts.
             let mut checkpoint = table(&mut cfg, "checkpoint")?;
-            let dir = match self.opts.backend {
-                Backend::Processes => {
-                    let d = self.opts.report_dir.join("checkpoints").join(format!("node{i}"));
-                    std::fs::create_dir_all(&d)?;
-                    std::fs::canonicalize(&d).unwrap_or(d).display().to_string()
-                }
-                Backend::Docker { .. } => format!("/checkpoints/node{i}"),
-            };
-            checkpoint.insert("dir".into(), dir.into());
+            checkpoint.insert("dir".into(), self.launcher.checkpoint_dir(i)?.into());
             cfg.insert("checkpoint".into(), checkpoint.into());
         }
         let dir = self.opts.report_dir.join("configs");
@@ -244,14 +265,25 @@ impl Launcher<'_> {
     /// addresses.
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
         let config = self.write_config(i)?;
-        let spec = self.scenario.node_spec(i);
-        if spec.arch != Arch::Native && matches!(self.opts.backend, Backend::Docker { .. }) {
-            bail!("node{i} has arch = \"{}\": emulated nodes run on the process backend only", spec.arch);
+        let args = self.node_args(i, config)?;
+        for dir in ["logs", "keys", "models"] {
+            std::fs::create_dir_all(self.opts.report_dir.join(dir))?;
         }
+        let cmd = self.launcher.command(i, &args)?;
+        let proc = self.start(i, &args.name, cmd)?;
+        match self.nodes.iter().position(|n| n.index == i) {
+            Some(p) => self.nodes[p] = proc,
+            None => self.nodes.push(proc),
+        }
+        self.wait_ready(i, &args)
+    }
+
+    /// How node `i` finds the others: the same on every backend.
+    fn node_args(&self, i: usize, config: PathBuf) -> anyhow::Result<NodeArgs> {
         let far = self.scenario.is_far(i);
         let bootstrap: Option<String> = match self.scenario.discovery {
             Discovery::Bootstrap => self.nodes.iter().filter(|n| n.alive() && n.index != i).find_map(|n| n.p2p_addr()),
-            Discovery::Relay if far => self.relay_far_addr.clone(),
+            Discovery::Relay if far => self.launcher.relay_far_addr(),
             // Any live node this one can reach: not a far one.
             Discovery::Relay => self
                 .nodes
@@ -260,103 +292,39 @@ impl Launcher<'_> {
                 .find_map(|n| n.p2p_addr()),
             Discovery::Mdns => None,
         };
-        let mdns_flag: &[&str] = match self.scenario.discovery {
-            Discovery::Bootstrap | Discovery::Relay => &["--no-mdns"],
-            Discovery::Mdns => &[],
-        };
+        let mut peers: Vec<String> = bootstrap.into_iter().flat_map(|b| ["--bootstrap".into(), b]).collect();
         // The relay serves; every other node reserves on it, by the address
         // on its own network, so that the far nodes reach it and it them.
-        let relay_args: Vec<String> = match &self.scenario.relay {
-            None => Vec::new(),
-            Some(r) if r.node == i => vec!["--relay-server".into()],
+        match &self.scenario.relay {
+            None => {}
+            Some(r) if r.node == i => peers.push("--relay-server".into()),
             Some(r) => {
-                let addr = if far { self.relay_far_addr.clone() } else { self.node(r.node)?.p2p_addr() };
-                vec![
-                    "--relay".into(),
-                    addr.with_context(|| format!("node{i} starts before its relay, node{}", r.node))?,
-                ]
+                let addr = if far { self.launcher.relay_far_addr() } else { self.node(r.node)?.p2p_addr() };
+                peers.push("--relay".into());
+                peers.push(addr.with_context(|| format!("node{i} starts before its relay, node{}", r.node))?);
             }
-        };
+        }
+        Ok(NodeArgs {
+            name: format!("node{i}"),
+            config,
+            arch: self.scenario.node_spec(i).arch,
+            far,
+            relay_server: self.scenario.relay.as_ref().is_some_and(|r| r.node == i),
+            no_mdns: self.scenario.discovery != Discovery::Mdns,
+            peers,
+            log_filter: std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        })
+    }
+
+    /// Run `cmd` as node `i`: stderr to its log, stdout read line by line
+    /// (kept in `<name>.out`) for what it tells the launcher.
+    fn start(&self, i: usize, name: &str, mut cmd: Command) -> anyhow::Result<NodeProc> {
         let logs = self.opts.report_dir.join("logs");
-        std::fs::create_dir_all(&logs)?;
-        let keys = self.opts.report_dir.join("keys");
-        std::fs::create_dir_all(&keys)?;
-        let models = self.opts.report_dir.join("models");
-        std::fs::create_dir_all(&models)?;
-        let name = format!("node{i}");
         let stderr = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(logs.join(format!("{name}.log")))
             .context("opening the node log")?;
-        let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
-        let container = self.container_name(i);
-        let mut cmd = match &self.opts.backend {
-            Backend::Processes => {
-                let mut cmd = match spec.arch {
-                    Arch::Native => Command::new(&self.opts.shoal_bin),
-                    Arch::Aarch64 => {
-                        let bin = self.opts.aarch64_bin.as_ref().with_context(|| {
-                            format!(
-                                "{name} has arch = \"aarch64\": pass --aarch64-bin (or SHOAL_AARCH64_BIN) with the \
-                                 binary scripts/build-aarch64.sh builds"
-                            )
-                        })?;
-                        qemu_aarch64_command(bin)?
-                    }
-                };
-                cmd.arg("node")
-                    .arg("--config")
-                    .arg(&config)
-                    .args(["--name", &name, "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--control"])
-                    .args(mdns_flag)
-                    .arg("--identity")
-                    .arg(keys.join(format!("{name}.key")))
-                    .arg("--output")
-                    .arg(models.join(format!("{name}.safetensors")));
-                if let Some(b) = &bootstrap {
-                    cmd.args(["--bootstrap", b]);
-                }
-                cmd.args(&relay_args);
-                cmd.env("RUST_LOG", &log_filter).env("NO_COLOR", "1");
-                cmd
-            }
-            Backend::Docker { image } => {
-                let net = if far { self.far_net.clone() } else { self.docker_net.clone() };
-                let net = net.context("no docker network")?;
-                // A restart reuses the container: same identity, new incarnation.
-                let _ = docker(&["rm", "-f", &container]);
-                let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-                let mut cmd = Command::new("docker");
-                cmd.args(["run", "--name", &container, "--network", &net, "--user", "0:0"])
-                    .arg("-v")
-                    .arg(format!("{}:/configs:ro", abs(&self.opts.report_dir.join("configs")).display()))
-                    .arg("-v")
-                    .arg(format!("{}:/keys", abs(&keys).display()))
-                    .arg("-v")
-                    .arg(format!("{}:/models", abs(&models).display()));
-                if self.scenario.node_config.contains_key("checkpoint") {
-                    let ckpt = self.opts.report_dir.join("checkpoints");
-                    std::fs::create_dir_all(&ckpt)?;
-                    cmd.arg("-v").arg(format!("{}:/checkpoints", abs(&ckpt).display()));
-                }
-                cmd.args(["-e", &format!("RUST_LOG={log_filter}"), "-e", "NO_COLOR=1", image, "node"])
-                    .args(["--config", &format!("/configs/{name}.toml"), "--name", &name])
-                    .args(["--listen", &format!("/ip4/0.0.0.0/tcp/{DOCKER_P2P_PORT}")])
-                    .args(["--http", &format!("0.0.0.0:{DOCKER_HTTP_PORT}"), "--control"])
-                    .args(mdns_flag)
-                    .args(["--identity", &format!("/keys/{name}.key")])
-                    .args(["--output", &format!("/models/{name}.safetensors")]);
-                if let Some(b) = &bootstrap {
-                    cmd.args(["--bootstrap", b]);
-                }
-                cmd.args(&relay_args);
-                if !self.containers.contains(&container) {
-                    self.containers.push(container.clone());
-                }
-                cmd
-            }
-        };
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(stderr));
         let mut child =
             cmd.spawn().with_context(|| format!("starting {} for {name}", self.opts.shoal_bin.display()))?;
@@ -376,9 +344,9 @@ impl Launcher<'_> {
                 }
             }
         });
-        let proc = NodeProc {
+        Ok(NodeProc {
             index: i,
-            name: name.clone(),
+            name: name.to_string(),
             child: Some(child),
             lines: rx,
             peer_id: None,
@@ -389,37 +357,23 @@ impl Launcher<'_> {
             last: None,
             last_role: None,
             frozen: false,
-        };
-        match self.nodes.iter().position(|n| n.index == i) {
-            Some(p) => self.nodes[p] = proc,
-            None => self.nodes.push(proc),
-        }
+        })
+    }
+
+    /// Wait until node `i`, just started, is ready (see [`Launcher::ready`]).
+    fn wait_ready(&mut self, i: usize, args: &NodeArgs) -> anyhow::Result<()> {
+        let name = &args.name;
         let deadline = Instant::now() + START_TIMEOUT;
-        let docker = matches!(self.opts.backend, Backend::Docker { .. });
-        let own_net = if far { self.far_net.clone() } else { self.docker_net.clone() };
         loop {
-            let n = self.node_mut(i)?;
+            let n = self.nodes.iter_mut().find(|n| n.index == i).with_context(|| format!("no node{i}"))?;
             n.drain_lines();
-            if docker && n.http.is_some() && n.peer_id.is_some() {
-                // Inside a container the node reports 0.0.0.0 and loopback:
-                // peers and the launcher use the container's address.
-                if let Some(ip) = own_net.as_deref().and_then(|net| container_ip(&container, net)) {
-                    let n = self.node_mut(i)?;
-                    n.listen = Some(format!("/ip4/{ip}/tcp/{DOCKER_P2P_PORT}"));
-                    n.http = Some(SocketAddr::new(ip, DOCKER_HTTP_PORT));
-                    if self.scenario.relay.as_ref().is_some_and(|r| r.node == i) {
-                        self.join_far_network(i, &container)?;
-                    }
-                    return Ok(());
-                }
-            }
-            let n = self.node_mut(i)?;
-            if !docker && n.http.is_some() && n.p2p_addr().is_some() {
+            if self.launcher.ready(n, args)? {
                 return Ok(());
             }
             if let Some(c) = n.child.as_mut() {
                 if let Some(status) = c.try_wait()? {
-                    bail!("{name} exited at start ({status}); see {}", logs.join(format!("{name}.log")).display());
+                    let log = self.opts.report_dir.join("logs").join(format!("{name}.log"));
+                    bail!("{name} exited at start ({status}); see {}", log.display());
                 }
             }
             if Instant::now() > deadline {
@@ -428,17 +382,6 @@ impl Launcher<'_> {
             // Waiting for a child process's output: nothing to wait on but time.
             std::thread::sleep(Duration::from_millis(50));
         }
-    }
-
-    /// Attach the relay node's container to the far network too (it listens
-    /// on every interface) and note its address there for the far nodes.
-    fn join_far_network(&mut self, i: usize, container: &str) -> anyhow::Result<()> {
-        let far = self.far_net.clone().context("a relay scenario without its far network")?;
-        docker(&["network", "connect", &far, container]).context("attaching the relay to the far network")?;
-        let ip = container_ip(container, &far).context("the relay got no address on the far network")?;
-        let peer = self.node(i)?.peer_id.clone().context("the relay printed no peer id")?;
-        self.relay_far_addr = Some(format!("/ip4/{ip}/tcp/{DOCKER_P2P_PORT}/p2p/{peer}"));
-        Ok(())
     }
 
     fn node_mut(&mut self, i: usize) -> anyhow::Result<&mut NodeProc> {
@@ -483,33 +426,12 @@ impl Launcher<'_> {
             }
             Action::Freeze { node } => {
                 let pid = self.node(*node)?.child.as_ref().map(Child::id).context("the node is not running")?;
-                match self.opts.backend {
-                    Backend::Docker { .. } => {
-                        docker(&["pause", &self.container_name(*node)])
-                            .with_context(|| format!("docker pause node{node}"))?;
-                    }
-                    Backend::Processes => {
-                        // SIGSTOP through kill(1): the workspace forbids unsafe code.
-                        let out = Command::new("kill").args(["-STOP", &pid.to_string()]).output()?;
-                        anyhow::ensure!(
-                            out.status.success(),
-                            "kill -STOP {pid}: {}",
-                            String::from_utf8_lossy(&out.stderr).trim()
-                        );
-                    }
-                }
+                self.launcher.freeze(*node, pid)?;
                 self.node_mut(*node)?.frozen = true;
                 Ok(format!("node{node} frozen (stopped; its connections stay open)"))
             }
             Action::Kill { node } => {
-                if matches!(self.opts.backend, Backend::Docker { .. }) {
-                    let name = self.container_name(*node);
-                    if self.node(*node)?.frozen {
-                        // A paused container is killed once it runs again.
-                        let _ = docker(&["unpause", &name]);
-                    }
-                    docker(&["kill", &name]).with_context(|| format!("docker kill node{node}"))?;
-                }
+                self.launcher.kill(*node, self.node(*node)?.frozen)?;
                 let n = self.node_mut(*node)?;
                 n.frozen = false;
                 if let Some(mut c) = n.child.take() {
@@ -571,15 +493,12 @@ impl Launcher<'_> {
         Ok(())
     }
 
-    /// Memory and open files of every live node process (process backend;
-    /// with docker the child is the `docker run` client, not the node).
+    /// Memory and open files of every live node process, where the
+    /// backend can read them ([`Launcher::resources`]).
     fn sample_resources(&self, t: f64, out: &mut Vec<ResourceSample>) {
-        if !matches!(self.opts.backend, Backend::Processes) {
-            return;
-        }
         for n in &self.nodes {
             let Some(pid) = n.child.as_ref().map(Child::id) else { continue };
-            if let Some((rss_bytes, peak_rss_bytes, open_fds)) = proc_resources(pid) {
+            if let Some((rss_bytes, peak_rss_bytes, open_fds)) = self.launcher.resources(pid) {
                 out.push(ResourceSample { secs: t, node: n.name.clone(), pid, rss_bytes, peak_rss_bytes, open_fds });
             }
         }
@@ -651,19 +570,13 @@ impl Launcher<'_> {
         out
     }
 
-    fn container_name(&self, i: usize) -> String {
-        format!("shoal-{}-{}-node{i}", self.scenario.name, std::process::id())
-    }
-
     fn kill_all(&mut self) {
         self.kill_all_as("killed at the time limit");
     }
 
     /// Kill every node still running; `why` becomes their exit.
     fn kill_all_as(&mut self, why: &str) {
-        for c in &self.containers {
-            let _ = docker(&["kill", c]);
-        }
+        self.launcher.kill_all();
         for n in self.nodes.iter_mut() {
             if let Some(mut c) = n.child.take() {
                 let _ = c.kill();
@@ -672,16 +585,557 @@ impl Launcher<'_> {
             }
         }
     }
+
+    /// Start the initial nodes, in order: node 0 first, the others bootstrap from it.
+    #[allow(clippy::print_stdout)] // The launcher's own terminal output.
+    fn start_all(&mut self) -> anyhow::Result<()> {
+        let scenario = self.scenario;
+        println!(
+            "testnet `{}`: {} nodes, {} events, logs in {}",
+            scenario.name,
+            scenario.nodes,
+            scenario.events.len(),
+            self.opts.report_dir.join("logs").display()
+        );
+        for i in 0..scenario.nodes {
+            self.spawn(i)?;
+            println!("started node{i}: {}", self.node(i)?.p2p_addr().unwrap_or_default());
+        }
+        Ok(())
+    }
+
+    /// Every initial node has trained a step: the timeline's zero.
+    fn training_started(&self) -> bool {
+        (0..self.scenario.nodes).all(|i| {
+            self.node(i)
+                .ok()
+                .and_then(|n| n.last.as_ref())
+                .and_then(|s| s.get("step"))
+                .and_then(|s| s.as_u64())
+                .unwrap_or(0)
+                >= 1
+        })
+    }
+
+    /// Poll the nodes, apply the timeline and draw the table every
+    /// [`POLL`] until every node has exited, the time limit, or told to stop.
+    #[allow(clippy::print_stdout)] // The launcher's own terminal output.
+    fn run_timeline(&mut self, live: bool) -> (Progress, End) {
+        let mut p = Progress::new();
+        loop {
+            let t = self.secs();
+            self.poll(t, &mut p.samples, &mut p.roles);
+            if t - p.last_resources >= RESOURCE_EVERY_SECS {
+                p.last_resources = t;
+                self.sample_resources(t, &mut p.resources);
+            }
+            if p.t0.is_none() {
+                if self.training_started() {
+                    p.t0 = Some(t);
+                    println!("training started at {t:.1} s; the timeline starts now");
+                } else if self.nodes.iter().any(|n| !n.alive()) {
+                    // A node died before training started: report that now
+                    // rather than wait out the time limit.
+                    println!("a node exited before training started; stopping");
+                    self.kill_all();
+                    return (p, End::Done);
+                }
+            }
+            if let Some(t0) = p.t0 {
+                self.apply_due_events(t, t0, &mut p);
+                self.heal_due_partitions(t, t0, &mut p);
+            }
+            if live {
+                print!("\x1b[H\x1b[2J{}", self.table(t));
+                let _ = std::io::stdout().flush();
+            } else if t - p.last_print >= 5.0 {
+                print!("{}", self.table(t));
+                p.last_print = t;
+            }
+            // Before the end check: Ctrl-C in a terminal reaches the nodes too,
+            // and they may all have left by now.
+            if told_to_stop(self.opts) {
+                println!("told to stop: stopping every node");
+                self.kill_all_as("killed: the testnet was stopped");
+                return (p, End::Stopped);
+            }
+            let events_done = p.next_event >= self.scenario.events.len() && p.heals.is_empty();
+            if self.nodes.iter().all(|n| !n.alive()) && events_done {
+                return (p, End::Done);
+            }
+            if t > self.scenario.time_limit.as_secs_f64() {
+                println!("time limit of {} s reached: stopping every node", self.scenario.time_limit.as_secs());
+                self.kill_all();
+                return (p, End::TimedOut);
+            }
+            // The poll interval of the live table and the timeline.
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Apply every event due at `t` (the timeline started at `t0`).
+    #[allow(clippy::print_stdout)] // The launcher's own terminal output.
+    fn apply_due_events(&mut self, t: f64, t0: f64, p: &mut Progress) {
+        let events = &self.scenario.events;
+        while let Some(ev) = events.get(p.next_event) {
+            if t - t0 < ev.at_secs {
+                break;
+            }
+            p.next_event += 1;
+            let outcome = self.apply(&ev.action, &mut p.heals);
+            let what = match &outcome {
+                Ok(m) => m.clone(),
+                Err(e) => format!("failed: {e:#}"),
+            };
+            println!("[{:>6.1} s] {} (line {}): {what}", t - t0, ev.action, ev.line);
+            p.faults.push(FaultRecord {
+                secs: t,
+                at_secs: ev.at_secs,
+                line: ev.line,
+                action: ev.action.to_string(),
+                outcome: what,
+                steps_per_sec_before: None,
+                steps_per_sec_after: None,
+            });
+        }
+    }
+
+    /// Heal every partition whose time is up at `t`.
+    #[allow(clippy::print_stdout)] // The launcher's own terminal output.
+    fn heal_due_partitions(&mut self, t: f64, t0: f64, p: &mut Progress) {
+        let due: Vec<Vec<Vec<usize>>> = p.heals.iter().filter(|h| h.0 <= t).map(|h| h.1.clone()).collect();
+        p.heals.retain(|h| h.0 > t);
+        for groups in due {
+            let what = match self.set_partition(&groups, false) {
+                Ok(()) => "healed".to_string(),
+                Err(e) => format!("heal failed: {e:#}"),
+            };
+            println!("[{:>6.1} s] partition {groups:?}: {what}", t - t0);
+            p.faults.push(FaultRecord {
+                secs: t,
+                at_secs: t - t0,
+                line: 0,
+                action: format!("heal {groups:?}"),
+                outcome: what,
+                steps_per_sec_before: None,
+                steps_per_sec_after: None,
+            });
+        }
+    }
+
+    /// How each node ended, for the report.
+    fn outcomes(&self) -> Vec<NodeOutcome> {
+        self.nodes
+            .iter()
+            .map(|n| NodeOutcome {
+                name: n.name.clone(),
+                peer_id: n.peer_id.clone().unwrap_or_default(),
+                exit: n.exit.clone().unwrap_or_else(|| "unknown".into()),
+                killed: n.exit.as_deref() == Some("killed"),
+                final_accuracy: n.finished.map(|f| f.0),
+                steps: n.finished.map(|f| f.1),
+                left: n.finished.is_some_and(|f| f.2),
+                resumed_at_step: n.last.as_ref().and_then(|s| s.get("resumed_at_step")).and_then(|v| v.as_u64()),
+                model: Some(format!("models/{}.safetensors", n.name))
+                    .filter(|m| self.opts.report_dir.join(m).is_file()),
+                arch: self.scenario.node_spec(n.index).arch.to_string(),
+                profile: self.scenario.node_spec(n.index).profile,
+            })
+            .collect()
+    }
+
+    /// Write the report of the run that ended as `end`; an error if it did
+    /// not run to its end or a node failed.
+    #[allow(clippy::print_stdout)] // The launcher's own terminal output.
+    fn report(&mut self, p: Progress, end: End) -> anyhow::Result<Summary> {
+        let (scenario, opts) = (self.scenario, self.opts);
+        for n in self.nodes.iter_mut() {
+            n.drain_lines();
+        }
+        print!("{}", self.table(self.secs()));
+        let (t, timed_out, outcomes) = (self.secs(), end == End::TimedOut, self.outcomes());
+        let summary = Summary::build(scenario, p.t0, t, timed_out, outcomes, p.roles, p.faults, p.samples)
+            .with_resources(p.resources);
+        summary.write(&opts.report_dir)?;
+        println!("report: {}", opts.report_dir.display());
+        for n in &summary.nodes {
+            println!(
+                "  {}: {} {}{}",
+                n.name,
+                n.exit,
+                n.final_accuracy.map_or(String::new(), |a| format!("test accuracy {:.2}%", a * 100.0)),
+                n.resumed_at_step.map_or(String::new(), |s| format!(", resumed from checkpoints at step {s}"))
+            );
+        }
+        match end {
+            End::TimedOut => bail!("the testnet hit its time limit of {} s", scenario.time_limit.as_secs()),
+            End::Stopped => bail!("the testnet was stopped before it finished; the report holds what ran"),
+            End::Done => {}
+        }
+        let failed: Vec<&str> =
+            summary.nodes.iter().filter(|n| n.exit.starts_with("failed")).map(|n| n.name.as_str()).collect();
+        if !failed.is_empty() {
+            bail!("node(s) failed: {}; see {}", failed.join(", "), opts.report_dir.join("logs").display());
+        }
+        Ok(summary)
+    }
 }
 
-impl Drop for Launcher<'_> {
+impl Drop for Testnet<'_> {
     fn drop(&mut self) {
-        // Never leave node processes behind, whatever happened.
+        // Never leave node processes behind, whatever happened (the
+        // launcher's own drop then removes what the backend made).
         self.kill_all();
+    }
+}
+
+/// What a run has recorded for its report, and where its timeline stands.
+struct Progress {
+    samples: Vec<Sample>,
+    resources: Vec<ResourceSample>,
+    roles: Vec<RoleRecord>,
+    faults: Vec<FaultRecord>,
+    /// Partitions to heal: (when, in seconds since the start; the groups).
+    heals: Vec<(f64, Vec<Vec<usize>>)>,
+    /// The first event not applied yet.
+    next_event: usize,
+    /// When every initial node had trained a step: the timeline's zero.
+    t0: Option<f64>,
+    last_resources: f64,
+    last_print: f64,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            samples: Vec::new(),
+            resources: Vec::new(),
+            roles: Vec::new(),
+            faults: Vec::new(),
+            heals: Vec::new(),
+            next_event: 0,
+            t0: None,
+            last_resources: f64::NEG_INFINITY,
+            last_print: f64::NEG_INFINITY,
+        }
+    }
+}
+
+/// How a run's timeline ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// Every node exited, or one did before training started.
+    Done,
+    /// At the scenario's time limit.
+    TimedOut,
+    /// Told to stop ([`RunOptions::stop`]).
+    Stopped,
+}
+
+/// How a backend starts, stops and inspects nodes: one implementation per
+/// [`Backend`], chosen once per run by [`launcher_for`]. What all backends
+/// share (config files, stdout, the control endpoint, the timeline) is
+/// [`Testnet`]'s.
+trait Launcher {
+    /// Node `i`'s checkpoint folder as the node sees it (made if needed).
+    fn checkpoint_dir(&self, i: usize) -> anyhow::Result<String>;
+    /// The command that runs node `i`; its stdout and stderr are the node's.
+    fn command(&mut self, i: usize, args: &NodeArgs) -> anyhow::Result<Command>;
+    /// Whether `node`, started with `args`, is ready: it printed its
+    /// addresses, now the ones the launcher and peers reach it by.
+    fn ready(&mut self, node: &mut NodeProc, args: &NodeArgs) -> anyhow::Result<bool>;
+    /// The relay's address on the far network of a relay scenario, for the
+    /// far nodes (`None` until the relay is ready, or without one).
+    fn relay_far_addr(&self) -> Option<String>;
+    /// Stop node `i` (child process `pid`) without closing anything.
+    fn freeze(&self, i: usize, pid: u32) -> anyhow::Result<()>;
+    /// Kill what runs node `i` (`frozen`: it was frozen) beyond its child
+    /// process, which the caller kills next.
+    fn kill(&self, i: usize, frozen: bool) -> anyhow::Result<()>;
+    /// The same for every node, before their child processes are killed;
+    /// best effort.
+    fn kill_all(&self);
+    /// Resident memory now and at its peak, and open file descriptors, of
+    /// the node whose child process is `pid`, where the backend can read them.
+    fn resources(&self, pid: u32) -> Option<(u64, u64, u64)>;
+}
+
+/// The launcher of `opts.backend`, with whatever it needs made (networks).
+fn launcher_for(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Box<dyn Launcher>> {
+    Ok(match &opts.backend {
+        Backend::Processes => Box::new(ProcessLauncher::new(scenario, opts)?),
+        Backend::Docker { image } => Box::new(DockerLauncher::new(scenario, opts, image)?),
+    })
+}
+
+/// `shoal node` processes on loopback; a node with `arch = "aarch64"` runs
+/// the aarch64 binary under user-mode emulation.
+struct ProcessLauncher {
+    report_dir: PathBuf,
+    shoal_bin: PathBuf,
+    aarch64_bin: Option<PathBuf>,
+}
+
+impl ProcessLauncher {
+    fn new(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Self> {
+        if scenario.discovery == Discovery::Mdns {
+            bail!(
+                "scenario {}: discovery = \"mdns\" needs --backend docker (loopback carries no multicast)",
+                scenario.name
+            );
+        }
+        if scenario.discovery == Discovery::Relay {
+            bail!(
+                "scenario {}: discovery = \"relay\" needs --backend docker (every process reaches every other on \
+                 loopback, so nothing would need the relay)",
+                scenario.name
+            );
+        }
+        Ok(ProcessLauncher {
+            report_dir: opts.report_dir.clone(),
+            shoal_bin: opts.shoal_bin.clone(),
+            aarch64_bin: opts.aarch64_bin.clone(),
+        })
+    }
+
+    /// The program for a node of `arch`: the launcher's `shoal`, or the
+    /// aarch64 one under qemu.
+    fn program(&self, name: &str, arch: Arch) -> anyhow::Result<Command> {
+        match arch {
+            Arch::Native => Ok(Command::new(&self.shoal_bin)),
+            Arch::Aarch64 => {
+                let bin = self.aarch64_bin.as_ref().with_context(|| {
+                    format!(
+                        "{name} has arch = \"aarch64\": pass --aarch64-bin (or SHOAL_AARCH64_BIN) with the binary \
+                         scripts/build-aarch64.sh builds"
+                    )
+                })?;
+                qemu_aarch64_command(bin)
+            }
+        }
+    }
+}
+
+impl Launcher for ProcessLauncher {
+    fn checkpoint_dir(&self, i: usize) -> anyhow::Result<String> {
+        let d = self.report_dir.join("checkpoints").join(format!("node{i}"));
+        std::fs::create_dir_all(&d)?;
+        Ok(std::fs::canonicalize(&d).unwrap_or(d).display().to_string())
+    }
+
+    fn command(&mut self, _i: usize, args: &NodeArgs) -> anyhow::Result<Command> {
+        let name = &args.name;
+        let mut cmd = self.program(name, args.arch)?;
+        cmd.arg("node")
+            .arg("--config")
+            .arg(&args.config)
+            .args(["--name", name, "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--control"])
+            .args(args.mdns_flag())
+            .arg("--identity")
+            .arg(self.report_dir.join("keys").join(format!("{name}.key")))
+            .arg("--output")
+            .arg(self.report_dir.join("models").join(format!("{name}.safetensors")))
+            .args(&args.peers)
+            .env("RUST_LOG", &args.log_filter)
+            .env("NO_COLOR", "1");
+        Ok(cmd)
+    }
+
+    fn ready(&mut self, node: &mut NodeProc, _args: &NodeArgs) -> anyhow::Result<bool> {
+        Ok(node.http.is_some() && node.p2p_addr().is_some())
+    }
+
+    fn relay_far_addr(&self) -> Option<String> {
+        // Loopback has no far network (relay scenarios need docker).
+        None
+    }
+
+    fn freeze(&self, _i: usize, pid: u32) -> anyhow::Result<()> {
+        // SIGSTOP through kill(1): the workspace forbids unsafe code.
+        let out = Command::new("kill").args(["-STOP", &pid.to_string()]).output()?;
+        anyhow::ensure!(out.status.success(), "kill -STOP {pid}: {}", String::from_utf8_lossy(&out.stderr).trim());
+        Ok(())
+    }
+
+    fn kill(&self, _i: usize, _frozen: bool) -> anyhow::Result<()> {
+        // The child is the node: killing it is all (a stopped process dies of SIGKILL too).
+        Ok(())
+    }
+
+    fn kill_all(&self) {}
+
+    fn resources(&self, pid: u32) -> Option<(u64, u64, u64)> {
+        proc_resources(pid)
+    }
+}
+
+/// One container per node from `image`, on a network of its own (and a far
+/// one for a relay scenario); the child process of a node is its `docker
+/// run` client. The networks and containers go when the launcher is dropped.
+struct DockerLauncher {
+    image: String,
+    report_dir: PathBuf,
+    /// `shoal-<scenario>-<launcher pid>`: the network's name, and the start
+    /// of every container's.
+    prefix: String,
+    /// The nodes' network.
+    net: String,
+    /// A relay scenario's second network, which only the relay node shares
+    /// with the far nodes.
+    far_net: Option<String>,
+    /// The relay node's address on the far network.
+    relay_far_addr: Option<String>,
+    /// Every container made (a restart reuses its node's).
+    containers: Vec<String>,
+    /// The scenario sets `[node_config.checkpoint]`: mount the report's folder.
+    checkpoints: bool,
+}
+
+impl DockerLauncher {
+    /// Check the engine and the image, and make the networks.
+    fn new(scenario: &Scenario, opts: &RunOptions, image: &str) -> anyhow::Result<Self> {
+        docker(&["info"]).context("the docker backend needs a docker engine (`docker info` failed)")?;
+        docker(&["image", "inspect", image])
+            .with_context(|| format!("no image {image}: build it with testnet/docker/build-image.sh"))?;
+        let prefix = format!("shoal-{}-{}", scenario.name, std::process::id());
+        // `--internal`: no route out of the network. Docker enforces it
+        // by dropping every packet addressed outside the subnet, mDNS's
+        // multicast group (224.0.0.251) too, so an mDNS testnet gets a
+        // plain bridge network; its nodes still dial only each other.
+        let create: &[&str] = match scenario.discovery {
+            Discovery::Bootstrap | Discovery::Relay => &["network", "create", "--internal"],
+            Discovery::Mdns => &["network", "create"],
+        };
+        docker(&[create, &[prefix.as_str()]].concat()).context("creating the docker network")?;
+        // Made here so that its drop removes the network whatever happens next.
+        let mut launcher = DockerLauncher {
+            image: image.to_string(),
+            report_dir: opts.report_dir.clone(),
+            net: prefix.clone(),
+            prefix,
+            far_net: None,
+            relay_far_addr: None,
+            containers: Vec::new(),
+            checkpoints: scenario.node_config.contains_key("checkpoint"),
+        };
+        if scenario.discovery == Discovery::Relay {
+            // Two internal networks: no route between them, nor out.
+            let far = format!("{}-far", launcher.net);
+            docker(&["network", "create", "--internal", &far]).context("creating the far docker network")?;
+            launcher.far_net = Some(far);
+        }
+        Ok(launcher)
+    }
+
+    fn container_name(&self, i: usize) -> String {
+        format!("{}-node{i}", self.prefix)
+    }
+
+    /// Attach the relay node's container to the far network too (it listens
+    /// on every interface) and note its address there for the far nodes.
+    fn join_far_network(&mut self, container: &str, relay: &NodeProc) -> anyhow::Result<()> {
+        let far = self.far_net.clone().context("a relay scenario without its far network")?;
+        docker(&["network", "connect", &far, container]).context("attaching the relay to the far network")?;
+        let ip = container_ip(container, &far).context("the relay got no address on the far network")?;
+        let peer = relay.peer_id.clone().context("the relay printed no peer id")?;
+        self.relay_far_addr = Some(format!("/ip4/{ip}/tcp/{DOCKER_P2P_PORT}/p2p/{peer}"));
+        Ok(())
+    }
+}
+
+impl Launcher for DockerLauncher {
+    fn checkpoint_dir(&self, i: usize) -> anyhow::Result<String> {
+        Ok(format!("/checkpoints/node{i}"))
+    }
+
+    fn command(&mut self, i: usize, args: &NodeArgs) -> anyhow::Result<Command> {
+        if args.arch != Arch::Native {
+            bail!("node{i} has arch = \"{}\": emulated nodes run on the process backend only", args.arch);
+        }
+        let (name, container) = (&args.name, self.container_name(i));
+        let net = if args.far { self.far_net.clone() } else { Some(self.net.clone()) };
+        let net = net.context("no docker network")?;
+        // A restart reuses the container: same identity, new incarnation.
+        let _ = docker(&["rm", "-f", &container]);
+        let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        let volume = |dir: &str, at: &str| format!("{}:{at}", abs(&self.report_dir.join(dir)).display());
+        let mut cmd = Command::new("docker");
+        cmd.args(["run", "--name", &container, "--network", &net, "--user", "0:0"])
+            .args(["-v", &volume("configs", "/configs:ro")])
+            .args(["-v", &volume("keys", "/keys")])
+            .args(["-v", &volume("models", "/models")]);
+        if self.checkpoints {
+            std::fs::create_dir_all(self.report_dir.join("checkpoints"))?;
+            cmd.args(["-v", &volume("checkpoints", "/checkpoints")]);
+        }
+        cmd.args(["-e", &format!("RUST_LOG={}", args.log_filter), "-e", "NO_COLOR=1", &self.image, "node"])
+            .args(["--config", &format!("/configs/{name}.toml"), "--name", name])
+            .args(["--listen", &format!("/ip4/0.0.0.0/tcp/{DOCKER_P2P_PORT}")])
+            .args(["--http", &format!("0.0.0.0:{DOCKER_HTTP_PORT}"), "--control"])
+            .args(args.mdns_flag())
+            .args(["--identity", &format!("/keys/{name}.key")])
+            .args(["--output", &format!("/models/{name}.safetensors")])
+            .args(&args.peers);
+        if !self.containers.contains(&container) {
+            self.containers.push(container);
+        }
+        Ok(cmd)
+    }
+
+    fn ready(&mut self, node: &mut NodeProc, args: &NodeArgs) -> anyhow::Result<bool> {
+        if node.http.is_none() || node.peer_id.is_none() {
+            return Ok(false);
+        }
+        // Inside a container the node reports 0.0.0.0 and loopback: peers
+        // and the launcher use the container's address.
+        let container = self.container_name(node.index);
+        let net = if args.far { self.far_net.clone() } else { Some(self.net.clone()) };
+        let Some(ip) = net.and_then(|net| container_ip(&container, &net)) else { return Ok(false) };
+        node.listen = Some(format!("/ip4/{ip}/tcp/{DOCKER_P2P_PORT}"));
+        node.http = Some(SocketAddr::new(ip, DOCKER_HTTP_PORT));
+        if args.relay_server {
+            self.join_far_network(&container, node)?;
+        }
+        Ok(true)
+    }
+
+    fn relay_far_addr(&self) -> Option<String> {
+        self.relay_far_addr.clone()
+    }
+
+    fn freeze(&self, i: usize, _pid: u32) -> anyhow::Result<()> {
+        docker(&["pause", &self.container_name(i)]).with_context(|| format!("docker pause node{i}"))?;
+        Ok(())
+    }
+
+    fn kill(&self, i: usize, frozen: bool) -> anyhow::Result<()> {
+        let name = self.container_name(i);
+        if frozen {
+            // A paused container is killed once it runs again.
+            let _ = docker(&["unpause", &name]);
+        }
+        docker(&["kill", &name]).with_context(|| format!("docker kill node{i}"))?;
+        Ok(())
+    }
+
+    fn kill_all(&self) {
+        for c in &self.containers {
+            let _ = docker(&["kill", c]);
+        }
+    }
+
+    fn resources(&self, _pid: u32) -> Option<(u64, u64, u64)> {
+        // The child is the `docker run` client, not the node.
+        None
+    }
+}
+
+impl Drop for DockerLauncher {
+    fn drop(&mut self) {
         for c in &self.containers {
             let _ = docker(&["rm", "-f", c]);
         }
-        for net in self.docker_net.iter().chain(&self.far_net) {
+        for net in std::iter::once(&self.net).chain(&self.far_net) {
             let _ = docker(&["network", "rm", net]);
         }
     }
@@ -724,225 +1178,16 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
 }
 
 /// Run one scenario (already parsed) to the end and write its report.
-#[allow(clippy::print_stdout)] // The launcher's own terminal output.
 fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Summary> {
     std::fs::create_dir_all(&opts.report_dir)
         .with_context(|| format!("creating the report directory {}", opts.report_dir.display()))?;
     let live = opts.live.unwrap_or_else(|| std::io::stdout().is_terminal());
-    if scenario.discovery == Discovery::Mdns && opts.backend == Backend::Processes {
-        bail!(
-            "scenario {}: discovery = \"mdns\" needs --backend docker (loopback carries no multicast)",
-            scenario.name
-        );
-    }
-    if scenario.discovery == Discovery::Relay && opts.backend == Backend::Processes {
-        bail!(
-            "scenario {}: discovery = \"relay\" needs --backend docker (every process reaches every other on \
-             loopback, so nothing would need the relay)",
-            scenario.name
-        );
-    }
-    let docker_net = match &opts.backend {
-        Backend::Processes => None,
-        Backend::Docker { image } => {
-            docker(&["info"]).context("the docker backend needs a docker engine (`docker info` failed)")?;
-            docker(&["image", "inspect", image])
-                .with_context(|| format!("no image {image}: build it with testnet/docker/build-image.sh"))?;
-            let net = format!("shoal-{}-{}", scenario.name, std::process::id());
-            // `--internal`: no route out of the network. Docker enforces it
-            // by dropping every packet addressed outside the subnet, mDNS's
-            // multicast group (224.0.0.251) too, so an mDNS testnet gets a
-            // plain bridge network; its nodes still dial only each other.
-            let create: &[&str] = match scenario.discovery {
-                Discovery::Bootstrap | Discovery::Relay => &["network", "create", "--internal"],
-                Discovery::Mdns => &["network", "create"],
-            };
-            docker(&[create, &[net.as_str()]].concat()).context("creating the docker network")?;
-            Some(net)
-        }
-    };
-    // Made here so that the launcher's drop removes it whatever happens next.
-    let mut l = Launcher {
-        scenario,
-        opts,
-        docker_net,
-        far_net: None,
-        relay_far_addr: None,
-        containers: Vec::new(),
-        nodes: Vec::new(),
-        begun: Instant::now(),
-    };
-    if let (Some(main), Discovery::Relay) = (&l.docker_net, scenario.discovery) {
-        // Two internal networks: no route between them, nor out.
-        let far = format!("{main}-far");
-        docker(&["network", "create", "--internal", &far]).context("creating the far docker network")?;
-        l.far_net = Some(far);
-    }
-    println!(
-        "testnet `{}`: {} nodes, {} events, logs in {}",
-        scenario.name,
-        scenario.nodes,
-        scenario.events.len(),
-        opts.report_dir.join("logs").display()
-    );
-    for i in 0..scenario.nodes {
-        l.spawn(i)?;
-        println!("started node{i}: {}", l.node(i)?.p2p_addr().unwrap_or_default());
-    }
-    let mut samples = Vec::new();
-    let mut resources = Vec::new();
-    let mut last_resources = f64::NEG_INFINITY;
-    let mut roles = Vec::new();
-    let mut faults: Vec<FaultRecord> = Vec::new();
-    let mut heals: Vec<(f64, Vec<Vec<usize>>)> = Vec::new();
-    let mut next_event = 0;
-    let mut t0: Option<f64> = None;
-    let mut last_print = f64::NEG_INFINITY;
-    let mut timed_out = false;
-    let mut stopped = false;
-    loop {
-        let t = l.secs();
-        l.poll(t, &mut samples, &mut roles);
-        if t - last_resources >= RESOURCE_EVERY_SECS {
-            last_resources = t;
-            l.sample_resources(t, &mut resources);
-        }
-        if t0.is_none() {
-            let started = (0..scenario.nodes).all(|i| {
-                l.node(i)
-                    .ok()
-                    .and_then(|n| n.last.as_ref())
-                    .and_then(|s| s.get("step"))
-                    .and_then(|s| s.as_u64())
-                    .unwrap_or(0)
-                    >= 1
-            });
-            if started {
-                t0 = Some(t);
-                println!("training started at {t:.1} s; the timeline starts now");
-            } else if l.nodes.iter().any(|n| !n.alive()) {
-                // A node died before training started: report that now
-                // rather than wait out the time limit.
-                println!("a node exited before training started; stopping");
-                l.kill_all();
-                break;
-            }
-        }
-        if let Some(t0) = t0 {
-            while let Some(ev) = scenario.events.get(next_event) {
-                if t - t0 < ev.at_secs {
-                    break;
-                }
-                next_event += 1;
-                let outcome = l.apply(&ev.action, &mut heals);
-                let what = match &outcome {
-                    Ok(m) => m.clone(),
-                    Err(e) => format!("failed: {e:#}"),
-                };
-                println!("[{:>6.1} s] {} (line {}): {what}", t - t0, ev.action, ev.line);
-                faults.push(FaultRecord {
-                    secs: t,
-                    at_secs: ev.at_secs,
-                    line: ev.line,
-                    action: ev.action.to_string(),
-                    outcome: what,
-                    steps_per_sec_before: None,
-                    steps_per_sec_after: None,
-                });
-            }
-            let due: Vec<Vec<Vec<usize>>> = heals.iter().filter(|h| h.0 <= t).map(|h| h.1.clone()).collect();
-            heals.retain(|h| h.0 > t);
-            for groups in due {
-                let what = match l.set_partition(&groups, false) {
-                    Ok(()) => "healed".to_string(),
-                    Err(e) => format!("heal failed: {e:#}"),
-                };
-                println!("[{:>6.1} s] partition {groups:?}: {what}", t - t0);
-                faults.push(FaultRecord {
-                    secs: t,
-                    at_secs: t - t0,
-                    line: 0,
-                    action: format!("heal {groups:?}"),
-                    outcome: what,
-                    steps_per_sec_before: None,
-                    steps_per_sec_after: None,
-                });
-            }
-        }
-        if live {
-            print!("\x1b[H\x1b[2J{}", l.table(t));
-            let _ = std::io::stdout().flush();
-        } else if t - last_print >= 5.0 {
-            print!("{}", l.table(t));
-            last_print = t;
-        }
-        // Before the end check: Ctrl-C in a terminal reaches the nodes too,
-        // and they may all have left by now.
-        if told_to_stop(opts) {
-            println!("told to stop: stopping every node");
-            stopped = true;
-            l.kill_all_as("killed: the testnet was stopped");
-            break;
-        }
-        let all_done = l.nodes.iter().all(|n| !n.alive()) && next_event >= scenario.events.len() && heals.is_empty();
-        if all_done {
-            break;
-        }
-        if t > scenario.time_limit.as_secs_f64() {
-            println!("time limit of {} s reached: stopping every node", scenario.time_limit.as_secs());
-            timed_out = true;
-            l.kill_all();
-            break;
-        }
-        // The poll interval of the live table and the timeline.
-        std::thread::sleep(POLL);
-    }
-    for n in l.nodes.iter_mut() {
-        n.drain_lines();
-    }
-    print!("{}", l.table(l.secs()));
-    let outcomes: Vec<NodeOutcome> = l
-        .nodes
-        .iter()
-        .map(|n| NodeOutcome {
-            name: n.name.clone(),
-            peer_id: n.peer_id.clone().unwrap_or_default(),
-            exit: n.exit.clone().unwrap_or_else(|| "unknown".into()),
-            killed: n.exit.as_deref() == Some("killed"),
-            final_accuracy: n.finished.map(|f| f.0),
-            steps: n.finished.map(|f| f.1),
-            left: n.finished.is_some_and(|f| f.2),
-            resumed_at_step: n.last.as_ref().and_then(|s| s.get("resumed_at_step")).and_then(|v| v.as_u64()),
-            model: Some(format!("models/{}.safetensors", n.name)).filter(|m| opts.report_dir.join(m).is_file()),
-            arch: scenario.node_spec(n.index).arch.to_string(),
-            profile: scenario.node_spec(n.index).profile,
-        })
-        .collect();
-    let summary =
-        Summary::build(scenario, t0, l.secs(), timed_out, outcomes, roles, faults, samples).with_resources(resources);
-    summary.write(&opts.report_dir)?;
-    println!("report: {}", opts.report_dir.display());
-    for n in &summary.nodes {
-        println!(
-            "  {}: {} {}{}",
-            n.name,
-            n.exit,
-            n.final_accuracy.map_or(String::new(), |a| format!("test accuracy {:.2}%", a * 100.0)),
-            n.resumed_at_step.map_or(String::new(), |s| format!(", resumed from checkpoints at step {s}"))
-        );
-    }
-    if timed_out {
-        bail!("the testnet hit its time limit of {} s", scenario.time_limit.as_secs());
-    }
-    if stopped {
-        bail!("the testnet was stopped before it finished; the report holds what ran");
-    }
-    let failed: Vec<&str> =
-        summary.nodes.iter().filter(|n| n.exit.starts_with("failed")).map(|n| n.name.as_str()).collect();
-    if !failed.is_empty() {
-        bail!("node(s) failed: {}; see {}", failed.join(", "), opts.report_dir.join("logs").display());
-    }
-    Ok(summary)
+    // Made before any node starts, so that its drop stops them whatever happens next.
+    let mut testnet =
+        Testnet { scenario, opts, launcher: launcher_for(scenario, opts)?, nodes: Vec::new(), begun: Instant::now() };
+    testnet.start_all()?;
+    let (progress, end) = testnet.run_timeline(live);
+    testnet.report(progress, end)
 }
 
 /// [`RunOptions::stop`] is set.
@@ -950,19 +1195,6 @@ fn told_to_stop(opts: &RunOptions) -> bool {
     opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
 }
 
-/// Merge `over` into `base`: tables key by key, any other value replaced.
-fn merge_tables(base: &mut toml::Table, over: &toml::Table) {
-    for (key, value) in over {
-        match (base.get_mut(key), value) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge_tables(b, o),
-            _ => {
-                base.insert(key.clone(), value.clone());
-            }
-        }
-    }
-}
-
-/// Run a docker command; its stderr becomes the error.
 /// Debian's aarch64 glibc for cross builds (`libc6-arm64-cross`), which
 /// qemu needs to run a dynamically linked aarch64 `shoal`.
 pub const AARCH64_SYSROOT: &str = "/usr/aarch64-linux-gnu";
@@ -975,13 +1207,6 @@ pub fn qemu_aarch64_command(bin: &Path) -> anyhow::Result<Command> {
     cmd.arg(bin);
     if std::env::var_os("QEMU_LD_PREFIX").is_none() && Path::new(AARCH64_SYSROOT).is_dir() {
         cmd.env("QEMU_LD_PREFIX", AARCH64_SYSROOT);
-    }
-    // `shoal` re-executes itself with its allocator tunables when none are
-    // set (`node/src/ops/allocator.rs`); under user-mode emulation without
-    // binfmt_misc the kernel cannot start an aarch64 binary, so the exec
-    // would fail with a warning. Any value, even empty, keeps it from trying.
-    if std::env::var_os("GLIBC_TUNABLES").is_none() {
-        cmd.env("GLIBC_TUNABLES", "");
     }
     Ok(cmd)
 }
@@ -998,6 +1223,7 @@ fn qemu_aarch64() -> anyhow::Result<PathBuf> {
     bail!("an aarch64 node needs qemu-aarch64-static or qemu-aarch64 on PATH (apt-get install qemu-user-static)")
 }
 
+/// Run a docker command; its stderr becomes the error.
 fn docker(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("docker").args(args).stdin(Stdio::null()).output().context("running docker")?;
     if !out.status.success() {
@@ -1027,7 +1253,7 @@ mod tests {
     fn a_node_config_table_merges_key_by_key() -> Result<(), toml::de::Error> {
         let mut base: toml::Table = toml::from_str("[training]\nsteps = 10\nlr = 0.1\n[cluster]\nmode = \"pull\"\n")?;
         let over: toml::Table = toml::from_str("[training]\nlr = 0.5\n[network]\nquic = false\n")?;
-        merge_tables(&mut base, &over);
+        crate::layers::merge_tables(&mut base, over);
         let want: toml::Table =
             toml::from_str("[training]\nsteps = 10\nlr = 0.5\n[cluster]\nmode = \"pull\"\n[network]\nquic = false\n")?;
         assert_eq!(base, want);

@@ -7,7 +7,6 @@ use anyhow::Context;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::checks::CheckReport;
 use crate::scenario::Scenario;
 
 /// Samples grouped by node, in time order.
@@ -122,6 +121,53 @@ pub struct NodeOutcome {
     pub arch: String,
     /// The config preset it ran with (`edge`), if any.
     pub profile: Option<String>,
+}
+
+/// Memory of one node process (one life: a restarted node is a new one).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RssGrowth {
+    pub node: String,
+    pub pid: u32,
+    /// Seconds since the testnet started, of the first sample after warm-up.
+    pub from_secs: f64,
+    pub to_secs: f64,
+    /// RSS at the first sample after warm-up.
+    pub baseline_bytes: u64,
+    /// Highest RSS after warm-up.
+    pub peak_bytes: u64,
+    /// `peak / baseline - 1`.
+    pub growth: f64,
+}
+
+/// The verdict on a run, written into `summary.json` as `checks`.
+#[derive(Debug, Clone, Serialize, Default, PartialEq)]
+pub struct CheckReport {
+    /// Every node process that lived past warm-up for at least two samples.
+    pub rss: Vec<RssGrowth>,
+    /// Processes too short-lived to judge (fewer than two samples after warm-up).
+    pub rss_not_judged: Vec<String>,
+    /// The peak resident memory (`VmHWM`) of each node with a
+    /// `max_peak_rss_mib`, over all its lives, in bytes.
+    pub peak_rss: BTreeMap<String, u64>,
+    /// Rounds each node closed at the timeout (over all its lives).
+    pub rounds_forced: BTreeMap<String, u64>,
+    /// Of those, the rounds forced within [`crate::checks::HEAL_GRACE_SECS`]
+    /// after a partition healed: excused (see [`crate::checks::judge`]).
+    pub rounds_forced_after_heal: u64,
+    /// Mean final accuracy of the nodes that trained to the end (not killed,
+    /// not left).
+    pub survivors_accuracy: Option<f64>,
+    pub survivors: Vec<String>,
+    /// The same mean in the fault-free run.
+    pub fault_free_accuracy: Option<f64>,
+    /// Each check that failed, in words. Empty: the run passed.
+    pub failures: Vec<String>,
+}
+
+impl CheckReport {
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty()
+    }
 }
 
 /// `summary.json`.

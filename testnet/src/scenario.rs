@@ -49,15 +49,13 @@
 //! Errors name the line: `scenario.toml:14: event: node 7 does not exist
 //! (nodes 0..3 at that time)`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
-
-use crate::checks::Checks;
 
 /// A scenario error, with the 1-based line it points at (0: the whole file).
 #[derive(Debug, Clone, PartialEq)]
@@ -228,6 +226,46 @@ pub struct Scenario {
     pub checks: Checks,
 }
 
+/// The `[checks]` table of a scenario: what a soak asserts about the
+/// finished run (judged by `crate::checks::judge`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Checks {
+    /// Seconds at the start of each node process's life whose memory is not
+    /// judged (model, data and pools are allocated then).
+    pub warmup_secs: f64,
+    /// Largest allowed growth of a node process's RSS after warm-up, as a
+    /// fraction of its RSS when warm-up ended.
+    pub max_rss_growth: Option<f64>,
+    /// Fail when any node closed a BSP round at `round_timeout_ms`.
+    pub no_forced_rounds: bool,
+    /// Run the scenario again without events; fail when the survivors' mean
+    /// final accuracy differs from that run's by more than this many points.
+    pub accuracy_within_points: Option<f64>,
+    /// Run the scenario again without events; fail when the survivors' mean
+    /// final accuracy is more than this many points below that run's. For
+    /// runs whose events may help as well as hurt (a mixed testnet under
+    /// ASP ended 0.34 to 0.73 points above its all-native twin).
+    pub max_accuracy_drop_points: Option<f64>,
+    /// Largest allowed peak resident memory (`VmHWM`), in bytes, by node
+    /// name (from `max_peak_rss_mib` of a `[[node]]` table).
+    pub max_peak_rss: BTreeMap<String, u64>,
+}
+
+impl Checks {
+    pub fn is_empty(&self) -> bool {
+        self.max_rss_growth.is_none()
+            && !self.no_forced_rounds
+            && self.accuracy_within_points.is_none()
+            && self.max_accuracy_drop_points.is_none()
+            && self.max_peak_rss.is_empty()
+    }
+
+    /// Whether judging needs the same scenario run again without events.
+    pub fn needs_fault_free_run(&self) -> bool {
+        self.accuracy_within_points.is_some() || self.max_accuracy_drop_points.is_some()
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawScenario {
@@ -314,359 +352,25 @@ impl Scenario {
 
     /// Parse and validate `text` (`file` names it in errors).
     pub fn parse(text: &str, file: &str, name: &str) -> Result<Self, ScenarioError> {
-        let line_of = |span: std::ops::Range<usize>| text[..span.start.min(text.len())].matches('\n').count() + 1;
-        let err = |span: std::ops::Range<usize>, message: String| ScenarioError {
-            file: file.to_string(),
-            line: line_of(span),
-            message,
-        };
+        let src = Source { text, file };
         let raw: RawScenario = toml::from_str(text).map_err(|e| ScenarioError {
             file: file.to_string(),
-            line: e.span().map(&line_of).unwrap_or(0),
+            line: e.span().map(|s| src.line_of(s)).unwrap_or(0),
             message: e.message().to_string(),
         })?;
-        let nodes = *raw.nodes.get_ref();
-        if !(1..=64).contains(&nodes) {
-            return Err(err(raw.nodes.span(), format!("nodes = {nodes}: a testnet has 1 to 64 nodes")));
-        }
-        let nodes = nodes as usize;
-        let time_limit = match &raw.time_limit_secs {
-            None => DEFAULT_TIME_LIMIT_SECS,
-            Some(t) if in_range(*t.get_ref()) => *t.get_ref(),
-            Some(t) => {
-                return Err(err(
-                    t.span(),
-                    format!("time_limit_secs = {} must be positive and at most {MAX_SECS}", t.get_ref()),
-                ))
-            }
-        };
-        for key in raw.node_config.keys() {
-            if !["training", "cluster", "network", "http", "checkpoint"].contains(&key.as_str()) {
-                return Err(ScenarioError {
-                    file: file.to_string(),
-                    line: text.lines().position(|l| l.trim_start().starts_with(key.as_str())).map_or(0, |i| i + 1),
-                    message: format!(
-                        "node_config.{key}: only training, cluster, network, http and checkpoint tables may \
-                         be set here (run_id, name and identity are set by the testnet)"
-                    ),
-                });
-            }
-        }
-
+        let nodes = src.node_count(&raw.nodes)?;
+        let time_limit = src.time_limit(raw.time_limit_secs.as_ref())?;
+        src.node_config_keys(&raw.node_config)?;
         // Events first: `add` events create the indices overrides may name.
-        let mut events = Vec::with_capacity(raw.event.len());
-        for ev in &raw.event {
-            let span = ev.span();
-            let e = ev.get_ref();
-            let at = *e.at_secs.get_ref();
-            if !at.is_finite() || at < 0.0 {
-                return Err(err(e.at_secs.span(), format!("at_secs = {at}: an event time cannot be negative")));
-            }
-            let node = |what: &str| -> Result<usize, ScenarioError> {
-                match &e.node {
-                    None => Err(err(span.clone(), format!("`{what}` needs `node = <index>`"))),
-                    Some(n) if *n.get_ref() < 0 => Err(err(n.span(), format!("node {} is negative", n.get_ref()))),
-                    Some(n) => Ok(*n.get_ref() as usize),
-                }
-            };
-            let non_negative = |v: &Option<Spanned<i64>>, key: &str| -> Result<Option<u64>, ScenarioError> {
-                match v {
-                    None => Ok(None),
-                    Some(x) if *x.get_ref() < 0 => Err(err(x.span(), format!("{key} = {} is negative", x.get_ref()))),
-                    Some(x) => Ok(Some(*x.get_ref() as u64)),
-                }
-            };
-            let action = match e.action.get_ref().as_str() {
-                "slow" => {
-                    let serve_delay_ms = non_negative(&e.serve_delay_ms, "serve_delay_ms")?;
-                    let slowdown = check_slowdown(&e.slowdown).map_err(|(s, m)| err(s, m))?;
-                    if serve_delay_ms.is_none() && slowdown.is_none() {
-                        return Err(err(span, "`slow` needs serve_delay_ms and/or slowdown".into()));
-                    }
-                    Action::Slow { node: node("slow")?, serve_delay_ms, slowdown }
-                }
-                "kill" => Action::Kill { node: node("kill")? },
-                "freeze" => Action::Freeze { node: node("freeze")? },
-                "restart" => Action::Restart { node: node("restart")? },
-                "leave" => Action::Leave { node: node("leave")? },
-                "add" => Action::Add,
-                "stop_all" => Action::StopAll,
-                "start_all" => Action::StartAll,
-                "partition" => {
-                    let Some(g) = &e.groups else {
-                        return Err(err(span, "`partition` needs groups = [[..], [..]]".into()));
-                    };
-                    let groups: Vec<Vec<usize>> = g
-                        .get_ref()
-                        .iter()
-                        .map(|grp| grp.iter().map(|&i| if i < 0 { usize::MAX } else { i as usize }).collect())
-                        .collect();
-                    let duration = match &e.duration_secs {
-                        Some(d) if in_range(*d.get_ref()) => *d.get_ref(),
-                        Some(d) => {
-                            return Err(err(
-                                d.span(),
-                                format!("duration_secs = {} must be positive and at most {MAX_SECS}", d.get_ref()),
-                            ))
-                        }
-                        None => return Err(err(span, "`partition` needs duration_secs".into())),
-                    };
-                    if groups.len() < 2 || groups.iter().any(Vec::is_empty) {
-                        return Err(err(g.span(), "a partition needs at least two non-empty groups".into()));
-                    }
-                    Action::Partition { groups, duration: Duration::from_secs_f64(duration) }
-                }
-                other => {
-                    return Err(err(
-                        e.action.span(),
-                        format!(
-                        "unknown action `{other}`: slow, kill, freeze, restart, partition, add, leave, stop_all or \
-                         start_all"
-                    ),
-                    ))
-                }
-            };
-            events.push((at, line_of(span.clone()), span, action));
-        }
-        events.sort_by(|a, b| a.0.total_cmp(&b.0));
-
-        // Replay the timeline to check every index against the nodes that
-        // exist at that moment, and restarts against kills.
-        let mut count = nodes;
-        let mut dead = std::collections::BTreeSet::new();
-        let mut frozen = std::collections::BTreeSet::new();
-        for (_, _, span, action) in &events {
-            let exists = |n: usize, count: usize| -> Result<(), ScenarioError> {
-                if n >= count {
-                    Err(err(
-                        span.clone(),
-                        format!("node {n} does not exist (nodes 0..{} at that time)", count.saturating_sub(1)),
-                    ))
-                } else {
-                    Ok(())
-                }
-            };
-            match action {
-                Action::Slow { node, .. } | Action::Leave { node } | Action::Freeze { node } => {
-                    exists(*node, count)?;
-                    if dead.contains(node) {
-                        return Err(err(span.clone(), format!("node {node} is dead at that time")));
-                    }
-                    if frozen.contains(node) {
-                        return Err(err(span.clone(), format!("node {node} is frozen: only `kill` may follow")));
-                    }
-                    if let Action::Freeze { node } = action {
-                        frozen.insert(*node);
-                    }
-                }
-                Action::Kill { node } => {
-                    exists(*node, count)?;
-                    frozen.remove(node);
-                    if !dead.insert(*node) {
-                        return Err(err(span.clone(), format!("node {node} is already dead")));
-                    }
-                }
-                Action::Restart { node } => {
-                    exists(*node, count)?;
-                    if !dead.remove(node) {
-                        return Err(err(span.clone(), format!("node {node} is not dead: kill it before a restart")));
-                    }
-                }
-                Action::Partition { groups, .. } => {
-                    let mut seen = std::collections::BTreeSet::new();
-                    for &n in groups.iter().flatten() {
-                        if n == usize::MAX {
-                            return Err(err(span.clone(), "a partition group holds a negative index".into()));
-                        }
-                        exists(n, count)?;
-                        if !seen.insert(n) {
-                            return Err(err(span.clone(), format!("node {n} is in two partition groups")));
-                        }
-                    }
-                }
-                Action::Add => count += 1,
-                Action::StopAll => {
-                    if !raw.node_config.contains_key("checkpoint") {
-                        return Err(err(
-                            span.clone(),
-                            "`stop_all` needs a [node_config.checkpoint] table (for example every_steps = 50): \
-                             without checkpoints the run cannot resume"
-                                .into(),
-                        ));
-                    }
-                    if (0..count).all(|n| dead.contains(&n)) {
-                        return Err(err(span.clone(), "`stop_all`: every node is already stopped".into()));
-                    }
-                    dead.extend(0..count);
-                    frozen.clear();
-                }
-                Action::StartAll => {
-                    if dead.is_empty() {
-                        return Err(err(span.clone(), "`start_all`: no node is stopped at that time".into()));
-                    }
-                    dead.clear();
-                }
-            }
-        }
-        if let Some((_, _, span, _)) =
-            events.iter().rev().find(|(_, _, _, a)| matches!(a, Action::Freeze { node } if frozen.contains(node)))
-        {
-            return Err(err(
-                span.clone(),
-                "a frozen node never finishes: kill it later in the timeline (a stopped process cannot exit)".into(),
-            ));
-        }
-        if let Some(dir) = raw.node_config.get("checkpoint").and_then(|c| c.get("dir")) {
-            return Err(ScenarioError {
-                file: file.to_string(),
-                line: text.lines().position(|l| l.trim_start().starts_with("dir")).map_or(0, |i| i + 1),
-                message: format!(
-                    "node_config.checkpoint.dir = {dir}: the testnet gives each node its own folder in the report"
-                ),
-            });
-        }
-
-        let mut overrides = Vec::new();
-        let mut peak_limits = Vec::new();
-        for n in &raw.node {
-            let r = n.get_ref();
-            let idx = *r.index.get_ref();
-            if idx < 0 || idx as usize >= count {
-                return Err(err(
-                    r.index.span(),
-                    format!("node index {idx} does not exist (nodes 0..{} including added ones)", count - 1),
-                ));
-            }
-            if overrides.iter().any(|(i, _)| *i == idx as usize) {
-                return Err(err(r.index.span(), format!("node {idx} has two [[node]] tables")));
-            }
-            let batch_size = match &r.batch_size {
-                None => None,
-                Some(b) if *b.get_ref() >= 1 => Some(*b.get_ref() as u64),
-                Some(b) => return Err(err(b.span(), format!("batch_size = {} must be at least 1", b.get_ref()))),
-            };
-            let serve_delay_ms = match &r.serve_delay_ms {
-                None => None,
-                Some(d) if *d.get_ref() >= 0 => Some(*d.get_ref() as u64),
-                Some(d) => return Err(err(d.span(), format!("serve_delay_ms = {} is negative", d.get_ref()))),
-            };
-            let slowdown = check_slowdown(&r.slowdown).map_err(|(s, m)| err(s, m))?;
-            let profile = match &r.profile {
-                None => None,
-                Some(p) if PROFILES.contains(&p.get_ref().as_str()) => Some(p.get_ref().clone()),
-                Some(p) => {
-                    return Err(err(
-                        p.span(),
-                        format!("profile = \"{}\" is not one of: {}", p.get_ref(), PROFILES.join(", ")),
-                    ))
-                }
-            };
-            let arch = match r.arch.as_ref().map(|a| (a, a.get_ref().as_str())) {
-                None | Some((_, "native")) => Arch::Native,
-                Some((_, "aarch64" | "arm64")) => Arch::Aarch64,
-                Some((a, other)) => {
-                    return Err(err(a.span(), format!("arch = \"{other}\" is not one of: native, aarch64")))
-                }
-            };
-            if let Some(m) = &r.max_peak_rss_mib {
-                if !(m.get_ref().is_finite() && *m.get_ref() > 0.0) {
-                    return Err(err(m.span(), format!("max_peak_rss_mib = {} must be positive", m.get_ref())));
-                }
-                peak_limits.push((format!("node{idx}"), (*m.get_ref() * 1024.0 * 1024.0) as u64));
-            }
-            overrides.push((
-                idx as usize,
-                NodeSpec {
-                    batch_size,
-                    slowdown,
-                    can_aggregate: r.can_aggregate,
-                    serve_delay_ms,
-                    profile,
-                    config: r.config.clone(),
-                    arch,
-                },
-            ));
-        }
-        let mut checks = match &raw.checks {
-            None => Checks::default(),
-            Some(c) => {
-                let c = c.get_ref();
-                let positive = |v: &Option<Spanned<f64>>, key: &str, max: f64| match v {
-                    None => Ok(None),
-                    Some(x) if x.get_ref().is_finite() && *x.get_ref() >= 0.0 && *x.get_ref() <= max => {
-                        Ok(Some(*x.get_ref()))
-                    }
-                    Some(x) => Err(err(x.span(), format!("checks.{key} = {} must be from 0 to {max}", x.get_ref()))),
-                };
-                let checks = Checks {
-                    warmup_secs: positive(&c.warmup_secs, "warmup_secs", MAX_SECS)?.unwrap_or(0.0),
-                    max_rss_growth: positive(&c.max_rss_growth, "max_rss_growth", 100.0)?,
-                    no_forced_rounds: c.no_forced_rounds,
-                    accuracy_within_points: positive(&c.accuracy_within_points, "accuracy_within_points", 100.0)?,
-                    max_accuracy_drop_points: positive(&c.max_accuracy_drop_points, "max_accuracy_drop_points", 100.0)?,
-                    max_peak_rss: BTreeMap::new(),
-                };
-                if checks.warmup_secs >= time_limit {
-                    return Err(err(
-                        c.warmup_secs.as_ref().map_or(0..0, |w| w.span()),
-                        format!(
-                            "checks.warmup_secs = {} leaves nothing of the {time_limit} s time limit to judge",
-                            checks.warmup_secs
-                        ),
-                    ));
-                }
-                checks
-            }
-        };
-        checks.max_peak_rss = peak_limits.into_iter().collect();
-        let discovery = match raw.discovery.as_ref().map(|d| (d, d.get_ref().as_str())) {
-            None | Some((_, "bootstrap")) => Discovery::Bootstrap,
-            Some((_, "mdns")) => Discovery::Mdns,
-            Some((_, "relay")) => Discovery::Relay,
-            Some((d, other)) => {
-                return Err(err(d.span(), format!("discovery = \"{other}\" is not one of: bootstrap, mdns, relay")))
-            }
-        };
-        let relay = match (&raw.relay, discovery) {
-            (None, Discovery::Relay) => {
-                let span = raw.discovery.as_ref().map_or(0..0, |d| d.span());
-                return Err(err(span, "discovery = \"relay\" needs a [relay] table (node, far)".into()));
-            }
-            (Some(r), d) if d != Discovery::Relay => {
-                return Err(err(r.span(), "[relay] needs discovery = \"relay\"".into()));
-            }
-            (None, _) => None,
-            (Some(r), _) => {
-                let r = r.get_ref();
-                let node = *r.node.get_ref();
-                if node != 0 {
-                    return Err(err(
-                        r.node.span(),
-                        format!(
-                            "relay.node = {node}: the relay must be node 0, started first (every other node takes \
-                             a reservation on it as it starts)"
-                        ),
-                    ));
-                }
-                let mut far = Vec::new();
-                for &f in r.far.get_ref() {
-                    if !(0..nodes as i64).contains(&f) || f == node || far.contains(&(f as usize)) {
-                        return Err(err(
-                            r.far.span(),
-                            format!("relay.far: {f} is not a node other than the relay (nodes 0..{}), once", nodes - 1),
-                        ));
-                    }
-                    far.push(f as usize);
-                }
-                if far.is_empty() {
-                    return Err(err(r.far.span(), "relay.far names no node: nothing would be relayed".into()));
-                }
-                if let Some(e) = raw.event.first() {
-                    return Err(err(e.span(), "a relay scenario takes no events (its topology is fixed)".into()));
-                }
-                Some(RelaySpec { node: node as usize, far })
-            }
-        };
+        let mut events = raw.event.iter().map(|ev| src.event(ev)).collect::<Result<Vec<_>, _>>()?;
+        events.sort_by(|a, b| a.at_secs.total_cmp(&b.at_secs));
+        let count = src.replay(&events, nodes, raw.node_config.contains_key("checkpoint"))?;
+        src.no_checkpoint_dir(&raw.node_config)?;
+        let (overrides, peak_limits) = src.overrides(&raw.node, count)?;
+        let mut checks = src.checks(raw.checks.as_ref(), time_limit)?;
+        checks.max_peak_rss = peak_limits;
+        let discovery = src.discovery(raw.discovery.as_ref())?;
+        let relay = src.relay(&raw, discovery, nodes)?;
         Ok(Scenario {
             name: name.to_string(),
             nodes,
@@ -676,7 +380,7 @@ impl Scenario {
             time_limit: Duration::from_secs_f64(time_limit),
             node_config: raw.node_config,
             overrides,
-            events: events.into_iter().map(|(at_secs, line, _, action)| Event { at_secs, line, action }).collect(),
+            events: events.into_iter().map(|e| Event { at_secs: e.at_secs, line: e.line, action: e.action }).collect(),
             checks,
         })
     }
@@ -713,11 +417,441 @@ impl Scenario {
     }
 }
 
-fn check_slowdown(v: &Option<Spanned<f64>>) -> Result<Option<f64>, (std::ops::Range<usize>, String)> {
-    match v {
-        None => Ok(None),
-        Some(s) if s.get_ref().is_finite() && (1.0..=1000.0).contains(s.get_ref()) => Ok(Some(*s.get_ref())),
-        Some(s) => Err((s.span(), format!("slowdown = {} must be between 1 and 1000", s.get_ref()))),
+/// A byte range of the scenario text, as `toml::Spanned` gives it.
+type Span = std::ops::Range<usize>;
+
+/// Largest peak resident memory in bytes, by node name ([`Checks::max_peak_rss`]).
+type PeakLimits = BTreeMap<String, u64>;
+
+/// An event as parsed, with the span its errors point at.
+struct Timed {
+    at_secs: f64,
+    line: usize,
+    span: Span,
+    action: Action,
+}
+
+/// The text being parsed: turns spans into errors that name their line.
+/// Each method validates one part of the scenario format.
+struct Source<'a> {
+    text: &'a str,
+    file: &'a str,
+}
+
+impl Source<'_> {
+    /// The 1-based line `span` starts on.
+    fn line_of(&self, span: Span) -> usize {
+        self.text[..span.start.min(self.text.len())].matches('\n').count() + 1
+    }
+
+    fn err(&self, span: Span, message: String) -> ScenarioError {
+        ScenarioError { file: self.file.to_string(), line: self.line_of(span), message }
+    }
+
+    /// An error on the first line that starts with `key` (0: none does), for
+    /// what the raw TOML table keeps no span of.
+    fn err_at_key(&self, key: &str, message: String) -> ScenarioError {
+        let line = self.text.lines().position(|l| l.trim_start().starts_with(key)).map_or(0, |i| i + 1);
+        ScenarioError { file: self.file.to_string(), line, message }
+    }
+
+    /// `nodes`: 1 to 64.
+    fn node_count(&self, nodes: &Spanned<i64>) -> Result<usize, ScenarioError> {
+        let n = *nodes.get_ref();
+        if !(1..=64).contains(&n) {
+            return Err(self.err(nodes.span(), format!("nodes = {n}: a testnet has 1 to 64 nodes")));
+        }
+        Ok(n as usize)
+    }
+
+    /// `time_limit_secs`, in seconds.
+    fn time_limit(&self, t: Option<&Spanned<f64>>) -> Result<f64, ScenarioError> {
+        match t {
+            None => Ok(DEFAULT_TIME_LIMIT_SECS),
+            Some(t) if in_range(*t.get_ref()) => Ok(*t.get_ref()),
+            Some(t) => Err(self.err(
+                t.span(),
+                format!("time_limit_secs = {} must be positive and at most {MAX_SECS}", t.get_ref()),
+            )),
+        }
+    }
+
+    /// `[node_config]` holds only the tables a testnet lets a scenario set.
+    fn node_config_keys(&self, node_config: &toml::Table) -> Result<(), ScenarioError> {
+        for key in node_config.keys() {
+            if !["training", "cluster", "network", "http", "checkpoint"].contains(&key.as_str()) {
+                return Err(self.err_at_key(
+                    key,
+                    format!(
+                        "node_config.{key}: only training, cluster, network, http and checkpoint tables may \
+                         be set here (run_id, name and identity are set by the testnet)"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The testnet gives each node its own checkpoint folder.
+    fn no_checkpoint_dir(&self, node_config: &toml::Table) -> Result<(), ScenarioError> {
+        match node_config.get("checkpoint").and_then(|c| c.get("dir")) {
+            None => Ok(()),
+            Some(dir) => Err(self.err_at_key(
+                "dir",
+                format!("node_config.checkpoint.dir = {dir}: the testnet gives each node its own folder in the report"),
+            )),
+        }
+    }
+
+    /// One `[[event]]` table, on its own (the timeline is checked by [`Source::replay`]).
+    fn event(&self, ev: &Spanned<RawEvent>) -> Result<Timed, ScenarioError> {
+        let span = ev.span();
+        let e = ev.get_ref();
+        let at = *e.at_secs.get_ref();
+        if !at.is_finite() || at < 0.0 {
+            return Err(self.err(e.at_secs.span(), format!("at_secs = {at}: an event time cannot be negative")));
+        }
+        let node = |what: &str| -> Result<usize, ScenarioError> {
+            match &e.node {
+                None => Err(self.err(span.clone(), format!("`{what}` needs `node = <index>`"))),
+                Some(n) if *n.get_ref() < 0 => Err(self.err(n.span(), format!("node {} is negative", n.get_ref()))),
+                Some(n) => Ok(*n.get_ref() as usize),
+            }
+        };
+        let action = match e.action.get_ref().as_str() {
+            "slow" => {
+                let serve_delay_ms = self.non_negative(e.serve_delay_ms.as_ref(), "serve_delay_ms")?;
+                let slowdown = self.slowdown(e.slowdown.as_ref())?;
+                if serve_delay_ms.is_none() && slowdown.is_none() {
+                    return Err(self.err(span, "`slow` needs serve_delay_ms and/or slowdown".into()));
+                }
+                Action::Slow { node: node("slow")?, serve_delay_ms, slowdown }
+            }
+            "kill" => Action::Kill { node: node("kill")? },
+            "freeze" => Action::Freeze { node: node("freeze")? },
+            "restart" => Action::Restart { node: node("restart")? },
+            "leave" => Action::Leave { node: node("leave")? },
+            "add" => Action::Add,
+            "stop_all" => Action::StopAll,
+            "start_all" => Action::StartAll,
+            "partition" => self.partition(e, span.clone())?,
+            other => {
+                return Err(self.err(
+                    e.action.span(),
+                    format!(
+                        "unknown action `{other}`: slow, kill, freeze, restart, partition, add, leave, stop_all or \
+                         start_all"
+                    ),
+                ))
+            }
+        };
+        Ok(Timed { at_secs: at, line: self.line_of(span.clone()), span, action })
+    }
+
+    /// A `partition` event's groups and duration; `span` is its table's.
+    fn partition(&self, e: &RawEvent, span: Span) -> Result<Action, ScenarioError> {
+        let Some(g) = &e.groups else {
+            return Err(self.err(span, "`partition` needs groups = [[..], [..]]".into()));
+        };
+        // A negative index becomes usize::MAX, refused with its own message by the replay.
+        let groups: Vec<Vec<usize>> = g
+            .get_ref()
+            .iter()
+            .map(|grp| grp.iter().map(|&i| if i < 0 { usize::MAX } else { i as usize }).collect())
+            .collect();
+        let duration = match &e.duration_secs {
+            Some(d) if in_range(*d.get_ref()) => *d.get_ref(),
+            Some(d) => {
+                return Err(self.err(
+                    d.span(),
+                    format!("duration_secs = {} must be positive and at most {MAX_SECS}", d.get_ref()),
+                ))
+            }
+            None => return Err(self.err(span, "`partition` needs duration_secs".into())),
+        };
+        if groups.len() < 2 || groups.iter().any(Vec::is_empty) {
+            return Err(self.err(g.span(), "a partition needs at least two non-empty groups".into()));
+        }
+        Ok(Action::Partition { groups, duration: Duration::from_secs_f64(duration) })
+    }
+
+    /// Replay the timeline (sorted) to check every index against the nodes
+    /// that exist at that moment, and restarts against kills. Returns how
+    /// many nodes there are once every `add` has run.
+    fn replay(&self, events: &[Timed], nodes: usize, checkpoints: bool) -> Result<usize, ScenarioError> {
+        let mut life = Lives { count: nodes, dead: BTreeSet::new(), frozen: BTreeSet::new(), checkpoints };
+        for e in events {
+            life.apply(&e.action).map_err(|message| self.err(e.span.clone(), message))?;
+        }
+        let still_frozen = |e: &&Timed| matches!(e.action, Action::Freeze { node } if life.frozen.contains(&node));
+        if let Some(e) = events.iter().rev().find(still_frozen) {
+            return Err(self.err(
+                e.span.clone(),
+                "a frozen node never finishes: kill it later in the timeline (a stopped process cannot exit)".into(),
+            ));
+        }
+        Ok(life.count)
+    }
+
+    /// `serve_delay_ms` or the like: absent, or not negative.
+    fn non_negative(&self, v: Option<&Spanned<i64>>, key: &str) -> Result<Option<u64>, ScenarioError> {
+        match v {
+            None => Ok(None),
+            Some(x) if *x.get_ref() < 0 => Err(self.err(x.span(), format!("{key} = {} is negative", x.get_ref()))),
+            Some(x) => Ok(Some(*x.get_ref() as u64)),
+        }
+    }
+
+    /// `slowdown`: absent, or from 1 to 1000.
+    fn slowdown(&self, v: Option<&Spanned<f64>>) -> Result<Option<f64>, ScenarioError> {
+        match v {
+            None => Ok(None),
+            Some(s) if s.get_ref().is_finite() && (1.0..=1000.0).contains(s.get_ref()) => Ok(Some(*s.get_ref())),
+            Some(s) => Err(self.err(s.span(), format!("slowdown = {} must be between 1 and 1000", s.get_ref()))),
+        }
+    }
+
+    /// The `[[node]]` tables, for indices below `count` (initial and added
+    /// nodes): the overrides by index, and each `max_peak_rss_mib` in bytes
+    /// by node name.
+    fn overrides(
+        &self,
+        raw: &[Spanned<RawNode>],
+        count: usize,
+    ) -> Result<(Vec<(usize, NodeSpec)>, PeakLimits), ScenarioError> {
+        let mut overrides: Vec<(usize, NodeSpec)> = Vec::new();
+        let mut peak_limits = PeakLimits::new();
+        for n in raw {
+            let r = n.get_ref();
+            let idx = *r.index.get_ref();
+            if idx < 0 || idx as usize >= count {
+                return Err(self.err(
+                    r.index.span(),
+                    format!("node index {idx} does not exist (nodes 0..{} including added ones)", count - 1),
+                ));
+            }
+            if overrides.iter().any(|(i, _)| *i == idx as usize) {
+                return Err(self.err(r.index.span(), format!("node {idx} has two [[node]] tables")));
+            }
+            let spec = self.node_spec(r)?;
+            if let Some(m) = &r.max_peak_rss_mib {
+                if !(m.get_ref().is_finite() && *m.get_ref() > 0.0) {
+                    return Err(self.err(m.span(), format!("max_peak_rss_mib = {} must be positive", m.get_ref())));
+                }
+                peak_limits.insert(format!("node{idx}"), (*m.get_ref() * 1024.0 * 1024.0) as u64);
+            }
+            overrides.push((idx as usize, spec));
+        }
+        Ok((overrides, peak_limits))
+    }
+
+    /// One `[[node]]` table's settings (its index is checked by the caller).
+    fn node_spec(&self, r: &RawNode) -> Result<NodeSpec, ScenarioError> {
+        let batch_size = match &r.batch_size {
+            None => None,
+            Some(b) if *b.get_ref() >= 1 => Some(*b.get_ref() as u64),
+            Some(b) => return Err(self.err(b.span(), format!("batch_size = {} must be at least 1", b.get_ref()))),
+        };
+        let serve_delay_ms = self.non_negative(r.serve_delay_ms.as_ref(), "serve_delay_ms")?;
+        let slowdown = self.slowdown(r.slowdown.as_ref())?;
+        let profile = match &r.profile {
+            None => None,
+            Some(p) if PROFILES.contains(&p.get_ref().as_str()) => Some(p.get_ref().clone()),
+            Some(p) => {
+                return Err(self.err(
+                    p.span(),
+                    format!("profile = \"{}\" is not one of: {}", p.get_ref(), PROFILES.join(", ")),
+                ))
+            }
+        };
+        let arch = match r.arch.as_ref().map(|a| (a, a.get_ref().as_str())) {
+            None | Some((_, "native")) => Arch::Native,
+            Some((_, "aarch64" | "arm64")) => Arch::Aarch64,
+            Some((a, other)) => {
+                return Err(self.err(a.span(), format!("arch = \"{other}\" is not one of: native, aarch64")))
+            }
+        };
+        Ok(NodeSpec {
+            batch_size,
+            slowdown,
+            can_aggregate: r.can_aggregate,
+            serve_delay_ms,
+            profile,
+            config: r.config.clone(),
+            arch,
+        })
+    }
+
+    /// The `[checks]` table (without the per-node peaks, which `[[node]]` sets).
+    fn checks(&self, raw: Option<&Spanned<RawChecks>>, time_limit: f64) -> Result<Checks, ScenarioError> {
+        let Some(c) = raw else { return Ok(Checks::default()) };
+        let c = c.get_ref();
+        let positive = |v: &Option<Spanned<f64>>, key: &str, max: f64| match v {
+            None => Ok(None),
+            Some(x) if x.get_ref().is_finite() && *x.get_ref() >= 0.0 && *x.get_ref() <= max => Ok(Some(*x.get_ref())),
+            Some(x) => Err(self.err(x.span(), format!("checks.{key} = {} must be from 0 to {max}", x.get_ref()))),
+        };
+        let checks = Checks {
+            warmup_secs: positive(&c.warmup_secs, "warmup_secs", MAX_SECS)?.unwrap_or(0.0),
+            max_rss_growth: positive(&c.max_rss_growth, "max_rss_growth", 100.0)?,
+            no_forced_rounds: c.no_forced_rounds,
+            accuracy_within_points: positive(&c.accuracy_within_points, "accuracy_within_points", 100.0)?,
+            max_accuracy_drop_points: positive(&c.max_accuracy_drop_points, "max_accuracy_drop_points", 100.0)?,
+            max_peak_rss: BTreeMap::new(),
+        };
+        if checks.warmup_secs >= time_limit {
+            return Err(self.err(
+                c.warmup_secs.as_ref().map_or(0..0, |w| w.span()),
+                format!(
+                    "checks.warmup_secs = {} leaves nothing of the {time_limit} s time limit to judge",
+                    checks.warmup_secs
+                ),
+            ));
+        }
+        Ok(checks)
+    }
+
+    /// `discovery`: bootstrap (the default), mdns or relay.
+    fn discovery(&self, raw: Option<&Spanned<String>>) -> Result<Discovery, ScenarioError> {
+        match raw.map(|d| (d, d.get_ref().as_str())) {
+            None | Some((_, "bootstrap")) => Ok(Discovery::Bootstrap),
+            Some((_, "mdns")) => Ok(Discovery::Mdns),
+            Some((_, "relay")) => Ok(Discovery::Relay),
+            Some((d, other)) => {
+                Err(self.err(d.span(), format!("discovery = \"{other}\" is not one of: bootstrap, mdns, relay")))
+            }
+        }
+    }
+
+    /// The `[relay]` table, which `discovery = "relay"` needs and nothing else takes.
+    fn relay(
+        &self,
+        raw: &RawScenario,
+        discovery: Discovery,
+        nodes: usize,
+    ) -> Result<Option<RelaySpec>, ScenarioError> {
+        let r = match (&raw.relay, discovery) {
+            (None, Discovery::Relay) => {
+                let span = raw.discovery.as_ref().map_or(0..0, |d| d.span());
+                return Err(self.err(span, "discovery = \"relay\" needs a [relay] table (node, far)".into()));
+            }
+            (Some(r), d) if d != Discovery::Relay => {
+                return Err(self.err(r.span(), "[relay] needs discovery = \"relay\"".into()));
+            }
+            (None, _) => return Ok(None),
+            (Some(r), _) => r.get_ref(),
+        };
+        let node = *r.node.get_ref();
+        if node != 0 {
+            return Err(self.err(
+                r.node.span(),
+                format!(
+                    "relay.node = {node}: the relay must be node 0, started first (every other node takes \
+                     a reservation on it as it starts)"
+                ),
+            ));
+        }
+        let mut far = Vec::new();
+        for &f in r.far.get_ref() {
+            if !(0..nodes as i64).contains(&f) || f == node || far.contains(&(f as usize)) {
+                return Err(self.err(
+                    r.far.span(),
+                    format!("relay.far: {f} is not a node other than the relay (nodes 0..{}), once", nodes - 1),
+                ));
+            }
+            far.push(f as usize);
+        }
+        if far.is_empty() {
+            return Err(self.err(r.far.span(), "relay.far names no node: nothing would be relayed".into()));
+        }
+        if let Some(e) = raw.event.first() {
+            return Err(self.err(e.span(), "a relay scenario takes no events (its topology is fixed)".into()));
+        }
+        Ok(Some(RelaySpec { node: node as usize, far }))
+    }
+}
+
+/// Which nodes exist, are dead and are frozen at one moment of a timeline.
+struct Lives {
+    count: usize,
+    dead: BTreeSet<usize>,
+    frozen: BTreeSet<usize>,
+    /// `[node_config.checkpoint]` is set: a full stop can resume.
+    checkpoints: bool,
+}
+
+impl Lives {
+    /// Check `action` against this moment, then apply it; the error is its message.
+    fn apply(&mut self, action: &Action) -> Result<(), String> {
+        match action {
+            Action::Slow { node, .. } | Action::Leave { node } | Action::Freeze { node } => {
+                self.exists(*node)?;
+                if self.dead.contains(node) {
+                    return Err(format!("node {node} is dead at that time"));
+                }
+                if self.frozen.contains(node) {
+                    return Err(format!("node {node} is frozen: only `kill` may follow"));
+                }
+                if let Action::Freeze { node } = action {
+                    self.frozen.insert(*node);
+                }
+            }
+            Action::Kill { node } => {
+                self.exists(*node)?;
+                self.frozen.remove(node);
+                if !self.dead.insert(*node) {
+                    return Err(format!("node {node} is already dead"));
+                }
+            }
+            Action::Restart { node } => {
+                self.exists(*node)?;
+                if !self.dead.remove(node) {
+                    return Err(format!("node {node} is not dead: kill it before a restart"));
+                }
+            }
+            Action::Partition { groups, .. } => {
+                let mut seen = BTreeSet::new();
+                for &n in groups.iter().flatten() {
+                    if n == usize::MAX {
+                        return Err("a partition group holds a negative index".into());
+                    }
+                    self.exists(n)?;
+                    if !seen.insert(n) {
+                        return Err(format!("node {n} is in two partition groups"));
+                    }
+                }
+            }
+            Action::Add => self.count += 1,
+            Action::StopAll => self.stop_all()?,
+            Action::StartAll => {
+                if self.dead.is_empty() {
+                    return Err("`start_all`: no node is stopped at that time".into());
+                }
+                self.dead.clear();
+            }
+        }
+        Ok(())
+    }
+
+    fn stop_all(&mut self) -> Result<(), String> {
+        if !self.checkpoints {
+            return Err("`stop_all` needs a [node_config.checkpoint] table (for example every_steps = 50): \
+                        without checkpoints the run cannot resume"
+                .into());
+        }
+        if (0..self.count).all(|n| self.dead.contains(&n)) {
+            return Err("`stop_all`: every node is already stopped".into());
+        }
+        self.dead.extend(0..self.count);
+        self.frozen.clear();
+        Ok(())
+    }
+
+    fn exists(&self, n: usize) -> Result<(), String> {
+        if n >= self.count {
+            return Err(format!("node {n} does not exist (nodes 0..{} at that time)", self.count.saturating_sub(1)));
+        }
+        Ok(())
     }
 }
 
