@@ -46,12 +46,15 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::handles::aggregator::{AggCommand, AggregatorHandle, HandoffReply, Held, PullReply, PushReply, ShardStats};
+use crate::handles::aggregator::{
+    AggCommand, AggregatorHandle, HandoffReply, Held, PullReply, PushReply, ShardStats, ThenPull,
+};
 use crate::handles::checkpoint::CheckpointHandle;
 use crate::handles::handoff::{to_wire, ShardState};
 use crate::handles::net::{ModelSnapshot, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::ops::logging::short;
+use crate::policy::backoff::Backoff;
 use crate::policy::placement::Placement;
 use crate::policy::robust::Robust;
 use crate::policy::schedule::LrSchedule;
@@ -261,51 +264,12 @@ impl AggregatorActor {
         debug!("aggregator stopping: all handles dropped");
     }
 
+    /// Handles one command of the mailbox.
     fn handle(&mut self, cmd: AggCommand) {
         match cmd {
             AggCommand::Push { worker, shard, base_version, samples, grad, reply, then_pull } => {
-                let now = self.now_ms();
-                let Some(core) = self.cores.get_mut(&shard) else {
-                    let r = if self.pending.contains_key(&shard) {
-                        PushReply::Pending
-                    } else {
-                        PushReply::NotOwner { epoch: self.epoch(), hint: self.hint(shard) }
-                    };
-                    let _ = reply.send(r);
-                    return;
-                };
-                let before = core.version();
-                let skipped = core.skipped();
-                let out = match core.push(&worker, base_version, samples, grad, now) {
-                    PushOutcome::Accepted { version, staleness } => {
-                        self.status.record(StatusEvent::Staleness(staleness));
-                        self.status.record(StatusEvent::PushAccepted(worker));
-                        PushReply::Accepted { version, staleness }
-                    }
-                    PushOutcome::Stale { current_version } => PushReply::Stale {
-                        current_version,
-                        max_staleness: core.policy().max_bound().unwrap_or(u64::MAX),
-                    },
-                    PushOutcome::UnknownWorker => PushReply::UnknownWorker,
-                    PushOutcome::BadLength { expected, got } => {
-                        PushReply::Invalid(format!("gradient for shard {shard} has {got} values, expected {expected}"))
-                    }
-                };
-                let bumped = core.version() != before;
-                if core.skipped() > skipped {
-                    info!(shard, from = before, to = core.version(), %worker,
-                          "restored shard: numbering moved to the workers' (rounds its lost owner applied)");
-                }
-                report_rejections(&self.status, &self.suspects, shard, core);
-                if let (PushReply::Accepted { version, .. }, Some(then)) = (&out, then_pull) {
-                    self.park(worker, shard, self.cfg.policy.pull_after_push(*version), then.wait, then.reply);
-                }
-                let _ = reply.send(out);
-                if bumped {
-                    self.maybe_replicate(shard);
-                    self.maybe_checkpoint(shard);
-                }
-                self.release_ready();
+                let applied = self.apply_push(worker, shard, base_version, samples, grad);
+                self.answer_push(worker, shard, applied, reply, then_pull);
             }
             AggCommand::Pull { worker, shard, min_version, wait, reply } => {
                 if !self.cores.contains_key(&shard) && !self.pending.contains_key(&shard) {
@@ -323,11 +287,7 @@ impl AggregatorActor {
             AggCommand::TransferDone => {
                 self.transfers = self.transfers.saturating_sub(1);
             }
-            AggCommand::TransferFailed(state) => {
-                self.transfers = self.transfers.saturating_sub(1);
-                warn!(shard = state.shard, version = state.version, "transfer undelivered; keeping it as a replica");
-                self.store(state, false, 0);
-            }
+            AggCommand::TransferFailed(state) => self.transfer_failed(state),
             AggCommand::ReplicaDone { shard } => {
                 self.replicating.remove(&shard);
             }
@@ -344,40 +304,126 @@ impl AggregatorActor {
                 // Every worker copy now holds the resumed model.
                 self.resuming = false;
             }
-            AggCommand::FlushCheckpoints { reply } => {
-                let owned: Vec<u32> = self.cores.keys().copied().collect();
-                let due: Vec<ShardCheckpoint> =
-                    owned.into_iter().filter_map(|s| self.checkpoint_of(s, true)).map(|c| c.0).collect();
-                match self.cfg.checkpoint.as_ref().map(|c| c.writer.clone()) {
-                    Some(w) => {
-                        // One task, in order: the flush answers after these writes.
-                        tokio::spawn(async move {
-                            for c in due {
-                                w.write(c).await;
-                            }
-                            w.flush().await;
-                            let _ = reply.send(());
-                        });
-                    }
-                    None => {
-                        let _ = reply.send(());
-                    }
-                }
-            }
+            AggCommand::FlushCheckpoints { reply } => self.flush_checkpoints(reply),
             AggCommand::Stats { reply } => {
-                let stats = self
-                    .cores
-                    .iter()
-                    .map(|(&shard, c)| ShardStats {
-                        shard,
-                        version: c.version(),
-                        max_staleness: c.max_staleness(),
-                        median_norm: c.median_norm(),
-                    })
-                    .collect();
-                let _ = reply.send(stats);
+                let _ = reply.send(self.stats());
             }
         }
+    }
+
+    /// Applies a worker's gradient for `shard` to the shard's core, with
+    /// what an accepted push records. `None` when the shard is not held
+    /// here; else the reply and whether the shard's version moved.
+    fn apply_push(
+        &mut self,
+        worker: PeerId,
+        shard: u32,
+        base_version: u64,
+        samples: u32,
+        grad: Vec<f32>,
+    ) -> Option<(PushReply, bool)> {
+        let now = self.now_ms();
+        let core = self.cores.get_mut(&shard)?;
+        let before = core.version();
+        let skipped = core.skipped();
+        let out = match core.push(&worker, base_version, samples, grad, now) {
+            PushOutcome::Accepted { version, staleness } => {
+                self.status.record(StatusEvent::Staleness(staleness));
+                self.status.record(StatusEvent::PushAccepted(worker));
+                PushReply::Accepted { version, staleness }
+            }
+            PushOutcome::Stale { current_version } => {
+                PushReply::Stale { current_version, max_staleness: core.policy().max_bound().unwrap_or(u64::MAX) }
+            }
+            PushOutcome::UnknownWorker => PushReply::UnknownWorker,
+            PushOutcome::BadLength { expected, got } => {
+                PushReply::Invalid(format!("gradient for shard {shard} has {got} values, expected {expected}"))
+            }
+        };
+        let bumped = core.version() != before;
+        if core.skipped() > skipped {
+            info!(shard, from = before, to = core.version(), %worker,
+                  "restored shard: numbering moved to the workers' (rounds its lost owner applied)");
+        }
+        report_rejections(&self.status, &self.suspects, shard, core);
+        Some((out, bumped))
+    }
+
+    /// Answers a push given what [`Self::apply_push`] made of it: a shard
+    /// not held here is refused (pending: try again; else not the owner).
+    /// Otherwise the pull riding on an accepted push is parked, the reply
+    /// sent, a shard whose version moved replicated and checkpointed, and
+    /// the pulls now ready released.
+    fn answer_push(
+        &mut self,
+        worker: PeerId,
+        shard: u32,
+        applied: Option<(PushReply, bool)>,
+        reply: oneshot::Sender<PushReply>,
+        then_pull: Option<ThenPull>,
+    ) {
+        let Some((out, bumped)) = applied else {
+            let r = if self.pending.contains_key(&shard) {
+                PushReply::Pending
+            } else {
+                PushReply::NotOwner { epoch: self.epoch(), hint: self.hint(shard) }
+            };
+            let _ = reply.send(r);
+            return;
+        };
+        if let (PushReply::Accepted { version, .. }, Some(then)) = (&out, then_pull) {
+            self.park(worker, shard, self.cfg.policy.pull_after_push(*version), then.wait, then.reply);
+        }
+        let _ = reply.send(out);
+        if bumped {
+            self.maybe_replicate(shard);
+            self.maybe_checkpoint(shard);
+        }
+        self.release_ready();
+    }
+
+    /// A spawned transfer could not be delivered: keep the state as a
+    /// replica.
+    fn transfer_failed(&mut self, state: ShardState) {
+        self.transfers = self.transfers.saturating_sub(1);
+        warn!(shard = state.shard, version = state.version, "transfer undelivered; keeping it as a replica");
+        self.store(state, false, 0);
+    }
+
+    /// Checkpoints every owned shard that changed since its last write and
+    /// answers `reply` once they are on disk (at once without a writer).
+    fn flush_checkpoints(&mut self, reply: oneshot::Sender<()>) {
+        let owned: Vec<u32> = self.cores.keys().copied().collect();
+        let due: Vec<ShardCheckpoint> =
+            owned.into_iter().filter_map(|s| self.checkpoint_of(s, true)).map(|c| c.0).collect();
+        match self.cfg.checkpoint.as_ref().map(|c| c.writer.clone()) {
+            Some(w) => {
+                // One task, in order: the flush answers after these writes.
+                tokio::spawn(async move {
+                    for c in due {
+                        w.write(c).await;
+                    }
+                    w.flush().await;
+                    let _ = reply.send(());
+                });
+            }
+            None => {
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    /// The version, staleness and gradient norm of every owned shard.
+    fn stats(&self) -> Vec<ShardStats> {
+        self.cores
+            .iter()
+            .map(|(&shard, c)| ShardStats {
+                shard,
+                version: c.version(),
+                max_staleness: c.max_staleness(),
+                median_norm: c.median_norm(),
+            })
+            .collect()
     }
 
     /// Keep a copy unless a newer one is already kept. A transfer at the
@@ -925,7 +971,7 @@ async fn send_handoff(
     deadline: Instant,
 ) -> anyhow::Result<()> {
     let req = ShardRequest::Handoff(to_wire(run, me, incarnation, kind, hops, state)?);
-    let mut backoff = Duration::from_millis(20);
+    let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
     loop {
         let err = match net.request(to, req.clone()).await {
             Ok(ShardResponse::HandoffAck { .. }) | Ok(ShardResponse::Fenced { .. }) => return Ok(()),
@@ -933,12 +979,11 @@ async fn send_handoff(
             Ok(other) => bail!("{to} answered a handoff with {}", other.kind()),
             Err(e) => e.to_string(),
         };
-        if Instant::now() + backoff >= deadline {
+        let Some(delay) = backoff.next_within(deadline.saturating_duration_since(Instant::now())) else {
             bail!("handoff of shard {} to {to} kept failing: {err}", state.shard);
-        }
+        };
         // Back-off between retries of a failed request, not synchronisation.
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_millis(500));
+        tokio::time::sleep(delay).await;
     }
 }
 

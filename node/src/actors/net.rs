@@ -23,8 +23,9 @@ use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{dcutr, gossipsub, identify, mdns, ping, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
     frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, Encoding,
-    ErrorCode, Exchanged, GossipMessage, Heartbeat, Payload, ProtocolConfig, PushPull, RunId, ShardRequest,
-    ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent, ValidationContext, WireError,
+    ErrorCode, Exchanged, GossipMessage, Handoff, Heartbeat, Payload, ProtocolConfig, PullShard, PushPull, RunId,
+    ShardRequest, ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent, StateSync, ValidationContext,
+    WireError,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
@@ -440,6 +441,9 @@ impl NetworkActor {
         }
     }
 
+    /// Answers one inbound request: at once when it cannot be decoded or
+    /// is invalid, else by its kind (answers that wait on the aggregator
+    /// go into `responses`, so that nothing blocks this loop).
     fn inbound(&mut self, peer: PeerId, req: ShardRequest, channel: ResponseChannel<ShardResponse>) {
         if let Some(resp) = req.undecodable_reply() {
             return self.respond_now(channel, resp);
@@ -460,113 +464,13 @@ impl NetworkActor {
                 let answer = self.timed_answer(peer, &routes, &run, req);
                 self.responses.push(Box::pin(async move { (channel, answer.await) }));
             }
-            ShardRequest::Timed(inner) => {
-                // From taking the request off the connection to having its
-                // answer ready: this node's queues, CPU and serving delays,
-                // not the requester's or the network's.
-                let since = Instant::now();
-                let answer = self.timed_answer(peer, &routes, &run, *inner);
-                self.responses.push(Box::pin(async move {
-                    let answer = answer.await;
-                    let held = Duration::from_millis(answer_held_ms(&answer).into());
-                    let service_us = since.elapsed().saturating_sub(held).as_micros().min(u32::MAX as u128) as u32;
-                    (channel, ShardResponse::Timed { service_us, answer: Box::new(answer) })
-                }));
-            }
-            ShardRequest::PullShard(p) => {
-                let Some(agg) = routes.aggregator else {
-                    // Peers can agree on the roster a moment before we do: ask them to retry.
-                    return self.respond_now(
-                        channel,
-                        wire_error(ErrorCode::Busy, "training has not started on this node yet"),
-                    );
-                };
-                let shard = p.shard;
-                let encoding = p.encoding;
-                let wait = Duration::from_millis(p.max_wait_ms as u64);
-                let epoch = routes.epoch;
-                let delay = self.parts.faults.serve_delay();
-                let faults = self.parts.faults.clone();
-                let encoded = self.encoded.clone();
-                match agg.try_pull(peer, shard, p.min_version, wait) {
-                    Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
-                    Ok(rx) => self.responses.push(Box::pin(async move {
-                        let resp = match rx.await {
-                            Ok(PullReply::State { version, params }) => {
-                                match shard_state(&encoded, run, (shard, version, epoch), &params, encoding).await {
-                                    Ok(s) => ShardResponse::ShardState(s),
-                                    Err(e) => ShardResponse::error(&e),
-                                }
-                            }
-                            Ok(PullReply::NotReady { current_version }) => {
-                                ShardResponse::NotReady { shard, current_version }
-                            }
-                            Ok(PullReply::NotOwner { epoch, hint }) => ShardResponse::NotOwner { shard, epoch, hint },
-                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
-                        };
-                        let sent = match &resp {
-                            ShardResponse::ShardState(s) => s.params.byte_len(),
-                            _ => 0,
-                        };
-                        hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
-                        (channel, resp)
-                    })),
-                }
-            }
+            ShardRequest::Timed(inner) => self.serve_timed(peer, &routes, &run, *inner, channel),
+            ShardRequest::PullShard(p) => self.serve_pull(peer, &routes, run, p, channel),
             ShardRequest::StateSync(s) => {
-                let snap = self.parts.snapshot.borrow().clone();
-                let range = self.parts.shard_ranges.get(s.shard as usize).cloned();
-                let resp = match range {
-                    Some(_) if snap.version < s.min_version || snap.params.is_empty() => {
-                        ShardResponse::NotReady { shard: s.shard, current_version: snap.version }
-                    }
-                    Some(r) if r.end <= snap.params.len() => match Payload::encode(&snap.params[r], Encoding::F32) {
-                        Ok(params) => ShardResponse::ShardState(ShardState {
-                            run,
-                            shard: s.shard,
-                            version: snap.version,
-                            epoch: routes.epoch,
-                            params,
-                        }),
-                        Err(e) => ShardResponse::error(&e),
-                    },
-                    _ => wire_error(ErrorCode::ShardOutOfRange, format!("no shard {}", s.shard)),
-                };
+                let resp = self.state_sync(routes.epoch, run, &s);
                 self.respond_now(channel, resp);
             }
-            ShardRequest::Handoff(h) => {
-                let Some(agg) = routes.aggregator else {
-                    return self.respond_now(
-                        channel,
-                        wire_error(ErrorCode::Busy, "training has not started on this node yet"),
-                    );
-                };
-                if h.from != peer {
-                    return self.respond_now(
-                        channel,
-                        wire_error(ErrorCode::InvalidRequest, "handoff `from` is not the sender"),
-                    );
-                }
-                let state = match from_wire(&h, self.parts.optimizer) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        return self.respond_now(channel, wire_error(ErrorCode::InvalidRequest, format!("{e:#}")))
-                    }
-                };
-                let shard = h.shard;
-                match agg.try_handoff(peer, h.kind, h.hops, state) {
-                    Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
-                    Ok(rx) => self.responses.push(Box::pin(async move {
-                        let resp = match rx.await {
-                            Ok(HandoffReply::Ack { version }) => ShardResponse::HandoffAck { shard, version },
-                            Ok(HandoffReply::Fenced { epoch }) => ShardResponse::Fenced { shard, epoch },
-                            Ok(HandoffReply::Invalid(m)) => wire_error(ErrorCode::InvalidRequest, m),
-                            Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
-                        };
-                        (channel, resp)
-                    })),
-                }
-            }
+            ShardRequest::Handoff(h) => self.serve_handoff(peer, &routes, h, channel),
             other => {
                 let kind = other.kind();
                 self.respond_now(
@@ -574,6 +478,114 @@ impl NetworkActor {
                     wire_error(ErrorCode::InvalidRequest, format!("{kind} is not served by this node yet")),
                 );
             }
+        }
+    }
+
+    /// A `Timed` request: its inner request's answer, with the time this
+    /// node took to serve it.
+    fn serve_timed(
+        &mut self,
+        peer: PeerId,
+        routes: &Routes,
+        run: &RunId,
+        inner: ShardRequest,
+        channel: ResponseChannel<ShardResponse>,
+    ) {
+        // From taking the request off the connection to having its
+        // answer ready: this node's queues, CPU and serving delays,
+        // not the requester's or the network's.
+        let since = Instant::now();
+        let answer = self.timed_answer(peer, routes, run, inner);
+        self.responses.push(Box::pin(async move {
+            let answer = answer.await;
+            let held = Duration::from_millis(answer_held_ms(&answer).into());
+            let service_us = since.elapsed().saturating_sub(held).as_micros().min(u32::MAX as u128) as u32;
+            (channel, ShardResponse::Timed { service_us, answer: Box::new(answer) })
+        }));
+    }
+
+    /// A pull of one shard: parked at the aggregator until the version
+    /// asked for exists (or the wait ends), then answered with the state
+    /// after this node's serving and link delays.
+    fn serve_pull(
+        &mut self,
+        peer: PeerId,
+        routes: &Routes,
+        run: RunId,
+        p: PullShard,
+        channel: ResponseChannel<ShardResponse>,
+    ) {
+        let Some(agg) = &routes.aggregator else {
+            // Peers can agree on the roster a moment before we do: ask them to retry.
+            return self.respond_now(channel, wire_error(ErrorCode::Busy, "training has not started on this node yet"));
+        };
+        let shard = p.shard;
+        let encoding = p.encoding;
+        let wait = Duration::from_millis(p.max_wait_ms as u64);
+        let epoch = routes.epoch;
+        let delay = self.parts.faults.serve_delay();
+        let faults = self.parts.faults.clone();
+        let encoded = self.encoded.clone();
+        match agg.try_pull(peer, shard, p.min_version, wait) {
+            Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
+            Ok(rx) => self.responses.push(Box::pin(async move {
+                let resp = pull_response(rx.await, &encoded, run, (shard, epoch), encoding).await;
+                let sent = match &resp {
+                    ShardResponse::ShardState(s) => s.params.byte_len(),
+                    _ => 0,
+                };
+                hold(delay + faults.link_delay(sent) + faults.send_delay(sent)).await;
+                (channel, resp)
+            })),
+        }
+    }
+
+    /// The answer to a `StateSync`: the shard of this node's worker copy,
+    /// in f32, once it has reached the version asked for.
+    fn state_sync(&self, epoch: u64, run: RunId, s: &StateSync) -> ShardResponse {
+        let snap = self.parts.snapshot.borrow().clone();
+        let range = self.parts.shard_ranges.get(s.shard as usize).cloned();
+        match range {
+            Some(_) if snap.version < s.min_version || snap.params.is_empty() => {
+                ShardResponse::NotReady { shard: s.shard, current_version: snap.version }
+            }
+            Some(r) if r.end <= snap.params.len() => match Payload::encode(&snap.params[r], Encoding::F32) {
+                Ok(params) => {
+                    ShardResponse::ShardState(ShardState { run, shard: s.shard, version: snap.version, epoch, params })
+                }
+                Err(e) => ShardResponse::error(&e),
+            },
+            _ => wire_error(ErrorCode::ShardOutOfRange, format!("no shard {}", s.shard)),
+        }
+    }
+
+    /// A shard's state handed to this node (a transfer or a replica),
+    /// decoded and passed to the aggregator; only from the peer it names
+    /// as its sender.
+    fn serve_handoff(&mut self, peer: PeerId, routes: &Routes, h: Handoff, channel: ResponseChannel<ShardResponse>) {
+        let Some(agg) = &routes.aggregator else {
+            return self.respond_now(channel, wire_error(ErrorCode::Busy, "training has not started on this node yet"));
+        };
+        if h.from != peer {
+            let refused = wire_error(ErrorCode::InvalidRequest, "handoff `from` is not the sender");
+            return self.respond_now(channel, refused);
+        }
+        let state = match from_wire(&h, self.parts.optimizer) {
+            Ok(s) => s,
+            Err(e) => return self.respond_now(channel, wire_error(ErrorCode::InvalidRequest, format!("{e:#}"))),
+        };
+        let shard = h.shard;
+        match agg.try_handoff(peer, h.kind, h.hops, state) {
+            Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
+            Ok(rx) => self.responses.push(Box::pin(async move {
+                let resp = match rx.await {
+                    Ok(HandoffReply::Ack { version }) => ShardResponse::HandoffAck { shard, version },
+                    Ok(HandoffReply::Fenced { epoch }) => ShardResponse::Fenced { shard, epoch },
+                    Ok(HandoffReply::Invalid(m)) => wire_error(ErrorCode::InvalidRequest, m),
+                    Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+                };
+                (channel, resp)
+            })),
         }
     }
 
@@ -870,6 +882,29 @@ fn push_response(shard: u32, r: PushReply) -> ShardResponse {
 
 /// A shard's parameters as sent to a puller, in the encoding it asked for
 /// (the owner's copy stays f32), encoded once per state (`encoded`).
+/// The answer to a pull from the aggregator's reply to it: the shard's
+/// state (encoded once for every pull of the round), not ready yet, or not
+/// owned here.
+async fn pull_response(
+    reply: Result<PullReply, oneshot::error::RecvError>,
+    encoded: &EncodedStates,
+    run: RunId,
+    (shard, epoch): (u32, u64),
+    encoding: Encoding,
+) -> ShardResponse {
+    match reply {
+        Ok(PullReply::State { version, params }) => {
+            match shard_state(encoded, run, (shard, version, epoch), &params, encoding).await {
+                Ok(s) => ShardResponse::ShardState(s),
+                Err(e) => ShardResponse::error(&e),
+            }
+        }
+        Ok(PullReply::NotReady { current_version }) => ShardResponse::NotReady { shard, current_version },
+        Ok(PullReply::NotOwner { epoch, hint }) => ShardResponse::NotOwner { shard, epoch, hint },
+        Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+    }
+}
+
 async fn shard_state(
     encoded: &EncodedStates,
     run: RunId,

@@ -6,7 +6,10 @@ use std::time::Instant;
 use shoal_protocol::libp2p::PeerId;
 use tokio::sync::mpsc;
 
-use crate::handles::status::{ExploreRecord, RoleChange, StatusCommand, StatusEvent, StatusHandle, StatusSnapshot};
+use crate::handles::status::{
+    ExploreRecord, RoleChange, RoleView, StatusCommand, StatusEvent, StatusHandle, StatusSnapshot,
+};
+use crate::policy::explore::Decision;
 
 /// Start the status actor. It stops when every handle has been dropped.
 pub fn spawn(name: String, peer_id: String, total_steps: u64, capacity: usize) -> StatusHandle {
@@ -59,21 +62,12 @@ impl StatusActor {
         }
     }
 
+    /// Folds one event into the snapshot (or, for the counters kept by
+    /// peer, into those).
     fn apply(&mut self, e: StatusEvent) {
         let s = &mut self.snap;
         match e {
-            StatusEvent::Role { role, owned } => {
-                if (s.role != role || s.owned_shards != owned) && s.role_changes.len() < 1000 {
-                    s.role_changes.push(RoleChange {
-                        secs: self.born.elapsed().as_secs_f64(),
-                        step: s.step,
-                        role,
-                        owned: owned.clone(),
-                    });
-                }
-                s.role = role;
-                s.owned_shards = owned;
-            }
+            StatusEvent::Role { role, owned } => self.on_role(role, owned),
             StatusEvent::HandoffOut => s.handoffs_out += 1,
             StatusEvent::HandoffIn => s.handoffs_in += 1,
             StatusEvent::Restored { from_replica: true } => s.restored_from_replica += 1,
@@ -81,12 +75,7 @@ impl StatusActor {
             StatusEvent::VersionRegression(v) => s.max_version_regression = s.max_version_regression.max(v),
             // Counted by peer id; named as text only when a snapshot is taken.
             StatusEvent::PushAccepted(w) => *self.pushes.entry(w).or_default() += 1,
-            StatusEvent::Rejected { peer, suspect } => {
-                *self.rejected.entry(peer).or_default() += 1;
-                if suspect {
-                    self.suspects.insert(peer);
-                }
-            }
+            StatusEvent::Rejected { peer, suspect } => self.on_rejected(peer, suspect),
             StatusEvent::Joined { step, donors } => {
                 s.joined_at_step = Some(step);
                 s.join_donors = donors;
@@ -94,12 +83,7 @@ impl StatusActor {
             }
             StatusEvent::Left { step } => s.left_at_step = Some(step),
             StatusEvent::RoundForced => s.rounds_forced += 1,
-            StatusEvent::CheckpointWritten { shard, version, secs } => {
-                s.checkpoints_written += 1;
-                s.last_checkpoint_secs = Some(secs);
-                let v = s.checkpoint_versions.entry(shard).or_default();
-                *v = (*v).max(version);
-            }
+            StatusEvent::CheckpointWritten { shard, version, secs } => self.on_checkpoint_written(shard, version, secs),
             StatusEvent::CheckpointFailed => s.checkpoint_failures += 1,
             StatusEvent::Resumed { step } => {
                 s.resumed_at_step = Some(step);
@@ -112,17 +96,7 @@ impl StatusActor {
             }
             StatusEvent::ResidualBytes(b) => s.residual_bytes = b,
             StatusEvent::Overlapped => s.overlapped_steps += 1,
-            StatusEvent::FittedBatch { samples, nominal } => {
-                let (n, of) = (samples as u64, nominal as u64);
-                if n < of {
-                    s.fitted_steps += 1;
-                    s.fitted_samples += n;
-                    s.shed_samples += of - n;
-                } else if n > of {
-                    s.grown_steps += 1;
-                    s.grown_samples += n - of;
-                }
-            }
+            StatusEvent::FittedBatch { samples, nominal } => self.on_fitted_batch(samples, nominal),
             StatusEvent::DroppedPushes { samples } => s.dropped_samples += samples,
             StatusEvent::Batched(shards) => {
                 s.batched_requests += 1;
@@ -133,42 +107,13 @@ impl StatusActor {
                 s.skipped_steps += n;
                 s.step += n;
             }
-            StatusEvent::Explore { step, decision } => {
-                use crate::policy::explore::Decision;
-                let (action, from, to, before, after) = match decision {
-                    Decision::Try { from, to, baseline_micros } => ("try", from, to, baseline_micros, None),
-                    Decision::Keep { from, k, before_micros, after_micros } => {
-                        ("keep", from, k, before_micros, Some(after_micros))
-                    }
-                    Decision::Revert { tried, k, before_micros, after_micros, .. } => {
-                        ("revert", tried, k, before_micros, Some(after_micros))
-                    }
-                };
-                if s.exploration.len() < 1000 {
-                    s.exploration.push(ExploreRecord {
-                        secs: self.born.elapsed().as_secs_f64(),
-                        step,
-                        action,
-                        from,
-                        to,
-                        before_ms: before / 1e3,
-                        after_ms: after.map(|a| a / 1e3),
-                    });
-                }
-            }
+            StatusEvent::Explore { step, decision } => self.on_explore(step, decision),
             StatusEvent::Step { step, samples, loss, compute_secs, comm_secs, apply_secs, step_secs } => {
-                let started = *self.started.get_or_insert_with(Instant::now);
-                s.step = step;
-                s.samples += samples as u64;
-                s.last_loss = Some(loss);
                 s.compute_secs += compute_secs;
                 s.comm_secs += comm_secs;
                 s.apply_secs += apply_secs;
                 s.step_secs += step_secs;
-                let secs = started.elapsed().as_secs_f64();
-                if secs > 0.0 {
-                    s.samples_per_sec = s.samples as f64 / secs;
-                }
+                self.on_step(step, samples, loss);
             }
             StatusEvent::Version(v) => s.model_version = v,
             StatusEvent::Bytes { out, r#in } => {
@@ -181,21 +126,117 @@ impl StatusActor {
             }
             StatusEvent::PushLatency(ms) => s.push_latency_ms = ema(s.push_latency_ms, ms),
             StatusEvent::PullLatency(ms) => s.pull_latency_ms = ema(s.pull_latency_ms, ms),
-            StatusEvent::Evaluated(e) => {
-                let a = e.accuracy;
-                s.last_accuracy = Some(a);
-                s.last_bits_per_byte = e.bits_per_byte;
-                let secs = self.started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
-                if s.accuracy_history.len() < 1000 {
-                    s.accuracy_history.push((s.step, secs, a));
-                }
-            }
+            StatusEvent::Evaluated(e) => self.on_evaluated(e),
             StatusEvent::Peers(n) => s.known_peers = n,
             StatusEvent::Staleness(st) => s.max_staleness = s.max_staleness.max(st),
             StatusEvent::GossipDistance(d) => {
                 s.gossip_first_distance.get_or_insert(d);
                 s.gossip_last_distance = Some(d);
             }
+        }
+    }
+
+    /// A new role or set of owned shards: recorded as a change (the first
+    /// 1000 changes) when either differs.
+    fn on_role(&mut self, role: RoleView, owned: Vec<u32>) {
+        let s = &mut self.snap;
+        if (s.role != role || s.owned_shards != owned) && s.role_changes.len() < 1000 {
+            s.role_changes.push(RoleChange {
+                secs: self.born.elapsed().as_secs_f64(),
+                step: s.step,
+                role,
+                owned: owned.clone(),
+            });
+        }
+        s.role = role;
+        s.owned_shards = owned;
+    }
+
+    /// A contribution from `peer` rejected; `suspect`: the peer is now
+    /// suspected of sending bad updates.
+    fn on_rejected(&mut self, peer: PeerId, suspect: bool) {
+        *self.rejected.entry(peer).or_default() += 1;
+        if suspect {
+            self.suspects.insert(peer);
+        }
+    }
+
+    /// A shard's checkpoint written: counted, its time kept, and the
+    /// shard's highest version written raised.
+    fn on_checkpoint_written(&mut self, shard: u32, version: u64, secs: f64) {
+        let s = &mut self.snap;
+        s.checkpoints_written += 1;
+        s.last_checkpoint_secs = Some(secs);
+        let v = s.checkpoint_versions.entry(shard).or_default();
+        *v = (*v).max(version);
+    }
+
+    /// A step trained on `samples` where the nominal batch is `nominal`:
+    /// counted as shed (fitted to memory) or grown samples.
+    fn on_fitted_batch(&mut self, samples: usize, nominal: usize) {
+        let s = &mut self.snap;
+        let (n, of) = (samples as u64, nominal as u64);
+        if n < of {
+            s.fitted_steps += 1;
+            s.fitted_samples += n;
+            s.shed_samples += of - n;
+        } else if n > of {
+            s.grown_steps += 1;
+            s.grown_samples += n - of;
+        }
+    }
+
+    /// An exploration decision at `step`, recorded (the first 1000) with
+    /// its step times in milliseconds.
+    fn on_explore(&mut self, step: u64, decision: Decision) {
+        let (action, from, to, before, after) = match decision {
+            Decision::Try { from, to, baseline_micros } => ("try", from, to, baseline_micros, None),
+            Decision::Keep { from, k, before_micros, after_micros } => {
+                ("keep", from, k, before_micros, Some(after_micros))
+            }
+            Decision::Revert { tried, k, before_micros, after_micros, .. } => {
+                ("revert", tried, k, before_micros, Some(after_micros))
+            }
+        };
+        let s = &mut self.snap;
+        if s.exploration.len() < 1000 {
+            s.exploration.push(ExploreRecord {
+                secs: self.born.elapsed().as_secs_f64(),
+                step,
+                action,
+                from,
+                to,
+                before_ms: before / 1e3,
+                after_ms: after.map(|a| a / 1e3),
+            });
+        }
+    }
+
+    /// A step finished (its times already added): the step, the samples,
+    /// the loss, and the samples per second since the first step.
+    fn on_step(&mut self, step: u64, samples: usize, loss: f32) {
+        let started = *self.started.get_or_insert_with(Instant::now);
+        let s = &mut self.snap;
+        s.step = step;
+        s.samples += samples as u64;
+        s.last_loss = Some(loss);
+        let secs = started.elapsed().as_secs_f64();
+        if secs > 0.0 {
+            s.samples_per_sec = s.samples as f64 / secs;
+        }
+    }
+
+    /// An evaluation: the latest accuracy and bits per byte, and the
+    /// accuracy's history (the first 1000) by step and seconds since the
+    /// first step.
+    fn on_evaluated(&mut self, e: shoal_models::Evaluation) {
+        let s = &mut self.snap;
+        let a = e.accuracy;
+        s.last_accuracy = Some(a);
+        s.last_bits_per_byte = e.bits_per_byte;
+        let secs = self.started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+        if s.accuracy_history.len() < 1000 {
+            s.accuracy_history.push((s.step, secs, a));
         }
     }
 }

@@ -14,6 +14,8 @@ use candle_core::{Device, Tensor};
 use shoal_models::{data, ArchKind, DatasetKind, LocalTrainer, ModelConfig, OptimizerConfig, OptimizerKind, Split};
 
 use crate::cmd::cli::{BenchTrainArgs, BenchWireArgs};
+use crate::config::NodeConfig;
+use crate::node::NodeReport;
 
 /// Write a benchmark's numbers to `--json PATH`, if given.
 #[allow(clippy::print_stdout)] // The CLI's own output.
@@ -202,9 +204,6 @@ fn bench_matmul(n: usize, device: &Device) -> anyhow::Result<(f64, f64)> {
 /// loopback TCP, and an aggregation-bound case measured against raw TCP.
 #[allow(clippy::print_stdout)] // The CLI's own output.
 pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
-    use crate::cluster::{Cluster, ClusterSpec};
-    use crate::config::NodeConfig;
-
     if args.steps == 0 || args.batch_size == 0 {
         anyhow::bail!("--steps and --batch-size must be at least 1");
     }
@@ -213,89 +212,153 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
     let threads = crate::ops::threads::configure_process(crate::ops::threads::share(4));
     let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
     rt.block_on(async move {
+        let bench = ClusterBench { args, dataset, target, threads };
         println!(
-            "shoal bench cluster: {dataset} MLP, BSP, SGD lr 0.1, batch {} per node, {} steps, target {:.0}%",
-            args.batch_size,
-            args.steps,
+            "shoal bench cluster: {} MLP, BSP, SGD lr 0.1, batch {} per node, {} steps, target {:.0}%",
+            bench.dataset,
+            bench.args.batch_size,
+            bench.args.steps,
             target * 100.0
         );
         println!(
             "{:>5} {:>12} {:>9} {:>14} {:>11} {:>12} {:>9}",
             "nodes", "samples/s", "speed-up", "time to target", "comm share", "bytes/step", "accuracy"
         );
+        let rows = bench.scaling().await?;
+        println!("bytes/step: pushed plus pulled payload bytes per worker per step, over the model's size.");
+        let many_sps = rows.last().and_then(|r| r["samples_per_sec"].as_f64()).unwrap_or(f64::NAN);
+        let exchange = bench.exchange(many_sps).await?;
+        let big = if bench.args.skip_big { serde_json::Value::Null } else { bench.aggregation_bound().await? };
+        write_json(
+            bench.args.json.as_deref(),
+            &serde_json::json!({
+                "bench": "cluster", "dataset": bench.dataset.to_string(), "batch_size": bench.args.batch_size,
+                "steps": bench.args.steps, "target": target, "threads_per_node": threads,
+                "scaling": rows, "exchange": exchange, "aggregation_bound": big,
+            }),
+        )
+    })
+}
+
+/// What the cases of `shoal bench cluster` share.
+struct ClusterBench {
+    args: crate::cmd::cli::BenchClusterArgs,
+    dataset: DatasetKind,
+    /// Accuracy whose time to reach is reported.
+    target: f32,
+    /// Compute threads per node.
+    threads: usize,
+}
+
+/// What a scaling case's reports add up to, over every node with a status.
+#[derive(Default)]
+struct ScalingTotals {
+    /// Seconds spent exchanging shards.
+    comm: f64,
+    /// Seconds spent exchanging and computing.
+    total: f64,
+    /// Payload bytes pushed and pulled.
+    bytes: f64,
+    /// Seconds until the last node reached the target accuracy (`None`
+    /// if none did).
+    reached: Option<f64>,
+}
+
+impl ScalingTotals {
+    fn of(reports: &[NodeReport], target: f32) -> Self {
+        let mut sum = Self::default();
+        for s in reports.iter().filter_map(|r| r.status.as_ref()) {
+            sum.comm += s.comm_secs;
+            sum.total += s.comm_secs + s.compute_secs;
+            sum.bytes += (s.bytes_out + s.bytes_in) as f64;
+            let t = s.accuracy_history.iter().find(|h| h.2 >= target).map(|h| h.1);
+            sum.reached = match (sum.reached, t) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (None, t) => t,
+                (a, None) => a,
+            };
+        }
+        sum
+    }
+}
+
+impl ClusterBench {
+    /// Samples a run of `nodes` nodes trains in all.
+    fn samples(&self, nodes: u64) -> f64 {
+        (nodes * self.args.steps * self.args.batch_size as u64) as f64
+    }
+
+    /// The node config every scaling case, and the exchange comparison,
+    /// trains with.
+    fn case_config(&self, run_id: String) -> NodeConfig {
+        let mut cfg = NodeConfig { run_id, ..NodeConfig::default() };
+        cfg.training.dataset = self.dataset.clone();
+        cfg.training.data_dir = self.args.data_dir.clone();
+        cfg.training.steps = self.args.steps;
+        cfg.training.batch_size = self.args.batch_size;
+        cfg.training.lr = Some(0.1);
+        cfg.training.eval_every = self.args.eval_every;
+        cfg.cluster.heartbeat_ms = 100;
+        cfg.training.threads = Some(self.threads);
+        cfg
+    }
+
+    /// Runs `nodes` in-process nodes with `cfg` to the end; their reports
+    /// and the wall-clock seconds taken.
+    async fn run(nodes: usize, cfg: NodeConfig) -> anyhow::Result<(Vec<NodeReport>, f64)> {
+        use crate::cluster::{Cluster, ClusterSpec};
+
+        let started = Instant::now();
+        let reports = Cluster::start(&ClusterSpec::new(nodes, cfg)).await?.wait().await?;
+        Ok((reports, started.elapsed().as_secs_f64()))
+    }
+
+    /// The scaling table: 1, 2 and 4 nodes, a printed row and a JSON row
+    /// each, speed-ups against the single node.
+    #[allow(clippy::print_stdout)] // The CLI's own output.
+    async fn scaling(&self) -> anyhow::Result<Vec<serde_json::Value>> {
         let mut base_sps = None;
         let mut rows = Vec::new();
-        // Every scaling case, and the exchange comparison below, trains this.
-        let case_config = |run_id: String| {
-            let mut cfg = NodeConfig { run_id, ..NodeConfig::default() };
-            cfg.training.dataset = dataset.clone();
-            cfg.training.data_dir = args.data_dir.clone();
-            cfg.training.steps = args.steps;
-            cfg.training.batch_size = args.batch_size;
-            cfg.training.lr = Some(0.1);
-            cfg.training.eval_every = args.eval_every;
-            cfg.cluster.heartbeat_ms = 100;
-            cfg.training.threads = Some(threads);
-            cfg
-        };
         for nodes in [1usize, 2, 4] {
-            let cfg = case_config(format!("bench-{nodes}"));
-            let started = Instant::now();
-            let reports = Cluster::start(&ClusterSpec::new(nodes, cfg)).await?.wait().await?;
-            let wall = started.elapsed().as_secs_f64();
+            let (reports, wall) = Self::run(nodes, self.case_config(format!("bench-{nodes}"))).await?;
             let model_bytes = reports[0].params.len() as f64 * 4.0;
-            let samples = (nodes as u64 * args.steps * args.batch_size as u64) as f64;
-            let sps = samples / wall;
+            let sps = self.samples(nodes as u64) / wall;
             let base = *base_sps.get_or_insert(sps);
-            let (mut comm, mut total, mut bytes) = (0.0, 0.0, 0.0);
-            let mut reached: Option<f64> = None;
-            for r in &reports {
-                if let Some(s) = &r.status {
-                    comm += s.comm_secs;
-                    total += s.comm_secs + s.compute_secs;
-                    bytes += (s.bytes_out + s.bytes_in) as f64;
-                    let t = s.accuracy_history.iter().find(|h| h.2 >= target).map(|h| h.1);
-                    reached = match (reached, t) {
-                        (Some(a), Some(b)) => Some(a.max(b)),
-                        (None, t) => t,
-                        (a, None) => a,
-                    };
-                }
-            }
-            let per_step = bytes / (nodes as f64 * args.steps as f64) / model_bytes;
+            let sum = ScalingTotals::of(&reports, self.target);
+            let per_step = sum.bytes / (nodes as f64 * self.args.steps as f64) / model_bytes;
             println!(
                 "{:>5} {:>12.0} {:>8.2}x {:>14} {:>10.1}% {:>11.2}x {:>8.2}%",
                 nodes,
                 sps,
                 sps / base,
-                reached.map(|t| format!("{t:.1} s")).unwrap_or_else(|| "not reached".into()),
-                100.0 * comm / total.max(1e-9),
+                sum.reached.map(|t| format!("{t:.1} s")).unwrap_or_else(|| "not reached".into()),
+                100.0 * sum.comm / sum.total.max(1e-9),
                 per_step,
                 reports[0].accuracy * 100.0
             );
             rows.push(serde_json::json!({
                 "nodes": nodes, "samples_per_sec": sps, "speedup": sps / base,
-                "time_to_target_secs": reached, "comm_share": comm / total.max(1e-9),
+                "time_to_target_secs": sum.reached, "comm_share": sum.comm / sum.total.max(1e-9),
                 "bytes_per_step_over_model": per_step, "accuracy": reports[0].accuracy,
             }));
         }
-        println!("bytes/step: pushed plus pulled payload bytes per worker per step, over the model's size.");
+        Ok(rows)
+    }
 
-        // The same 4-node run with each shard's push and pull as two requests
-        // (PushGrad + PullShard, wire minor 1), and as one request per shard
-        // (PushPull, minor 3), against one request per owner (PushPullMany,
-        // the default).
-        let mut separate = case_config("bench-4-separate".into());
+    /// The same 4-node run with each shard's push and pull as two requests
+    /// (PushGrad + PullShard, wire minor 1), and as one request per shard
+    /// (PushPull, minor 3), against one request per owner (PushPullMany,
+    /// the default: `many_sps`, the scaling table's 4-node case).
+    #[allow(clippy::print_stdout)] // The CLI's own output.
+    async fn exchange(&self, many_sps: f64) -> anyhow::Result<serde_json::Value> {
+        let mut separate = self.case_config("bench-4-separate".into());
         separate.cluster.push_pull = false;
-        let started = Instant::now();
-        Cluster::start(&ClusterSpec::new(4, separate)).await?.wait().await?;
-        let separate_sps = (4 * args.steps * args.batch_size as u64) as f64 / started.elapsed().as_secs_f64();
-        let mut per_shard = case_config("bench-4-per-shard".into());
+        let (_, wall) = Self::run(4, separate).await?;
+        let separate_sps = self.samples(4) / wall;
+        let mut per_shard = self.case_config("bench-4-per-shard".into());
         per_shard.cluster.push_pull_many = false;
-        let started = Instant::now();
-        Cluster::start(&ClusterSpec::new(4, per_shard)).await?.wait().await?;
-        let per_shard_sps = (4 * args.steps * args.batch_size as u64) as f64 / started.elapsed().as_secs_f64();
-        let many_sps = rows.last().and_then(|r| r["samples_per_sec"].as_f64()).unwrap_or(f64::NAN);
+        let (_, wall) = Self::run(4, per_shard).await?;
+        let per_shard_sps = self.samples(4) / wall;
         println!(
             "4 nodes, push and pull as separate requests: {separate_sps:.0} samples/s; \
              one PushPull per shard: {per_shard_sps:.0} ({:.2}x); \
@@ -303,54 +366,46 @@ pub fn cluster(args: crate::cmd::cli::BenchClusterArgs) -> anyhow::Result<()> {
             per_shard_sps / separate_sps,
             many_sps / separate_sps
         );
-        let exchange = serde_json::json!({
+        Ok(serde_json::json!({
             "separate_samples_per_sec": separate_sps, "push_pull_samples_per_sec": per_shard_sps,
             "push_pull_many_samples_per_sec": many_sps,
             "push_pull_over_separate": per_shard_sps / separate_sps,
             "push_pull_many_over_separate": many_sps / separate_sps,
             "push_pull_many_over_push_pull": many_sps / per_shard_sps,
-        });
-        let mut big = serde_json::Value::Null;
+        }))
+    }
 
-        if !args.skip_big {
-            let mut cfg = NodeConfig { run_id: "bench-big".into(), ..NodeConfig::default() };
-            cfg.training.mlp_hidden = Some(vec![6144, 4096]);
-            cfg.training.dataset = DatasetKind::Digits;
-            cfg.training.steps = args.big_steps.max(2);
-            cfg.training.batch_size = 4;
-            cfg.cluster.shards = 16;
-            cfg.cluster.heartbeat_ms = 100;
-            let started = Instant::now();
-            let reports = Cluster::start(&ClusterSpec::new(2, cfg.clone())).await?.wait().await?;
-            let wall = started.elapsed().as_secs_f64();
-            let params = reports[0].params.len();
-            let model_bytes = params * 4;
-            let raw = shoal_protocol::bench::raw_tcp_transfer(2 * model_bytes, 2).await?.as_secs_f64();
-            let step = wall / cfg.training.steps as f64;
-            let comm: f64 = reports.iter().filter_map(|r| r.status.as_ref()).map(|s| s.comm_secs).sum::<f64>()
-                / (2.0 * cfg.training.steps as f64);
-            println!(
-                "aggregation-bound: mlp {params} parameters ({:.0} MB), 2 nodes, batch 4, {} steps: \
-                 {step:.3} s/step (communication {comm:.3} s/step); raw TCP moves 2x the model in {raw:.3} s; \
-                 step / raw = {:.1}x",
-                model_bytes as f64 / 1e6,
-                cfg.training.steps,
-                step / raw
-            );
-            big = serde_json::json!({
-                "parameters": params, "step_secs": step, "comm_secs_per_step": comm,
-                "raw_tcp_secs": raw, "step_over_raw_tcp": step / raw,
-            });
-        }
-        write_json(
-            args.json.as_deref(),
-            &serde_json::json!({
-                "bench": "cluster", "dataset": dataset.to_string(), "batch_size": args.batch_size,
-                "steps": args.steps, "target": target, "threads_per_node": threads,
-                "scaling": rows, "exchange": exchange, "aggregation_bound": big,
-            }),
-        )
-    })
+    /// The aggregation-bound case: a large MLP on 2 nodes with tiny
+    /// batches, its step time against raw TCP moving twice the model.
+    #[allow(clippy::print_stdout)] // The CLI's own output.
+    async fn aggregation_bound(&self) -> anyhow::Result<serde_json::Value> {
+        let mut cfg = NodeConfig { run_id: "bench-big".into(), ..NodeConfig::default() };
+        cfg.training.mlp_hidden = Some(vec![6144, 4096]);
+        cfg.training.dataset = DatasetKind::Digits;
+        cfg.training.steps = self.args.big_steps.max(2);
+        cfg.training.batch_size = 4;
+        cfg.cluster.shards = 16;
+        cfg.cluster.heartbeat_ms = 100;
+        let (reports, wall) = Self::run(2, cfg.clone()).await?;
+        let params = reports[0].params.len();
+        let model_bytes = params * 4;
+        let raw = shoal_protocol::bench::raw_tcp_transfer(2 * model_bytes, 2).await?.as_secs_f64();
+        let step = wall / cfg.training.steps as f64;
+        let comm: f64 = reports.iter().filter_map(|r| r.status.as_ref()).map(|s| s.comm_secs).sum::<f64>()
+            / (2.0 * cfg.training.steps as f64);
+        println!(
+            "aggregation-bound: mlp {params} parameters ({:.0} MB), 2 nodes, batch 4, {} steps: \
+             {step:.3} s/step (communication {comm:.3} s/step); raw TCP moves 2x the model in {raw:.3} s; \
+             step / raw = {:.1}x",
+            model_bytes as f64 / 1e6,
+            cfg.training.steps,
+            step / raw
+        );
+        Ok(serde_json::json!({
+            "parameters": params, "step_secs": step, "comm_secs_per_step": comm,
+            "raw_tcp_secs": raw, "step_over_raw_tcp": step / raw,
+        }))
+    }
 }
 
 /// One straggler case: steps/s of the cluster, final accuracy, and (if the

@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use shoal_models::OptimizerKind;
+use shoal_models::{DatasetKind, OptimizerKind};
 
 use crate::cluster::{Cluster, ClusterSpec};
 use crate::cmd::bench::write_json;
@@ -255,126 +255,197 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             target * 100.0
         );
         let layer = sfb_layer()?;
-        println!(
-            "\nsufficient factors on one {SFB_WIDTH} x {SFB_WIDTH} layer at batch {SFB_BATCH} (one shard, no cluster): \
-             f32 {} bytes, factors {} bytes, {:.1}x fewer; encode {:.1} ms against {:.1} ms, decode (rebuild) \
-             {:.1} ms against {:.1} ms; rebuilt within {:.1e} of candle's gradient",
-            layer.f32_bytes,
-            layer.factored_bytes,
-            layer.fewer_bytes_than_f32,
-            1e3 * layer.encode_factored_s,
-            1e3 * layer.encode_f32_s,
-            1e3 * layer.decode_factored_s,
-            1e3 * layer.decode_f32_s,
-            layer.max_abs_error,
-        );
-        let known: Vec<&str> = cases().iter().map(|c| c.name).collect();
-        if let Some(bad) = args.cases.iter().find(|c| !known.contains(&c.as_str())) {
-            anyhow::bail!("--cases: no case `{bad}`; the cases are {}", known.join(", "));
-        }
-        // The baseline always runs, and so does the reference of a chosen
-        // case, and ssp:1 when a slowed case needs its communication time.
-        let named = |c: &Case| args.cases.iter().any(|n| n == c.name);
-        let referenced = |c: &Case| {
-            cases().iter().any(|o| named(o) && (o.reference == Some(c.name) || (o.match_comm && c.name == SSP)))
-        };
-        let chosen = |c: &Case| args.cases.is_empty() || c.name == "f32 bsp" || named(c) || referenced(c);
+        print_sfb_layer(&layer);
+        let bench = CommBench { args, dataset, target, threads };
+        let chosen = bench.chosen_cases()?;
         let mut rows = Vec::new();
-        for &mbps in &args.links {
-            let link = if mbps > 0.0 { format!("{mbps} Mbit/s, {} ms", args.latency_ms) } else { "loopback".into() };
-            println!("\nlink: {link} on every node, each way");
-            println!(
-                "{:<16} {:>11} {:>8} {:>8} {:>8} {:>10} {:>8} {:>8} {:>7} {:>14} {:>9} {:>7}",
-                "case", "bytes/step", "vs f32", "pushed", "step ms", "compute ms", "comm ms", "apply ms", "hidden",
-                "time to target", "accuracy", "points"
-            );
-            let mut baseline: Option<Measured> = None;
-            let mut measured: Vec<(&str, Measured)> = Vec::new();
-            // Communication over compute in the plain SSP case.
-            let mut comm_over_compute = 1.0;
-            for case in cases().into_iter().filter(chosen) {
-                let mut cfg = NodeConfig { run_id: format!("bench-comm-{}", rows.len()), ..NodeConfig::default() };
-                cfg.training.dataset = dataset.clone();
-                cfg.training.data_dir = args.data_dir.clone();
-                cfg.training.steps = args.steps;
-                cfg.training.batch_size = case.batch.unwrap_or(args.batch_size);
-                cfg.training.optimizer = case.optimizer;
-                cfg.training.lr = Some(case.lr);
-                cfg.training.eval_every = args.eval_every;
-                cfg.training.threads = Some(threads);
-                cfg.cluster.heartbeat_ms = 100;
-                // Fixed owners: every case moves the same shards between the same nodes.
-                cfg.cluster.elastic = false;
-                cfg.cluster.sync = case.sync;
-                cfg.cluster.overlap = case.overlap;
-                cfg.cluster.local_steps = case.local_steps;
-                cfg.cluster.compression = CompressionConfig { push: case.push, pull: case.pull };
-                cfg.cluster.link_mbps = mbps;
-                cfg.cluster.link_latency_ms = if mbps > 0.0 { args.latency_ms } else { 0.0 };
-                if case.match_comm {
-                    cfg.cluster.slowdown = comm_over_compute;
-                }
-                let m = measure(cfg, args.steps, target).await?;
-                if case.name == SSP && m.compute_secs > 0.0 {
-                    comm_over_compute = (m.comm_secs / m.compute_secs).clamp(1.0, crate::ops::faults::MAX_SLOWDOWN);
-                }
-                // The first case, f32 BSP, is the baseline of the others.
-                let base = *baseline.get_or_insert(m);
-                let fewer = base.bytes_per_step() / m.bytes_per_step().max(1.0);
-                let fewer_pushed = base.push_bytes_per_step / m.push_bytes_per_step.max(1.0);
-                let reference = case
-                    .reference
-                    .and_then(|r| measured.iter().find(|(n, _)| *n == r).map(|(_, m)| *m))
-                    .unwrap_or(base);
-                measured.push((case.name, m));
-                let points = 100.0 * (m.final_accuracy - reference.final_accuracy);
-                println!(
-                    "{:<16} {:>11.0} {:>7.1}x {:>7.1}x {:>8.1} {:>10.1} {:>8.1} {:>8.2} {:>6.0}% {:>14} {:>8.2}% {:>+7.2}",
-                    case.name,
-                    m.bytes_per_step(),
-                    fewer,
-                    fewer_pushed,
-                    m.step_secs * 1e3,
-                    m.compute_secs * 1e3,
-                    m.comm_secs * 1e3,
-                    m.apply_secs * 1e3,
-                    100.0 * m.hidden_fraction(),
-                    m.time_to_target_secs.map(|t| format!("{t:.1} s")).unwrap_or_else(|| "not reached".into()),
-                    100.0 * m.final_accuracy,
-                    points
-                );
-                rows.push(serde_json::json!({
-                    "case": case.name, "link_mbps": mbps, "sync": case.sync.to_string(), "overlap": case.overlap,
-                    "local_steps": case.local_steps, "push": case.push.to_string(), "pull": case.pull.to_string(),
-                    "batch_size": case.batch.unwrap_or(args.batch_size),
-                    "points_against": case.reference.unwrap_or("f32 bsp"),
-                    "slowdown": if case.match_comm { comm_over_compute } else { 1.0 },
-                    "bytes_per_step": m.bytes_per_step(), "push_bytes_per_step": m.push_bytes_per_step,
-                    "pull_bytes_per_step": m.pull_bytes_per_step, "fewer_bytes_than_f32": fewer,
-                    "fewer_push_bytes_than_f32": fewer_pushed, "wall_secs": m.wall_secs,
-                    "step_secs": m.step_secs, "compute_secs": m.compute_secs, "comm_secs": m.comm_secs,
-                    "hidden_fraction": m.hidden_fraction(), "time_to_target_s": m.time_to_target_secs,
-                    "apply_secs": m.apply_secs,
-                    "final_accuracy": m.final_accuracy, "accuracy_points_vs_f32": points,
-                }));
-            }
+        for &mbps in &bench.args.links {
+            bench.link(mbps, &chosen, &mut rows).await?;
         }
-        println!(
-            "\nbytes/step: payload bytes pushed and pulled per worker per step; vs f32: f32 bsp's bytes over the \
-             case's; pushed: the same for pushed bytes alone. step: a worker step from start to end. compute, comm: per worker step. \
-             apply: the part of comm after the last shard arrived (loading the parameters into the model), all that \
-             applying shards as they arrive could hide under bsp. hidden: 1 - (step - compute) / comm. \
-             slowed: compute stretched (a slower machine, by sleeping) to the \
-             communication of ssp:1. b16: batch 16 per node. accuracy: the lowest node's on the test set; points: \
-             against f32 bsp on the same link (sfb b16: against f32 bsp b16)."
-        );
+        print_legend();
         write_json(
-            args.json.as_deref(),
+            bench.args.json.as_deref(),
             &serde_json::json!({
-                "bench": "comm", "dataset": dataset.to_string(), "nodes": NODES, "batch_size": args.batch_size,
-                "steps": args.steps, "target": target, "threads_per_node": threads,
-                "latency_ms": args.latency_ms, "cases": rows, "sfb_layer": layer,
+                "bench": "comm", "dataset": bench.dataset.to_string(), "nodes": NODES,
+                "batch_size": bench.args.batch_size, "steps": bench.args.steps, "target": target,
+                "threads_per_node": threads, "latency_ms": bench.args.latency_ms, "cases": rows, "sfb_layer": layer,
             }),
         )
     })
+}
+
+/// The sufficient-factor layer's line: bytes and times against f32.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+fn print_sfb_layer(layer: &SfbLayer) {
+    println!(
+        "\nsufficient factors on one {SFB_WIDTH} x {SFB_WIDTH} layer at batch {SFB_BATCH} (one shard, no cluster): \
+         f32 {} bytes, factors {} bytes, {:.1}x fewer; encode {:.1} ms against {:.1} ms, decode (rebuild) \
+         {:.1} ms against {:.1} ms; rebuilt within {:.1e} of candle's gradient",
+        layer.f32_bytes,
+        layer.factored_bytes,
+        layer.fewer_bytes_than_f32,
+        1e3 * layer.encode_factored_s,
+        1e3 * layer.encode_f32_s,
+        1e3 * layer.decode_factored_s,
+        1e3 * layer.decode_f32_s,
+        layer.max_abs_error,
+    );
+}
+
+/// What the columns of the tables mean.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+fn print_legend() {
+    println!(
+        "\nbytes/step: payload bytes pushed and pulled per worker per step; vs f32: f32 bsp's bytes over the \
+         case's; pushed: the same for pushed bytes alone. step: a worker step from start to end. compute, comm: per worker step. \
+         apply: the part of comm after the last shard arrived (loading the parameters into the model), all that \
+         applying shards as they arrive could hide under bsp. hidden: 1 - (step - compute) / comm. \
+         slowed: compute stretched (a slower machine, by sleeping) to the \
+         communication of ssp:1. b16: batch 16 per node. accuracy: the lowest node's on the test set; points: \
+         against f32 bsp on the same link (sfb b16: against f32 bsp b16)."
+    );
+}
+
+/// What the cases of `shoal bench comm` share.
+struct CommBench {
+    args: BenchCommArgs,
+    dataset: DatasetKind,
+    /// Accuracy whose time to reach is reported.
+    target: f32,
+    /// Compute threads per node.
+    threads: usize,
+}
+
+/// One link's table as its cases run.
+struct LinkTable {
+    /// The first case measured (f32 BSP): every case's baseline.
+    baseline: Option<Measured>,
+    /// The cases measured so far, for the cases whose reference they are.
+    measured: Vec<(&'static str, Measured)>,
+    /// Communication over compute in the plain SSP case: the slowdown of
+    /// the slowed cases.
+    comm_over_compute: f64,
+}
+
+impl CommBench {
+    /// The cases to run: every case without `--cases`; else the baseline,
+    /// the cases named, their references, and ssp:1 when a slowed case
+    /// needs its communication time. An unknown name is an error.
+    fn chosen_cases(&self) -> anyhow::Result<Vec<Case>> {
+        let known: Vec<&str> = cases().iter().map(|c| c.name).collect();
+        if let Some(bad) = self.args.cases.iter().find(|c| !known.contains(&c.as_str())) {
+            anyhow::bail!("--cases: no case `{bad}`; the cases are {}", known.join(", "));
+        }
+        let named = |c: &Case| self.args.cases.iter().any(|n| n == c.name);
+        let referenced = |c: &Case| {
+            cases().iter().any(|o| named(o) && (o.reference == Some(c.name) || (o.match_comm && c.name == SSP)))
+        };
+        let chosen = |c: &Case| self.args.cases.is_empty() || c.name == "f32 bsp" || named(c) || referenced(c);
+        Ok(cases().into_iter().filter(chosen).collect())
+    }
+
+    /// The node config of `case` on a link of `mbps` (0: loopback), run
+    /// number `run` of the benchmark, compute slowed by `slowdown` if the
+    /// case matches communication.
+    fn case_config(&self, case: &Case, mbps: f64, run: usize, slowdown: f64) -> NodeConfig {
+        let mut cfg = NodeConfig { run_id: format!("bench-comm-{run}"), ..NodeConfig::default() };
+        cfg.training.dataset = self.dataset.clone();
+        cfg.training.data_dir = self.args.data_dir.clone();
+        cfg.training.steps = self.args.steps;
+        cfg.training.batch_size = case.batch.unwrap_or(self.args.batch_size);
+        cfg.training.optimizer = case.optimizer;
+        cfg.training.lr = Some(case.lr);
+        cfg.training.eval_every = self.args.eval_every;
+        cfg.training.threads = Some(self.threads);
+        cfg.cluster.heartbeat_ms = 100;
+        // Fixed owners: every case moves the same shards between the same nodes.
+        cfg.cluster.elastic = false;
+        cfg.cluster.sync = case.sync;
+        cfg.cluster.overlap = case.overlap;
+        cfg.cluster.local_steps = case.local_steps;
+        cfg.cluster.compression = CompressionConfig { push: case.push, pull: case.pull };
+        cfg.cluster.link_mbps = mbps;
+        cfg.cluster.link_latency_ms = if mbps > 0.0 { self.args.latency_ms } else { 0.0 };
+        if case.match_comm {
+            cfg.cluster.slowdown = slowdown;
+        }
+        cfg
+    }
+
+    /// Runs `cases` on a link of `mbps` (0: loopback) on every node,
+    /// printing the link's table and adding its JSON rows to `rows`.
+    #[allow(clippy::print_stdout)] // The CLI's own output.
+    async fn link(&self, mbps: f64, cases: &[Case], rows: &mut Vec<serde_json::Value>) -> anyhow::Result<()> {
+        let link = if mbps > 0.0 { format!("{mbps} Mbit/s, {} ms", self.args.latency_ms) } else { "loopback".into() };
+        println!("\nlink: {link} on every node, each way");
+        println!(
+            "{:<16} {:>11} {:>8} {:>8} {:>8} {:>10} {:>8} {:>8} {:>7} {:>14} {:>9} {:>7}",
+            "case",
+            "bytes/step",
+            "vs f32",
+            "pushed",
+            "step ms",
+            "compute ms",
+            "comm ms",
+            "apply ms",
+            "hidden",
+            "time to target",
+            "accuracy",
+            "points"
+        );
+        let mut table = LinkTable { baseline: None, measured: Vec::new(), comm_over_compute: 1.0 };
+        for case in cases {
+            let cfg = self.case_config(case, mbps, rows.len(), table.comm_over_compute);
+            let m = measure(cfg, self.args.steps, self.target).await?;
+            if case.name == SSP && m.compute_secs > 0.0 {
+                table.comm_over_compute = (m.comm_secs / m.compute_secs).clamp(1.0, crate::ops::faults::MAX_SLOWDOWN);
+            }
+            rows.push(self.report_case(&mut table, case, mbps, m));
+        }
+        Ok(())
+    }
+
+    /// Prints `case`'s row of the table against the baseline (the first
+    /// case measured, which `m` becomes if none is yet) and its reference,
+    /// and returns its JSON row.
+    #[allow(clippy::print_stdout)] // The CLI's own output.
+    fn report_case(&self, table: &mut LinkTable, case: &Case, mbps: f64, m: Measured) -> serde_json::Value {
+        // The first case, f32 BSP, is the baseline of the others.
+        let base = *table.baseline.get_or_insert(m);
+        let fewer = base.bytes_per_step() / m.bytes_per_step().max(1.0);
+        let fewer_pushed = base.push_bytes_per_step / m.push_bytes_per_step.max(1.0);
+        let reference =
+            case.reference.and_then(|r| table.measured.iter().find(|(n, _)| *n == r).map(|(_, m)| *m)).unwrap_or(base);
+        table.measured.push((case.name, m));
+        let points = 100.0 * (m.final_accuracy - reference.final_accuracy);
+        println!(
+            "{:<16} {:>11.0} {:>7.1}x {:>7.1}x {:>8.1} {:>10.1} {:>8.1} {:>8.2} {:>6.0}% {:>14} {:>8.2}% {:>+7.2}",
+            case.name,
+            m.bytes_per_step(),
+            fewer,
+            fewer_pushed,
+            m.step_secs * 1e3,
+            m.compute_secs * 1e3,
+            m.comm_secs * 1e3,
+            m.apply_secs * 1e3,
+            100.0 * m.hidden_fraction(),
+            m.time_to_target_secs.map(|t| format!("{t:.1} s")).unwrap_or_else(|| "not reached".into()),
+            100.0 * m.final_accuracy,
+            points
+        );
+        serde_json::json!({
+            "case": case.name, "link_mbps": mbps, "sync": case.sync.to_string(), "overlap": case.overlap,
+            "local_steps": case.local_steps, "push": case.push.to_string(), "pull": case.pull.to_string(),
+            "batch_size": case.batch.unwrap_or(self.args.batch_size),
+            "points_against": case.reference.unwrap_or("f32 bsp"),
+            "slowdown": if case.match_comm { table.comm_over_compute } else { 1.0 },
+            "bytes_per_step": m.bytes_per_step(), "push_bytes_per_step": m.push_bytes_per_step,
+            "pull_bytes_per_step": m.pull_bytes_per_step, "fewer_bytes_than_f32": fewer,
+            "fewer_push_bytes_than_f32": fewer_pushed, "wall_secs": m.wall_secs,
+            "step_secs": m.step_secs, "compute_secs": m.compute_secs, "comm_secs": m.comm_secs,
+            "hidden_fraction": m.hidden_fraction(), "time_to_target_s": m.time_to_target_secs,
+            "apply_secs": m.apply_secs,
+            "final_accuracy": m.final_accuracy, "accuracy_points_vs_f32": points,
+        })
+    }
 }

@@ -3,8 +3,11 @@
 use std::time::Instant;
 
 use anyhow::Context;
+use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
-use shoal_models::{data, Checkpoint, GptSize, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig};
+use shoal_models::{
+    data, Checkpoint, EpochStats, GptSize, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig, Split,
+};
 use tracing::{debug, info};
 
 use crate::cmd::cli::TrainArgs;
@@ -28,33 +31,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         width: args.width,
     });
     config.validate().with_context(|| format!("--model {} on {}", args.model, args.dataset))?;
-    let opt_cfg = args
-        .lr
-        .map(|lr| OptimizerConfig::new(args.optimizer, lr))
-        .unwrap_or_else(|| OptimizerConfig::new(args.optimizer, OptimizerConfig::default_lr(args.optimizer)));
-
-    let mut trainer = match (&args.resume, &args.init) {
-        (Some(path), _) => {
-            let ckpt = Checkpoint::load(path, Some(&config))?;
-            // Keep the checkpoint's optimizer unless the user named a learning rate.
-            let opt = args.lr.map(|_| opt_cfg);
-            info!(path = %path.display(), step = ckpt.step, "resuming");
-            LocalTrainer::resume(ckpt, opt, args.batch_size, &device)?
-        }
-        (None, Some(path)) => {
-            let init = ModelFile::load(path, Some(&config)).with_context(|| {
-                format!(
-                    "--init must hold a {} model for {} (the model and data set given)",
-                    config.describe(),
-                    args.dataset
-                )
-            })?;
-            info!(path = %path.display(), from_run = %init.meta.run_id, from_step = init.meta.step, "starting from a model file");
-            LocalTrainer::from_params(config.clone(), init.params, opt_cfg, args.seed, args.batch_size, &device)?
-        }
-        (None, None) => LocalTrainer::new(config.clone(), opt_cfg, args.seed, args.batch_size, &device)?,
-    };
-
+    let mut trainer = open_trainer(&args, &config, &device)?;
     println!(
         "training {} on {} ({} train / {} test samples) on {}, {} parameters, {threads} compute threads",
         config.describe(),
@@ -64,14 +41,49 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         args.device,
         trainer.model().layout().total_len()
     );
+    train(&args, &mut trainer, &split)?;
+    finish(&args, &config, &trainer, &split)
+}
+
+/// The trainer to start from: the checkpoint of `--resume`, the model file
+/// of `--init`, or a fresh model.
+fn open_trainer(args: &TrainArgs, config: &ModelConfig, device: &Device) -> anyhow::Result<LocalTrainer> {
+    let opt_cfg = args
+        .lr
+        .map(|lr| OptimizerConfig::new(args.optimizer, lr))
+        .unwrap_or_else(|| OptimizerConfig::new(args.optimizer, OptimizerConfig::default_lr(args.optimizer)));
+    Ok(match (&args.resume, &args.init) {
+        (Some(path), _) => {
+            let ckpt = Checkpoint::load(path, Some(config))?;
+            // Keep the checkpoint's optimizer unless the user named a learning rate.
+            let opt = args.lr.map(|_| opt_cfg);
+            info!(path = %path.display(), step = ckpt.step, "resuming");
+            LocalTrainer::resume(ckpt, opt, args.batch_size, device)?
+        }
+        (None, Some(path)) => {
+            let init = ModelFile::load(path, Some(config)).with_context(|| {
+                format!(
+                    "--init must hold a {} model for {} (the model and data set given)",
+                    config.describe(),
+                    args.dataset
+                )
+            })?;
+            info!(path = %path.display(), from_run = %init.meta.run_id, from_step = init.meta.step, "starting from a model file");
+            LocalTrainer::from_params(config.clone(), init.params, opt_cfg, args.seed, args.batch_size, device)?
+        }
+        (None, None) => LocalTrainer::new(config.clone(), opt_cfg, args.seed, args.batch_size, device)?,
+    })
+}
+
+/// Trains up to `--steps` (in rounds of `--eval-every` steps, cut at epoch
+/// ends) or `--epochs` (in whole epochs), with a progress bar per round,
+/// and evaluates (and checkpoints) at each round's end that is due.
+fn train(args: &TrainArgs, trainer: &mut LocalTrainer, split: &Split) -> anyhow::Result<()> {
     let style = ProgressStyle::with_template(
         "epoch {prefix:>3} [{bar:30.cyan/blue}] {pos:>6}/{len:6} {per_sec:>12} loss {msg}",
     )
     .context("progress bar template")?
     .progress_chars("=> ");
-
-    // With --steps, training runs in rounds of --eval-every steps (cut at
-    // epoch ends); with --epochs, in whole epochs.
     let bpe = trainer.batches_per_epoch(&split.train);
     let total = args.steps.unwrap_or(args.epochs.saturating_mul(bpe));
     while trainer.step() < total {
@@ -93,35 +105,55 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         bar.finish_and_clear();
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         let due = match args.steps {
-            Some(_) => trainer.step() % args.eval_every == 0,
-            None => trainer.step() % bpe == 0,
+            Some(_) => trainer.step().is_multiple_of(args.eval_every),
+            None => trainer.step().is_multiple_of(bpe),
         };
-        if !(due || trainer.step() == total) {
-            continue;
-        }
-        let eval = trainer.evaluate(&split.test)?;
-        let position = match args.steps {
-            Some(steps) => format!("step {}/{steps}", trainer.step()),
-            None => format!("epoch {}/{}", epoch + 1, args.epochs),
-        };
-        println!(
-            "{position}: train loss {:.4}, test loss {:.4}, test {}, {:.0} samples/s",
-            stats.mean_loss,
-            eval.loss,
-            eval.headline(),
-            stats.samples as f64 / secs
-        );
-        debug!(
-            step = trainer.step(),
-            accuracy = eval.accuracy,
-            loss = eval.loss,
-            bits_per_byte = eval.bits_per_byte,
-            "evaluated"
-        );
-        if let Some(path) = &args.checkpoint {
-            trainer.checkpoint().save(path).with_context(|| format!("saving checkpoint {}", path.display()))?;
+        if due || trainer.step() == total {
+            evaluate_round(args, trainer, split, epoch, &stats, secs)?;
         }
     }
+    Ok(())
+}
+
+/// At the end of a round: evaluates on the test set, prints the round's
+/// losses and speed, and saves the checkpoint if `--checkpoint` asks.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+fn evaluate_round(
+    args: &TrainArgs,
+    trainer: &LocalTrainer,
+    split: &Split,
+    epoch: u64,
+    stats: &EpochStats,
+    secs: f64,
+) -> anyhow::Result<()> {
+    let eval = trainer.evaluate(&split.test)?;
+    let position = match args.steps {
+        Some(steps) => format!("step {}/{steps}", trainer.step()),
+        None => format!("epoch {}/{}", epoch + 1, args.epochs),
+    };
+    println!(
+        "{position}: train loss {:.4}, test loss {:.4}, test {}, {:.0} samples/s",
+        stats.mean_loss,
+        eval.loss,
+        eval.headline(),
+        stats.samples as f64 / secs
+    );
+    debug!(
+        step = trainer.step(),
+        accuracy = eval.accuracy,
+        loss = eval.loss,
+        bits_per_byte = eval.bits_per_byte,
+        "evaluated"
+    );
+    if let Some(path) = &args.checkpoint {
+        trainer.checkpoint().save(path).with_context(|| format!("saving checkpoint {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// After training: the final evaluation, and the model file of `--output`.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+fn finish(args: &TrainArgs, config: &ModelConfig, trainer: &LocalTrainer, split: &Split) -> anyhow::Result<()> {
     let eval = trainer.evaluate(&split.test)?;
     println!("final test {} after {} steps", eval.headline(), trainer.step());
     if let Some(path) = &args.checkpoint {

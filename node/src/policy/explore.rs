@@ -180,132 +180,191 @@ impl Explorer {
     /// Feed one observation; `agreed` is the limit the election currently
     /// uses (the median of all proposals). Returns a decision when one is made.
     pub fn observe(&mut self, o: &Observation, agreed: Option<usize>) -> Option<Decision> {
-        let w = self.policy.window_steps;
-        if self.last_k != Some(o.aggregators) {
-            if self.last_k.is_some() {
-                self.changed_at = o.step;
-                self.moved = true;
-            }
-            self.last_k = Some(o.aggregators);
-            if let Some(t) = self.trial {
-                if !t.taken_up(o.aggregators) && o.aggregators != t.from {
-                    // Something else moved k (a failure, a straggler): the
-                    // trial no longer measures what it meant to.
-                    self.trial = None;
-                    self.proposal = t.prior;
-                }
-            }
-        }
-        let window = o.step / w;
-        let due = if !self.opened && !self.moved {
-            o.step >= self.first_window_steps()
-        } else {
-            window > self.window && o.step >= self.changed_at.saturating_add(w)
-        };
-        if !due || o.step_micros <= 0.0 {
+        self.track_k(o);
+        if !self.evaluation_due(o) {
             return None;
         }
         self.opened = true;
-        self.window = window;
+        self.window = o.step / self.policy.window_steps;
+        match self.trial {
+            Some(t) => self.judge(t, o),
+            // No trial: follow the cluster's agreed k, then consider a change.
+            None => {
+                self.proposal = agreed;
+                self.start_trial(o)
+            }
+        }
+    }
+
+    /// Notes when the placement's number of aggregators moves, and cancels
+    /// a trial that something other than the trial moved.
+    fn track_k(&mut self, o: &Observation) {
+        if self.last_k == Some(o.aggregators) {
+            return;
+        }
+        if self.last_k.is_some() {
+            self.changed_at = o.step;
+            self.moved = true;
+        }
+        self.last_k = Some(o.aggregators);
         if let Some(t) = self.trial {
-            if !t.taken_up(o.aggregators) {
-                // The others have not taken the change up within a window: drop it.
-                if o.step >= t.started.saturating_add(2 * w) {
-                    self.trial = None;
-                    self.proposal = t.prior;
+            if !t.taken_up(o.aggregators) && o.aggregators != t.from {
+                // Something else moved k (a failure, a straggler): the
+                // trial no longer measures what it meant to.
+                self.trial = None;
+                self.proposal = t.prior;
+            }
+        }
+    }
+
+    /// Whether this observation is an evaluation point: the first one after
+    /// a quarter window at an unmoved start, else the first of a new window
+    /// once k has held for a whole window; never without a step time.
+    fn evaluation_due(&self, o: &Observation) -> bool {
+        let w = self.policy.window_steps;
+        let due = if !self.opened && !self.moved {
+            o.step >= self.first_window_steps()
+        } else {
+            o.step / w > self.window && o.step >= self.changed_at.saturating_add(w)
+        };
+        // Written as the negation so that a NaN step time passes, as before.
+        if !due || o.step_micros <= 0.0 {
+            return false;
+        }
+        true
+    }
+
+    /// Judges the running trial `t` at an evaluation point: waits while the
+    /// others have not taken it up (and drops it after two windows), else
+    /// keeps or reverts it on the step time.
+    fn judge(&mut self, t: Trial, o: &Observation) -> Option<Decision> {
+        if !t.taken_up(o.aggregators) {
+            // The others have not taken the change up within a window: drop it.
+            if o.step >= t.started.saturating_add(2 * self.policy.window_steps) {
+                self.trial = None;
+                self.proposal = t.prior;
+            }
+            return None;
+        }
+        self.trial = None;
+        let adding = t.to > t.from;
+        let bar = if adding { 1.0 - self.policy.min_gain } else { 1.0 + self.policy.min_gain };
+        if o.step_micros <= t.baseline_micros * bar {
+            Some(self.keep(t, o))
+        } else {
+            Some(self.revert(t, o))
+        }
+    }
+
+    /// A trial that paid: reset that direction's back-off and, after an
+    /// addition, size the next one (gallop, or go on bisecting).
+    fn keep(&mut self, t: Trial, o: &Observation) -> Decision {
+        if t.to > t.from {
+            self.add_backoff = 1;
+            match self.add_ceiling {
+                // Galloping: twice as many next time.
+                None => self.add_step = (t.to - t.from).saturating_mul(2),
+                // Bisecting: half the interval left below the failed k.
+                Some(c) if c > t.to + 1 => self.add_step = (c - t.to) / 2,
+                // The next k up is the one that failed: done; that
+                // direction rests as after a failed trial.
+                Some(_) => {
+                    self.add_ceiling = None;
+                    self.add_step = 1;
+                    self.next_add = o.step.saturating_add(self.add_backoff * self.policy.window_steps);
                 }
-                return None;
             }
-            self.trial = None;
-            let adding = t.to > t.from;
-            let bar = if adding { 1.0 - self.policy.min_gain } else { 1.0 + self.policy.min_gain };
-            if o.step_micros <= t.baseline_micros * bar {
-                if adding {
-                    self.add_backoff = 1;
-                    match self.add_ceiling {
-                        // Galloping: twice as many next time.
-                        None => self.add_step = (t.to - t.from).saturating_mul(2),
-                        // Bisecting: half the interval left below the failed k.
-                        Some(c) if c > t.to + 1 => self.add_step = (c - t.to) / 2,
-                        // The next k up is the one that failed: done; that
-                        // direction rests as after a failed trial.
-                        Some(_) => {
-                            self.add_ceiling = None;
-                            self.add_step = 1;
-                            self.next_add = o.step.saturating_add(self.add_backoff * w);
-                        }
-                    }
-                } else {
-                    self.remove_backoff = 1;
-                }
-                return Some(Decision::Keep {
-                    from: t.from,
-                    k: t.to,
-                    before_micros: t.baseline_micros,
-                    after_micros: o.step_micros,
-                });
-            }
-            self.proposal = t.prior;
-            if adding {
-                self.add_failed = true;
-            }
-            if adding && t.to - t.from > 1 {
-                // Too far at once: bisect (half as many, from where it was)
-                // at the next window, with no back-off.
-                self.add_step = (t.to - t.from) / 2;
-                self.add_ceiling = Some(t.to);
-                return Some(Decision::Revert {
-                    tried: t.to,
-                    k: t.from,
-                    before_micros: t.baseline_micros,
-                    after_micros: o.step_micros,
-                    backoff_windows: 0,
-                });
-            }
+        } else {
+            self.remove_backoff = 1;
+        }
+        Decision::Keep { from: t.from, k: t.to, before_micros: t.baseline_micros, after_micros: o.step_micros }
+    }
+
+    /// A trial that did not pay: back to the prior proposal; an addition of
+    /// more than one is bisected at the next window with no back-off, any
+    /// other change rests its direction for a back-off.
+    fn revert(&mut self, t: Trial, o: &Observation) -> Decision {
+        let adding = t.to > t.from;
+        self.proposal = t.prior;
+        if adding {
+            self.add_failed = true;
+        }
+        let backoff_windows = if adding && t.to - t.from > 1 {
+            // Too far at once: bisect (half as many, from where it was)
+            // at the next window, with no back-off.
+            self.add_step = (t.to - t.from) / 2;
+            self.add_ceiling = Some(t.to);
+            0
+        } else {
             if adding {
                 self.add_step = 1;
                 self.add_ceiling = None;
             }
-            let max = self.policy.max_backoff_windows.max(1);
-            let backoff = if adding { &mut self.add_backoff } else { &mut self.remove_backoff };
-            let windows = *backoff;
-            *backoff = (*backoff * 2).min(max);
-            let until = o.step.saturating_add(windows * w);
-            if adding {
-                self.next_add = until;
-            } else {
-                self.next_remove = until;
-            }
-            self.proposal = t.prior;
-            return Some(Decision::Revert {
-                tried: t.to,
-                k: t.from,
-                before_micros: t.baseline_micros,
-                after_micros: o.step_micros,
-                backoff_windows: windows,
-            });
-        }
-        // No trial: follow the cluster's agreed k, then consider a change.
-        self.proposal = agreed;
-        let k = o.aggregators;
-        let to = if o.comm_share >= self.policy.dominate_share && k < o.candidates && o.step >= self.next_add {
-            let cap = self.add_ceiling.map_or(o.candidates, |c| c.saturating_sub(1)).min(o.candidates);
-            // Outside a bisection, jump at least to the k whose share of
-            // communication, if it falls as 1/k, matches the computation.
-            let step = if self.add_ceiling.is_none() && !self.add_failed {
-                self.add_step.max(predicted_k(k, o.comm_share).saturating_sub(k))
-            } else {
-                self.add_step
-            };
-            k.saturating_add(step.max(1)).min(cap.max(k + 1))
-        } else if o.comm_share <= self.policy.idle_share && k > 1 && o.step >= self.next_remove {
-            k - 1
-        } else {
-            return None;
+            self.back_off(adding, o.step)
         };
+        Decision::Revert {
+            tried: t.to,
+            k: t.from,
+            before_micros: t.baseline_micros,
+            after_micros: o.step_micros,
+            backoff_windows,
+        }
+    }
+
+    /// Rests one direction (adding or removing) from `step` on for its
+    /// current back-off, doubles that back-off up to the cap, and returns
+    /// the windows rested. (Counted in the cluster's windows, with no
+    /// jitter, so that every node rests the same windows: not a retry
+    /// loop's `policy::backoff::Backoff`.)
+    fn back_off(&mut self, adding: bool, step: u64) -> u64 {
+        let max = self.policy.max_backoff_windows.max(1);
+        let backoff = if adding { &mut self.add_backoff } else { &mut self.remove_backoff };
+        let windows = *backoff;
+        *backoff = (*backoff * 2).min(max);
+        let until = step.saturating_add(windows * self.policy.window_steps);
+        if adding {
+            self.next_add = until;
+        } else {
+            self.next_remove = until;
+        }
+        windows
+    }
+
+    /// With no trial running: starts one if communication dominates (add)
+    /// or aggregation is idle (remove) and that direction is not resting.
+    fn start_trial(&mut self, o: &Observation) -> Option<Decision> {
+        let k = o.aggregators;
+        let to = self.addition_target(o).or_else(|| self.removal_target(o))?;
         self.trial = Some(Trial { from: k, to, prior: self.proposal, baseline_micros: o.step_micros, started: o.step });
         self.proposal = Some(to);
         Some(Decision::Try { from: k, to, baseline_micros: o.step_micros })
+    }
+
+    /// The k to try when communication dominates, a candidate is spare and
+    /// additions are not resting: the current addition step (or, outside a
+    /// bisection and before any failed addition, the predicted k if that
+    /// is further), below a bisection's ceiling and within the candidates.
+    fn addition_target(&self, o: &Observation) -> Option<usize> {
+        let k = o.aggregators;
+        if !(o.comm_share >= self.policy.dominate_share && k < o.candidates && o.step >= self.next_add) {
+            return None;
+        }
+        let cap = self.add_ceiling.map_or(o.candidates, |c| c.saturating_sub(1)).min(o.candidates);
+        // Outside a bisection, jump at least to the k whose share of
+        // communication, if it falls as 1/k, matches the computation.
+        let step = if self.add_ceiling.is_none() && !self.add_failed {
+            self.add_step.max(predicted_k(k, o.comm_share).saturating_sub(k))
+        } else {
+            self.add_step
+        };
+        Some(k.saturating_add(step.max(1)).min(cap.max(k + 1)))
+    }
+
+    /// The k to try when aggregation is idle, more than one owns shards and
+    /// removals are not resting: one fewer.
+    fn removal_target(&self, o: &Observation) -> Option<usize> {
+        let k = o.aggregators;
+        (o.comm_share <= self.policy.idle_share && k > 1 && o.step >= self.next_remove).then(|| k - 1)
     }
 }
 

@@ -28,7 +28,7 @@
 //! whenever the view or this node's own measurements change and publishes
 //! it; the worker routes by it and the aggregator moves shards by it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use shoal_models::rng::stable_hash64;
 use shoal_protocol::{Device, Pace, PeerId, Role, CAPABILITIES_MINOR, WIRE_VERSION};
@@ -178,6 +178,14 @@ fn owners_of(candidates: &[Candidate<Vec<u8>>], shards: u32, max: usize) -> Opti
     Some((a.epoch, owners))
 }
 
+/// One placement of the shards: the rendezvous' epoch, `owners[shard]`,
+/// and the candidates it was computed among.
+struct Assigned {
+    epoch: u64,
+    owners: Vec<PeerId>,
+    candidates: Vec<Candidate<Vec<u8>>>,
+}
+
 /// Compute the placement. `None` when no live member may own shards.
 pub fn elect(
     members: &[Member],
@@ -191,84 +199,24 @@ pub fn elect(
     let capable: Vec<&Member> = members.iter().copied().filter(|m| m.can_aggregate && !m.leaving).collect();
     let capable_service: BTreeMap<PeerId, f64> =
         service.iter().filter(|(p, _)| capable.iter().any(|m| m.peer == **p)).map(|(p, v)| (*p, *v)).collect();
-    let serving = |p: &PeerId| members.iter().any(|m| m.peer == *p && m.serving);
-    let mut slow = stragglers(&capable_service, serving, policy.health);
-    let mut eligible: Vec<&Member> = capable.iter().copied().filter(|m| !slow.contains(&m.peer)).collect();
-    if eligible.is_empty() {
-        // Every capable node is slow: a slow owner beats an unowned shard.
-        eligible = capable.clone();
-        slow.clear();
-    }
-    let prior = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.capacity_level);
-    let measured = capacity_levels(&capable_service, prior, policy.health);
-    let capped = if members.iter().all(|m| m.protocol_minor >= CAPABILITIES_MINOR) {
-        let caps: BTreeMap<PeerId, Capacity> = members.iter().map(|m| (m.peer, m.capacity)).collect();
-        capability_levels(&caps, prior, policy.health)
-    } else {
-        BTreeMap::new()
-    };
-    let levels: Vec<(PeerId, i8)> = eligible
-        .iter()
-        .map(|m| {
-            // A cap lowers the service-time level; no cap leaves it, a
-            // faster owner's positive level included.
-            let level = measured.get(&m.peer).copied().unwrap_or(0);
-            (m.peer, capped.get(&m.peer).map_or(level, |&cap| level.min(cap)))
-        })
-        .collect();
+    let (eligible, slow) = eligible(&members, &capable, &capable_service, policy.health);
+    let levels = levels(&members, &eligible, &capable_service, policy.health);
     let weight = |p: &PeerId| levels.iter().find(|(q, _)| q == p).map_or(1.0, |(_, l)| weight_of(*l));
-    let mut candidates: Vec<Candidate<Vec<u8>>> =
+    let candidates: Vec<Candidate<Vec<u8>>> =
         eligible.iter().map(|m| Candidate { peer: m.peer.to_bytes(), weight: weight(&m.peer) }).collect();
     let limit = agreed_limit(members.iter().map(|m| m.aggregators));
     let max = limit.unwrap_or(0);
-    let (mut assign_epoch, mut owners) = owners_of(&candidates, shards, max)?;
-    let mut short_of_memory = Vec::new();
-    if policy.owner_shard_bytes > 0 {
-        let memory = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.memory_bytes);
-        loop {
-            let over: Vec<PeerId> = sorted(owners.clone())
-                .into_iter()
-                .filter(|o| {
-                    let held = owners.iter().filter(|x| *x == o).count() as u64;
-                    memory(o) > 0 && held.saturating_mul(policy.owner_shard_bytes) > memory(o)
-                })
-                .collect();
-            if over.is_empty() || over.len() >= candidates.len() {
-                break;
-            }
-            let keep: Vec<Candidate<Vec<u8>>> =
-                candidates.iter().filter(|c| !over.iter().any(|o| o.to_bytes() == c.peer)).cloned().collect();
-            let Some((epoch, placed)) = owners_of(&keep, shards, max) else { break };
-            (assign_epoch, owners, candidates) = (epoch, placed, keep);
-            short_of_memory.extend(over);
-        }
-    }
-    let short_of_memory = sorted(short_of_memory);
-    let mut backups: Vec<Option<PeerId>> = vec![None; shards as usize];
-    for o in &sorted(owners.clone()) {
-        let o_bytes = o.to_bytes();
-        let without: Vec<Candidate<Vec<u8>>> = candidates.iter().filter(|c| c.peer != o_bytes).cloned().collect();
-        if let Some((_, next)) = owners_of(&without, shards, max) {
-            for (s, owner) in owners.iter().enumerate() {
-                if owner == o {
-                    backups[s] = Some(next[s]);
-                }
-            }
-        }
-    }
+    let (epoch, owners) = owners_of(&candidates, shards, max)?;
+    let first = Assigned { epoch, owners, candidates };
+    let (assigned, short_of_memory) = fit_memory(first, &members, shards, max, policy.owner_shard_bytes);
+    let backups = backups_of(&assigned, shards, max);
     let live = sorted(members.iter().map(|m| m.peer).collect());
     let workers = sorted(members.iter().filter(|m| m.active).map(|m| m.peer).collect());
     let stragglers = sorted(slow.into_iter().collect());
-    let mut digest = assign_epoch.to_le_bytes().to_vec();
-    for (tag, set) in [(1u8, &live), (2, &workers), (3, &stragglers), (4, &short_of_memory)] {
-        digest.push(tag);
-        for p in set {
-            digest.extend_from_slice(&p.to_bytes());
-        }
-    }
-    digest.extend_from_slice(&(max as u64).to_le_bytes());
+    let epoch = epoch_of(assigned.epoch, [&live, &workers, &stragglers, &short_of_memory], max);
+    let Assigned { owners, candidates, .. } = assigned;
     Some(Placement {
-        epoch: stable_hash64(&digest),
+        epoch,
         owners,
         backups,
         live,
@@ -279,6 +227,122 @@ pub fn elect(
         short_of_memory,
         levels: levels.into_iter().filter(|(p, _)| candidates.iter().any(|c| c.peer == p.to_bytes())).collect(),
     })
+}
+
+/// The capable members that may own shards (the stragglers among them
+/// left out), and the stragglers. When every capable member is slow, all
+/// of them and no straggler: a slow owner beats an unowned shard.
+fn eligible<'a>(
+    members: &[&Member],
+    capable: &[&'a Member],
+    capable_service: &BTreeMap<PeerId, f64>,
+    health: HealthPolicy,
+) -> (Vec<&'a Member>, BTreeSet<PeerId>) {
+    let serving = |p: &PeerId| members.iter().any(|m| m.peer == *p && m.serving);
+    let mut slow = stragglers(capable_service, serving, health);
+    let mut eligible: Vec<&Member> = capable.iter().copied().filter(|m| !slow.contains(&m.peer)).collect();
+    if eligible.is_empty() {
+        // Every capable node is slow: a slow owner beats an unowned shard.
+        eligible = capable.to_vec();
+        slow.clear();
+    }
+    (eligible, slow)
+}
+
+/// The capacity level of each eligible member: its level from service
+/// times, lowered to the cap of its gossiped rates once every member
+/// speaks [`CAPABILITIES_MINOR`].
+fn levels(
+    members: &[&Member],
+    eligible: &[&Member],
+    capable_service: &BTreeMap<PeerId, f64>,
+    health: HealthPolicy,
+) -> Vec<(PeerId, i8)> {
+    let prior = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.capacity_level);
+    let measured = capacity_levels(capable_service, prior, health);
+    let capped = if members.iter().all(|m| m.protocol_minor >= CAPABILITIES_MINOR) {
+        let caps: BTreeMap<PeerId, Capacity> = members.iter().map(|m| (m.peer, m.capacity)).collect();
+        capability_levels(&caps, prior, health)
+    } else {
+        BTreeMap::new()
+    };
+    eligible
+        .iter()
+        .map(|m| {
+            // A cap lowers the service-time level; no cap leaves it, a
+            // faster owner's positive level included.
+            let level = measured.get(&m.peer).copied().unwrap_or(0);
+            (m.peer, capped.get(&m.peer).map_or(level, |&cap| level.min(cap)))
+        })
+        .collect()
+}
+
+/// Drops every owner whose share of the shards would not fit in the memory
+/// it offers and places the shards again, until every owner's share fits
+/// (or dropping them would leave no candidate, or no placement). Returns
+/// the last placement and the owners dropped, sorted.
+fn fit_memory(
+    mut a: Assigned,
+    members: &[&Member],
+    shards: u32,
+    max: usize,
+    owner_shard_bytes: u64,
+) -> (Assigned, Vec<PeerId>) {
+    let mut short_of_memory = Vec::new();
+    if owner_shard_bytes > 0 {
+        let memory = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.memory_bytes);
+        loop {
+            let over: Vec<PeerId> = sorted(a.owners.clone())
+                .into_iter()
+                .filter(|o| {
+                    let held = a.owners.iter().filter(|x| *x == o).count() as u64;
+                    memory(o) > 0 && held.saturating_mul(owner_shard_bytes) > memory(o)
+                })
+                .collect();
+            if over.is_empty() || over.len() >= a.candidates.len() {
+                break;
+            }
+            let keep: Vec<Candidate<Vec<u8>>> =
+                a.candidates.iter().filter(|c| !over.iter().any(|o| o.to_bytes() == c.peer)).cloned().collect();
+            let Some((epoch, placed)) = owners_of(&keep, shards, max) else { break };
+            a = Assigned { epoch, owners: placed, candidates: keep };
+            short_of_memory.extend(over);
+        }
+    }
+    (a, sorted(short_of_memory))
+}
+
+/// `backups[shard]`: the owner the shard would have, by the same
+/// rendezvous, if its owner vanished; `None` with a single candidate.
+fn backups_of(a: &Assigned, shards: u32, max: usize) -> Vec<Option<PeerId>> {
+    let mut backups: Vec<Option<PeerId>> = vec![None; shards as usize];
+    for o in &sorted(a.owners.clone()) {
+        let o_bytes = o.to_bytes();
+        let without: Vec<Candidate<Vec<u8>>> = a.candidates.iter().filter(|c| c.peer != o_bytes).cloned().collect();
+        if let Some((_, next)) = owners_of(&without, shards, max) {
+            for (s, owner) in a.owners.iter().enumerate() {
+                if owner == o {
+                    backups[s] = Some(next[s]);
+                }
+            }
+        }
+    }
+    backups
+}
+
+/// The placement's epoch: a hash of the rendezvous' epoch, the live
+/// members, the workers, the stragglers, the owners short of memory and
+/// the limit, so that equal views give equal epochs and any difference shows.
+fn epoch_of(assign_epoch: u64, sets: [&Vec<PeerId>; 4], max: usize) -> u64 {
+    let mut digest = assign_epoch.to_le_bytes().to_vec();
+    for (tag, set) in (1u8..).zip(sets) {
+        digest.push(tag);
+        for p in set {
+            digest.extend_from_slice(&p.to_bytes());
+        }
+    }
+    digest.extend_from_slice(&(max as u64).to_le_bytes());
+    stable_hash64(&digest)
 }
 
 /// This node's configured capabilities, as the election needs them (its
