@@ -38,7 +38,10 @@ use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::handles::trainer::{Gradients, TrainerHandle};
 use crate::ops::faults::hold;
 use crate::ops::logging::short;
+use crate::policy::backoff::Backoff;
 use crate::policy::compress::{factored_push, ErrorFeedback, PushCompression};
+use crate::policy::exchange::{self, ExchangeAction, PullAnswer, PushAnswer, ShardExchange};
+use crate::policy::explore::PaceMeter;
 use crate::policy::fit::{permille, rebalanced, BatchFit};
 use crate::policy::health::{self, would_demote, HealthPolicy, ServiceTracker};
 use crate::policy::placement::Placement;
@@ -157,11 +160,6 @@ pub struct Worker {
     pub leave: watch::Receiver<bool>,
     /// Fault injection (a slowdown stretches each gradient computation).
     pub faults: Arc<crate::ops::faults::Faults>,
-    /// Owners known to speak an older wire revision: the newest minor each
-    /// can decode, learnt from an `UnsupportedVersion` answer (1: no
-    /// `PushPull`, a `PushGrad` and a `PullShard`; 3: no `PushPullMany`,
-    /// one `PushPull` per shard; 4: no `Timed`, only round trips are timed).
-    pub old_wire: OldWire,
     /// This step's exchanges with remote owners: the link rate in this
     /// node's capabilities.
     pub link: LinkMeter,
@@ -207,13 +205,7 @@ struct Outgoing<'a> {
 const ALIGN_PASSES: usize = 8;
 
 /// One shard's exchange for a step: the version pulled and its values.
-#[derive(Debug)]
-struct Exchanged {
-    version: u64,
-    params: Values,
-    /// The push missed its round and was dropped (`cluster.backup_workers`).
-    dropped: bool,
-}
+type Exchanged = exchange::Exchanged<Values>;
 
 /// What came of a push: the owner's answer, or (a `PushPull` that was
 /// accepted and served) the shard's next version.
@@ -257,9 +249,8 @@ impl Values {
 }
 
 /// What a shard's first push attempt became when it went in a
-/// `PushPullMany` to `owner` (see [`Worker::push_pull_many`]): `None` when
-/// the owner does not take batches, and the exchange pushes it alone.
-type BatchOutcome = Option<anyhow::Result<Pushed>>;
+/// `PushPullMany` to `owner` (see [`Worker::push_pull_many`]).
+type BatchOutcome = anyhow::Result<Pushed>;
 
 /// A shard's first attempt, made for it by a `PushPullMany` to `owner`.
 #[derive(Debug)]
@@ -294,6 +285,91 @@ pub struct Ran {
     pub left: bool,
 }
 
+/// What a step does once it has its gradients: the worker's mode, with
+/// the state that mode carries from step to step.
+#[derive(Debug)]
+enum StepMode {
+    /// Push the gradients to the shards' owners and pull every shard's new
+    /// version ([`Worker::pull_exchange`]).
+    Pull,
+    /// A local optimizer step, and every `cluster.gossip_every` steps an
+    /// average with random peers ([`Worker::gossip_step`]).
+    Gossip { opt: Optimizer },
+    /// DiLoCo (`cluster.local_steps` > 1 in pull mode): local optimizer
+    /// steps, and every `local_steps` steps an exchange of the
+    /// pseudo-gradient ([`Worker::local_step`]).
+    LocalSteps(LocalRound),
+}
+
+impl StepMode {
+    fn new(config: &NodeConfig, params: &[f32]) -> anyhow::Result<Self> {
+        let local_steps = config.cluster.local_steps;
+        let optimizer = || Optimizer::new(config.training.optimizer_config(), params.len());
+        Ok(match config.cluster.mode {
+            Mode::Pull if local_steps <= 1 => StepMode::Pull,
+            Mode::Pull => StepMode::LocalSteps(LocalRound {
+                opt: optimizer()?,
+                start: params.to_vec(),
+                samples: 0,
+                every: local_steps,
+            }),
+            Mode::Gossip => StepMode::Gossip { opt: optimizer()? },
+        })
+    }
+}
+
+/// DiLoCo's round of local steps.
+#[derive(Debug)]
+struct LocalRound {
+    /// The inner optimizer.
+    opt: Optimizer,
+    /// The parameters at the start of this round.
+    start: Vec<f32>,
+    /// The samples trained on since.
+    samples: u64,
+    /// The steps of a round (`cluster.local_steps`).
+    every: u64,
+}
+
+/// The state the step loop carries from step to step, whatever the mode.
+#[derive(Debug)]
+struct StepLoop {
+    params: Vec<f32>,
+    /// Each shard's version as last pulled.
+    versions: Vec<u64>,
+    batches: WorkerBatches,
+    /// Error feedback of the lossy push encodings (cluster.compression).
+    feedback: ErrorFeedback,
+    /// Worker momentum: the average pushed instead of each gradient.
+    momentum: Option<Vec<f32>>,
+    /// Overlap (cluster.overlap): the next step's gradients, computed while
+    /// this step's exchange was in flight, and how long they took.
+    prefetched: Option<(Gradients, f64)>,
+    /// A slow worker's batch fitted to the others' pace (cluster.fit_batch).
+    fit: Option<BatchFit>,
+    /// The others' heartbeats, for `fit`.
+    view: watch::Receiver<ViewSnapshot>,
+    report: ReportClock,
+    pace: PaceMeter,
+    /// The snapshot a step replaced: its buffer takes the next step's copy.
+    spare: Option<Arc<Vec<f32>>>,
+}
+
+/// A step's own figures, reported once its model is loaded
+/// ([`Worker::report_step`]).
+#[derive(Debug)]
+struct StepFigures {
+    step: u64,
+    samples: usize,
+    loss: f32,
+    /// Seconds the gradients took.
+    compute: f64,
+    /// The share of its batch the step trained on (fit_batch), in ‰.
+    share: Option<u16>,
+    version: u64,
+    started: Instant,
+}
+
 /// When this worker last published its service report, the owners that
 /// report alone would demote, and the thresholds it is judged by (see
 /// `Worker::after_exchange`).
@@ -304,11 +380,16 @@ struct ReportClock {
     health: HealthPolicy,
 }
 
-/// Wait for the placement to change, at most `backoff` (which then grows):
-/// retries of a failed exchange go as soon as the shard may have moved.
-async fn wait_for_change(placement: &mut watch::Receiver<Option<Arc<Placement>>>, backoff: &mut Duration) {
-    let _ = tokio::time::timeout(*backoff, placement.changed()).await;
-    *backoff = (*backoff * 2).min(Duration::from_millis(500));
+/// Wait for the placement to change, at most the next delay of `backoff`:
+/// retries of a failed pull go as soon as the shard may have moved.
+async fn wait_for_change(placement: &mut watch::Receiver<Option<Arc<Placement>>>, backoff: &mut Backoff) {
+    let _ = tokio::time::timeout(backoff.next_delay(), placement.changed()).await;
+}
+
+/// The back-off of the waits for a placement change between retries of a
+/// shard's exchange or pull: 10 ms doubling to 500 ms.
+fn placement_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(10), Duration::from_millis(500))
 }
 
 /// Whom to ask for `shard` next: the owner a refusal named, else the one
@@ -326,9 +407,10 @@ fn next_owner(
 
 /// `owner`'s service time in µs for the straggler detector, pushes and
 /// probes alike: the time the owner `reported` in its `Timed` answer
-/// (capped by the round trip), or from an owner of an older build the
-/// `round_trip` (less any hold it reported) less the path's own latency,
-/// the least recent ping to it ([`health::PathLatency`]).
+/// (capped by the round trip), or, for an answer that came back outside a
+/// `Timed` (an error the owner's network layer gave before serving it),
+/// the `round_trip` (less any hold it reported) less the path's own
+/// latency, the least recent ping to it ([`health::PathLatency`]).
 fn service_micros(net: &NetworkHandle, owner: PeerId, round_trip: Duration, reported: Option<Duration>) -> f64 {
     match reported {
         // At most the round trip: a report longer than that is impossible.
@@ -337,52 +419,35 @@ fn service_micros(net: &NetworkHandle, owner: PeerId, round_trip: Duration, repo
     }
 }
 
-/// Owners known to speak an older wire revision, and the newest minor each
-/// can decode ([`Worker::old_wire`]; shared with the probes).
-pub type OldWire = Arc<std::sync::Mutex<std::collections::HashMap<PeerId, u16>>>;
-
-/// Whether `owner` can decode wire minor `minor` (every owner can,
-/// unless it answered an older revision's `UnsupportedVersion`).
-fn speaks(old: &OldWire, owner: PeerId, minor: u16) -> bool {
-    old.lock().map_or(true, |m| m.get(&owner).is_none_or(|&known| known >= minor))
-}
-
-/// `owner` answered `UnsupportedVersion` to a message of a minor above
-/// `minor`: it gets nothing newer from now on.
-fn speaks_at_most(old: &OldWire, owner: PeerId, minor: u16) {
-    if let Ok(mut m) = old.lock() {
-        let known = m.entry(owner).or_insert(minor);
-        *known = (*known).min(minor);
-    }
-}
-
 /// Send a request whose service the straggler detector times, inside a
-/// `Timed` (wire minor 5) so that the answer says how long the owner itself
-/// took to serve it: this worker's own waits for the CPU and the network
-/// do not count against the owner. Returns the request's answer and that
-/// service time; `None` from an owner of an older build, which answers
-/// `UnsupportedVersion` once and is sent its requests as they are from
-/// then on (its service is then timed by the round trip).
+/// `Timed` so that the answer says how long the owner itself took to serve
+/// it: this worker's own waits for the CPU and the network do not count
+/// against the owner. Returns the request's answer and that service time;
+/// `None` for an answer that came back outside a `Timed` (an error given
+/// before the request was served), which is returned as it is.
 async fn timed_request(
     net: &NetworkHandle,
-    old: &OldWire,
     owner: PeerId,
     req: ShardRequest,
 ) -> Result<(ShardResponse, Option<Duration>), crate::handles::net::NetError> {
-    if speaks(old, owner, 5) {
-        // Payload bodies are shared buffers: the copy is of the headers.
-        match net.request(owner, ShardRequest::Timed(Box::new(req.clone()))).await? {
-            ShardResponse::Timed { service_us, answer } => {
-                return Ok((*answer, Some(Duration::from_micros(service_us.into()))))
-            }
-            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
-                info!(%owner, "owner speaks an older wire revision: timing its service by the round trip");
-                speaks_at_most(old, owner, 4);
-            }
-            other => return Ok((other, None)),
-        }
+    Ok(match net.request(owner, ShardRequest::Timed(Box::new(req))).await? {
+        ShardResponse::Timed { service_us, answer } => (*answer, Some(Duration::from_micros(service_us.into()))),
+        other => (other, None),
+    })
+}
+
+/// A push's outcome as the exchange machine reads it.
+fn push_answer(pushed: anyhow::Result<Pushed>) -> PushAnswer<PeerId, Values> {
+    match pushed {
+        Ok(Pushed::State { version, params }) => PushAnswer::Served { version, params },
+        Ok(Pushed::Reply(PushReply::Accepted { version, .. })) => PushAnswer::Accepted { version },
+        Ok(Pushed::Reply(PushReply::Stale { current_version, .. })) => PushAnswer::Stale { current_version },
+        Ok(Pushed::Reply(PushReply::UnknownWorker)) => PushAnswer::UnknownWorker,
+        Ok(Pushed::Reply(PushReply::NotOwner { hint, .. })) => PushAnswer::NotOwner { hint },
+        Ok(Pushed::Reply(PushReply::Pending)) => PushAnswer::Pending,
+        Ok(Pushed::Reply(PushReply::Invalid(m))) => PushAnswer::Invalid(m),
+        Err(e) => PushAnswer::Failed(format!("{e:#}")),
     }
-    Ok((net.request(owner, req).await?, None))
 }
 
 /// What an owner's `Exchanged` answer means to the push's exchange: the
@@ -426,7 +491,7 @@ async fn follow_hint(
     named: Option<PeerId>,
     hint: &mut Option<PeerId>,
     placement: &mut watch::Receiver<Option<Arc<Placement>>>,
-    backoff: &mut Duration,
+    backoff: &mut Backoff,
 ) {
     *hint = named.filter(|h| *h != owner);
     if hint.is_none() {
@@ -456,10 +521,29 @@ impl Worker {
     }
 
     /// Run all steps. Returns the final flat parameters.
-    pub async fn run(&self, routing: &Routing, mut params: Vec<f32>) -> anyhow::Result<Ran> {
+    pub async fn run(&self, routing: &Routing, params: Vec<f32>) -> anyhow::Result<Ran> {
+        let steps = self.config.training.steps;
+        let (mut mode, mut run) = self.start(routing, params).await?;
+        let mut step = routing.start_step;
+        while step < steps {
+            if *self.leave.borrow() {
+                info!(step, "leaving: no further steps");
+                return Ok(Ran { params: run.params, steps: step, left: true });
+            }
+            step = self.step(routing, &mut mode, &mut run, step).await?;
+        }
+        if matches!(mode, StepMode::Gossip { .. }) {
+            self.gossip_consensus(routing, steps, &mut run.params).await?;
+            self.membership.set_self(|me| me.step = steps);
+        }
+        Ok(Ran { params: run.params, steps, left: false })
+    }
+
+    /// Before the first step: this worker's batches and their samples
+    /// loaded, its [`StepMode`], and the state the steps carry.
+    async fn start(&self, routing: &Routing, params: Vec<f32>) -> anyhow::Result<(StepMode, StepLoop)> {
         let t = &self.config.training;
-        let gossip = self.config.cluster.mode == Mode::Gossip;
-        let mut batches = match routing.partition {
+        let batches = match routing.partition {
             Some((rank, world)) => WorkerBatches::new(self.train_len, rank, world, t.batch_size, t.seed)?,
             None => {
                 let seed = t.seed ^ shoal_models::rng::stable_hash64(&self.me.to_bytes());
@@ -469,216 +553,245 @@ impl Worker {
         // Only this partition's samples are read into memory.
         let loaded = self.trainer.load_train(batches.rows().to_vec()).await.context("loading the training samples")?;
         info!(samples = batches.rows().len(), of = self.train_len, bytes = loaded, "training samples loaded");
-        let mut versions = routing.versions.clone();
+        let versions = routing.versions.clone();
         if versions.len() != self.plan.len() {
             bail!("{} shard versions for {} shards", versions.len(), self.plan.len());
         }
-        let local_steps = self.config.cluster.local_steps;
-        let mut local_opt = match self.config.cluster.mode {
-            Mode::Pull if local_steps <= 1 => None,
-            // Gossip mode, and DiLoCo's inner optimizer.
-            _ => Some(Optimizer::new(t.optimizer_config(), params.len())?),
-        };
-        // DiLoCo (pull mode with local steps): the parameters at the start
-        // of this round of local steps, and the samples trained on since.
-        let mut outer: Option<(Vec<f32>, u64)> =
-            (self.config.cluster.mode == Mode::Pull && local_steps > 1).then(|| (params.clone(), 0));
+        let mode = StepMode::new(&self.config, &params)?;
         info!(partition = ?routing.partition, from = routing.start_step, steps = t.steps,
               mode = ?self.config.cluster.mode, sync = %self.policy(), "training");
-        let mut last_report = ReportClock {
+        let report = ReportClock {
             at: None,
             demoting: Default::default(),
             health: self.config.cluster.health_policy(self.plan.total_len(), self.plan.len()),
         };
-        let mut pace = crate::policy::explore::PaceMeter::default();
-        // Error feedback of the lossy push encodings (cluster.compression).
-        let mut feedback = ErrorFeedback::new(self.plan.len());
         let compression = self.config.cluster.compression;
         self.status.record(StatusEvent::Compression {
             push: compression.push.to_string(),
             pull: compression.pull.to_string(),
         });
-        // Worker momentum: the average pushed instead of each gradient.
-        let mut momentum: Option<Vec<f32>> = (self.config.cluster.worker_momentum > 0.0).then(Vec::new);
-        // Overlap (cluster.overlap): the next step's gradients, computed
-        // while this step's exchange was in flight, and how long they took.
-        let overlap = self.config.cluster.overlap;
-        let mut prefetched: Option<(Gradients, f64)> = None;
-        // A slow worker's batch fitted to the others' pace (cluster.fit_batch).
-        let mut fit = self.config.cluster.fit_batch.then(|| BatchFit::new(t.batch_size));
-        let view = self.membership.subscribe();
-        // Backup workers: a worker whose push missed its round skips ahead.
-        let skips_ahead = self.backup_mode();
-        let mut step = routing.start_step;
-        // The snapshot a step replaced: its buffer takes the next step's copy.
-        let mut spare: Option<Arc<Vec<f32>>> = None;
-        while step < t.steps {
-            if *self.leave.borrow() {
-                info!(step, "leaving: no further steps");
-                return Ok(Ran { params, steps: step, left: true });
-            }
-            let started = Instant::now();
-            // The share of its batch this step trained on (fit_batch),
-            // published with the step's other figures below.
-            let mut share = None;
-            let (g, compute) = match prefetched.take() {
-                Some(ready) => ready,
-                None => {
-                    let size = match fit.as_mut() {
-                        Some(f) => {
-                            let nominal = batches.len_for_step(step)?;
-                            let others = self.others_paces(&view, t.steps);
-                            let times: Vec<f64> =
-                                others.iter().map(|p| f64::from(p.step_micros.saturating_sub(p.comm_micros))).collect();
-                            let fitted = f.batch(&times, nominal);
-                            let size = if fitted < nominal || !self.config.cluster.fit_rebalance {
-                                fitted
-                            } else {
-                                let shares: Vec<u16> = others.iter().map(|p| p.batch_permille).collect();
-                                rebalanced(nominal, &shares)
-                            };
-                            Some((size, nominal))
-                        }
-                        None => None,
-                    };
-                    let (g, secs) = self.compute(step, &mut batches, &mut momentum, size.map(|(n, _)| n)).await?;
-                    if let (Some(f), Some((_, nominal))) = (fit.as_mut(), size) {
-                        f.observe(g.samples, secs * 1e6);
-                        share = Some(permille(g.samples, nominal));
-                    }
-                    (g, secs)
-                }
-            };
-            let comm_started = Instant::now();
-            // With overlap: the exchange's own time (the step also waited
-            // for the next step's compute, if that took longer).
-            let mut exchange_secs: Option<f64> = None;
-            let version = match (local_opt.as_mut(), outer.as_mut()) {
-                (None, _) => {
-                    let exchange = self.exchange_all(
-                        step,
-                        &mut versions,
-                        (g.samples as u32, &g.grads, &g.factors),
-                        &mut params,
-                        &mut feedback,
-                    );
-                    let v = if overlap && step + 1 < t.steps {
-                        // Step t+1's gradients, on the parameters of step t-1,
-                        // while step t's pushes and pulls are on the wire. The
-                        // owners' clock bound is one lower to pay for it
-                        // (`SyncPolicy::pipelined`).
-                        let next = self.compute(step + 1, &mut batches, &mut momentum, None);
-                        let timed = async {
-                            let t0 = Instant::now();
-                            let v = exchange.await;
-                            (v, t0.elapsed().as_secs_f64())
-                        };
-                        let ((v, secs), next) = tokio::join!(timed, next);
-                        exchange_secs = Some(secs);
-                        prefetched = Some(next?);
-                        self.status.record(StatusEvent::Overlapped);
-                        v?
-                    } else {
-                        exchange.await?
-                    };
-                    self.after_exchange(step, &feedback, &mut last_report);
-                    v
-                }
-                (Some(opt), None) => {
-                    opt.set_lr(t.lr_schedule().lr_at(step))?;
-                    opt.step(&mut params, &g.grads)?;
-                    if (step + 1).is_multiple_of(self.config.cluster.gossip_every) {
-                        self.gossip_average(routing, step, &mut params).await?;
-                    }
-                    step + 1
-                }
-                (Some(opt), Some((start, samples))) => {
-                    // DiLoCo: a local step, and every `local_steps` steps
-                    // (and at the last) the pseudo-gradient start - now goes
-                    // to the owners, whose outer optimizer applies the
-                    // round; the new parameters start the next round.
-                    opt.set_lr(t.lr_schedule().lr_at(step))?;
-                    opt.step(&mut params, &g.grads)?;
-                    *samples += g.samples as u64;
-                    if (step + 1).is_multiple_of(local_steps) || step + 1 == t.steps {
-                        let pseudo: Vec<f32> = start.iter().zip(&params).map(|(s, p)| s - p).collect();
-                        let n = u32::try_from(*samples).unwrap_or(u32::MAX);
-                        let v = self
-                            .exchange_all(step, &mut versions, (n, &pseudo, &[]), &mut params, &mut feedback)
-                            .await?;
-                        self.after_exchange(step, &feedback, &mut last_report);
-                        start.copy_from_slice(&params);
-                        *samples = 0;
-                        v
-                    } else {
-                        versions.iter().copied().min().unwrap_or(0)
-                    }
-                }
-            };
-            // The gradients are pushed (or applied): their buffer takes the
-            // next step's.
-            self.trainer.recycle(g.grads);
-            let set_started = Instant::now();
-            let params_arc = Arc::new(copy_into(spare.take(), &params));
-            self.trainer.set_params(params_arc.clone()).await?;
-            spare = Some(self.snapshot.send_replace(ModelSnapshot { version, params: params_arc }).params);
-            let apply = set_started.elapsed().as_secs_f64();
-            let comm = match exchange_secs {
-                Some(x) => x + apply,
-                None => comm_started.elapsed().as_secs_f64(),
-            };
-            self.status.record(StatusEvent::Step {
-                step: step + 1,
-                samples: g.samples,
-                loss: g.loss,
-                compute_secs: compute,
-                comm_secs: comm,
-                apply_secs: apply,
-                step_secs: started.elapsed().as_secs_f64(),
-            });
-            self.status.record(StatusEvent::Version(version));
-            let p = pace.observe(started.elapsed().as_secs_f64(), comm);
-            let (link_bytes, link_secs) = self.link.take();
-            let (compute_rate, net_rate) = pace.rates(g.samples, compute, link_bytes, link_secs);
-            // Gossip mode: the last step is reported once the final models
-            // are averaged (`gossip_consensus`), so that peers linger until
-            // every node has fetched the copies it averages.
-            let last_gossip = gossip && step + 1 == t.steps;
-            self.membership.set_self(|me| {
-                if !last_gossip {
-                    me.step = step + 1;
-                }
-                me.model_version = version;
-                me.pace.step_micros = p.step_micros;
-                me.pace.comm_micros = p.comm_micros;
-                me.compute_samples_per_sec = compute_rate;
-                me.net_bytes_per_sec = net_rate;
-                if let Some(s) = share {
-                    me.pace.batch_permille = s;
-                }
-            });
-            if t.eval_every > 0 && (step + 1).is_multiple_of(t.eval_every) && step + 1 < t.steps {
-                let e = self.trainer.evaluate().await?;
-                self.status.record(StatusEvent::Evaluated(e));
-                debug!(step = step + 1, accuracy = e.accuracy, bits_per_byte = e.bits_per_byte, "evaluated");
-            }
-            // Under BSP the version after a round is the next step. A worker
-            // whose push was dropped (`cluster.backup_workers`) pulled the
-            // rounds applied without it, and trains for the round in progress.
-            step = if skips_ahead && version > step + 1 {
-                let next = version.min(t.steps);
-                self.status.record(StatusEvent::SkippedSteps(next - step - 1));
-                self.membership.set_self(|me| me.step = next);
-                next
-            } else {
-                step + 1
-            };
+        let run = StepLoop {
+            params,
+            versions,
+            batches,
+            feedback: ErrorFeedback::new(self.plan.len()),
+            momentum: (self.config.cluster.worker_momentum > 0.0).then(Vec::new),
+            prefetched: None,
+            fit: self.config.cluster.fit_batch.then(|| BatchFit::new(t.batch_size)),
+            view: self.membership.subscribe(),
+            report,
+            pace: Default::default(),
+            spare: None,
+        };
+        Ok((mode, run))
+    }
+
+    /// One step: its gradients, the exchange its mode makes, the new model
+    /// loaded and published, and the step reported. Returns the next step
+    /// to run.
+    async fn step(&self, routing: &Routing, mode: &mut StepMode, run: &mut StepLoop, step: u64) -> anyhow::Result<u64> {
+        let started = Instant::now();
+        let (g, compute, share) = self.gradients(run, step).await?;
+        let comm_started = Instant::now();
+        let (version, exchange_secs) = match mode {
+            StepMode::Pull => self.pull_exchange(run, &g, step).await?,
+            StepMode::Gossip { opt } => (self.gossip_step(routing, run, opt, &g, step).await?, None),
+            StepMode::LocalSteps(local) => (self.local_step(run, local, &g, step).await?, None),
+        };
+        let figures = StepFigures { step, samples: g.samples, loss: g.loss, compute, share, version, started };
+        // The gradients are pushed (or applied): their buffer takes the
+        // next step's.
+        self.trainer.recycle(g.grads);
+        let apply = self.publish(run, version).await?;
+        // With overlap: the exchange's own time (the step also waited for
+        // the next step's compute, if that took longer).
+        let comm = match exchange_secs {
+            Some(x) => x + apply,
+            None => comm_started.elapsed().as_secs_f64(),
+        };
+        self.report_step(&mut run.pace, &figures, comm, apply);
+        let t = &self.config.training;
+        if t.eval_every > 0 && (step + 1).is_multiple_of(t.eval_every) && step + 1 < t.steps {
+            let e = self.trainer.evaluate().await?;
+            self.status.record(StatusEvent::Evaluated(e));
+            debug!(step = step + 1, accuracy = e.accuracy, bits_per_byte = e.bits_per_byte, "evaluated");
         }
-        if gossip {
-            self.gossip_consensus(routing, t.steps, &mut params).await?;
-            self.membership.set_self(|me| me.step = t.steps);
+        Ok(self.next_step(step, version))
+    }
+
+    /// This step's gradients, with the seconds they took: those computed
+    /// beside the last step's exchange (`cluster.overlap`), or computed now
+    /// on a batch fitted to the others' pace (`cluster.fit_batch`; then also
+    /// the share of its nominal batch the step trained on).
+    async fn gradients(&self, run: &mut StepLoop, step: u64) -> anyhow::Result<(Gradients, f64, Option<u16>)> {
+        if let Some((g, secs)) = run.prefetched.take() {
+            return Ok((g, secs, None));
         }
-        Ok(Ran { params, steps: t.steps, left: false })
+        let size = match run.fit.as_mut() {
+            Some(fit) => Some(self.fit_batch(fit, &mut run.batches, &run.view, step)?),
+            None => None,
+        };
+        let (g, secs) = self.compute(step, &mut run.batches, &mut run.momentum, size.map(|(n, _)| n)).await?;
+        let mut share = None;
+        if let (Some(fit), Some((_, nominal))) = (run.fit.as_mut(), size) {
+            fit.observe(g.samples, secs * 1e6);
+            share = Some(permille(g.samples, nominal));
+        }
+        Ok((g, secs, share))
+    }
+
+    /// A slow worker's batch fitted to the others' pace (`cluster.fit_batch`),
+    /// or, with `cluster.fit_rebalance`, a fast one's grown to take up what
+    /// the others left. Returns the samples to train on and the nominal
+    /// batch size.
+    fn fit_batch(
+        &self,
+        fit: &mut BatchFit,
+        batches: &mut WorkerBatches,
+        view: &watch::Receiver<ViewSnapshot>,
+        step: u64,
+    ) -> anyhow::Result<(usize, usize)> {
+        let nominal = batches.len_for_step(step)?;
+        let others = self.others_paces(view, self.config.training.steps);
+        let times: Vec<f64> = others.iter().map(|p| f64::from(p.step_micros.saturating_sub(p.comm_micros))).collect();
+        let fitted = fit.batch(&times, nominal);
+        let size = if fitted < nominal || !self.config.cluster.fit_rebalance {
+            fitted
+        } else {
+            let shares: Vec<u16> = others.iter().map(|p| p.batch_permille).collect();
+            rebalanced(nominal, &shares)
+        };
+        Ok((size, nominal))
+    }
+
+    /// [`StepMode::Pull`]: push the gradients and pull every shard's new
+    /// version. Returns the model version and, with overlap, the exchange's
+    /// own seconds.
+    async fn pull_exchange(&self, run: &mut StepLoop, g: &Gradients, step: u64) -> anyhow::Result<(u64, Option<f64>)> {
+        let steps = self.config.training.steps;
+        let pushed = (g.samples as u32, &g.grads[..], &g.factors[..]);
+        let exchange = self.exchange_all(step, &mut run.versions, pushed, &mut run.params, &mut run.feedback);
+        let (version, secs) = if self.config.cluster.overlap && step + 1 < steps {
+            // Step t+1's gradients, on the parameters of step t-1, while
+            // step t's pushes and pulls are on the wire. The owners' clock
+            // bound is one lower to pay for it (`SyncPolicy::pipelined`).
+            let next = self.compute(step + 1, &mut run.batches, &mut run.momentum, None);
+            let timed = async {
+                let t0 = Instant::now();
+                let v = exchange.await;
+                (v, t0.elapsed().as_secs_f64())
+            };
+            let ((v, secs), next) = tokio::join!(timed, next);
+            run.prefetched = Some(next?);
+            self.status.record(StatusEvent::Overlapped);
+            (v?, Some(secs))
+        } else {
+            (exchange.await?, None)
+        };
+        self.after_exchange(step, &run.feedback, &mut run.report);
+        Ok((version, secs))
+    }
+
+    /// [`StepMode::Gossip`]: a local optimizer step, and every
+    /// `cluster.gossip_every` steps an average with random peers. Returns
+    /// the model version (the step count).
+    async fn gossip_step(
+        &self,
+        routing: &Routing,
+        run: &mut StepLoop,
+        opt: &mut Optimizer,
+        g: &Gradients,
+        step: u64,
+    ) -> anyhow::Result<u64> {
+        opt.set_lr(self.config.training.lr_schedule().lr_at(step))?;
+        opt.step(&mut run.params, &g.grads)?;
+        if (step + 1).is_multiple_of(self.config.cluster.gossip_every) {
+            self.gossip_average(routing, step, &mut run.params).await?;
+        }
+        Ok(step + 1)
+    }
+
+    /// [`StepMode::LocalSteps`] (DiLoCo): a local step, and every
+    /// `local_steps` steps (and at the last) the pseudo-gradient start - now
+    /// goes to the owners, whose outer optimizer applies the round; the new
+    /// parameters start the next round. Returns the model version.
+    async fn local_step(&self, run: &mut StepLoop, local: &mut LocalRound, g: &Gradients, step: u64) -> anyhow::Result<u64> {
+        let steps = self.config.training.steps;
+        local.opt.set_lr(self.config.training.lr_schedule().lr_at(step))?;
+        local.opt.step(&mut run.params, &g.grads)?;
+        local.samples += g.samples as u64;
+        if !((step + 1).is_multiple_of(local.every) || step + 1 == steps) {
+            return Ok(run.versions.iter().copied().min().unwrap_or(0));
+        }
+        let pseudo: Vec<f32> = local.start.iter().zip(&run.params).map(|(s, p)| s - p).collect();
+        let n = u32::try_from(local.samples).unwrap_or(u32::MAX);
+        let version =
+            self.exchange_all(step, &mut run.versions, (n, &pseudo, &[]), &mut run.params, &mut run.feedback).await?;
+        self.after_exchange(step, &run.feedback, &mut run.report);
+        local.start.copy_from_slice(&run.params);
+        local.samples = 0;
+        Ok(version)
+    }
+
+    /// Load the step's parameters into the trainer and publish a copy on
+    /// the snapshot watch (into the buffer of the snapshot it replaces).
+    /// Returns the seconds it took.
+    async fn publish(&self, run: &mut StepLoop, version: u64) -> anyhow::Result<f64> {
+        let set_started = Instant::now();
+        let params = Arc::new(copy_into(run.spare.take(), &run.params));
+        self.trainer.set_params(params.clone()).await?;
+        run.spare = Some(self.snapshot.send_replace(ModelSnapshot { version, params }).params);
+        Ok(set_started.elapsed().as_secs_f64())
+    }
+
+    /// A step's figures to status, and its step, version, pace and rates to
+    /// membership for the next heartbeat.
+    fn report_step(&self, pace: &mut PaceMeter, f: &StepFigures, comm: f64, apply: f64) {
+        let steps = self.config.training.steps;
+        self.status.record(StatusEvent::Step {
+            step: f.step + 1,
+            samples: f.samples,
+            loss: f.loss,
+            compute_secs: f.compute,
+            comm_secs: comm,
+            apply_secs: apply,
+            step_secs: f.started.elapsed().as_secs_f64(),
+        });
+        self.status.record(StatusEvent::Version(f.version));
+        let p = pace.observe(f.started.elapsed().as_secs_f64(), comm);
+        let (link_bytes, link_secs) = self.link.take();
+        let (compute_rate, net_rate) = pace.rates(f.samples, f.compute, link_bytes, link_secs);
+        // Gossip mode: the last step is reported once the final models are
+        // averaged (`gossip_consensus`), so that peers linger until every
+        // node has fetched the copies it averages.
+        let last_gossip = self.config.cluster.mode == Mode::Gossip && f.step + 1 == steps;
+        self.membership.set_self(|me| {
+            if !last_gossip {
+                me.step = f.step + 1;
+            }
+            me.model_version = f.version;
+            me.pace.step_micros = p.step_micros;
+            me.pace.comm_micros = p.comm_micros;
+            me.compute_samples_per_sec = compute_rate;
+            me.net_bytes_per_sec = net_rate;
+            if let Some(s) = f.share {
+                me.pace.batch_permille = s;
+            }
+        });
+    }
+
+    /// The step after `step`, whose exchange reached model `version`. Under
+    /// BSP the version after a round is the next step. A worker whose push
+    /// was dropped (`cluster.backup_workers`) pulled the rounds applied
+    /// without it, and trains for the round in progress.
+    fn next_step(&self, step: u64, version: u64) -> u64 {
+        if !(self.backup_mode() && version > step + 1) {
+            return step + 1;
+        }
+        let next = version.min(self.config.training.steps);
+        self.status.record(StatusEvent::SkippedSteps(next - step - 1));
+        self.membership.set_self(|me| me.step = next);
+        next
     }
 
     /// Gossip mode, after the last step: average with every peer's final
@@ -882,16 +995,15 @@ impl Worker {
             }
             let req = ShardRequest::Probe(Probe { run: self.run.clone(), padding: padding.clone() });
             let (net, service, faults) = (self.net.clone(), self.service.clone(), self.faults.clone());
-            let old_wire = self.old_wire.clone();
             tokio::spawn(async move {
                 let sent = Instant::now();
                 hold(faults.send_delay(sent_bytes)).await;
-                let answered = match timed_request(&net, &old_wire, owner, req).await {
+                let answered = match timed_request(&net, owner, req).await {
                     Ok((ShardResponse::Probed { .. }, reported)) => {
                         Some((sent_bytes, service_micros(&net, owner, sent.elapsed(), reported)))
                     }
                     Ok((other, _)) => {
-                        debug!(%owner, answer = other.kind(), "probe not answered (an older peer?)");
+                        debug!(%owner, answer = other.kind(), "probe not answered");
                         None
                     }
                     Err(e) => {
@@ -916,7 +1028,7 @@ impl Worker {
             let id = shard.id;
             let want = versions.get(id as usize).copied().unwrap_or(0);
             let mut placement = self.placement.clone();
-            let mut backoff = Duration::from_millis(10);
+            let mut backoff = placement_backoff();
             let mut last = String::from("no attempt");
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -1076,7 +1188,7 @@ impl Worker {
     async fn pull_at_least(&self, shard: u32, min_version: u64) -> anyhow::Result<(u64, Arc<Vec<f32>>)> {
         let deadline = Instant::now() + self.request_timeout();
         let mut placement = self.placement.clone();
-        let mut backoff = Duration::from_millis(10);
+        let mut backoff = placement_backoff();
         let mut hint: Option<PeerId> = None;
         let mut last = String::from("no attempt");
         loop {
@@ -1103,14 +1215,9 @@ impl Worker {
     }
 
     /// Push one shard's gradient to its owner and pull the shard's next
-    /// version, following the shard wherever the placement moves it.
-    ///
-    /// Under BSP a gradient counts once the round it joined is applied, so
-    /// if the owner changes before our pull is answered, the gradient is
-    /// pushed again to the new owner: it either joins the round there (the
-    /// old owner's unfinished round was not handed over) or is refused as
-    /// `Stale` because the round was applied before the move. Under the
-    /// other policies a push is applied on arrival and never sent twice.
+    /// version, following the shard wherever the placement moves it: the
+    /// I/O of the pure [`ShardExchange`] machine, which decides each next
+    /// action (and documents why a BSP gradient may be pushed twice).
     async fn exchange(
         &self,
         shard: u32,
@@ -1120,147 +1227,73 @@ impl Worker {
         grad: &Outgoing<'_>,
         mut first: Option<FirstAttempt>,
     ) -> anyhow::Result<Exchanged> {
-        let bsp = self.policy() == SyncPolicy::Bsp;
         let started = Instant::now();
-        let deadline = started + self.request_timeout();
+        let timeout = self.request_timeout();
+        let deadline = started + timeout;
         let mut placement = self.placement.clone();
-        // The owner holding (BSP) or having applied (others) our gradient.
-        let mut holder: Option<PeerId> = None;
-        let mut min_version = self.policy().pull_after_push(base);
-        let mut hint: Option<PeerId> = None;
-        // Some owner has taken this gradient (it may be applied already).
-        let mut ever_taken = false;
-        // Backup workers: the gradient missed its round and was dropped.
-        let mut dropped = false;
-        let mut push_base = base;
-        let mut backoff = Duration::from_millis(10);
-        let mut last = String::from("no attempt");
+        let batched = first.as_ref().map(|f| f.owner);
+        let mut machine =
+            ShardExchange::new(shard, base, self.policy(), self.backup_mode(), timeout, batched, placement_backoff());
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                bail!(
-                    "shard {shard}: no owner pushed and pulled within {} ms; last: {last} \
-                     (see cluster.request_timeout_ms)",
-                    self.config.cluster.request_timeout_ms
-                );
-            }
-            // The first attempt went in a batch to the owner it names.
-            let owner = match &first {
-                Some(f) => {
-                    // Seen, as `next_owner` marks it: a retry after a failed
-                    // batch then waits for a newer placement, not this one.
-                    placement.mark_unchanged();
-                    f.owner
+            let action = machine.next(left, || placement.borrow_and_update().clone().and_then(|p| p.owner(shard)));
+            match action {
+                ExchangeAction::Push { owner, base } => {
+                    let answer = match first.take() {
+                        // The machine's first push is the one that went in the batch.
+                        Some(f) => match f.outcome.await {
+                            Ok(outcome) => outcome,
+                            // The batch went away unanswered: push alone.
+                            Err(_) => self.push_alone(owner, shard, base, step, samples, grad, left).await,
+                        },
+                        None => self.push_alone(owner, shard, base, step, samples, grad, left).await,
+                    };
+                    machine.on_push(owner, push_answer(answer));
                 }
-                None => next_owner(shard, &mut hint, &mut placement)?,
-            };
-            // A dropped gradient is not pushed again, even to a new owner.
-            let need_push = !dropped && if bsp { holder != Some(owner) } else { holder.is_none() };
-            if need_push {
-                let batched = match first.take() {
-                    Some(f) => f.outcome.await.ok().flatten(),
-                    None => None,
-                };
-                let combined = self.config.cluster.push_pull && owner != self.me && speaks(&self.old_wire, owner, 2);
-                let pushed = match batched {
-                    Some(outcome) => outcome,
-                    None if !combined => {
-                        self.push_to(owner, shard, push_base, step, samples, grad).await.map(Pushed::Reply)
+                ExchangeAction::Pull { owner, min_version, after_push } => {
+                    if after_push {
+                        self.status.record(StatusEvent::PushLatency(started.elapsed().as_secs_f64() * 1e3));
                     }
-                    None => self.push_pull_to(owner, shard, push_base, step, samples, grad, left).await,
-                };
-                let pushed = match pushed {
-                    Ok(Pushed::State { version, params }) => {
-                        // One exchange did both: the gradient counts and this is its version.
-                        let ms = started.elapsed().as_secs_f64() * 1e3;
-                        self.status.record(StatusEvent::PullLatency(ms));
-                        return Ok(Exchanged { version, params, dropped: false });
-                    }
-                    Ok(Pushed::Reply(r)) => Ok(r),
-                    Err(e) => Err(e),
-                };
-                match pushed {
-                    Ok(PushReply::Accepted { version, .. }) => {
-                        holder = Some(owner);
-                        ever_taken = true;
-                        min_version = self.policy().pull_after_push(version);
-                    }
-                    Ok(PushReply::Stale { current_version, .. }) if !ever_taken && self.backup_mode() => {
-                        // Backup workers: the round was applied without this
-                        // gradient, as it may be. It is dropped; this worker
-                        // pulls the current version and skips ahead to the
-                        // round in progress (`run`). No round waits for it.
-                        debug!(shard, base, current_version, "push missed its round; dropped (backup worker)");
-                        holder = Some(owner);
-                        ever_taken = true;
-                        dropped = true;
-                        min_version = current_version;
-                    }
-                    Ok(PushReply::Stale { current_version, .. }) if bsp && !ever_taken => {
-                        // BSP: the round we computed for was applied without
-                        // us (a fault put this worker a round behind), and no
-                        // owner ever took this gradient. Give it to the round
-                        // in progress instead: skipping a round on one shard
-                        // while in step on the others would leave this worker
-                        // a round apart on different shards, and rounds that
-                        // wait on each other in a cycle.
-                        debug!(shard, base, current_version, "push missed its round; joining the current one");
-                        push_base = current_version;
-                        continue;
-                    }
-                    Ok(PushReply::Stale { current_version, .. }) => {
-                        // BSP: a re-pushed gradient whose round was applied
-                        // (and handed over) before the move: it counted already.
-                        debug!(shard, base, current_version, "push was stale; pulling the current version");
-                        holder = Some(owner);
-                        min_version = current_version;
-                    }
-                    Ok(PushReply::UnknownWorker) => {
-                        warn!(shard, %owner, "the owner does not count this node as a worker; gradient dropped");
-                        holder = Some(owner);
-                        ever_taken = true;
-                        min_version = 0;
-                    }
-                    Ok(PushReply::NotOwner { hint: h, .. }) => {
-                        last = format!("{owner} does not own it");
-                        follow_hint(owner, h, &mut hint, &mut placement, &mut backoff).await;
-                        continue;
-                    }
-                    Ok(PushReply::Pending) => {
-                        last = format!("{owner} is waiting for the shard's handoff");
-                        wait_for_change(&mut placement, &mut backoff).await;
-                        continue;
-                    }
-                    Ok(PushReply::Invalid(m)) => bail!("shard {shard}: owner {owner} refused the push: {m}"),
-                    Err(e) => {
-                        last = format!("push to {owner}: {e:#}");
-                        wait_for_change(&mut placement, &mut backoff).await;
-                        continue;
-                    }
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let answer = match self.pull_from(owner, shard, min_version, left).await {
+                        Ok(PullReply::State { version, params }) => {
+                            PullAnswer::State { version, params: Values::Decoded(params) }
+                        }
+                        Ok(PullReply::NotReady { current_version }) => PullAnswer::NotReady { current_version },
+                        Ok(PullReply::NotOwner { hint, .. }) => PullAnswer::NotOwner { hint },
+                        Err(e) => PullAnswer::Failed(format!("{e:#}")),
+                    };
+                    machine.on_pull(owner, answer);
                 }
-                self.status.record(StatusEvent::PushLatency(started.elapsed().as_secs_f64() * 1e3));
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.pull_from(owner, shard, min_version, left).await {
-                Ok(PullReply::State { version, params }) => {
+                ExchangeAction::WaitForChange(at_most) => {
+                    let _ = tokio::time::timeout(at_most, placement.changed()).await;
+                }
+                ExchangeAction::Done(x) => {
                     self.status.record(StatusEvent::PullLatency(started.elapsed().as_secs_f64() * 1e3));
-                    return Ok(Exchanged { version, params: Values::Decoded(params), dropped });
+                    return Ok(x);
                 }
-                Ok(PullReply::NotReady { current_version }) => {
-                    last = format!("{owner} still at version {current_version}, waiting for {min_version}");
-                }
-                Ok(PullReply::NotOwner { hint: h, .. }) => {
-                    last = format!("{owner} no longer owns it");
-                    if bsp && holder == Some(owner) {
-                        holder = None; // push again to whoever owns it now
-                    }
-                    follow_hint(owner, h, &mut hint, &mut placement, &mut backoff).await;
-                }
-                Err(e) => {
-                    last = format!("pull from {owner}: {e:#}");
-                    wait_for_change(&mut placement, &mut backoff).await;
-                }
+                ExchangeAction::GiveUp(why) => bail!("{why}"),
             }
+        }
+    }
+
+    /// One push attempt of a shard on its own: a `PushPull` to a remote
+    /// owner (`cluster.push_pull`), else a `PushGrad` or the local push.
+    #[allow(clippy::too_many_arguments)]
+    async fn push_alone(
+        &self,
+        owner: PeerId,
+        shard: u32,
+        base: u64,
+        step: u64,
+        samples: u32,
+        grad: &Outgoing<'_>,
+        left: Duration,
+    ) -> anyhow::Result<Pushed> {
+        if self.config.cluster.push_pull && owner != self.me {
+            self.push_pull_to(owner, shard, base, step, samples, grad, left).await
+        } else {
+            self.push_to(owner, shard, base, step, samples, grad).await.map(Pushed::Reply)
         }
     }
 
@@ -1283,7 +1316,7 @@ impl Worker {
         let req = ShardRequest::PushGrad(push);
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
-        let (resp, reported) = timed_request(&self.net, &self.old_wire, owner, req).await?;
+        let (resp, reported) = timed_request(&self.net, owner, req).await?;
         let reply = self.push_reply(owner, shard, resp)?;
         if matches!(reply, PushReply::NotOwner { .. } | PushReply::Pending) {
             // Not served: nothing to time.
@@ -1363,7 +1396,7 @@ impl Worker {
         });
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
-        let (resp, reported) = timed_request(&self.net, &self.old_wire, owner, req).await?;
+        let (resp, reported) = timed_request(&self.net, owner, req).await?;
         let mut received = 0;
         let (reply, held_ms) = match resp {
             ShardResponse::Exchanged(x) => {
@@ -1374,11 +1407,6 @@ impl Worker {
                     self.moved(0, received);
                 }
                 (exchanged(x, owner)?, held)
-            }
-            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
-                info!(%owner, "owner speaks an older wire revision: pushing and pulling separately");
-                speaks_at_most(&self.old_wire, owner, 1);
-                return self.push_to(owner, shard, base, step, samples, grad).await.map(Pushed::Reply);
             }
             other => match self.push_reply(owner, shard, other)? {
                 // Not served: nothing to time (as after a plain push).
@@ -1417,7 +1445,7 @@ impl Worker {
         let mut by_owner: std::collections::BTreeMap<PeerId, Vec<usize>> = Default::default();
         for (i, shard) in shards.iter().enumerate() {
             if let Some(owner) = placement.owner(shard.id) {
-                if owner != self.me && speaks(&self.old_wire, owner, 4) {
+                if owner != self.me {
                     by_owner.entry(owner).or_default().push(i);
                 }
             }
@@ -1462,8 +1490,7 @@ impl Worker {
     /// gradient. Each shard's outcome goes to its exchange (`outcomes`, in
     /// the same order), which goes on from there as after a `PushPull` of
     /// its own. A failed request fails each shard's attempt (each retries
-    /// alone); an owner of an older wire revision gets `None` (each pushes
-    /// alone at once).
+    /// alone).
     async fn push_pull_many(
         &self,
         owner: PeerId,
@@ -1476,7 +1503,7 @@ impl Worker {
             Ok(answers) => answers,
             Err(e) => {
                 let e = format!("{e:#}");
-                items.iter().map(|_| Some(Err(anyhow::anyhow!("{e}")))).collect()
+                items.iter().map(|_| Err(anyhow::anyhow!("{e}"))).collect()
             }
         };
         for (tx, outcome) in outcomes.into_iter().zip(answers) {
@@ -1506,16 +1533,11 @@ impl Worker {
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
         self.status.record(StatusEvent::Batched(items.len() as u64));
-        let (answer, reported) = timed_request(&self.net, &self.old_wire, owner, req).await?;
+        let (answer, reported) = timed_request(&self.net, owner, req).await?;
         let answers = match answer {
             ShardResponse::ExchangedMany(v) if v.len() == items.len() => v,
             ShardResponse::ExchangedMany(v) => {
                 bail!("{owner} answered {} of the {} shards of a batch", v.len(), items.len())
-            }
-            ShardResponse::Error(e) if e.code == shoal_protocol::ErrorCode::UnsupportedVersion => {
-                info!(%owner, "owner speaks an older wire revision: one PushPull per shard");
-                speaks_at_most(&self.old_wire, owner, 3);
-                return Ok(items.iter().map(|_| None).collect());
             }
             ShardResponse::Error(e) => bail!("{owner} refused a batch: {:?}: {}", e.code, e.message),
             other => bail!("{owner} answered a batch with {}", other.kind()),
@@ -1539,7 +1561,7 @@ impl Worker {
                 }
                 other => self.push_reply(owner, shard, other).map(Pushed::Reply),
             };
-            out.push(Some(outcome));
+            out.push(outcome);
         }
         self.moved(bytes, received);
         // As for one `PushPull`: the round trip less the longest time the
@@ -1626,14 +1648,15 @@ impl Worker {
     }
 
     /// Send a request, retrying transport failures and `Busy` with capped
-    /// exponential back-off until `deadline`.
+    /// exponential back-off (20 ms doubling to 1 s, with jitter) until
+    /// `deadline`.
     async fn request_with_retry(
         &self,
         peer: PeerId,
         req: ShardRequest,
         deadline: Instant,
     ) -> anyhow::Result<ShardResponse> {
-        let mut backoff = Duration::from_millis(20);
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
         loop {
             let last_err = match self.net.request(peer, req.clone()).await {
                 Ok(ShardResponse::Error(e)) if e.code == shoal_protocol::ErrorCode::Busy => {
@@ -1644,13 +1667,12 @@ impl Worker {
                 Err(NetError::Stopped) => bail!("network actor stopped"),
                 Err(e) => e.to_string(),
             };
-            if Instant::now() + backoff >= deadline {
+            let Some(delay) = backoff.next_within(deadline.saturating_duration_since(Instant::now())) else {
                 bail!("{} to {peer} kept failing until the deadline: {last_err}", req.kind());
-            }
+            };
             debug!(%peer, error = %last_err, "retrying");
             // Back-off between retries of a failed request, not synchronisation.
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(1));
+            tokio::time::sleep(delay).await;
         }
     }
 
