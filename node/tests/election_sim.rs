@@ -153,7 +153,7 @@ impl Sim {
             seq: n.seq,
             epoch: 1,
             config_hash: 7,
-            protocol_minor: WIRE_VERSION,
+            protocol_version: WIRE_VERSION,
             capabilities: caps(),
             role: n.me.role,
             owned_shards: n.me.owned_shards.clone(),

@@ -1,4 +1,4 @@
-//! The request-response codec for [`SHARD_PROTOCOL`] (`/shoal/shard/1.0.0`).
+//! The request-response codec for [`SHARD_PROTOCOL`] (`/shoal/shard/7.0.0`).
 //!
 //! Framing lives in [`crate::frame`]; this module only moves frames over a
 //! stream with size checks before allocation and size-scaled deadlines:
@@ -132,9 +132,10 @@ async fn read_frame<T: AsyncRead + Unpin + Send>(
     let prefix = FramePrefix::parse(&prefix).inspect_err(|e| {
         // Multistream-select refuses a peer of another version before this,
         // so a frame of another version comes from a peer that negotiated a
-        // name it does not speak: worth a line of its own.
+        // name it does not speak. At debug: such a peer could send one on
+        // every stream, and the refused stream's error reaches the node.
         if let ProtocolError::VersionMismatch { ours, theirs } = e {
-            tracing::warn!(ours, theirs, "refusing a frame of another wire version");
+            tracing::debug!(ours, theirs, "refusing a frame of another wire version");
         }
     })?;
     // Cheap checks before allocating anything the peer asked for: the frame

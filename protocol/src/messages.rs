@@ -17,11 +17,6 @@ pub use crate::error_code::ErrorCode;
 use crate::payload::{Encoding, Payload};
 pub use crate::wire::WIRE_VERSION;
 
-/// The wire version whose heartbeats' rates cap weights in the election:
-/// [`WIRE_VERSION`] itself, since every member of a view speaks it. Kept
-/// while the node's placement still compares versions against it.
-pub const CAPABILITIES_MINOR: u16 = WIRE_VERSION;
-
 /// How deep requests and answers may nest in one message: a `Timed`
 /// answer holding an `ExchangedMany` of answers is two levels. Deeper
 /// headers are refused while decoding, so a peer's bytes cannot make the
@@ -153,7 +148,7 @@ impl std::str::FromStr for RunId {
 }
 
 // ---------------------------------------------------------------------------
-// Requests on /shoal/shard/1.0.0
+// Requests on /shoal/shard/7.0.0
 // ---------------------------------------------------------------------------
 
 /// A worker's gradient contribution for one shard.
@@ -314,7 +309,7 @@ pub struct Probe {
     pub padding: Payload,
 }
 
-/// A request on `/shoal/shard/1.0.0`.
+/// A request on `/shoal/shard/7.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardRequest {
     /// Variant 0.
@@ -532,7 +527,7 @@ impl From<&ProtocolError> for WireError {
     }
 }
 
-/// A response on `/shoal/shard/1.0.0`.
+/// A response on `/shoal/shard/7.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardResponse {
     /// Variant 0: the push was accepted.
@@ -793,7 +788,7 @@ pub struct Heartbeat {
     /// topic already keeps peers of other versions apart; a node also
     /// refuses a heartbeat whose version is not its own. (The name is older
     /// than the one-version rule.)
-    pub protocol_minor: u16,
+    pub protocol_version: u16,
     /// Capabilities.
     pub capabilities: Capabilities,
     /// Current role.

@@ -653,7 +653,7 @@ mod tests {
             seq: 1,
             epoch: 0,
             config_hash: 0,
-            protocol_minor: WIRE_VERSION,
+            protocol_version: WIRE_VERSION,
             capabilities: Capabilities {
                 device: Device::Cpu,
                 memory_bytes: 1,

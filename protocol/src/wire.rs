@@ -15,12 +15,14 @@
 /// `concat!` and cannot drift from [`WIRE_VERSION`].
 macro_rules! wire_version {
     () => {
-        1
+        7
     };
 }
 
-/// The version of the wire this build speaks: in every frame and gossip
-/// prefix, in `Heartbeat::protocol_minor`, and in the protocol names below.
+/// The version of the wire this build speaks (7: builds before the
+/// one-version rule put 1 in their protocol names and 1 to 6 in their
+/// frames, so no earlier build can be taken for this one): in every frame and gossip
+/// prefix, in `Heartbeat::protocol_version`, and in the protocol names below.
 /// Any change to the bytes on the wire moves it, and a peer of another
 /// version is refused.
 pub const WIRE_VERSION: u16 = wire_version!();

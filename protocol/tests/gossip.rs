@@ -27,7 +27,7 @@ fn heartbeat(peer: PeerId, seq: u64) -> GossipMessage {
         seq,
         epoch: 0,
         config_hash: 0xfeed,
-        protocol_minor: WIRE_VERSION,
+        protocol_version: WIRE_VERSION,
         capabilities: Capabilities {
             device: Device::Cpu,
             memory_bytes: 1 << 30,

@@ -154,14 +154,12 @@ pub async fn fetch_model(
                 }
                 debug!(shard = id, %donor, reason = %last, "state sync attempt failed");
                 let left = deadline.saturating_duration_since(Instant::now());
+                if !backoff.fits(left) {
+                    break;
+                }
                 // Every donor was tried once: back off before the next round.
                 if (attempt + 1) % donors.len() == 0 {
-                    match backoff.next_within(left) {
-                        Some(delay) => tokio::time::sleep(delay).await,
-                        None => break,
-                    }
-                } else if left.is_zero() {
-                    break;
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
             }
             bail!("shard {id}: could not fetch it from any of {} donors: {last}", donors.len())
@@ -198,7 +196,7 @@ mod tests {
             seq: 1,
             epoch,
             config_hash: 7,
-            protocol_minor: WIRE_VERSION,
+            protocol_version: WIRE_VERSION,
             capabilities: Capabilities {
                 device: Device::Cpu,
                 memory_bytes: 0,

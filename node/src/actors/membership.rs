@@ -157,7 +157,7 @@ impl MembershipActor {
             seq: self.seq,
             epoch,
             config_hash: self.cfg.config_hash,
-            protocol_minor: WIRE_VERSION,
+            protocol_version: WIRE_VERSION,
             // The configured capabilities, with the worker's measurements.
             capabilities: Capabilities {
                 compute_samples_per_sec: me.compute_samples_per_sec,

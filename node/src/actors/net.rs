@@ -388,6 +388,13 @@ impl NetworkActor {
             SwarmEvent::Behaviour(ShoalBehaviourEvent::Identify(identify::Event::Received {
                 peer_id, info, ..
             })) => {
+                // A peer of another wire version cannot exchange a frame with
+                // this node (multistream-select refuses our protocol names):
+                // say so, naming both versions, and do not route to it.
+                if let Err(e) = shoal_protocol::check_peer_version(&info.protocol_version) {
+                    warn!(peer = %peer_id, error = %e, "peer cannot train with this node");
+                    return;
+                }
                 // Teach Kademlia (if on) where the peer listens, so requests to
                 // peers we only know by id can be dialled.
                 if let Some(kad) = self.swarm.behaviour_mut().kademlia.as_mut() {

@@ -346,8 +346,8 @@ impl ClusterBench {
     }
 
     /// The same 4-node run with each shard's push and pull as two requests
-    /// (PushGrad + PullShard, wire minor 1), and as one request per shard
-    /// (PushPull, minor 3), against one request per owner (PushPullMany,
+    /// (PushGrad + PullShard), and as one request per shard (PushPull),
+    /// against one request per owner (PushPullMany,
     /// the default: `many_sps`, the scaling table's 4-node case).
     #[allow(clippy::print_stdout)] // The CLI's own output.
     async fn exchange(&self, many_sps: f64) -> anyhow::Result<serde_json::Value> {

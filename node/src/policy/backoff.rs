@@ -48,10 +48,14 @@ impl Backoff {
     /// The next delay if waiting it still leaves time before a deadline
     /// `left` away; `None` (and no change) once the loop should give up.
     pub fn next_within(&mut self, left: Duration) -> Option<Duration> {
-        if self.base >= left {
-            return None;
-        }
-        Some(self.next_delay())
+        self.fits(left).then(|| self.next_delay())
+    }
+
+    /// Whether the next delay still fits before a deadline `left` away: a
+    /// loop that retries some attempts without waiting gives up once it
+    /// does not.
+    pub fn fits(&self, left: Duration) -> bool {
+        self.base < left
     }
 
     /// Back to the first delay (after a success, or new information such
@@ -99,6 +103,7 @@ mod tests {
         assert!(b.next_within(ms(100)).is_some()); // base 80 < 100
         assert_eq!(b.next_within(ms(100)), None, "base 160 does not fit in 100 ms");
         assert_eq!(b.next_within(ms(100)), None, "giving up changes nothing");
+        assert!(!b.fits(ms(160)) && b.fits(ms(161)), "the base is 160 ms now");
         b.reset();
         let d = b.next_delay();
         assert!(d <= ms(20) && d >= ms(10), "after reset the first delay is back to 20 ms: {d:?}");

@@ -3,10 +3,10 @@
 //! Every worker times each push it sends to a remote shard owner (the
 //! owner's service time, per MiB) and keeps an exponential moving average per
 //! owner ([`ServiceTracker`]). The service time is the one the owner
-//! reports in its answer (`ShardResponse::Timed`, wire minor 5: its own
-//! queues, CPU and serving delays, not the worker's waits or the network);
-//! an owner of an older build is timed by the round trip less the path's
-//! latency ([`less_path`]). Heartbeats carry those averages. Each node
+//! reports in its answer (`ShardResponse::Timed`: its own queues, CPU and
+//! serving delays, not the worker's waits or the network); an answer that
+//! reports none is timed by the round trip less the path's latency
+//! ([`less_path`]). Heartbeats carry those averages. Each node
 //! then judges every owner from the *lower median* of the reports about it
 //! ([`medians`]), so one lying or confused reporter cannot demote a healthy
 //! node: more than half of the reporters must agree it is slow.

@@ -31,7 +31,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use shoal_models::rng::stable_hash64;
-use shoal_protocol::{Device, Pace, PeerId, Role, CAPABILITIES_MINOR, WIRE_VERSION};
+use shoal_protocol::{Device, Pace, PeerId, Role};
 
 use crate::policy::assign::{assign, AssignPolicy, Candidate};
 use crate::policy::explore::{agreed_limit, lower_median, Observation};
@@ -63,10 +63,6 @@ pub struct Member {
     /// Its device and measured rates: a cap on its weight
     /// ([`crate::policy::health::capability_levels`]).
     pub capacity: Capacity,
-    /// The wire minor it speaks: rates cap weights only once every member
-    /// speaks [`CAPABILITIES_MINOR`] or later (older nodes cap nobody and
-    /// gossip another exchange rate).
-    pub protocol_minor: u16,
 }
 
 /// A member's [`Capacity`] from its heartbeat's fields, each value rounded
@@ -250,8 +246,7 @@ fn eligible<'a>(
 }
 
 /// The capacity level of each eligible member: its level from service
-/// times, lowered to the cap of its gossiped rates once every member
-/// speaks [`CAPABILITIES_MINOR`].
+/// times, lowered to the cap of its gossiped rates.
 fn levels(
     members: &[&Member],
     eligible: &[&Member],
@@ -260,12 +255,8 @@ fn levels(
 ) -> Vec<(PeerId, i8)> {
     let prior = |p: &PeerId| members.iter().find(|m| m.peer == *p).map_or(0, |m| m.capacity_level);
     let measured = capacity_levels(capable_service, prior, health);
-    let capped = if members.iter().all(|m| m.protocol_minor >= CAPABILITIES_MINOR) {
-        let caps: BTreeMap<PeerId, Capacity> = members.iter().map(|m| (m.peer, m.capacity)).collect();
-        capability_levels(&caps, prior, health)
-    } else {
-        BTreeMap::new()
-    };
+    let caps: BTreeMap<PeerId, Capacity> = members.iter().map(|m| (m.peer, m.capacity)).collect();
+    let capped = capability_levels(&caps, prior, health);
     eligible
         .iter()
         .map(|m| {
@@ -396,7 +387,6 @@ pub fn inputs_from_view(
                     hb.capabilities.net_bytes_per_sec,
                     hb.pace,
                 ),
-                protocol_minor: hb.protocol_minor,
             }
         })
         .collect();
@@ -410,7 +400,6 @@ pub fn inputs_from_view(
         capacity_level: me.pace.capacity_level,
         memory_bytes: own.memory_bytes,
         capacity: capacity(own.device, me.compute_samples_per_sec, me.net_bytes_per_sec, me.pace),
-        protocol_minor: WIRE_VERSION,
     });
     let reports = live
         .iter()
@@ -469,7 +458,6 @@ mod tests {
                 capacity_level: 0,
                 memory_bytes: 0,
                 capacity: Capacity::default(),
-                protocol_minor: WIRE_VERSION,
             })
             .collect()
     }
@@ -569,12 +557,6 @@ mod tests {
         let service: BTreeMap<PeerId, f64> = m.iter().map(|x| (x.peer, 100.0)).collect();
         let Some(q) = elect(&m, &service, 64, ElectPolicy::default()) else { panic!("no placement") };
         assert_eq!(q.level_of(&m[3].peer), -2);
-        // A member of an older release (wire minor 5) caps nobody and
-        // gossips another exchange rate: while one is live, nobody is capped.
-        m[0].protocol_minor = CAPABILITIES_MINOR - 1;
-        let Some(old) = elect(&m, &BTreeMap::new(), 64, ElectPolicy::default()) else { panic!("no placement") };
-        assert!(old.levels.iter().all(|(_, l)| *l == 0), "{:?}", old.levels);
-        m[0].protocol_minor = WIRE_VERSION;
         // An owner measured 2.5x faster keeps its raised level (weight 2)
         // beside the capped node: caps only ever lower a level.
         let faster: BTreeMap<PeerId, f64> =

@@ -114,16 +114,16 @@ impl View {
         if hb.peer == self.me {
             return false;
         }
-        if hb.protocol_minor != WIRE_VERSION {
+        if hb.protocol_version != WIRE_VERSION {
             if self.other_version.len() >= MAX_MISMATCHED && !self.other_version.contains_key(&hb.peer) {
                 self.refused += 1;
                 return false;
             }
-            let new = self.other_version.insert(hb.peer, hb.protocol_minor).is_none();
+            let new = self.other_version.insert(hb.peer, hb.protocol_version).is_none();
             if new {
-                warn!(peer = %hb.peer, theirs = hb.protocol_minor, ours = WIRE_VERSION,
+                warn!(peer = %hb.peer, theirs = hb.protocol_version, ours = WIRE_VERSION,
                       "peer speaks wire version {}, this node speaks version {WIRE_VERSION}; ignoring it",
-                      hb.protocol_minor);
+                      hb.protocol_version);
             }
             return new;
         }
@@ -281,7 +281,7 @@ mod tests {
             seq,
             epoch,
             config_hash: 7,
-            protocol_minor: WIRE_VERSION,
+            protocol_version: WIRE_VERSION,
             capabilities: Capabilities {
                 device: Device::Cpu,
                 memory_bytes: 0,
@@ -377,7 +377,7 @@ mod tests {
         for theirs in [WIRE_VERSION - 1, WIRE_VERSION + 1] {
             let other = PeerId::random();
             let mut hb_other = hb(other, 1, 0);
-            hb_other.protocol_minor = theirs;
+            hb_other.protocol_version = theirs;
             assert!(v.observe(hb_other.clone(), 0), "a new peer of another version is news");
             hb_other.seq = 2;
             assert!(!v.observe(hb_other, 1), "and only once");
@@ -392,7 +392,7 @@ mod tests {
         // Bounded like the config mismatches.
         for _ in 0..MAX_MISMATCHED + 3 {
             let mut other = hb(PeerId::random(), 1, 0);
-            other.protocol_minor = WIRE_VERSION + 1;
+            other.protocol_version = WIRE_VERSION + 1;
             v.observe(other, 3);
         }
         assert_eq!((v.other_version.len(), v.refused), (MAX_MISMATCHED, 5));

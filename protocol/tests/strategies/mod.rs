@@ -218,7 +218,7 @@ pub fn gossip() -> impl Strategy<Value = GossipMessage> {
     )
         .prop_map(
             |(
-                (run, peer, incarnation, seq, epoch, config_hash, protocol_minor),
+                (run, peer, incarnation, seq, epoch, config_hash, protocol_version),
                 caps,
                 role,
                 owned_shards,
@@ -234,7 +234,7 @@ pub fn gossip() -> impl Strategy<Value = GossipMessage> {
                     seq,
                     epoch,
                     config_hash,
-                    protocol_minor,
+                    protocol_version,
                     capabilities: Capabilities {
                         device: caps.0,
                         memory_bytes: caps.1,
