@@ -261,14 +261,12 @@ pub struct ClusterConfig {
     /// pushing to it, so a demoted owner gets another try. Default 100.
     pub service_forget_steps: u64,
     /// Send each remote owner one `PushPull` per shard and step (the push
-    /// and its pull in one exchange, wire minor 2); `false` sends a
-    /// `PushGrad` and a `PullShard`, as wire minor 1 did. Owners of an older
-    /// build are detected and get the two either way. Default true.
+    /// and its pull in one exchange); `false` sends a `PushGrad` and a
+    /// `PullShard`. Default true.
     pub push_pull: bool,
     /// With `push_pull`: send each remote owner of two or more shards one
-    /// `PushPullMany` per step carrying all of them (wire minor 4), instead
-    /// of one `PushPull` per shard. Owners of an older build are detected
-    /// and get one per shard. Default true.
+    /// `PushPullMany` per step carrying all of them, instead of one
+    /// `PushPull` per shard. Default true.
     pub push_pull_many: bool,
     /// Copies of each shard: 2 keeps a replica on the next rendezvous choice;
     /// 1 keeps none. Default 2.
@@ -420,6 +418,26 @@ impl ClusterConfig {
     /// under BSP and off under the other policies.
     pub fn norm_check_factor(&self) -> f32 {
         self.norm_check.unwrap_or(if self.sync == SyncPolicy::Bsp { 50.0 } else { 0.0 })
+    }
+
+    /// Owners apply BSP rounds: pull mode under `sync = "bsp"`.
+    pub fn bsp_rounds(&self) -> bool {
+        self.mode == Mode::Pull && self.sync == SyncPolicy::Bsp
+    }
+
+    /// BSP rounds of one step each (no local steps): every worker takes
+    /// each step together, and a shard's version counts the steps taken.
+    pub fn lockstep(&self) -> bool {
+        self.bsp_rounds() && self.local_steps <= 1
+    }
+
+    /// What a setting that needs [`Self::lockstep`] says it needs, with what
+    /// this config has instead.
+    fn lockstep_needs(&self) -> String {
+        format!(
+            "mode = \"pull\", sync = \"bsp\" and local_steps = 1 (this config has {:?}, sync {}, local_steps {})",
+            self.mode, self.sync, self.local_steps
+        )
     }
 }
 
@@ -616,19 +634,6 @@ impl Default for NodeConfig {
     }
 }
 
-/// Lay `top` over `base`: tables merge key by key, any other value of `top`
-/// replaces `base`'s.
-fn merge_tables(base: &mut toml::Table, top: toml::Table) {
-    for (key, value) in top {
-        match (base.get_mut(&key), value) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge_tables(b, t),
-            (_, v) => {
-                base.insert(key, v);
-            }
-        }
-    }
-}
-
 impl NodeConfig {
     /// Read a TOML file; unknown keys are errors that name the key.
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
@@ -655,7 +660,7 @@ impl NodeConfig {
         let mine: NodeConfig = toml::from_str(text)?;
         let Some(profile) = profile.or(mine.profile) else { return Ok(mine) };
         let mut merged: toml::Table = toml::from_str(profile.toml()).context("the built-in profile")?;
-        merge_tables(&mut merged, toml::from_str(text)?);
+        shoal_testnet::layers::merge_tables(&mut merged, toml::from_str(text)?);
         merged.insert("profile".into(), toml::Value::try_from(profile)?);
         Ok(merged.try_into()?)
     }
@@ -701,9 +706,24 @@ impl NodeConfig {
         }
     }
 
-    /// Check everything that can be checked before touching the network.
+    /// Check everything that can be checked before touching the network,
+    /// one concern after another (the first error found is the one
+    /// reported).
     pub fn validate(&self) -> anyhow::Result<()> {
         RunId::new(self.run_id.clone()).map_err(|e| anyhow::anyhow!("run_id: {e}"))?;
+        self.validate_training()?;
+        self.validate_checkpoint()?;
+        self.validate_membership()?;
+        self.validate_roles()?;
+        self.validate_rounds()?;
+        self.validate_local_steps()?;
+        self.validate_compression()?;
+        self.validate_gradients()?;
+        self.validate_node_local()
+    }
+
+    /// The model, data set, optimizer and length of training.
+    fn validate_training(&self) -> anyhow::Result<()> {
         let t = &self.training;
         if t.batch_size == 0 {
             bail!("training.batch_size must be at least 1");
@@ -719,6 +739,12 @@ impl NodeConfig {
         if t.threads == Some(0) {
             bail!("training.threads must be at least 1 (leave it out for the node's share of the host's cores)");
         }
+        Ok(())
+    }
+
+    /// Shard checkpoints: how often, how many, and that there are shards
+    /// to checkpoint that an offer can name.
+    fn validate_checkpoint(&self) -> anyhow::Result<()> {
         if self.checkpoint.every_steps == 0 {
             bail!("checkpoint.every_steps must be at least 1");
         }
@@ -735,6 +761,12 @@ impl NodeConfig {
                 self.cluster.shards
             );
         }
+        Ok(())
+    }
+
+    /// How the cluster forms and notices failures: roster size, shards,
+    /// heartbeats and the timeouts built on them.
+    fn validate_membership(&self) -> anyhow::Result<()> {
         let c = &self.cluster;
         if c.min_peers == 0 {
             bail!("cluster.min_peers must be at least 1");
@@ -763,6 +795,13 @@ impl NodeConfig {
         if c.mode == Mode::Gossip && c.gossip_every == 0 {
             bail!("cluster.gossip_every must be at least 1 in gossip mode");
         }
+        Ok(())
+    }
+
+    /// Who owns shards: demotion and restoration, the exploration of the
+    /// number of aggregators, replicas and handoffs.
+    fn validate_roles(&self) -> anyhow::Result<()> {
+        let c = &self.cluster;
         if !(c.demote_ratio.is_finite() && c.restore_ratio.is_finite() && 1.0 < c.restore_ratio)
             || c.restore_ratio > c.demote_ratio
         {
@@ -808,7 +847,15 @@ impl NodeConfig {
         if c.handoff_timeout_ms == 0 {
             bail!("cluster.handoff_timeout_ms must be positive");
         }
-        if c.aggregation.is_robust() && (c.mode != Mode::Pull || c.sync != SyncPolicy::Bsp) {
+        Ok(())
+    }
+
+    /// What each exchange of a step may do, and the sync policy and rounds
+    /// each needs: robust aggregation, worker momentum, overlap, fitted
+    /// batches and backup workers.
+    fn validate_rounds(&self) -> anyhow::Result<()> {
+        let c = &self.cluster;
+        if c.aggregation.is_robust() && !c.bsp_rounds() {
             bail!(
                 "cluster.aggregation = \"{}\" combines the gradients of a BSP round: it needs mode = \"pull\" and \
                  sync = \"bsp\" (this config has {:?} and {}). With other policies, use \"mean\" and the norm check.",
@@ -834,29 +881,30 @@ impl NodeConfig {
                 c.sync
             );
         }
-        if c.fit_batch && (c.mode != Mode::Pull || c.sync != SyncPolicy::Bsp || c.local_steps > 1) {
+        if c.fit_batch && !c.lockstep() {
             bail!(
-                "cluster.fit_batch sizes a slow worker's batch to the pace of BSP rounds: it needs mode = \"pull\", \
-                 sync = \"bsp\" and local_steps = 1 (this config has {:?}, sync {}, local_steps {})",
-                c.mode,
-                c.sync,
-                c.local_steps
+                "cluster.fit_batch sizes a slow worker's batch to the pace of BSP rounds: it needs {}",
+                c.lockstep_needs()
             );
         }
-        if c.backup_workers > 0 && (c.mode != Mode::Pull || c.sync != SyncPolicy::Bsp || c.local_steps > 1) {
+        if c.backup_workers > 0 && !c.lockstep() {
             bail!(
-                "cluster.backup_workers closes a BSP round without its slowest workers: it needs mode = \"pull\", \
-                 sync = \"bsp\" and local_steps = 1 (this config has {:?}, sync {}, local_steps {})",
-                c.mode,
-                c.sync,
-                c.local_steps
+                "cluster.backup_workers closes a BSP round without its slowest workers: it needs {}",
+                c.lockstep_needs()
             );
         }
+        Ok(())
+    }
+
+    /// DiLoCo: local steps, pushed as a pseudo-gradient that owners apply
+    /// with the outer optimizer.
+    fn validate_local_steps(&self) -> anyhow::Result<()> {
+        let c = &self.cluster;
         if c.local_steps == 0 {
             bail!("cluster.local_steps must be at least 1 (1: no local steps)");
         }
         if c.local_steps > 1 {
-            if c.mode != Mode::Pull || c.sync != SyncPolicy::Bsp {
+            if !c.bsp_rounds() {
                 bail!(
                     "cluster.local_steps = {} (DiLoCo) pushes a pseudo-gradient to owners that apply it in BSP \
                      rounds: it needs mode = \"pull\" and sync = \"bsp\" (this config has {:?} and {})",
@@ -873,6 +921,12 @@ impl NodeConfig {
                 bail!("cluster.outer_lr must be a positive number (got {})", c.outer_lr);
             }
         }
+        Ok(())
+    }
+
+    /// What the pushes and pulls are compressed to.
+    fn validate_compression(&self) -> anyhow::Result<()> {
+        let c = &self.cluster;
         let compressed = c.compression != crate::policy::compress::CompressionConfig::default();
         if compressed && c.mode != Mode::Pull {
             bail!(
@@ -895,15 +949,28 @@ impl NodeConfig {
                 c.local_steps
             );
         }
+        Ok(())
+    }
+
+    /// How updates are shaped and screened: SGD's momentum and the owners'
+    /// gradient norm check.
+    fn validate_gradients(&self) -> anyhow::Result<()> {
         if let Some(m) = self.training.momentum {
             if !(0.0..1.0).contains(&m) || self.training.optimizer != OptimizerKind::Sgd {
                 bail!("training.momentum must be from 0 to below 1, with optimizer = \"sgd\" (got {m})");
             }
         }
-        let k = c.norm_check_factor();
+        let k = self.cluster.norm_check_factor();
         if !(k.is_finite() && (k == 0.0 || k >= 1.0)) {
             bail!("cluster.norm_check must be 0 (off) or a factor of at least 1, got {k}");
         }
+        Ok(())
+    }
+
+    /// This node's own settings: fault injection, its HTTP endpoint, its
+    /// channels and the peers it dials.
+    fn validate_node_local(&self) -> anyhow::Result<()> {
+        let c = &self.cluster;
         c.faults().map_err(|e| anyhow::anyhow!("cluster.{e}"))?;
         self.http.addr()?;
         if c.channel_capacity == 0 {
@@ -927,6 +994,145 @@ impl NodeConfig {
             Some(size) => m.with_gpt_size(size),
             None => m,
         }
+    }
+}
+
+/// What every peer of a run must agree on. Its hash goes in every
+/// heartbeat, and a peer whose hash differs is left out of the view (logged
+/// once as mismatched). Everything else in [`NodeConfig`] is the node's
+/// own: batch size, device, threads, addresses, identity, timeouts,
+/// whether it may own shards, compression, fault injection and where its
+/// files go. `docs/operations.md`, "What peers must agree on", lists the
+/// fields; a test holds the list to this struct.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunAgreement {
+    pub run_id: String,
+    /// The model's shape (from `training.model`, `mlp_hidden`, `gpt` and
+    /// the data set's shape).
+    pub model: ModelConfig,
+    /// `training.dataset`, a text named by its file name only: peers may
+    /// keep it in different folders.
+    pub dataset: String,
+    pub seed: u64,
+    pub steps: u64,
+    /// The optimizer as it runs: `training.optimizer`, `lr` (or its
+    /// default) and `momentum`.
+    pub optimizer: OptimizerConfig,
+    pub lr_decay: LrDecay,
+    pub shards: u32,
+    pub mode: Mode,
+    pub sync: SyncPolicy,
+    pub elastic: bool,
+    pub demote_ratio: f64,
+    pub restore_ratio: f64,
+    pub straggler_min_excess_ms: f64,
+    pub replicas: u32,
+    pub aggregators: Aggregators,
+    pub start_aggregators: u16,
+    pub explore_window_steps: u64,
+    pub explore_idle_share: f64,
+    pub aggregation: crate::policy::robust::Aggregation,
+    /// The norm check's factor in force: `cluster.norm_check`, or its
+    /// default under the sync policy (a config that leaves it out agrees
+    /// with one that writes the default).
+    pub norm_check: f32,
+    pub worker_momentum: f32,
+    pub local_steps: u64,
+    pub outer_lr: f64,
+    pub outer_momentum: f64,
+    pub overlap: bool,
+}
+
+impl RunAgreement {
+    /// What `config` makes its node agree to, for the model it built.
+    pub fn of(config: &NodeConfig, model: &ModelConfig) -> Self {
+        let (t, c) = (&config.training, &config.cluster);
+        Self {
+            run_id: config.run_id.clone(),
+            model: model.clone(),
+            dataset: agreed_dataset(&t.dataset),
+            seed: t.seed,
+            steps: t.steps,
+            optimizer: t.optimizer_config(),
+            lr_decay: t.lr_decay,
+            shards: c.shards,
+            mode: c.mode,
+            sync: c.sync,
+            elastic: c.elastic,
+            demote_ratio: c.demote_ratio,
+            restore_ratio: c.restore_ratio,
+            straggler_min_excess_ms: c.straggler_min_excess_ms,
+            replicas: c.replicas,
+            aggregators: c.aggregators,
+            start_aggregators: c.start_aggregators,
+            explore_window_steps: c.explore_window_steps,
+            explore_idle_share: c.explore_idle_share,
+            aggregation: c.aggregation,
+            norm_check: c.norm_check_factor(),
+            worker_momentum: c.worker_momentum,
+            local_steps: c.local_steps,
+            outer_lr: c.outer_lr,
+            outer_momentum: c.outer_momentum,
+            overlap: c.overlap,
+        }
+    }
+
+    /// The hash peers compare: [`canonical_hash`] of this struct as a JSON
+    /// value.
+    pub fn hash(&self) -> anyhow::Result<u64> {
+        let value = serde_json::to_value(self).context("serialising what peers must agree on")?;
+        Ok(canonical_hash(&value))
+    }
+}
+
+/// A data set as peers compare it: a text by its window and file name.
+fn agreed_dataset(dataset: &DatasetKind) -> String {
+    match dataset {
+        DatasetKind::Text { path, context } => {
+            format!("text@{context}:{}", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default())
+        }
+        other => other.to_string(),
+    }
+}
+
+/// The stable hash of a JSON value's canonical bytes: compact, with every
+/// object's keys sorted, so that equal values hash alike on every peer
+/// whatever order their keys were written in.
+pub fn canonical_hash(value: &serde_json::Value) -> u64 {
+    let mut bytes = Vec::new();
+    canonical_json(value, &mut bytes);
+    shoal_models::rng::stable_hash64(&bytes)
+}
+
+/// Append `value` to `out` as compact JSON with sorted object keys.
+fn canonical_json(value: &serde_json::Value, out: &mut Vec<u8>) {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (key, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(Value::String(key.clone()).to_string().as_bytes());
+                out.push(b':');
+                canonical_json(v, out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                canonical_json(v, out);
+            }
+            out.push(b']');
+        }
+        scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
     }
 }
 
@@ -1017,6 +1223,190 @@ mod tests {
         c.cluster.local_steps = 4;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("backup_workers") && e.contains("local_steps 4"), "{e}");
+    }
+
+    /// A model for the agreement tests (the digits MLP's shape).
+    fn digits_model() -> ModelConfig {
+        let shape = shoal_models::ImageShape { channels: 1, height: 8, width: 8 };
+        ModelConfig::new(ArchKind::Mlp, shape, 10)
+    }
+
+    /// A config that sets most agreed fields away from their defaults, so
+    /// that more of the struct's leaves are exercised.
+    fn unusual_config() -> NodeConfig {
+        let mut c = NodeConfig { run_id: "unusual".into(), ..NodeConfig::default() };
+        c.training.dataset = "text@32:corpus.txt".parse().unwrap_or_default();
+        c.training.optimizer = OptimizerKind::Adamw;
+        c.training.lr_decay = LrDecay::Cosine;
+        c.cluster.sync = SyncPolicy::Ssp { staleness: 2 };
+        c.cluster.aggregators = Aggregators::Fixed(3);
+        c.cluster.norm_check = Some(20.0);
+        c.cluster.overlap = true;
+        c
+    }
+
+    /// Every JSON pointer to a leaf of `value`: a scalar, or an empty array
+    /// or object.
+    fn leaves(value: &serde_json::Value, at: String, out: &mut Vec<String>) {
+        use serde_json::Value;
+        match value {
+            Value::Object(map) if !map.is_empty() => {
+                for (k, v) in map {
+                    leaves(v, format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")), out);
+                }
+            }
+            Value::Array(items) if !items.is_empty() => {
+                for (i, v) in items.iter().enumerate() {
+                    leaves(v, format!("{at}/{i}"), out);
+                }
+            }
+            _ => out.push(at),
+        }
+    }
+
+    /// `leaf` changed to a different value of its kind (or, for null, to
+    /// some value).
+    fn perturb(leaf: &serde_json::Value) -> serde_json::Value {
+        use serde_json::{json, Value};
+        match leaf {
+            Value::Null => json!(true),
+            Value::Bool(b) => json!(!b),
+            Value::String(s) => json!(format!("{s}~")),
+            Value::Number(n) => match (n.as_u64(), n.as_i64(), n.as_f64()) {
+                (Some(u), _, _) => json!(u.checked_add(1).unwrap_or(u64::MAX - 1)),
+                (_, Some(i), _) => json!(i.checked_add(1).unwrap_or(i64::MAX - 1)),
+                (_, _, Some(f)) if f != 0.0 => json!(f * 2.0),
+                _ => json!(1.0),
+            },
+            Value::Array(_) => json!([0]),
+            Value::Object(_) => json!({ "x": 0 }),
+        }
+    }
+
+    #[test]
+    fn changing_any_agreed_field_changes_the_hash() -> anyhow::Result<()> {
+        let text_shape = shoal_models::ImageShape { channels: 1, height: 1, width: 33 };
+        for (config, model) in [
+            (NodeConfig::default(), digits_model()),
+            (unusual_config(), ModelConfig::new(ArchKind::Gpt, text_shape, 256)),
+        ] {
+            let base = serde_json::to_value(RunAgreement::of(&config, &model))?;
+            let base_hash = canonical_hash(&base);
+            let mut paths = Vec::new();
+            leaves(&base, String::new(), &mut paths);
+            let fields = base.as_object().map(|m| m.len()).unwrap_or(0);
+            assert!(paths.len() >= fields && fields >= 26, "{} leaves in {fields} fields", paths.len());
+            for path in paths {
+                let mut changed = base.clone();
+                let leaf = changed.pointer_mut(&path).ok_or_else(|| anyhow::anyhow!("no leaf at {path}"))?;
+                *leaf = perturb(leaf);
+                assert_ne!(changed, base, "{path}: the perturbation changed nothing");
+                assert_ne!(canonical_hash(&changed), base_hash, "changing {path} left the hash as it was");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_agreement_hash_is_the_canonical_hash_of_its_json_value() -> anyhow::Result<()> {
+        for config in [NodeConfig::default(), unusual_config()] {
+            let agreed = RunAgreement::of(&config, &digits_model());
+            assert_eq!(agreed.hash()?, canonical_hash(&serde_json::to_value(&agreed)?));
+        }
+        // The canonical bytes: compact, object keys sorted at every depth.
+        let value = serde_json::json!({ "b": 1, "a": [true, null, { "z": "x\"y", "c": 0.5 }] });
+        let mut bytes = Vec::new();
+        canonical_json(&value, &mut bytes);
+        assert_eq!(String::from_utf8(bytes)?, r#"{"a":[true,null,{"c":0.5,"z":"x\"y"}],"b":1}"#);
+        let want = br#"{"a":[true,null,{"c":0.5,"z":"x\"y"}],"b":1}"#;
+        assert_eq!(canonical_hash(&value), shoal_models::rng::stable_hash64(want));
+        Ok(())
+    }
+
+    #[test]
+    fn node_local_settings_leave_the_hash_alone() -> anyhow::Result<()> {
+        let model = digits_model();
+        let base = RunAgreement::of(&NodeConfig::default(), &model).hash()?;
+        type Set = fn(&mut NodeConfig);
+        let local: [(&str, Set); 24] = [
+            ("name", |c| c.name = Some("n1".into())),
+            ("identity", |c| c.identity = Some("id.key".into())),
+            ("profile", |c| c.profile = Some(Profile::Edge)),
+            ("output", |c| c.output = Some("model.safetensors".into())),
+            ("http.listen", |c| c.http.listen = "127.0.0.1:9464".into()),
+            ("http.control", |c| c.http.control = true),
+            ("checkpoint.dir", |c| c.checkpoint.dir = Some("ckpt".into())),
+            ("checkpoint.every_steps", |c| c.checkpoint.every_steps = 7),
+            ("network.listen", |c| c.network.listen = Vec::new()),
+            ("network.limits", |c| c.network.limits.max_request_bytes /= 2),
+            ("training.batch_size", |c| c.training.batch_size = 64),
+            ("training.threads", |c| c.training.threads = Some(3)),
+            ("training.device", |c| c.training.device = DeviceKind::Cuda(0)),
+            ("training.data_dir", |c| c.training.data_dir = Some("/data".into())),
+            ("training.eval_every", |c| c.training.eval_every = 10),
+            ("cluster.can_aggregate", |c| c.cluster.can_aggregate = false),
+            ("cluster.memory_bytes", |c| c.cluster.memory_bytes = 1 << 30),
+            ("cluster.min_peers", |c| c.cluster.min_peers = 4),
+            ("cluster.heartbeat_ms", |c| c.cluster.heartbeat_ms = 200),
+            ("cluster.request_timeout_ms", |c| c.cluster.request_timeout_ms = 9_000),
+            ("cluster.channel_capacity", |c| c.cluster.channel_capacity = 16),
+            ("cluster.fault_delay_ms", |c| c.cluster.fault_delay_ms = 50),
+            ("cluster.link_mbps", |c| c.cluster.link_mbps = 100.0),
+            ("cluster.compression", |c| c.cluster.compression.push = crate::policy::compress::PushCompression::Bf16),
+        ];
+        for (name, set) in local {
+            let mut config = NodeConfig::default();
+            set(&mut config);
+            assert_ne!(config, NodeConfig::default(), "{name}: the setting was not changed");
+            assert_eq!(RunAgreement::of(&config, &model).hash()?, base, "{name} is node-local but changed the hash");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn derived_agreed_fields_keep_their_meaning() -> anyhow::Result<()> {
+        let model = digits_model();
+        let hash = |set: &dyn Fn(&mut NodeConfig)| {
+            let mut c = NodeConfig::default();
+            set(&mut c);
+            RunAgreement::of(&c, &model).hash()
+        };
+        let text = |s: &str| s.parse::<DatasetKind>().unwrap_or_default();
+        // A text is named by its file name: its folder is the node's own.
+        let here = hash(&|c| c.training.dataset = text("text@32:/home/a/corpus.txt"))?;
+        assert_eq!(here, hash(&|c| c.training.dataset = text("text@32:/srv/b/corpus.txt"))?);
+        assert_ne!(here, hash(&|c| c.training.dataset = text("text@64:/home/a/corpus.txt"))?);
+        assert_ne!(here, hash(&|c| c.training.dataset = text("text@32:/home/a/other.txt"))?);
+        // The norm check agreed is the factor in force: BSP's default of 50
+        // written out is the same agreement.
+        assert_eq!(hash(&|_| {})?, hash(&|c| c.cluster.norm_check = Some(50.0))?);
+        assert_ne!(hash(&|_| {})?, hash(&|c| c.cluster.norm_check = Some(0.0))?);
+        // The learning rate agreed is the one the optimizer runs.
+        assert_eq!(hash(&|_| {})?, hash(&|c| c.training.lr = Some(OptimizerConfig::default_lr(OptimizerKind::Sgd)))?);
+        // The idle share is a field like any other.
+        assert_ne!(hash(&|_| {})?, hash(&|c| c.cluster.explore_idle_share = 0.1)?);
+        Ok(())
+    }
+
+    #[test]
+    fn the_docs_list_exactly_the_agreed_fields() -> anyhow::Result<()> {
+        let docs = include_str!("../../docs/operations.md");
+        let heading = "## What peers must agree on";
+        let section = docs.split_once(heading).map(|(_, rest)| rest).unwrap_or_default();
+        let section = section.split("\n#").next().unwrap_or_default();
+        let listed: Vec<&str> = section
+            .lines()
+            .filter_map(|l| l.strip_prefix("- `"))
+            .filter_map(|l| l.split_once('`').map(|(name, _)| name))
+            .collect();
+        assert!(!listed.is_empty(), "docs/operations.md has no list under `{heading}`");
+        let agreed = serde_json::to_value(RunAgreement::of(&NodeConfig::default(), &digits_model()))?;
+        let fields: std::collections::BTreeSet<&str> =
+            agreed.as_object().map(|m| m.keys().map(String::as_str).collect()).unwrap_or_default();
+        let documented: std::collections::BTreeSet<&str> = listed.iter().copied().collect();
+        assert_eq!(documented.len(), listed.len(), "a field is listed twice: {listed:?}");
+        assert_eq!(documented, fields, "docs/operations.md, `{heading}`, lists other fields than RunAgreement has");
+        Ok(())
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! One Shoal node: builds the actors, forms the roster, trains, lingers
-//! until its peers are done, and reports.
+//! One Shoal node, in five phases: build the actors ([`start`]), then, on
+//! the node task, enter the run (roster, join or resume), elect, train, and
+//! finish (linger until its peers are done, and report).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -7,13 +8,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use shoal_models::rng::stable_hash64;
 use shoal_models::{
     data, Evaluation, ModelConfig, ModelFile, ModelMeta, ShardCheckpoint, ShardDir, ShardOf, ShardPlan,
 };
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
-use shoal_protocol::{build_swarm, Capabilities, Device, Role, RunId, ValidationContext};
+use shoal_protocol::{build_swarm, Capabilities, Device, Heartbeat, ProtocolConfig, Role, RunId, ValidationContext};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -24,9 +24,9 @@ use crate::actors::election::{self, ElectionConfig};
 use crate::actors::join::{donor_count, fetch_model, join_point, owners_cover, start_step, JoinPoint};
 use crate::actors::membership::{self, MembershipConfig};
 use crate::actors::net::{self, NetworkParts};
-use crate::actors::worker::{Routing, Worker};
+use crate::actors::worker::{Ran, Routing, Worker};
 use crate::actors::{status, trainer};
-use crate::config::{Aggregators, Mode, NodeConfig};
+use crate::config::{Aggregators, ClusterConfig, Mode, NodeConfig, RunAgreement};
 use crate::handles::aggregator::{AggregatorHandle, ShardStats};
 use crate::handles::election::ElectionHandle;
 use crate::handles::handoff::ShardState;
@@ -34,7 +34,9 @@ use crate::handles::leave::LeaveSwitch;
 use crate::handles::membership::MembershipHandle;
 use crate::handles::net::{ModelSnapshot, NetworkHandle, Routes};
 use crate::handles::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
+use crate::handles::trainer::TrainerHandle;
 use crate::ops::logging::short;
+use crate::policy::backoff::Backoff;
 use crate::policy::explore::ExplorePolicy;
 use crate::policy::health::ServiceTracker;
 use crate::policy::placement::{owner_shard_bytes, ElectPolicy, Own, Placement};
@@ -147,61 +149,6 @@ impl RunningNode {
     }
 }
 
-/// Hash of everything that must match across a run: model, data, seed,
-/// shards, mode, policy, optimizer, steps. (Batch size may differ per node.)
-pub fn config_hash(cfg: &NodeConfig, model: &shoal_models::ModelConfig) -> u64 {
-    let t = &cfg.training;
-    let c = &cfg.cluster;
-    let key = format!(
-        "{}|{}|{}|{}|{}|{:?}|{}|{}|{}|{:?}|{}|{}|{}|{}",
-        cfg.run_id,
-        serde_json::to_string(model).unwrap_or_default(),
-        // A text is named by its file name: peers may keep it in different folders.
-        match &t.dataset {
-            shoal_models::DatasetKind::Text { path, context } => {
-                format!("text@{context}:{}", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default())
-            }
-            other => other.to_string(),
-        },
-        t.seed,
-        c.shards,
-        c.mode,
-        c.sync,
-        serde_json::to_string(&t.optimizer_config()).unwrap_or_default(),
-        t.steps,
-        t.lr_decay,
-        c.elastic,
-        c.demote_ratio,
-        c.restore_ratio,
-        c.replicas,
-    ) + &format!(
-        "|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
-        c.straggler_min_excess_ms,
-        c.aggregators,
-        c.start_aggregators,
-        c.explore_window_steps,
-        c.aggregation,
-        c.norm_check_factor(),
-        c.worker_momentum,
-        c.local_steps,
-        c.outer_lr,
-        c.outer_momentum,
-        c.overlap
-    ) + &idle_share_key(c.explore_idle_share);
-    stable_hash64(key.as_bytes())
-}
-
-/// The idle share joins the config hash only when it is not the default, so
-/// that the hash of every config that leaves it alone is what it was before
-/// the setting existed (nodes of the previous release still agree).
-fn idle_share_key(share: f64) -> String {
-    if share == crate::policy::explore::ExplorePolicy::default().idle_share {
-        String::new()
-    } else {
-        format!("|idle{share}")
-    }
-}
-
 /// Load an identity file (32-byte ed25519 secret), creating it if missing.
 pub fn load_identity(path: Option<&std::path::Path>) -> anyhow::Result<Keypair> {
     let Some(path) = path else { return Ok(Keypair::generate_ed25519()) };
@@ -229,20 +176,19 @@ pub fn load_identity(path: Option<&std::path::Path>) -> anyhow::Result<Keypair> 
 async fn dial_bootstrap(net: &NetworkHandle, peers: &[Multiaddr], within: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + within;
     let dial = |addr: Multiaddr| async move {
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
         loop {
             let why = match tokio::time::timeout_at(deadline, net.dial(addr.clone())).await {
                 Ok(Ok(peer)) => return Ok(peer),
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => format!("did not answer within {} ms", within.as_millis()),
             };
-            if Instant::now() + backoff >= deadline {
+            let Some(delay) = backoff.next_within(deadline.saturating_duration_since(Instant::now())) else {
                 return Err(format!("bootstrap peer {addr} is unreachable: {why}"));
-            }
-            warn!(%addr, error = %why, retry_in_ms = backoff.as_millis() as u64, "bootstrap dial failed; retrying");
+            };
+            warn!(%addr, error = %why, retry_in_ms = delay.as_millis() as u64, "bootstrap dial failed; retrying");
             // Backoff before the next attempt against a peer outside this process.
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(2));
+            tokio::time::sleep(delay).await;
         }
     };
     let mut dials: futures::stream::FuturesUnordered<_> = peers.iter().cloned().map(dial).collect();
@@ -262,8 +208,10 @@ async fn dial_bootstrap(net: &NetworkHandle, peers: &[Multiaddr], within: Durati
     bail!("no bootstrap peer answered: {}", failures.join("; "))
 }
 
-/// Build every actor, start listening, dial the bootstrap peers, and spawn
-/// the training task. Errors in config, data or bootstrap come back here.
+/// Start a node: build its actors (start listening, dial the bootstrap
+/// peers) and spawn the node task, which enters the run, elects, trains and
+/// finishes ([`Node::drive`]). Errors in config, data or bootstrap come back
+/// here; later ones end the task.
 pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<RunningNode> {
     config.validate()?;
     // The memory this node offers for owning shards, resolved once: its
@@ -271,9 +219,159 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
     if config.cluster.memory_bytes == 0 {
         config.cluster.memory_bytes = crate::ops::memory::available_bytes().unwrap_or(0);
     }
+    let Built { node, listen, http, leave } = build(config, keypair).await?;
+    let (peer_id, name, net) = (node.worker.me, node.name.clone(), node.worker.net.clone());
+    let (status, faults) = (node.worker.status.clone(), node.worker.faults.clone());
+    let progress = node.worker.membership.subscribe_self();
+    let placement_view = node.election.clone();
+    let status_for_task = status.clone();
+    let task = tokio::spawn(async move {
+        let out = node.drive().await;
+        if let Err(e) = &out {
+            warn!(error = %format!("{e:#}"), "node failed");
+        }
+        let mut report = out?;
+        report.status = status_for_task.snapshot().await;
+        Ok(report)
+    });
+    Ok(RunningNode {
+        peer_id,
+        name,
+        listen,
+        net,
+        status,
+        progress,
+        placement: placement_view,
+        task,
+        leave,
+        http,
+        faults,
+    })
+}
+
+/// A node whose actors are built and wired: what its task needs to enter
+/// the run, elect, train and finish.
+struct Node {
+    config: NodeConfig,
+    name: String,
+    worker: Worker,
+    /// Where the network actor sends inbound pushes, pulls and handoffs.
+    routes: watch::Sender<Routes>,
+    aggregator: AggregatorHandle,
+    election: ElectionHandle,
+    /// The election's output, until the election actor takes it (in gossip
+    /// mode it stays here, unused, for the node's life).
+    placement: Option<watch::Sender<Option<Arc<Placement>>>>,
+    /// The parameters the trainer built from the seed.
+    initial: Vec<f32>,
+    model: ModelConfig,
+    /// The checkpoint folder as found at start, until the run's resume
+    /// point is decided.
+    on_disk: Option<(OnDisk, ShardDir)>,
+}
+
+/// What [`build`] hands back: the node for its task, and what the
+/// [`RunningNode`] keeps.
+struct Built {
+    node: Node,
+    listen: Vec<Multiaddr>,
+    http: Option<std::net::SocketAddr>,
+    leave: LeaveSwitch,
+}
+
+/// The trainer thread, the model it holds and the shard plan cut over it.
+struct Training {
+    trainer: TrainerHandle,
+    initial: Vec<f32>,
+    model: ModelConfig,
+    plan: ShardPlan,
+    train_len: usize,
+}
+
+/// The network actor and the channels the other actors share with it.
+struct Network {
+    net: NetworkHandle,
+    /// The `[network]` table under this run's id.
+    proto: ProtocolConfig,
+    faults: Arc<crate::ops::faults::Faults>,
+    /// Validated heartbeats, for membership.
+    heartbeats: mpsc::Receiver<Heartbeat>,
+    routes: watch::Sender<Routes>,
+    snapshot: watch::Sender<ModelSnapshot>,
+}
+
+/// Who this node is in the run: its peer id, and when this start of it
+/// began (a restart with the same identity is a new incarnation).
+struct Identity {
+    run: RunId,
+    me: PeerId,
+    incarnation: u64,
+}
+
+/// The first phase, build the actors: the trainer thread, the network
+/// (listening, and connected to a bootstrap peer), status, the checkpoint
+/// writer, membership (gossiping the hash of what this node agrees to), the
+/// aggregator and the HTTP endpoint, wired through one [`Worker`].
+async fn build(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Built> {
     let run = RunId::new(config.run_id.clone()).map_err(|e| anyhow::anyhow!("run_id: {e}"))?;
-    let t = config.training.clone();
-    let c = config.cluster.clone();
+    let c = &config.cluster;
+    let me = keypair.public().to_peer_id();
+    let name = config.name.clone().unwrap_or_else(|| short(&me));
+    let training = open_trainer(&config, &name).await?;
+    let agreed = RunAgreement::of(&config, &training.model).hash()?;
+    let Network { net, proto, faults, heartbeats, routes, snapshot } =
+        spawn_network(&config, &run, &training, keypair)?;
+    let status = status::spawn(name.clone(), me.to_string(), config.training.steps, c.channel_capacity);
+    let disk = open_checkpoints(&config, &training.model, training.plan.len() as u32, &status, &name).await?;
+    let incarnation =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let id = Identity { run, me, incarnation };
+    let membership = spawn_membership(&config, &id, agreed, disk.as_ref(), &net, heartbeats);
+    let listen = connect(c, &proto, &net).await?;
+    let (placement, election) = ElectionHandle::channel();
+    let aggregator = aggregator::spawn(
+        aggregator_config(&config, &id, &training.plan, &proto, disk.as_ref()),
+        status.clone(),
+        net.clone(),
+        election.subscribe(),
+        snapshot.subscribe(),
+    );
+    gossip_suspects(&aggregator, &membership);
+    info!(peer = %me, %name, ?listen, "node started");
+
+    let (leave_tx, leave_rx) = watch::channel(false);
+    let Training { trainer, initial, model, plan, train_len } = training;
+    let worker = Worker {
+        me,
+        incarnation,
+        config: config.clone(),
+        run: id.run,
+        net: net.clone(),
+        aggregator: aggregator.clone(),
+        trainer,
+        status: status.clone(),
+        plan,
+        train_len,
+        snapshot,
+        membership: membership.clone(),
+        placement: election.subscribe(),
+        service: Arc::new(std::sync::Mutex::new(ServiceTracker::default())),
+        leave: leave_rx,
+        faults: faults.clone(),
+        link: Default::default(),
+    };
+    let leave = LeaveSwitch::new(leave_tx);
+    let http = serve_http(&config, &worker, &leave, &listen).await?;
+    let on_disk = disk.map(|d| (d.found, d.dir));
+    let placement = Some(placement);
+    let node = Node { config, name, worker, routes, aggregator, election, placement, initial, model, on_disk };
+    Ok(Built { node, listen, http, leave })
+}
+
+/// Open the data set, start the trainer thread on the run's model (built
+/// from the seed), and cut that model into the run's shards.
+async fn open_trainer(config: &NodeConfig, name: &str) -> anyhow::Result<Training> {
+    let t = &config.training;
     let device = t.device.open()?;
     let data = {
         let (kind, dir) = (t.dataset.clone(), t.data_dir.clone());
@@ -282,32 +380,36 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
             .context("data loader panicked")?
             .with_context(|| format!("loading data set {}", t.dataset))?
     };
-    let model_cfg = config.model_config(&data.test);
-    let me = keypair.public().to_peer_id();
-    let name = config.name.clone().unwrap_or_else(|| short(&me));
+    let model = config.model_config(&data.test);
     let train_len = data.train_len;
     let (trainer, _thread, initial) = trainer::spawn(
-        model_cfg.clone(),
+        model.clone(),
         t.seed,
         device,
         data,
-        c.channel_capacity,
+        config.cluster.channel_capacity,
         crate::ops::threads::resolve(t.threads, 1),
-        &name,
+        name,
     )?;
-    let plan = ShardPlan::new(initial.len(), c.shards as usize)?;
+    let plan = ShardPlan::new(initial.len(), config.cluster.shards as usize)?;
     check_shard_fits(&plan, &t.optimizer_config(), &config.network.limits)?;
-    let hash = config_hash(&config, &model_cfg);
+    Ok(Training { trainer, initial, model, plan, train_len })
+}
 
+/// Build the swarm and spawn the network actor that polls it; warn when
+/// faults are injected or the node accepts any peer.
+fn spawn_network(config: &NodeConfig, run: &RunId, training: &Training, keypair: Keypair) -> anyhow::Result<Network> {
+    let c = &config.cluster;
+    let plan = &training.plan;
     let mut proto = config.network.clone();
     proto.run_id = run.clone();
     let swarm = build_swarm(&proto, keypair)?;
     let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
         .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
     let faults = Arc::new(c.faults().map_err(|e| anyhow::anyhow!("cluster.{e}"))?);
-    let (hb_tx, hb_rx) = mpsc::channel(c.channel_capacity);
-    let (routes_tx, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
-    let (snap_tx, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(initial.clone()) });
+    let (hb_tx, heartbeats) = mpsc::channel(c.channel_capacity);
+    let (routes, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
+    let (snapshot, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(training.initial.clone()) });
     let net = net::spawn(
         swarm,
         NetworkParts {
@@ -338,18 +440,29 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
              network.admission.allowlist (docs/operations.md#admission-control says how to close it)"
         );
     }
-    let status = status::spawn(name.clone(), me.to_string(), t.steps, c.channel_capacity);
-    let disk = open_checkpoints(&config, &model_cfg, plan.len() as u32, &status, &name).await?;
-    let incarnation =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    Ok(Network { net, proto, faults, heartbeats, routes, snapshot })
+}
+
+/// Spawn the membership actor: it gossips this node's heartbeat (with the
+/// hash of what it agrees to, its capabilities and checkpoint offers) and
+/// keeps the view of its peers.
+fn spawn_membership(
+    config: &NodeConfig,
+    id: &Identity,
+    agreed: u64,
+    disk: Option<&Disk>,
+    net: &NetworkHandle,
+    heartbeats: mpsc::Receiver<Heartbeat>,
+) -> MembershipHandle {
+    let c = &config.cluster;
     let membership = membership::spawn(
         MembershipConfig {
-            run: run.clone(),
-            me,
-            incarnation,
-            config_hash: hash,
+            run: id.run.clone(),
+            me: id.me,
+            incarnation: id.incarnation,
+            config_hash: agreed,
             capabilities: Capabilities {
-                device: device_class(t.device),
+                device: device_class(config.training.device),
                 // At start; the rates are the worker's measurements
                 // (SelfState), filled in as it trains.
                 memory_bytes: c.memory_bytes,
@@ -360,10 +473,10 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
             min_peers: c.min_peers,
             heartbeat: Duration::from_millis(c.heartbeat_ms),
             failure_timeout: Duration::from_millis(c.failure_timeout_ms),
-            checkpoints: disk.as_ref().map(|d| d.offers.clone()).unwrap_or_default(),
+            checkpoints: disk.map(|d| d.offers.clone()).unwrap_or_default(),
         },
         net.clone(),
-        hb_rx,
+        heartbeats,
     );
     // Gossip the configured number of aggregators from the first heartbeat on.
     let initial_aggregators = match c.aggregators {
@@ -372,6 +485,12 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
         Aggregators::Fixed(k) => k,
     };
     membership.set_self(|s| s.pace.aggregators = initial_aggregators);
+    membership
+}
+
+/// Wait for the first listen address (none without listeners), then dial
+/// the bootstrap peers and bootstrap Kademlia through them.
+async fn connect(c: &ClusterConfig, proto: &ProtocolConfig, net: &NetworkHandle) -> anyhow::Result<Vec<Multiaddr>> {
     let listen = if proto.listen.is_empty() {
         Vec::new()
     } else {
@@ -380,36 +499,44 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
             .context("no listen address came up")??
     };
     if !c.bootstrap.is_empty() {
-        dial_bootstrap(&net, &c.bootstrap, Duration::from_millis(c.dial_timeout_ms)).await?;
+        dial_bootstrap(net, &c.bootstrap, Duration::from_millis(c.dial_timeout_ms)).await?;
         net.kad_bootstrap().await?;
     }
-    let (placement_tx, election) = ElectionHandle::channel();
-    let aggregator = aggregator::spawn(
-        AggregatorConfig {
-            me,
-            incarnation,
-            run: run.clone(),
-            policy: config.owner_policy(),
-            optimizer: config.owner_optimizer(),
-            schedule: config.owner_schedule(),
-            robust: crate::policy::robust::Robust { aggregation: c.aggregation, norm_check: c.norm_check_factor() },
-            ranges: plan.shards().iter().map(|s| s.range()).collect(),
-            max_wait: proto.timeouts.response_wait(),
-            replica_every: if c.replicas >= 2 { c.replica_every } else { 0 },
-            handoff_timeout: Duration::from_millis(c.handoff_timeout_ms),
-            transfer_retry: Duration::from_millis(c.heartbeat_ms),
-            round_timeout_ms: c.round_timeout_ms,
-            backup_workers: c.backup_workers as usize,
-            capacity: c.channel_capacity,
-            checkpoint: disk.as_ref().map(|d| d.policy.clone()),
-        },
-        status.clone(),
-        net.clone(),
-        election.subscribe(),
-        snap_tx.subscribe(),
-    );
-    // The owner's suspects go into this node's heartbeat. The task ends
-    // with the aggregator.
+    Ok(listen)
+}
+
+/// How this node's aggregator serves the shards it comes to own.
+fn aggregator_config(
+    config: &NodeConfig,
+    id: &Identity,
+    plan: &ShardPlan,
+    proto: &ProtocolConfig,
+    disk: Option<&Disk>,
+) -> AggregatorConfig {
+    let c = &config.cluster;
+    AggregatorConfig {
+        me: id.me,
+        incarnation: id.incarnation,
+        run: id.run.clone(),
+        policy: config.owner_policy(),
+        optimizer: config.owner_optimizer(),
+        schedule: config.owner_schedule(),
+        robust: crate::policy::robust::Robust { aggregation: c.aggregation, norm_check: c.norm_check_factor() },
+        ranges: plan.shards().iter().map(|s| s.range()).collect(),
+        max_wait: proto.timeouts.response_wait(),
+        replica_every: if c.replicas >= 2 { c.replica_every } else { 0 },
+        handoff_timeout: Duration::from_millis(c.handoff_timeout_ms),
+        transfer_retry: Duration::from_millis(c.heartbeat_ms),
+        round_timeout_ms: c.round_timeout_ms,
+        backup_workers: c.backup_workers as usize,
+        capacity: c.channel_capacity,
+        checkpoint: disk.map(|d| d.policy.clone()),
+    }
+}
+
+/// The owner's suspects go into this node's heartbeat. The task ends with
+/// the aggregator.
+fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle) {
     let mut suspects = aggregator.suspects();
     let gossiped = membership.clone();
     tokio::spawn(async move {
@@ -418,267 +545,263 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
             gossiped.set_self(|s| s.suspects = now);
         }
     });
-    info!(peer = %me, %name, ?listen, "node started");
-
-    let (leave_tx, leave_rx) = watch::channel(false);
-    let worker = Worker {
-        me,
-        incarnation,
-        config: config.clone(),
-        run,
-        net: net.clone(),
-        aggregator: aggregator.clone(),
-        trainer: trainer.clone(),
-        status: status.clone(),
-        plan: plan.clone(),
-        train_len,
-        snapshot: snap_tx,
-        membership: membership.clone(),
-        placement: election.subscribe(),
-        service: Arc::new(std::sync::Mutex::new(ServiceTracker::default())),
-        leave: leave_rx,
-        faults: faults.clone(),
-        old_wire: Default::default(),
-        link: Default::default(),
-    };
-    let leave = LeaveSwitch::new(leave_tx);
-    let http = match config.http.addr()? {
-        None => None,
-        Some(addr) => Some(
-            crate::ops::http::serve(
-                addr,
-                crate::ops::http::HttpState {
-                    status: status.clone(),
-                    membership: membership.clone(),
-                    net: net.clone(),
-                    faults: faults.clone(),
-                    leave: leave.clone(),
-                    listen: listen.clone(),
-                    control: config.http.control,
-                    failure_timeout_ms: c.failure_timeout_ms,
-                },
-            )
-            .await?,
-        ),
-    };
-    let progress = membership.subscribe_self();
-    let placement_view = election.clone();
-    let status_for_task = status.clone();
-    let task_name = name.clone();
-    let task = tokio::spawn(async move {
-        let out = drive(
-            &config,
-            worker,
-            &routes_tx,
-            &aggregator,
-            (placement_tx, election),
-            (initial, model_cfg, disk.map(|d| (d.found, d.dir))),
-            &task_name,
-        )
-        .await;
-        if let Err(e) = &out {
-            warn!(error = %format!("{e:#}"), "node failed");
-        }
-        let mut report = out?;
-        report.status = status_for_task.snapshot().await;
-        Ok(report)
-    });
-    Ok(RunningNode {
-        peer_id: me,
-        name,
-        listen,
-        net,
-        status,
-        progress,
-        placement: placement_view,
-        task,
-        leave,
-        http,
-        faults,
-    })
 }
 
-async fn drive(
+/// Serve the HTTP endpoint, unless `http.listen` turns it off.
+async fn serve_http(
     config: &NodeConfig,
-    worker: Worker,
-    routes: &watch::Sender<Routes>,
-    aggregator: &AggregatorHandle,
-    (placement_tx, election): (watch::Sender<Option<Arc<Placement>>>, ElectionHandle),
-    (initial, model, mut on_disk): (Vec<f32>, ModelConfig, Option<(OnDisk, ShardDir)>),
-    name: &str,
-) -> anyhow::Result<NodeReport> {
-    let c = &config.cluster;
-    let me = worker.me;
-    let membership = &worker.membership;
-    let start_timeout = Duration::from_millis(c.start_timeout_ms);
-    let begin = wait_for_start(
-        membership,
-        c.min_peers,
-        start_timeout,
-        &config.run_id,
-        c.failure_timeout_ms,
-        Duration::from_millis(c.heartbeat_ms),
-        c.shards,
-    )
-    .await?;
-    let mut resumed = None;
-    let (roster, mut routing, params) = match begin {
-        Start::Roster(roster) => {
-            let epoch = roster.hash();
-            membership.set_self(|s| {
-                s.frozen_epoch = Some(epoch);
-                s.role = Role::Worker;
-                s.announce += 1;
-            });
-            routes.send_replace(Routes { aggregator: Some(aggregator.clone()), epoch });
-            let rank = roster.rank_of(&me).context("this node is not in its own roster")?;
-            let routing = Routing {
-                roster: roster.clone(),
-                partition: Some((rank, roster.members.len())),
-                start_step: 0,
-                versions: vec![0; worker.plan.len()],
-            };
-            info!(%name, epoch, members = roster.members.len(), "roster agreed; training starts");
-            // Every member decides, with a checkpoint folder or not: the
-            // members' offers alone fix the resume point. What was read from
-            // the folder is handed over (or dropped) here, not kept all run.
-            resumed = resume_from(config, &worker, aggregator, &roster, on_disk.take()).await?;
-            (roster, routing, initial)
-        }
-        Start::Join(jp) => {
-            join_run(config, &worker, routes, aggregator, jp, name, Instant::now() + start_timeout).await?
-        }
+    worker: &Worker,
+    leave: &LeaveSwitch,
+    listen: &[Multiaddr],
+) -> anyhow::Result<Option<std::net::SocketAddr>> {
+    let Some(addr) = config.http.addr()? else { return Ok(None) };
+    let state = crate::ops::http::HttpState {
+        status: worker.status.clone(),
+        membership: worker.membership.clone(),
+        net: worker.net.clone(),
+        faults: worker.faults.clone(),
+        leave: leave.clone(),
+        listen: listen.to_vec(),
+        control: config.http.control,
+        failure_timeout_ms: config.cluster.failure_timeout_ms,
     };
-    if c.mode == Mode::Pull {
-        if !roster.members.iter().any(|m| m.1) {
-            bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
-        }
-        let health = c.health_policy(worker.plan.total_len(), worker.plan.len());
-        election::start(
-            placement_tx,
-            ElectionConfig {
-                shards: worker.plan.len() as u32,
-                policy: ElectPolicy {
-                    health,
-                    owner_shard_bytes: owner_shard_bytes(
-                        worker.plan.shards().iter().map(|s| s.len() as u64).max().unwrap_or(0),
-                        config.training.optimizer_config().slot_names().len() as u64,
-                    ),
-                },
-                explore: (c.elastic && c.aggregators == Aggregators::Auto).then(|| {
-                    let policy = ExplorePolicy {
-                        window_steps: c.explore_window_steps,
-                        idle_share: c.explore_idle_share,
-                        ..ExplorePolicy::default()
-                    };
-                    (policy, (c.start_aggregators > 0).then_some(c.start_aggregators as usize))
-                }),
-                own: Own {
-                    can_aggregate: c.can_aggregate,
-                    memory_bytes: c.memory_bytes,
-                    device: device_class(config.training.device),
-                },
-                total_steps: config.training.steps,
-                failure_timeout_ms: c.failure_timeout_ms,
-                name: name.to_string(),
-            },
-            membership.clone(),
-            worker.status.clone(),
-        );
-        let mut rx = election.subscribe();
-        tokio::time::timeout(start_timeout, rx.wait_for(Option::is_some))
-            .await
-            .context("no shard placement could be computed")?
-            .map_err(|_| anyhow::anyhow!("the election stopped"))?;
-    } else {
-        worker.status.record(StatusEvent::Role { role: RoleView::Worker, owned: Vec::new() });
-    }
-    worker.status.record(StatusEvent::Peers(roster.members.len()));
-    let params = match &resumed {
-        Some(rp) => {
-            let (fetched, versions) =
-                worker.fetch_model(&rp.versions, start_timeout).await.context("resuming: fetching the model")?;
-            // The first resumed step computes on the resumed model, and
-            // peers (StateSync) and owners (a shard taken over from the
-            // worker copy) see it from now on.
-            let shared = Arc::new(fetched.clone());
-            worker.trainer.set_params(shared.clone()).await?;
-            worker.snapshot.send_replace(ModelSnapshot { version: rp.step, params: shared });
-            aggregator.resume_done().await?;
-            routing.start_step = rp.step;
-            routing.versions = versions;
-            worker.status.record(StatusEvent::Resumed { step: rp.step });
-            membership.set_self(|s| {
-                s.step = rp.step;
-                s.announce += 1;
-            });
-            info!(%name, step = rp.step, "resumed from checkpoints");
-            fetched
-        }
-        None => params,
-    };
+    Ok(Some(crate::ops::http::serve(addr, state).await?))
+}
 
-    let ran = worker.run(&routing, params).await?;
-    // The final state of every shard this node still owns goes to disk.
-    aggregator.flush_checkpoints().await;
-    if ran.left {
-        leave_run(config, &worker, aggregator, &election, ran.steps, name).await;
-    } else {
-        membership.set_self(|s| {
-            s.step = ran.steps;
+/// Where this node enters the run, as the second phase decides it.
+struct Entry {
+    /// The roster training started with (a joiner: the run's nodes and it).
+    roster: Roster,
+    routing: Routing,
+    /// The parameters to start from: the seed's, or a joiner's fetched ones.
+    params: Vec<f32>,
+    /// Where the run resumes from checkpoints (`None`: a fresh start, or a join).
+    resumed: Option<ResumePoint>,
+}
+
+impl Node {
+    /// The node task, after the actors are built: enter the run, elect,
+    /// train, finish.
+    async fn drive(mut self) -> anyhow::Result<NodeReport> {
+        let Entry { roster, routing, params, resumed } = self.enter().await?;
+        self.elect(&roster).await?;
+        let ran = self.train(routing, params, resumed.as_ref()).await?;
+        self.finish(&roster, ran).await
+    }
+
+    /// Enter the run: wait until the roster is agreed, then start with it
+    /// (resuming from the members' checkpoints when they hold some), or,
+    /// when the run started without this node, join it mid-run.
+    async fn enter(&mut self) -> anyhow::Result<Entry> {
+        let c = &self.config.cluster;
+        let start_timeout = Duration::from_millis(c.start_timeout_ms);
+        let begin = wait_for_start(
+            &self.worker.membership,
+            c.min_peers,
+            start_timeout,
+            &self.config.run_id,
+            c.failure_timeout_ms,
+            Duration::from_millis(c.heartbeat_ms),
+            c.shards,
+        )
+        .await?;
+        match begin {
+            Start::Roster(roster) => self.start_with(roster).await,
+            Start::Join(jp) => {
+                let deadline = Instant::now() + start_timeout;
+                let (roster, routing, params) =
+                    join_run(&self.config, &self.worker, &self.routes, &self.aggregator, jp, &self.name, deadline)
+                        .await?;
+                Ok(Entry { roster, routing, params, resumed: None })
+            }
+        }
+    }
+
+    /// The roster is agreed: freeze it as the run's epoch, serve the
+    /// shards' traffic from now on, and decide whether the run resumes.
+    async fn start_with(&mut self, roster: Roster) -> anyhow::Result<Entry> {
+        let epoch = roster.hash();
+        self.worker.membership.set_self(|s| {
+            s.frozen_epoch = Some(epoch);
+            s.role = Role::Worker;
             s.announce += 1;
         });
+        self.routes.send_replace(Routes { aggregator: Some(self.aggregator.clone()), epoch });
+        let rank = roster.rank_of(&self.worker.me).context("this node is not in its own roster")?;
+        let routing = Routing {
+            roster: roster.clone(),
+            partition: Some((rank, roster.members.len())),
+            start_step: 0,
+            versions: vec![0; self.worker.plan.len()],
+        };
+        info!(name = %self.name, epoch, members = roster.members.len(), "roster agreed; training starts");
+        // Every member decides, with a checkpoint folder or not: the
+        // members' offers alone fix the resume point. What was read from
+        // the folder is handed over (or dropped) here, not kept all run.
+        let resumed = resume_from(&self.config, &self.worker, &self.aggregator, &roster, self.on_disk.take()).await?;
+        Ok(Entry { roster, routing, params: std::mem::take(&mut self.initial), resumed })
     }
-    let eval = worker.trainer.evaluate().await?;
-    worker.status.record(StatusEvent::Evaluated(eval));
-    let owned_ids = election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
-    worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
-    let report = NodeReport {
-        peer_id: me,
-        name: name.to_string(),
-        accuracy: eval.accuracy,
-        loss: eval.loss,
-        bits_per_byte: eval.bits_per_byte,
-        steps: ran.steps,
-        left: ran.left,
-        params: ran.params,
-        owned_shards: owned_ids,
-        shard_stats: Vec::new(),
-        roster: roster.peers(),
-        status: None,
-        suspected_by: BTreeMap::new(),
-        peer_capabilities: BTreeMap::new(),
-        model,
-    };
-    // Written before lingering: a node stopped while it waits for its peers
-    // keeps its model.
-    if let Some(path) = &config.output {
-        // A failed write must not stop the node before it serves its peers
-        // and hands its shards over; it is reported loudly instead.
-        match report.write_model(config, path).await {
-            Ok(()) => info!(%name, path = %path.display(), "model written"),
-            Err(e) => warn!(%name, error = %format!("{e:#}"), "the trained model was NOT written"),
+
+    /// Elect: in pull mode, start the election actor and wait for its first
+    /// placement (who owns which shard); gossip mode has no owners.
+    async fn elect(&mut self, roster: &Roster) -> anyhow::Result<()> {
+        let (c, worker) = (&self.config.cluster, &self.worker);
+        if c.mode == Mode::Pull {
+            if !roster.members.iter().any(|m| m.1) {
+                bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
+            }
+            let placement = self.placement.take().context("the election was started twice")?;
+            let health = c.health_policy(worker.plan.total_len(), worker.plan.len());
+            election::start(
+                placement,
+                ElectionConfig {
+                    shards: worker.plan.len() as u32,
+                    policy: ElectPolicy {
+                        health,
+                        owner_shard_bytes: owner_shard_bytes(
+                            worker.plan.shards().iter().map(|s| s.len() as u64).max().unwrap_or(0),
+                            self.config.training.optimizer_config().slot_names().len() as u64,
+                        ),
+                    },
+                    explore: (c.elastic && c.aggregators == Aggregators::Auto).then(|| {
+                        let policy = ExplorePolicy {
+                            window_steps: c.explore_window_steps,
+                            idle_share: c.explore_idle_share,
+                            ..ExplorePolicy::default()
+                        };
+                        (policy, (c.start_aggregators > 0).then_some(c.start_aggregators as usize))
+                    }),
+                    own: Own {
+                        can_aggregate: c.can_aggregate,
+                        memory_bytes: c.memory_bytes,
+                        device: device_class(self.config.training.device),
+                    },
+                    total_steps: self.config.training.steps,
+                    failure_timeout_ms: c.failure_timeout_ms,
+                    name: self.name.clone(),
+                },
+                worker.membership.clone(),
+                worker.status.clone(),
+            );
+            let mut rx = self.election.subscribe();
+            tokio::time::timeout(Duration::from_millis(c.start_timeout_ms), rx.wait_for(Option::is_some))
+                .await
+                .context("no shard placement could be computed")?
+                .map_err(|_| anyhow::anyhow!("the election stopped"))?;
+        } else {
+            worker.status.record(StatusEvent::Role { role: RoleView::Worker, owned: Vec::new() });
         }
+        worker.status.record(StatusEvent::Peers(roster.members.len()));
+        Ok(())
     }
-    if ran.left {
-        info!(%name, accuracy = eval.accuracy, loss = eval.loss, bits_per_byte = eval.bits_per_byte, step = ran.steps, "left the run");
-    } else {
-        info!(%name, accuracy = eval.accuracy, loss = eval.loss, bits_per_byte = eval.bits_per_byte, "training finished; serving until peers finish");
-        // Keep serving: the peers may still need the shards this node owns.
-        let limit = Duration::from_millis(c.linger_ms);
-        if !membership.wait_until_peers_reach(me, ran.steps, c.failure_timeout_ms, limit).await {
-            warn!("stopped lingering: not every peer reported completion in time");
+
+    /// Train: a resumed run first takes its model from the shards' owners;
+    /// then the step loop runs to the last step, or until the node leaves.
+    async fn train(
+        &self,
+        mut routing: Routing,
+        params: Vec<f32>,
+        resumed: Option<&ResumePoint>,
+    ) -> anyhow::Result<Ran> {
+        let params = match resumed {
+            Some(rp) => self.fetch_resumed(rp, &mut routing).await?,
+            None => params,
+        };
+        self.worker.run(&routing, params).await
+    }
+
+    /// Fetch the model at the resume point from the elected owners, and
+    /// start from its step.
+    async fn fetch_resumed(&self, rp: &ResumePoint, routing: &mut Routing) -> anyhow::Result<Vec<f32>> {
+        let worker = &self.worker;
+        let within = Duration::from_millis(self.config.cluster.start_timeout_ms);
+        let (fetched, versions) =
+            worker.fetch_model(&rp.versions, within).await.context("resuming: fetching the model")?;
+        // The first resumed step computes on the resumed model, and
+        // peers (StateSync) and owners (a shard taken over from the
+        // worker copy) see it from now on.
+        let shared = Arc::new(fetched.clone());
+        worker.trainer.set_params(shared.clone()).await?;
+        worker.snapshot.send_replace(ModelSnapshot { version: rp.step, params: shared });
+        self.aggregator.resume_done().await?;
+        routing.start_step = rp.step;
+        routing.versions = versions;
+        worker.status.record(StatusEvent::Resumed { step: rp.step });
+        worker.membership.set_self(|s| {
+            s.step = rp.step;
+            s.announce += 1;
+        });
+        info!(name = %self.name, step = rp.step, "resumed from checkpoints");
+        Ok(fetched)
+    }
+
+    /// Finish: checkpoint what this node owns, leave cleanly or announce
+    /// the last step, evaluate and write the model, then linger while the
+    /// peers may still need this node, and report.
+    async fn finish(&self, roster: &Roster, ran: Ran) -> anyhow::Result<NodeReport> {
+        let (config, worker, name, me) = (&self.config, &self.worker, self.name.as_str(), self.worker.me);
+        // The final state of every shard this node still owns goes to disk.
+        self.aggregator.flush_checkpoints().await;
+        if ran.left {
+            leave_run(config, worker, &self.aggregator, &self.election, ran.steps, name).await;
+        } else {
+            worker.membership.set_self(|s| {
+                s.step = ran.steps;
+                s.announce += 1;
+            });
         }
+        let eval = worker.trainer.evaluate().await?;
+        worker.status.record(StatusEvent::Evaluated(eval));
+        let owned_ids = self.election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
+        worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
+        let report = NodeReport {
+            peer_id: me,
+            name: name.to_string(),
+            accuracy: eval.accuracy,
+            loss: eval.loss,
+            bits_per_byte: eval.bits_per_byte,
+            steps: ran.steps,
+            left: ran.left,
+            params: ran.params,
+            owned_shards: owned_ids,
+            shard_stats: Vec::new(),
+            roster: roster.peers(),
+            status: None,
+            suspected_by: BTreeMap::new(),
+            peer_capabilities: BTreeMap::new(),
+            model: self.model.clone(),
+        };
+        // Written before lingering: a node stopped while it waits for its peers
+        // keeps its model.
+        if let Some(path) = &config.output {
+            // A failed write must not stop the node before it serves its peers
+            // and hands its shards over; it is reported loudly instead.
+            match report.write_model(config, path).await {
+                Ok(()) => info!(%name, path = %path.display(), "model written"),
+                Err(e) => warn!(%name, error = %format!("{e:#}"), "the trained model was NOT written"),
+            }
+        }
+        if ran.left {
+            info!(%name, accuracy = eval.accuracy, loss = eval.loss, bits_per_byte = eval.bits_per_byte, step = ran.steps, "left the run");
+        } else {
+            info!(%name, accuracy = eval.accuracy, loss = eval.loss, bits_per_byte = eval.bits_per_byte, "training finished; serving until peers finish");
+            // Keep serving: the peers may still need the shards this node owns.
+            let c = &config.cluster;
+            let limit = Duration::from_millis(c.linger_ms);
+            if !worker.membership.wait_until_peers_reach(me, ran.steps, c.failure_timeout_ms, limit).await {
+                warn!("stopped lingering: not every peer reported completion in time");
+            }
+        }
+        let mine = self.aggregator.suspects().borrow().clone();
+        let view = worker.membership.snapshot().view;
+        Ok(NodeReport {
+            owned_shards: self.election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
+            shard_stats: self.aggregator.stats().await,
+            suspected_by: view.suspected_by(&mine),
+            peer_capabilities: view.peers.iter().map(|(id, p)| (*id, p.heartbeat.capabilities.clone())).collect(),
+            ..report
+        })
     }
-    let mine = aggregator.suspects().borrow().clone();
-    let view = membership.snapshot().view;
-    Ok(NodeReport {
-        owned_shards: election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
-        shard_stats: aggregator.stats().await,
-        suspected_by: view.suspected_by(&mine),
-        peer_capabilities: view.peers.iter().map(|(id, p)| (*id, p.heartbeat.capabilities.clone())).collect(),
-        ..report
-    })
 }
 
 /// A handoff carries a shard with its optimizer state as f32: it must fit
@@ -739,9 +862,7 @@ async fn join_run(
     // BSP pull: versions count rounds, one per step, so the step the run
     // is at now follows from them (elsewhere they count pushes or outer
     // rounds: the join point's step).
-    let lockstep =
-        config.cluster.mode == Mode::Pull && config.cluster.sync == SyncPolicy::Bsp && config.cluster.local_steps <= 1;
-    let start = if lockstep { start_step(&jp, &fetched.versions) } else { jp.step };
+    let start = if config.cluster.lockstep() { start_step(&jp, &fetched.versions) } else { jp.step };
     if start >= steps {
         bail!(
             "run `{}` finished while this node fetched its model (it is at step {start}); nothing to join",
