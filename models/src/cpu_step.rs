@@ -25,8 +25,8 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
-use crate::layout::ParamLayout;
 use crate::grads::{GradOutput, LayerFactors};
+use crate::layout::ParamLayout;
 
 /// The geometry of a same-padded, stride-1 `k x k` convolution's
 /// unfolding: `[c * k * k, b * h * w]`, row `(ci, ky, kx)`, column

@@ -5,7 +5,10 @@
 //!   of the node outside `policy/`;
 //! - `handles/` imports only `policy/` and other handles;
 //! - an actor imports no other actor, only handles;
-//! - the modules of the crate import each other without a cycle.
+//! - the modules of each crate of the workspace (`node`, `models`,
+//!   `protocol`, `testnet`) import each other without a cycle;
+//! - no function of `node/src` or `testnet/src` runs past
+//!   [`MAX_FUNCTION_LINES`] lines (test modules left out).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -108,10 +111,16 @@ struct Crate {
     graph: BTreeMap<String, BTreeSet<String>>,
 }
 
+/// This crate, `node`.
 fn load() -> Crate {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src");
+    load_crate("node")
+}
+
+/// A crate of the workspace by its folder: `node`, `models`, ...
+fn load_crate(folder: &str) -> Crate {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(folder).join("src");
     let mut paths = Vec::new();
-    rust_files(&src, &mut paths).expect("node/src is readable");
+    rust_files(&src, &mut paths).unwrap_or_else(|e| panic!("{folder}/src is not readable: {e}"));
     let mut files = BTreeMap::new();
     for p in paths {
         let rel = p.strip_prefix(&src).expect("under src").to_path_buf();
@@ -231,14 +240,160 @@ fn find_cycle<'a>(graph: &BTreeMap<&'a str, Vec<&'a str>>) -> Option<Vec<&'a str
     graph.keys().find_map(|m| visit(m, graph, &mut state, &mut Vec::new()))
 }
 
+/// The crates whose modules must import each other without a cycle.
+const CRATES: [&str; 4] = ["node", "models", "protocol", "testnet"];
+
 #[test]
 fn modules_import_each_other_without_a_cycle() {
-    let c = load();
-    let graph: BTreeMap<&str, Vec<&str>> =
-        c.graph.iter().map(|(m, deps)| (m.as_str(), deps.iter().map(String::as_str).collect())).collect();
-    if let Some(cycle) = find_cycle(&graph) {
-        panic!("import cycle: {}", cycle.join(" -> "));
+    for folder in CRATES {
+        let c = load_crate(folder);
+        assert!(c.files.len() > 3, "{folder}/src has only {} files: the test reads the wrong folder", c.files.len());
+        let graph: BTreeMap<&str, Vec<&str>> =
+            c.graph.iter().map(|(m, deps)| (m.as_str(), deps.iter().map(String::as_str).collect())).collect();
+        if let Some(cycle) = find_cycle(&graph) {
+            panic!("import cycle in {folder}/src: {}", cycle.join(" -> "));
+        }
     }
+}
+
+/// The longest a function of `node/src` or `testnet/src` may be, from its
+/// `fn` line to its closing brace: past this, split it into named pieces.
+const MAX_FUNCTION_LINES: usize = 100;
+
+/// `line` with the contents of its string and character literals blanked
+/// (so that a `{` in a string is not a brace) and its `//` comment cut.
+/// `in_string` carries an unclosed `"` string over to the next line; raw
+/// strings with `#`s are taken as plain strings, which is enough for brace
+/// counting.
+fn blank_literals(line: &str, in_string: &mut bool) -> String {
+    let chars: Vec<char> = line.chars().collect();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if *in_string {
+            match c {
+                '\\' => i += 1,
+                '"' => {
+                    *in_string = false;
+                    out.push('"');
+                }
+                _ => {}
+            }
+        } else if c == '"' {
+            *in_string = true;
+            out.push('"');
+        } else if c == '/' && chars.get(i + 1) == Some(&'/') {
+            break;
+        } else if c == '\'' {
+            // A char literal ('x', '\n', '{'), not a lifetime ('a).
+            let end = if chars.get(i + 1) == Some(&'\\') {
+                chars[i + 2..].iter().position(|&c| c == '\'').map(|p| i + 2 + p)
+            } else if chars.get(i + 2) == Some(&'\'') {
+                Some(i + 2)
+            } else {
+                None
+            };
+            match end {
+                Some(e) => {
+                    out.push_str("' '");
+                    i = e;
+                }
+                None => out.push(c),
+            }
+        } else {
+            out.push(c);
+        }
+        i += 1;
+    }
+    out
+}
+
+/// The functions of a source file, test items left out, with their length
+/// in lines, from the `fn` line to the closing brace.
+fn function_lengths(text: &str) -> Vec<(String, usize)> {
+    let mut in_string = false;
+    let blanked: Vec<String> = text.lines().map(|l| blank_literals(l, &mut in_string)).collect();
+    let code = code_of(&blanked.join("\n"));
+    let lines: Vec<&str> = code.lines().collect();
+    let mut out = Vec::new();
+    for (start, line) in lines.iter().enumerate() {
+        let Some(name) = fn_name(line) else { continue };
+        let mut depth = 0i64;
+        let mut opened = false;
+        'scan: for (j, l) in lines[start..].iter().enumerate() {
+            for c in l.chars() {
+                match c {
+                    '{' => {
+                        depth += 1;
+                        opened = true;
+                    }
+                    '}' => depth -= 1,
+                    ';' if !opened && depth == 0 => break 'scan, // a declaration without a body
+                    _ => {}
+                }
+                if opened && depth == 0 {
+                    out.push((name.clone(), j + 1));
+                    break 'scan;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The name of the function declared on `line`, if one is.
+fn fn_name(line: &str) -> Option<String> {
+    let mut words = line.split_whitespace().peekable();
+    while let Some(w) = words.next() {
+        match w {
+            "fn" => {
+                let name = words.next()?;
+                let end = name.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(name.len());
+                return (end > 0).then(|| name[..end].to_string());
+            }
+            "pub" | "async" | "const" | "unsafe" | "extern" | "default" => {}
+            w if w.starts_with("pub(") => {}
+            _ => return None,
+        }
+    }
+    None
+}
+
+#[test]
+fn no_function_is_too_long() {
+    let mut long = Vec::new();
+    for folder in ["node", "testnet"] {
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(folder).join("src");
+        let mut paths = Vec::new();
+        rust_files(&src, &mut paths).unwrap_or_else(|e| panic!("{folder}/src is not readable: {e}"));
+        assert!(paths.len() > 3, "{folder}/src has only {} files: the test reads the wrong folder", paths.len());
+        for path in paths {
+            let text = std::fs::read_to_string(&path).expect("source is UTF-8");
+            for (name, n) in function_lengths(&text) {
+                if n > MAX_FUNCTION_LINES {
+                    let rel = path.strip_prefix(&src).unwrap_or(&path).display().to_string();
+                    long.push(format!("{folder}/src/{rel}: fn {name} has {n} lines"));
+                }
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over {MAX_FUNCTION_LINES} lines (split them into named pieces):\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn function_lengths_are_measured_from_fn_to_its_closing_brace() {
+    let text = "pub(crate) async fn a(x: u32) -> u32 {\n    let s = \"{ not a brace // http://x\";\n    \
+                let c = '{'; // }\n    x\n}\n\
+                trait T {\n    fn decl(&self);\n    fn with_body<'a>(&'a self) {\n        if true { }\n    }\n}\n\
+                fn multi(\n    y: u8,\n) {\n}\n#[cfg(test)]\nmod tests {\n    fn long_test() {\n    }\n}\n";
+    let got = function_lengths(text);
+    let want: Vec<(String, usize)> = vec![("a".into(), 5), ("with_body".into(), 3), ("multi".into(), 4)];
+    assert_eq!(got, want);
 }
 
 #[test]

@@ -1268,9 +1268,7 @@ mod tests {
         let a = FactorBlock { start: 3, rows: 4, cols: 6, left: &la, right: &ra };
         let b = FactorBlock { start: 29, rows: 6, cols: 5, left: &lb, right: &rb };
         // Out of order, overlapping, past the end, wrong factor lengths.
-        let refused = |blocks: &[FactorBlock<'_>], why: &str| {
-            matches!(Payload::encode_factored(&full, blocks), Err(ProtocolError::InvalidTensor(r)) if r.contains(why))
-        };
+        let refused = |blocks: &[FactorBlock<'_>], why: &str| matches!(Payload::encode_factored(&full, blocks), Err(ProtocolError::InvalidTensor(r)) if r.contains(why));
         assert!(refused(&[b, a], "block 1 at 3..27 overlaps another"));
         assert!(refused(&[a, FactorBlock { start: 20, ..b }], "block 1 at 20..50 overlaps another"));
         assert!(refused(&[FactorBlock { start: 40, ..b }], "runs past 60 entries"));

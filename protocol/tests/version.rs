@@ -66,7 +66,9 @@ async fn a_peer_of_another_version_is_refused_and_named() {
         loop {
             let event = match server.select_next_some().await {
                 SwarmEvent::Behaviour(ShoalBehaviourEvent::Identify(identify::Event::Received {
-                    peer_id, info, ..
+                    peer_id,
+                    info,
+                    ..
                 })) => Seen::Identified(peer_id, check_peer_version(&info.protocol_version)),
                 SwarmEvent::Behaviour(ShoalBehaviourEvent::Shard(request_response::Event::Message {
                     peer,

@@ -469,10 +469,8 @@ impl Source<'_> {
         match t {
             None => Ok(DEFAULT_TIME_LIMIT_SECS),
             Some(t) if in_range(*t.get_ref()) => Ok(*t.get_ref()),
-            Some(t) => Err(self.err(
-                t.span(),
-                format!("time_limit_secs = {} must be positive and at most {MAX_SECS}", t.get_ref()),
-            )),
+            Some(t) => Err(self
+                .err(t.span(), format!("time_limit_secs = {} must be positive and at most {MAX_SECS}", t.get_ref()))),
         }
     }
 
@@ -562,10 +560,8 @@ impl Source<'_> {
         let duration = match &e.duration_secs {
             Some(d) if in_range(*d.get_ref()) => *d.get_ref(),
             Some(d) => {
-                return Err(self.err(
-                    d.span(),
-                    format!("duration_secs = {} must be positive and at most {MAX_SECS}", d.get_ref()),
-                ))
+                return Err(self
+                    .err(d.span(), format!("duration_secs = {} must be positive and at most {MAX_SECS}", d.get_ref())))
             }
             None => return Err(self.err(span, "`partition` needs duration_secs".into())),
         };
@@ -658,10 +654,9 @@ impl Source<'_> {
             None => None,
             Some(p) if PROFILES.contains(&p.get_ref().as_str()) => Some(p.get_ref().clone()),
             Some(p) => {
-                return Err(self.err(
-                    p.span(),
-                    format!("profile = \"{}\" is not one of: {}", p.get_ref(), PROFILES.join(", ")),
-                ))
+                return Err(
+                    self.err(p.span(), format!("profile = \"{}\" is not one of: {}", p.get_ref(), PROFILES.join(", ")))
+                )
             }
         };
         let arch = match r.arch.as_ref().map(|a| (a, a.get_ref().as_str())) {
@@ -724,12 +719,7 @@ impl Source<'_> {
     }
 
     /// The `[relay]` table, which `discovery = "relay"` needs and nothing else takes.
-    fn relay(
-        &self,
-        raw: &RawScenario,
-        discovery: Discovery,
-        nodes: usize,
-    ) -> Result<Option<RelaySpec>, ScenarioError> {
+    fn relay(&self, raw: &RawScenario, discovery: Discovery, nodes: usize) -> Result<Option<RelaySpec>, ScenarioError> {
         let r = match (&raw.relay, discovery) {
             (None, Discovery::Relay) => {
                 let span = raw.discovery.as_ref().map_or(0..0, |d| d.span());

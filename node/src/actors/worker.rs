@@ -715,7 +715,13 @@ impl Worker {
     /// `local_steps` steps (and at the last) the pseudo-gradient start - now
     /// goes to the owners, whose outer optimizer applies the round; the new
     /// parameters start the next round. Returns the model version.
-    async fn local_step(&self, run: &mut StepLoop, local: &mut LocalRound, g: &Gradients, step: u64) -> anyhow::Result<u64> {
+    async fn local_step(
+        &self,
+        run: &mut StepLoop,
+        local: &mut LocalRound,
+        g: &Gradients,
+        step: u64,
+    ) -> anyhow::Result<u64> {
         let steps = self.config.training.steps;
         local.opt.set_lr(self.config.training.lr_schedule().lr_at(step))?;
         local.opt.step(&mut run.params, &g.grads)?;

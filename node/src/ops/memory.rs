@@ -36,9 +36,7 @@ fn kib_line(text: &str, key: &str) -> Option<u64> {
 /// the headroom of its cgroup (v2: `memory.max` less `memory.current`)
 /// where a limit is set, as in a container.
 pub fn available_bytes() -> Option<u64> {
-    let machine = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| kib_line(&t, "MemAvailable:"));
+    let machine = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| kib_line(&t, "MemAvailable:"));
     match (machine, cgroup_headroom()) {
         (Some(m), Some(c)) => Some(m.min(c)),
         (m, c) => m.or(c),
