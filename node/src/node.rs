@@ -990,6 +990,16 @@ async fn wait_for_start(
                         mismatched.join(", ")
                     ));
                 }
+                let other: Vec<String> =
+                    snap.view.other_version.iter().map(|(p, v)| format!("{} (version {v})", short(p))).collect();
+                if !other.is_empty() {
+                    msg.push_str(&format!(
+                        "; {} peer(s) speak another wire version than this node's {} and were ignored: {}",
+                        other.len(),
+                        shoal_protocol::WIRE_VERSION,
+                        other.join(", ")
+                    ));
+                }
                 bail!(msg);
             }
         }
