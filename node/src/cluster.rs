@@ -21,7 +21,7 @@ pub struct NodeOverride {
     pub fault_delay_ms: Option<u64>,
     /// Fault injection: this node computes this many times slower.
     pub slowdown: Option<f64>,
-    /// Fault injection: this node's link, Mbit/s each way (`cluster.link_mbps`).
+    /// Fault injection: this node's link, Mbit/s each way (`faults.link_mbps`).
     pub link_mbps: Option<f64>,
     /// Fault injection: this node pushes bad gradients.
     pub byzantine: Option<crate::ops::faults::Byzantine>,
@@ -71,19 +71,19 @@ impl ClusterSpec {
                 c.cluster.can_aggregate = a;
             }
             if let Some(d) = o.fault_delay_ms {
-                c.cluster.fault_delay_ms = d;
+                c.faults.delay_ms = d;
             }
             if let Some(s) = o.slowdown {
-                c.cluster.slowdown = s;
+                c.faults.slowdown = s;
             }
             if let Some(m) = o.link_mbps {
-                c.cluster.link_mbps = m;
+                c.faults.link_mbps = m;
             }
             if let Some(k) = o.compression {
-                c.cluster.compression = k;
+                c.compression = k;
             }
             if let Some(b) = o.byzantine {
-                c.cluster.fault_byzantine = b;
+                c.faults.byzantine = b;
             }
         }
         Ok(c)

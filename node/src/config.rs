@@ -1,8 +1,12 @@
-//! `NodeConfig`: one TOML file, every field overridable by a flag.
+//! `NodeConfig`: one TOML file, a table per concern.
 //!
 //! Every limit and timeout lives here (or in the embedded
-//! [`ProtocolConfig`], the `[network]` table) with a documented default.
-//! See `docs/operations.md` and `testnet/node.example.toml`.
+//! [`ProtocolConfig`], the `[network]` table). The `Default` impls are the
+//! one source of the defaults: `shoal node --print-config` prints them,
+//! and tests hold `docs/operations.md` and `testnet/node.example.toml` to
+//! them. The flags of `shoal node` each set one key (`cmd::node::FLAGS`);
+//! keys that moved to their own tables are refused by name
+//! ([`MOVED_KEYS`]).
 
 use std::path::{Path, PathBuf};
 
@@ -109,39 +113,39 @@ impl std::fmt::Display for Aggregators {
 #[serde(default, deny_unknown_fields)]
 pub struct TrainingConfig {
     /// `mlp`, `cnn` or `gpt` (a transformer language model; needs a
-    /// `text:PATH` data set). Default `mlp`.
+    /// `text:PATH` data set).
     pub model: ArchKind,
-    /// MLP hidden widths. Default `[256, 128]`.
+    /// MLP hidden widths; none: `[256, 128]`.
     pub mlp_hidden: Option<Vec<usize>>,
-    /// GPT size: `{ layers, heads, width }`. Default 4 layers, 4 heads,
-    /// width 128 (its context is the text data set's).
+    /// GPT size: `{ layers, heads, width }`; none: `GptSize::default()`
+    /// (its context is the text data set's).
     pub gpt: Option<GptSize>,
     /// `digits` (embedded), `fashion-mnist`, or `text:PATH` / `text@N:PATH`
-    /// (a UTF-8 file, in windows of 64 or N bytes). Default `digits`.
+    /// (a UTF-8 file, in windows of 64 or N bytes).
     pub dataset: DatasetKind,
-    /// Where to look for Fashion-MNIST. Default: ./data, then /usr/share/datasets.
+    /// Where to look for Fashion-MNIST; none: ./data, then /usr/share/datasets.
     pub data_dir: Option<PathBuf>,
-    /// Samples per step on this node (nodes may differ). Default 32.
+    /// Samples per step on this node (nodes may differ).
     pub batch_size: usize,
-    /// `sgd` or `adamw`. Default `sgd` (momentum 0.9, Nesterov).
+    /// `sgd` (momentum 0.9, Nesterov) or `adamw`.
     pub optimizer: OptimizerKind,
-    /// Learning rate. Default: 0.05 for sgd, 2e-3 for adamw.
+    /// Learning rate; none: `OptimizerConfig::default_lr` of the optimizer.
     pub lr: Option<f64>,
-    /// SGD momentum (Nesterov while above 0), from 0 to below 1. Default
-    /// 0.9. Only with `optimizer = "sgd"`.
+    /// SGD momentum (Nesterov while above 0), from 0 to below 1; none: the
+    /// optimizer's own. Only with `optimizer = "sgd"`.
     pub momentum: Option<f64>,
     /// `none` or `cosine` (from `lr` down to `lr / 100` over `steps`; in
-    /// pull mode the shard owners follow it by the shard's version). Default `none`.
+    /// pull mode the shard owners follow it by the shard's version).
     pub lr_decay: LrDecay,
-    /// Seed of weight init and data order; must match across the run. Default 42.
+    /// Seed of weight init and data order; must match across the run.
     pub seed: u64,
-    /// Training steps each worker takes. Default 300.
+    /// Training steps each worker takes.
     pub steps: u64,
-    /// Evaluate on the test set every this many steps (0: only at the end). Default 0.
+    /// Evaluate on the test set every this many steps (0: only at the end).
     pub eval_every: u64,
-    /// `cpu`, `cuda[:N]` or `metal[:N]`. Default `cpu`.
+    /// `cpu`, `cuda[:N]` or `metal[:N]`.
     pub device: DeviceKind,
-    /// Threads for this node's tensor work. Default: the host's cores
+    /// Threads for this node's tensor work; none: the host's cores
     /// divided by the nodes that this process or testnet starts on it.
     pub threads: Option<usize>,
 }
@@ -188,147 +192,85 @@ impl TrainingConfig {
     }
 }
 
-/// How the cluster forms and synchronises.
+/// How the cluster forms, notices failures and talks: the roster, the
+/// shards, heartbeats and the timeouts built on them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClusterConfig {
-    /// `pull` (shard owners) or `gossip`. Default `pull`.
+    /// `pull` (shard owners) or `gossip` (no owners; see the `[gossip]`
+    /// table).
     pub mode: Mode,
-    /// `bsp`, `ssp:N`, `dssp:LO-HI` or `asp`. Default `bsp`.
-    pub sync: SyncPolicy,
     /// Training starts once this many nodes (this one included) agree on the
-    /// roster. Default 1.
+    /// roster.
     pub min_peers: usize,
-    /// Number of shards the model is cut into. Default 8.
+    /// Number of shards the model is cut into.
     pub shards: u32,
-    /// Whether this node may own shards. Default true.
+    /// Whether this node may own shards.
     pub can_aggregate: bool,
     /// The memory this node offers for owning shards, bytes, gossiped in
     /// its heartbeats (`capabilities.memory_bytes`). The election gives an
-    /// owner no more shards than fit in it (`policy::placement`). 0 (the
-    /// default): what the machine (or its container's cgroup) had left
-    /// when the node started.
+    /// owner no more shards than fit in it (`policy::placement`). 0: what
+    /// the machine (or its container's cgroup) had left when the node
+    /// started.
     pub memory_bytes: u64,
     /// Multiaddrs (with `/p2p/<peer id>`) to dial at start.
     pub bootstrap: Vec<Multiaddr>,
-    /// Heartbeat period. Default 300 ms.
+    /// Heartbeat period, ms.
     pub heartbeat_ms: u64,
-    /// A peer silent this long is considered failed. Default 5000 ms.
+    /// A peer silent this long (ms) is considered failed.
     pub failure_timeout_ms: u64,
-    /// Give up (non-zero exit) if the roster has not formed by then. Default 60000 ms.
+    /// Give up (non-zero exit) if the roster has not formed by then (ms).
     pub start_timeout_ms: u64,
-    /// How long to keep dialling the bootstrap peers (each failed dial is
-    /// retried with backoff; one that answers is enough). Default 10000 ms.
+    /// How long (ms) to keep dialling the bootstrap peers (each failed dial
+    /// is retried with backoff; one that answers is enough).
     pub dial_timeout_ms: u64,
-    /// Gossip mode: average with a random peer every this many steps. Default 5.
-    pub gossip_every: u64,
-    /// Total deadline of one push or pull, retries included; past it the node
-    /// fails with an error naming the shard and owner. Default 30000 ms.
+    /// Total deadline (ms) of one push or pull, retries included; past it
+    /// the node fails with an error naming the shard and owner.
     pub request_timeout_ms: u64,
     /// After finishing, keep serving shards until every roster peer has
-    /// finished or this long has passed. Default 60000 ms.
+    /// finished or this long (ms) has passed.
     pub linger_ms: u64,
-    /// Capacity of every actor's command channel. Default 256.
+    /// Capacity of every actor's command channel.
     pub channel_capacity: usize,
-    /// Elastic roles: demote slow shard owners and move their shards.
-    /// `false` keeps the assignment fixed except for failures. Default true.
-    pub elastic: bool,
-    /// Demote an owner whose median service time is this many times the
-    /// cluster's norm. Default 3.0.
-    pub demote_ratio: f64,
-    /// A demoted owner may own shards again once within this ratio of the
-    /// norm (hysteresis). Default 1.5.
-    pub restore_ratio: f64,
-    /// ... and is also slower than the norm by at least this many ms per
-    /// push (a floor against scheduling noise on fast links). Default 5.
-    pub straggler_min_excess_ms: f64,
-    /// How many nodes own shards: `"auto"` (explore, as in PSLD), `"all"`
-    /// (every capable node) or a count. Default `"auto"`.
-    pub aggregators: Aggregators,
-    /// With `aggregators = "auto"`: how many to start from; 0 starts from
-    /// every capable node. Default 0.
-    pub start_aggregators: u16,
-    /// With `aggregators = "auto"`: steps per measurement window (the first
-    /// decision comes after a quarter of one); a change of the number of
-    /// aggregators is judged one settled window later. Default 60.
-    pub explore_window_steps: u64,
-    /// With `aggregators = "auto"`: an aggregator is removed (in a trial)
-    /// when the median share of step time spent exchanging shards is at
-    /// most this, from 0 up to (not including) 0.5, the share at which one
-    /// is added. Default 0.05.
-    pub explore_idle_share: f64,
-    /// Workers forget an owner's service time after this many steps without
-    /// pushing to it, so a demoted owner gets another try. Default 100.
-    pub service_forget_steps: u64,
     /// Send each remote owner one `PushPull` per shard and step (the push
     /// and its pull in one exchange); `false` sends a `PushGrad` and a
-    /// `PullShard`. Default true.
+    /// `PullShard`.
     pub push_pull: bool,
     /// With `push_pull`: send each remote owner of two or more shards one
     /// `PushPullMany` per step carrying all of them, instead of one
-    /// `PushPull` per shard. Default true.
+    /// `PushPull` per shard.
     pub push_pull_many: bool,
-    /// Copies of each shard: 2 keeps a replica on the next rendezvous choice;
-    /// 1 keeps none. Default 2.
-    pub replicas: u32,
-    /// Send the replica every this many versions: the most versions a
-    /// single failure can lose. Default 4.
-    pub replica_every: u64,
-    /// How long a new owner waits for a live old owner's transfer before it
-    /// restores the shard from a replica. Default 5000 ms.
-    pub handoff_timeout_ms: u64,
-    /// BSP: a round that has waited this long for its last gradients is
-    /// applied with the ones it has; the missing workers catch up. Must be
-    /// below `request_timeout_ms`. Default 10000 ms.
-    pub round_timeout_ms: u64,
-    /// Fault injection for tests and benchmarks: answer every push and pull
-    /// this node serves as an owner this many ms late. Default 0.
-    pub fault_delay_ms: u64,
-    /// Fault injection: stretch every gradient computation to this many
-    /// times its length (a slow machine). Default 1.0 (none).
-    pub slowdown: f64,
-    /// Fault injection: send the shard states this node serves as an owner
-    /// over an emulated link of this many Mbit/s, one after another (a slow
-    /// uplink). Default 0 (none).
-    pub fault_serve_mbps: f64,
-    /// Link emulation for tests and benchmarks: this node's link to its
-    /// peers runs at this many Mbit/s in each direction (pushes and served
-    /// answers queue on the way out, pulled and pushed tensors on the way
-    /// in). Default 0 (none).
-    pub link_mbps: f64,
-    /// Link emulation: one-way latency added to every message this node
-    /// sends, in ms. Default 0.
-    pub link_latency_ms: f64,
-    /// How a shard owner combines a BSP round's gradients: `mean`,
-    /// `trimmed_mean:F`, `median` or `centered_clip:TAU` (see
-    /// `policy::robust`). The robust rules need `sync = "bsp"`. Default
-    /// `mean`.
-    pub aggregation: crate::policy::robust::Aggregation,
-    /// Owners reject a gradient whose L2 norm exceeds this many times the
-    /// median norm of its round (BSP) or of the last 16 accepted pushes
-    /// (SSP, DSSP, ASP; after the shard's first 64 pushes). 0 turns the check
-    /// off. Default: 50 under BSP and off under the other policies: single
-    /// honest batch gradients late in training exceeded 20x the median of
-    /// their round or window, and a tighter K dropped them.
-    pub norm_check: Option<f32>,
-    /// Each worker pushes the moving average of its gradients,
-    /// `m = b * m + (1 - b) * g`, instead of the raw gradient: with `b` near
-    /// 0.9 the honest pushes vary far less, so the robust rules tell them
-    /// from a bad peer's (Karimireddy, He and Jaggi, 2021). Pull mode only;
-    /// pair it with `training.momentum = 0` and a learning rate about
-    /// `1 / (1 - b)` times larger. Default 0 (raw gradients).
-    pub worker_momentum: f32,
-    /// Fault injection for robustness tests: this node's pushed gradients
-    /// are `none` (honest), `scale:F` (multiplied by F), `sign_flip`
-    /// (negated) or `random` (random values with the honest norm).
-    /// Default `none`.
-    pub fault_byzantine: crate::ops::faults::Byzantine,
-    /// What this node sends: `push = "none" | "bf16" | "int8" |
-    /// "topk:FRACTION"` for its gradients (the lossy ones with error
-    /// feedback), `pull = "none" | "bf16"` for the parameters it pulls.
-    /// Each node chooses its own; owners accept any. Pull mode only.
-    /// Default `none` for both.
-    pub compression: crate::policy::compress::CompressionConfig,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Pull,
+            min_peers: 1,
+            shards: 8,
+            can_aggregate: true,
+            memory_bytes: 0,
+            bootstrap: Vec::new(),
+            heartbeat_ms: 300,
+            failure_timeout_ms: 5_000,
+            start_timeout_ms: 60_000,
+            dial_timeout_ms: 10_000,
+            request_timeout_ms: 30_000,
+            linger_ms: 60_000,
+            channel_capacity: 256,
+            push_pull: true,
+            push_pull_many: true,
+        }
+    }
+}
+
+/// How the workers' steps line up: the sync policy and what a BSP round
+/// may do about its slow workers (the `[sync]` table).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SyncConfig {
+    /// `bsp`, `ssp:N`, `dssp:LO-HI` or `asp`.
+    pub policy: SyncPolicy,
     /// Overlap communication with compute: a worker computes step t+1's
     /// gradients on the parameters it has while step t's pushes and pulls
     /// are on the wire, so a step costs about max(compute, communication)
@@ -336,60 +278,119 @@ pub struct ClusterConfig {
     /// owners' clock bound is one lower to keep the policy's bound on the
     /// parameters a worker computes on (`SyncPolicy::pipelined`). Needs
     /// `ssp:N` with N >= 1, `dssp:LO-HI` with LO >= 1, or `asp`: under BSP
-    /// the next forward pass needs every shard's new version. Default false.
+    /// the next forward pass needs every shard's new version.
     pub overlap: bool,
+    /// BSP: a round that has waited this long (ms) for its last gradients
+    /// is applied with the ones it has; the missing workers catch up. Must
+    /// be below `cluster.request_timeout_ms`.
+    pub round_timeout_ms: u64,
+    /// Backup workers (Chen et al., "Revisiting distributed synchronous
+    /// SGD"): a BSP round is applied as soon as all but this many of its
+    /// workers have pushed, so the slowest `backup_workers` never hold a
+    /// round back. A push that arrives after its round was applied is
+    /// dropped (its samples are counted in `/status` as `dropped_samples`),
+    /// and that worker skips ahead to the round in progress. Needs lockstep
+    /// rounds (pull mode, BSP, no `[local_steps]`); a round always waits
+    /// for at least one push. 0: every round waits for every worker.
+    pub backup_workers: u32,
     /// A slow worker under BSP trains on a smaller batch, sized so that its
     /// step computes in about the time the other workers' steps take (their
     /// step time less communication, from heartbeats), instead of holding
     /// every round back; owners weigh its gradient by its samples. Only a
     /// worker at least 2x slower than the others shrinks, to at least a
-    /// sixteenth of `training.batch_size` (`policy::fit`). Needs
-    /// `mode = "pull"`, `sync = "bsp"` and `local_steps = 1`. Default false.
+    /// sixteenth of `training.batch_size` (`policy::fit`). Needs lockstep
+    /// rounds (pull mode, BSP, no `[local_steps]`).
     pub fit_batch: bool,
     /// With `fit_batch`: the workers that keep their full batch take on the
     /// samples the fitted ones shed, spread evenly (each from the rest of
     /// its own partition's epoch, at most twice its batch), so a round still
     /// holds the configured global batch (`policy::fit::rebalanced`).
     /// Workers gossip the share of their batch they trained on
-    /// (`Pace::batch_permille`). Default true; false: the fitted worker's
-    /// shortfall is simply lost from each round.
+    /// (`Pace::batch_permille`). false: the fitted worker's shortfall is
+    /// simply lost from each round.
     pub fit_rebalance: bool,
-    /// Backup workers (Chen et al., "Revisiting distributed synchronous
-    /// SGD"): a BSP round is applied as soon as all but this many of its
-    /// workers have pushed, so the slowest `backup_workers` never hold a
-    /// round back. A push that arrives after its round was applied is
-    /// dropped (its samples are counted in `/status` as `dropped_samples`),
-    /// and that worker skips ahead to the round in progress. Needs
-    /// `mode = "pull"`, `sync = "bsp"` and `local_steps = 1`; a round always
-    /// waits for at least one push. Default 0: every round waits for every
-    /// worker.
-    pub backup_workers: u32,
-    /// DiLoCo: each worker takes this many local steps with its own
-    /// optimizer (`training.optimizer`, AdamW in DiLoCo) before it pushes
-    /// the pseudo-gradient (its parameters at the start of the H steps
-    /// minus its parameters now); the owners apply it with an outer
-    /// Nesterov SGD (`outer_lr`, `outer_momentum`). 1: every step pushes
-    /// its gradient (no local steps). Needs `mode = "pull"` and
-    /// `sync = "bsp"`. Default 1.
-    pub local_steps: u64,
-    /// With `local_steps` > 1: the owners' outer learning rate. Default 0.7
-    /// (DiLoCo's).
-    pub outer_lr: f64,
-    /// With `local_steps` > 1: the owners' outer Nesterov momentum. Default
-    /// 0.9 (DiLoCo's).
-    pub outer_momentum: f64,
 }
 
-impl ClusterConfig {
-    /// The fault injections and the emulated link this config sets, or what
-    /// is wrong with them (named by key).
-    pub fn faults(&self) -> Result<crate::ops::faults::Faults, String> {
-        let f = crate::ops::faults::Faults::new(self.fault_delay_ms, self.slowdown)?;
-        f.set_serve_mbps(self.fault_serve_mbps)?;
-        f.set_link(self.link_mbps, self.link_latency_ms)?;
-        Ok(f)
+impl Default for SyncConfig {
+    fn default() -> Self {
+        Self {
+            policy: SyncPolicy::Bsp,
+            overlap: false,
+            round_timeout_ms: 10_000,
+            backup_workers: 0,
+            fit_batch: false,
+            fit_rebalance: true,
+        }
     }
+}
 
+/// Elastic roles: who owns shards, how slow owners are told apart, how many
+/// owners there are, and how shards are kept safe while they move (the
+/// `[roles]` table).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolesConfig {
+    /// Demote slow shard owners and move their shards. `false` keeps the
+    /// assignment fixed except for failures.
+    pub elastic: bool,
+    /// Demote an owner whose median service time is this many times the
+    /// cluster's norm.
+    pub demote_ratio: f64,
+    /// A demoted owner may own shards again once within this ratio of the
+    /// norm (hysteresis).
+    pub restore_ratio: f64,
+    /// ... and is also slower than the norm by at least this many ms per
+    /// push (a floor against scheduling noise on fast links).
+    pub straggler_min_excess_ms: f64,
+    /// How many nodes own shards: `"auto"` (explore, as in PSLD), `"all"`
+    /// (every capable node) or a count.
+    pub aggregators: Aggregators,
+    /// With `aggregators = "auto"`: how many to start from; 0 starts from
+    /// every capable node.
+    pub start_aggregators: u16,
+    /// With `aggregators = "auto"`: steps per measurement window (the first
+    /// decision comes after a quarter of one); a change of the number of
+    /// aggregators is judged one settled window later.
+    pub explore_window_steps: u64,
+    /// With `aggregators = "auto"`: an aggregator is removed (in a trial)
+    /// when the median share of step time spent exchanging shards is at
+    /// most this, from 0 up to (not including) 0.5, the share at which one
+    /// is added.
+    pub explore_idle_share: f64,
+    /// Workers forget an owner's service time after this many steps without
+    /// pushing to it, so a demoted owner gets another try.
+    pub service_forget_steps: u64,
+    /// Copies of each shard: 2 keeps a replica on the next rendezvous choice;
+    /// 1 keeps none.
+    pub replicas: u32,
+    /// Send the replica every this many versions: the most versions a
+    /// single failure can lose.
+    pub replica_every: u64,
+    /// How long (ms) a new owner waits for a live old owner's transfer
+    /// before it restores the shard from a replica.
+    pub handoff_timeout_ms: u64,
+}
+
+impl Default for RolesConfig {
+    fn default() -> Self {
+        Self {
+            elastic: true,
+            demote_ratio: 3.0,
+            restore_ratio: 1.5,
+            straggler_min_excess_ms: 5.0,
+            aggregators: Aggregators::Auto,
+            start_aggregators: 0,
+            explore_window_steps: 60,
+            explore_idle_share: crate::policy::explore::ExplorePolicy::default().idle_share,
+            service_forget_steps: 100,
+            replicas: 2,
+            replica_every: 4,
+            handoff_timeout_ms: 5_000,
+        }
+    }
+}
+
+impl RolesConfig {
     /// The straggler detector's thresholds for a model of `params` values
     /// in `shards` shards: the floor `straggler_min_excess_ms` is per push,
     /// reports are per MiB of the mean shard, and gossiped compute rates by
@@ -413,85 +414,143 @@ impl ClusterConfig {
             min_excess_micros_per_step: self.straggler_min_excess_ms * 1e3,
         }
     }
+}
 
-    /// The norm check's factor K in force (0: off): `norm_check`, or 50
-    /// under BSP and off under the other policies.
-    pub fn norm_check_factor(&self) -> f32 {
-        self.norm_check.unwrap_or(if self.sync == SyncPolicy::Bsp { 50.0 } else { 0.0 })
-    }
+/// How shard owners combine and screen what workers push, and what the
+/// workers push (the `[aggregation]` table; docs/operations.md#bad-peers).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AggregationConfig {
+    /// How a shard owner combines a BSP round's gradients: `mean`,
+    /// `trimmed_mean:F`, `median` or `centered_clip:TAU` (see
+    /// `policy::robust`). The robust rules need `sync.policy = "bsp"`.
+    pub rule: crate::policy::robust::Aggregation,
+    /// Owners reject a gradient whose L2 norm exceeds this many times the
+    /// median norm of its round (BSP) or of the last 16 accepted pushes
+    /// (SSP, DSSP, ASP; after the shard's first 64 pushes). 0 turns the check
+    /// off. Left out: 50 under BSP and off under the other policies: single
+    /// honest batch gradients late in training exceeded 20x the median of
+    /// their round or window, and a tighter K dropped them.
+    pub norm_check: Option<f32>,
+    /// Each worker pushes the moving average of its gradients,
+    /// `m = b * m + (1 - b) * g`, instead of the raw gradient: with `b` near
+    /// 0.9 the honest pushes vary far less, so the robust rules tell them
+    /// from a bad peer's (Karimireddy, He and Jaggi, 2021). Pull mode only;
+    /// pair it with `training.momentum = 0` and a learning rate about
+    /// `1 / (1 - b)` times larger. 0: raw gradients.
+    pub worker_momentum: f32,
+}
 
-    /// Owners apply BSP rounds: pull mode under `sync = "bsp"`.
-    pub fn bsp_rounds(&self) -> bool {
-        self.mode == Mode::Pull && self.sync == SyncPolicy::Bsp
-    }
-
-    /// BSP rounds of one step each (no local steps): every worker takes
-    /// each step together, and a shard's version counts the steps taken.
-    pub fn lockstep(&self) -> bool {
-        self.bsp_rounds() && self.local_steps <= 1
-    }
-
-    /// What a setting that needs [`Self::lockstep`] says it needs, with what
-    /// this config has instead.
-    fn lockstep_needs(&self) -> String {
-        format!(
-            "mode = \"pull\", sync = \"bsp\" and local_steps = 1 (this config has {:?}, sync {}, local_steps {})",
-            self.mode, self.sync, self.local_steps
-        )
+impl Default for AggregationConfig {
+    fn default() -> Self {
+        Self { rule: crate::policy::robust::Aggregation::Mean, norm_check: None, worker_momentum: 0.0 }
     }
 }
 
-impl Default for ClusterConfig {
+/// DiLoCo (the `[local_steps]` table; without it every step pushes its
+/// gradient): each worker takes `steps` local steps with its own optimizer
+/// (`training.optimizer`, AdamW in DiLoCo) before it pushes the
+/// pseudo-gradient (its parameters at the start of the round minus its
+/// parameters now); the owners apply it with an outer Nesterov SGD. Needs
+/// pull mode and `sync.policy = "bsp"`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalStepsConfig {
+    /// Local steps per round (H), at least 2.
+    pub steps: u64,
+    /// The owners' outer learning rate (DiLoCo's is 0.7).
+    #[serde(default = "LocalStepsConfig::default_outer_lr")]
+    pub outer_lr: f64,
+    /// The owners' outer Nesterov momentum (DiLoCo's is 0.9).
+    #[serde(default = "LocalStepsConfig::default_outer_momentum")]
+    pub outer_momentum: f64,
+}
+
+impl LocalStepsConfig {
+    /// Local steps per round as the `--local-steps H` flag gives them: none
+    /// for H <= 1 (every step pushes its gradient), else H steps with
+    /// DiLoCo's outer optimizer.
+    pub fn per_round(steps: u64) -> Option<Self> {
+        (steps > 1).then(|| Self::every(steps))
+    }
+
+    /// `steps` local steps per round with DiLoCo's outer optimizer.
+    pub fn every(steps: u64) -> Self {
+        Self { steps, outer_lr: Self::default_outer_lr(), outer_momentum: Self::default_outer_momentum() }
+    }
+
+    fn default_outer_lr() -> f64 {
+        0.7
+    }
+
+    fn default_outer_momentum() -> f64 {
+        0.9
+    }
+}
+
+/// Gossip mode's own settings (the `[gossip]` table, only with
+/// `cluster.mode = "gossip"`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GossipConfig {
+    /// Average with a random peer every this many steps.
+    pub every: u64,
+}
+
+impl Default for GossipConfig {
+    fn default() -> Self {
+        Self { every: 5 }
+    }
+}
+
+/// Fault injection and link emulation, for tests and benchmarks (the
+/// `[faults]` table). None of it is on unless set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultsConfig {
+    /// Answer every push and pull this node serves as an owner this many ms
+    /// late.
+    pub delay_ms: u64,
+    /// Stretch every gradient computation to this many times its length (a
+    /// slow machine). 1.0: none.
+    pub slowdown: f64,
+    /// Send the shard states this node serves as an owner over an emulated
+    /// link of this many Mbit/s, one after another (a slow uplink). 0: none.
+    pub serve_mbps: f64,
+    /// This node's pushed gradients are `none` (honest), `scale:F`
+    /// (multiplied by F), `sign_flip` (negated) or `random` (random values
+    /// with the honest norm).
+    pub byzantine: crate::ops::faults::Byzantine,
+    /// Link emulation: this node's link to its peers runs at this many
+    /// Mbit/s in each direction (pushes and served answers queue on the way
+    /// out, pulled and pushed tensors on the way in). 0: none.
+    pub link_mbps: f64,
+    /// Link emulation: one-way latency added to every message this node
+    /// sends, in ms.
+    pub link_latency_ms: f64,
+}
+
+impl Default for FaultsConfig {
     fn default() -> Self {
         Self {
-            mode: Mode::Pull,
-            sync: SyncPolicy::Bsp,
-            min_peers: 1,
-            shards: 8,
-            can_aggregate: true,
-            memory_bytes: 0,
-            bootstrap: Vec::new(),
-            heartbeat_ms: 300,
-            failure_timeout_ms: 5_000,
-            start_timeout_ms: 60_000,
-            dial_timeout_ms: 10_000,
-            gossip_every: 5,
-            request_timeout_ms: 30_000,
-            linger_ms: 60_000,
-            channel_capacity: 256,
-            elastic: true,
-            demote_ratio: 3.0,
-            restore_ratio: 1.5,
-            straggler_min_excess_ms: 5.0,
-            aggregators: Aggregators::Auto,
-            start_aggregators: 0,
-            explore_window_steps: 60,
-            explore_idle_share: crate::policy::explore::ExplorePolicy::default().idle_share,
-            service_forget_steps: 100,
-            replicas: 2,
-            push_pull: true,
-            push_pull_many: true,
-            replica_every: 4,
-            handoff_timeout_ms: 5_000,
-            round_timeout_ms: 10_000,
-            fault_delay_ms: 0,
+            delay_ms: 0,
             slowdown: 1.0,
-            fault_serve_mbps: 0.0,
+            serve_mbps: 0.0,
+            byzantine: crate::ops::faults::Byzantine::None,
             link_mbps: 0.0,
             link_latency_ms: 0.0,
-            aggregation: crate::policy::robust::Aggregation::Mean,
-            norm_check: None,
-            worker_momentum: 0.0,
-            fault_byzantine: crate::ops::faults::Byzantine::None,
-            compression: Default::default(),
-            overlap: false,
-            fit_batch: false,
-            fit_rebalance: true,
-            backup_workers: 0,
-            local_steps: 1,
-            outer_lr: 0.7,
-            outer_momentum: 0.9,
         }
+    }
+}
+
+impl FaultsConfig {
+    /// The fault injections and the emulated link this table sets, or what
+    /// is wrong with them (named by key).
+    pub fn faults(&self) -> Result<crate::ops::faults::Faults, String> {
+        let f = crate::ops::faults::Faults::new(self.delay_ms, self.slowdown)?;
+        f.set_serve_mbps(self.serve_mbps)?;
+        f.set_link(self.link_mbps, self.link_latency_ms)?;
+        Ok(f)
     }
 }
 
@@ -539,17 +598,34 @@ max_pending_incoming = 8
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NodeConfig {
-    /// A preset under this file's settings (`edge`). Default none.
+    /// A preset under this file's settings (`edge`).
     pub profile: Option<Profile>,
-    /// Name of the run; nodes of different runs ignore each other. Default `default`.
+    /// Name of the run; nodes of different runs ignore each other.
     pub run_id: String,
     /// A node name for logs and status (default: the last 6 characters of the peer id).
     pub name: Option<String>,
     /// Ed25519 identity: a file holding a 32-byte secret (created if missing).
-    /// Default: a fresh identity per start.
+    /// None: a fresh identity per start.
     pub identity: Option<PathBuf>,
     pub training: TrainingConfig,
     pub cluster: ClusterConfig,
+    /// The sync policy and what BSP rounds do about slow workers.
+    pub sync: SyncConfig,
+    /// Elastic roles: demotion, the number of owners, replicas, handoffs.
+    pub roles: RolesConfig,
+    /// How owners combine and screen pushes (robust aggregation).
+    pub aggregation: AggregationConfig,
+    /// What this node sends: `push = "none" | "bf16" | "int8" |
+    /// "topk:FRACTION" | "sfb"` for its gradients (the lossy ones with
+    /// error feedback), `pull = "none" | "bf16"` for the parameters it
+    /// pulls. Each node chooses its own; owners accept any. Pull mode only.
+    pub compression: crate::policy::compress::CompressionConfig,
+    /// DiLoCo's local steps; none: every step pushes its gradient.
+    pub local_steps: Option<LocalStepsConfig>,
+    /// Gossip mode's settings; only with `cluster.mode = "gossip"`.
+    pub gossip: Option<GossipConfig>,
+    /// Fault injection and link emulation (testnets and benchmarks).
+    pub faults: FaultsConfig,
     /// Transports, limits, timeouts, discovery and admission (see `docs/protocol.md`).
     /// Its `run_id` is ignored: the top-level `run_id` is used.
     pub network: ProtocolConfig,
@@ -559,7 +635,7 @@ pub struct NodeConfig {
     pub checkpoint: CheckpointConfig,
     /// Write the trained model here when the node finishes or leaves: one
     /// safetensors file under the model's own layer names (see
-    /// `docs/operations.md`). Default: none.
+    /// `docs/operations.md`).
     pub output: Option<PathBuf>,
 }
 
@@ -568,15 +644,14 @@ pub struct NodeConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointConfig {
-    /// This node's checkpoint folder; none: no checkpoints. Default none.
+    /// This node's checkpoint folder; none: no checkpoints.
     pub dir: Option<PathBuf>,
     /// Write an owned shard at every version that is a multiple of this.
-    /// Default 50.
     pub every_steps: u64,
     /// Also write an owned shard that changed when this many seconds passed
-    /// since its last write (0: never). Default 300.
+    /// since its last write (0: never).
     pub every_secs: u64,
-    /// Files kept per shard (the newest). Default 2.
+    /// Files kept per shard (the newest).
     pub keep: usize,
 }
 
@@ -590,11 +665,11 @@ impl Default for CheckpointConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpConfig {
-    /// `host:port` to serve on, or `off`. Default `127.0.0.1:0` (loopback,
-    /// a free port; the address is printed at start).
+    /// `host:port` to serve on, or `off`; port 0 is a free port (the
+    /// address is printed at start).
     pub listen: String,
     /// Serve `POST /control/...` (fault injection, connection blocks, leave).
-    /// For testnets only: anyone who can reach the port can use it. Default false.
+    /// For testnets only: anyone who can reach the port can use it.
     pub control: bool,
 }
 
@@ -626,6 +701,13 @@ impl Default for NodeConfig {
             identity: None,
             training: TrainingConfig::default(),
             cluster: ClusterConfig::default(),
+            sync: SyncConfig::default(),
+            roles: RolesConfig::default(),
+            aggregation: AggregationConfig::default(),
+            compression: Default::default(),
+            local_steps: None,
+            gossip: None,
+            faults: FaultsConfig::default(),
             network: ProtocolConfig::default(),
             http: HttpConfig::default(),
             output: None,
@@ -656,6 +738,7 @@ impl NodeConfig {
 
     /// Parse a config's TOML text with a profile under it (see [`Self::load`]).
     pub fn from_toml(text: &str, profile: Option<Profile>) -> anyhow::Result<Self> {
+        refuse_moved_keys(&toml::from_str::<toml::Table>(text)?)?;
         // Parsed on its own first, so that errors point at the file's lines.
         let mine: NodeConfig = toml::from_str(text)?;
         let Some(profile) = profile.or(mine.profile) else { return Ok(mine) };
@@ -665,44 +748,80 @@ impl NodeConfig {
         Ok(merged.try_into()?)
     }
 
-    /// The policy shard owners enforce: the run's, or with
-    /// `cluster.overlap` the pipelined one (a clock bound one lower).
+    /// The policy shard owners enforce: the run's, or with `sync.overlap`
+    /// the pipelined one (a clock bound one lower).
     pub fn owner_policy(&self) -> SyncPolicy {
-        if self.cluster.overlap {
-            self.cluster.sync.pipelined().unwrap_or(self.cluster.sync)
+        let policy = self.sync.policy;
+        if self.sync.overlap {
+            policy.pipelined().unwrap_or(policy)
         } else {
-            self.cluster.sync
+            policy
         }
     }
 
-    /// DiLoCo's outer optimizer: Nesterov SGD at `cluster.outer_lr` and
-    /// `cluster.outer_momentum`.
-    pub fn outer_optimizer(&self) -> OptimizerConfig {
-        OptimizerConfig::Sgd {
-            lr: self.cluster.outer_lr,
-            momentum: self.cluster.outer_momentum,
+    /// Local steps per round: `local_steps.steps`, or 1 (every step pushes
+    /// its gradient) without a `[local_steps]` table.
+    pub fn steps_per_round(&self) -> u64 {
+        self.local_steps.map_or(1, |l| l.steps)
+    }
+
+    /// Gossip mode's settings in force: the `[gossip]` table or its defaults.
+    pub fn gossip(&self) -> GossipConfig {
+        self.gossip.unwrap_or_default()
+    }
+
+    /// The norm check's factor K in force (0: off): `aggregation.norm_check`,
+    /// or 50 under BSP and off under the other policies.
+    pub fn norm_check_factor(&self) -> f32 {
+        self.aggregation.norm_check.unwrap_or(if self.sync.policy == SyncPolicy::Bsp { 50.0 } else { 0.0 })
+    }
+
+    /// Owners apply BSP rounds: pull mode under `sync.policy = "bsp"`.
+    pub fn bsp_rounds(&self) -> bool {
+        self.cluster.mode == Mode::Pull && self.sync.policy == SyncPolicy::Bsp
+    }
+
+    /// BSP rounds of one step each (no local steps): every worker takes
+    /// each step together, and a shard's version counts the steps taken.
+    pub fn lockstep(&self) -> bool {
+        self.bsp_rounds() && self.local_steps.is_none()
+    }
+
+    /// What a setting that needs [`Self::lockstep`] says it needs, with what
+    /// this config has instead.
+    fn lockstep_needs(&self) -> String {
+        format!(
+            "cluster.mode = \"pull\", sync.policy = \"bsp\" and no [local_steps] table (this config has {:?}, \
+             sync {}, local_steps {})",
+            self.cluster.mode,
+            self.sync.policy,
+            self.steps_per_round()
+        )
+    }
+
+    /// DiLoCo's outer optimizer: Nesterov SGD at `local_steps.outer_lr` and
+    /// `local_steps.outer_momentum`, or none without local steps.
+    pub fn outer_optimizer(&self) -> Option<OptimizerConfig> {
+        self.local_steps.map(|l| OptimizerConfig::Sgd {
+            lr: l.outer_lr,
+            momentum: l.outer_momentum,
             nesterov: true,
             weight_decay: 0.0,
-        }
+        })
     }
 
     /// The optimizer shard owners run: the training optimizer, or with
     /// local steps the outer optimizer (the workers run the training one).
     pub fn owner_optimizer(&self) -> OptimizerConfig {
-        if self.cluster.local_steps > 1 {
-            self.outer_optimizer()
-        } else {
-            self.training.optimizer_config()
-        }
+        self.outer_optimizer().unwrap_or_else(|| self.training.optimizer_config())
     }
 
     /// The owners' learning-rate schedule (by shard version): the run's, or
     /// with local steps the outer rate, constant.
     pub fn owner_schedule(&self) -> LrSchedule {
-        if self.cluster.local_steps > 1 {
-            LrSchedule { base: self.cluster.outer_lr, decay: LrDecay::None, steps: self.training.steps }
-        } else {
-            self.training.lr_schedule()
+        match self.local_steps {
+            Some(l) => LrSchedule { base: l.outer_lr, decay: LrDecay::None, steps: self.training.steps },
+            None => self.training.lr_schedule(),
         }
     }
 
@@ -792,8 +911,12 @@ impl NodeConfig {
                 c.heartbeat_ms
             );
         }
-        if c.mode == Mode::Gossip && c.gossip_every == 0 {
-            bail!("cluster.gossip_every must be at least 1 in gossip mode");
+        match (c.mode, self.gossip) {
+            (Mode::Pull, Some(_)) => {
+                bail!("the [gossip] table applies only with cluster.mode = \"gossip\" (this config has pull mode)")
+            }
+            (Mode::Gossip, _) if self.gossip().every == 0 => bail!("gossip.every must be at least 1"),
+            _ => {}
         }
         Ok(())
     }
@@ -801,96 +924,96 @@ impl NodeConfig {
     /// Who owns shards: demotion and restoration, the exploration of the
     /// number of aggregators, replicas and handoffs.
     fn validate_roles(&self) -> anyhow::Result<()> {
-        let c = &self.cluster;
-        if !(c.demote_ratio.is_finite() && c.restore_ratio.is_finite() && 1.0 < c.restore_ratio)
-            || c.restore_ratio > c.demote_ratio
+        let r = &self.roles;
+        if !(r.demote_ratio.is_finite() && r.restore_ratio.is_finite() && 1.0 < r.restore_ratio)
+            || r.restore_ratio > r.demote_ratio
         {
             bail!(
-                "cluster.restore_ratio ({}) must be above 1 and at most cluster.demote_ratio ({})",
-                c.restore_ratio,
-                c.demote_ratio
+                "roles.restore_ratio ({}) must be above 1 and at most roles.demote_ratio ({})",
+                r.restore_ratio,
+                r.demote_ratio
             );
         }
-        if !(c.straggler_min_excess_ms.is_finite() && c.straggler_min_excess_ms >= 0.0) {
-            bail!("cluster.straggler_min_excess_ms must be a non-negative number");
+        if !(r.straggler_min_excess_ms.is_finite() && r.straggler_min_excess_ms >= 0.0) {
+            bail!("roles.straggler_min_excess_ms must be a non-negative number");
         }
         let dominate = crate::policy::explore::ExplorePolicy::default().dominate_share;
-        if !(0.0..dominate).contains(&c.explore_idle_share) {
+        if !(0.0..dominate).contains(&r.explore_idle_share) {
             bail!(
-                "cluster.explore_idle_share must be at least 0 and below {dominate} (the share at which an aggregator \
+                "roles.explore_idle_share must be at least 0 and below {dominate} (the share at which an aggregator \
                  is added), got {}",
-                c.explore_idle_share
+                r.explore_idle_share
             );
         }
-        if c.explore_window_steps == 0 {
-            bail!("cluster.explore_window_steps must be at least 1");
+        if r.explore_window_steps == 0 {
+            bail!("roles.explore_window_steps must be at least 1");
         }
-        if c.start_aggregators > 0 && c.aggregators != Aggregators::Auto {
-            bail!(
-                "cluster.start_aggregators applies only with cluster.aggregators = \"auto\" (it is {})",
-                c.aggregators
-            );
+        if r.start_aggregators > 0 && r.aggregators != Aggregators::Auto {
+            bail!("roles.start_aggregators applies only with roles.aggregators = \"auto\" (it is {})", r.aggregators);
         }
-        if !(1..=2).contains(&c.replicas) {
-            bail!("cluster.replicas must be 1 (no replica) or 2 (one backup), got {}", c.replicas);
+        if !(1..=2).contains(&r.replicas) {
+            bail!("roles.replicas must be 1 (no replica) or 2 (one backup), got {}", r.replicas);
         }
-        if c.replicas == 2 && c.replica_every == 0 {
-            bail!("cluster.replica_every must be at least 1 when cluster.replicas = 2");
+        if r.replicas == 2 && r.replica_every == 0 {
+            bail!("roles.replica_every must be at least 1 when roles.replicas = 2");
         }
-        if c.round_timeout_ms == 0 || c.round_timeout_ms >= c.request_timeout_ms {
-            bail!(
-                "cluster.round_timeout_ms ({}) must be positive and below cluster.request_timeout_ms ({})",
-                c.round_timeout_ms,
-                c.request_timeout_ms
-            );
-        }
-        if c.handoff_timeout_ms == 0 {
-            bail!("cluster.handoff_timeout_ms must be positive");
+        if r.handoff_timeout_ms == 0 {
+            bail!("roles.handoff_timeout_ms must be positive");
         }
         Ok(())
     }
 
     /// What each exchange of a step may do, and the sync policy and rounds
-    /// each needs: robust aggregation, worker momentum, overlap, fitted
-    /// batches and backup workers.
+    /// each needs: the round timeout, robust aggregation, worker momentum,
+    /// overlap, fitted batches and backup workers.
     fn validate_rounds(&self) -> anyhow::Result<()> {
-        let c = &self.cluster;
-        if c.aggregation.is_robust() && !c.bsp_rounds() {
+        let (s, a) = (&self.sync, &self.aggregation);
+        if s.round_timeout_ms == 0 || s.round_timeout_ms >= self.cluster.request_timeout_ms {
             bail!(
-                "cluster.aggregation = \"{}\" combines the gradients of a BSP round: it needs mode = \"pull\" and \
-                 sync = \"bsp\" (this config has {:?} and {}). With other policies, use \"mean\" and the norm check.",
-                c.aggregation,
-                c.mode,
-                c.sync
+                "sync.round_timeout_ms ({}) must be positive and below cluster.request_timeout_ms ({})",
+                s.round_timeout_ms,
+                self.cluster.request_timeout_ms
             );
         }
-        if !(0.0..1.0).contains(&c.worker_momentum) || (c.worker_momentum > 0.0 && c.mode != Mode::Pull) {
+        if a.rule.is_robust() && !self.bsp_rounds() {
             bail!(
-                "cluster.worker_momentum must be from 0 to below 1, and only in pull mode (got {})",
-                c.worker_momentum
+                "aggregation.rule = \"{}\" combines the gradients of a BSP round: it needs cluster.mode = \"pull\" \
+                 and sync.policy = \"bsp\" (this config has {:?} and {}). With other policies, use \"mean\" and \
+                 the norm check.",
+                a.rule,
+                self.cluster.mode,
+                s.policy
             );
         }
-        if c.overlap && (c.mode != Mode::Pull || c.local_steps > 1 || c.sync.pipelined().is_none()) {
+        if !(0.0..1.0).contains(&a.worker_momentum) || (a.worker_momentum > 0.0 && self.cluster.mode != Mode::Pull) {
             bail!(
-                "cluster.overlap computes the next step while this one's exchange is on the wire, one step staler: \
-                 it needs mode = \"pull\", no local steps, and sync = \"ssp:N\" with N >= 1, \"dssp:LO-HI\" with \
-                 LO >= 1, or \"asp\" (this config has {:?}, local_steps {}, sync {}; under bsp the next forward \
-                 pass needs every shard's new version)",
-                c.mode,
-                c.local_steps,
-                c.sync
+                "aggregation.worker_momentum must be from 0 to below 1, and only in pull mode (got {})",
+                a.worker_momentum
             );
         }
-        if c.fit_batch && !c.lockstep() {
+        if s.overlap
+            && (self.cluster.mode != Mode::Pull || self.local_steps.is_some() || s.policy.pipelined().is_none())
+        {
             bail!(
-                "cluster.fit_batch sizes a slow worker's batch to the pace of BSP rounds: it needs {}",
-                c.lockstep_needs()
+                "sync.overlap computes the next step while this one's exchange is on the wire, one step staler: \
+                 it needs cluster.mode = \"pull\", no local steps, and sync.policy = \"ssp:N\" with N >= 1, \
+                 \"dssp:LO-HI\" with LO >= 1, or \"asp\" (this config has {:?}, local_steps {}, sync {}; under \
+                 bsp the next forward pass needs every shard's new version)",
+                self.cluster.mode,
+                self.steps_per_round(),
+                s.policy
             );
         }
-        if c.backup_workers > 0 && !c.lockstep() {
+        if s.fit_batch && !self.lockstep() {
             bail!(
-                "cluster.backup_workers closes a BSP round without its slowest workers: it needs {}",
-                c.lockstep_needs()
+                "sync.fit_batch sizes a slow worker's batch to the pace of BSP rounds: it needs {}",
+                self.lockstep_needs()
+            );
+        }
+        if s.backup_workers > 0 && !self.lockstep() {
+            bail!(
+                "sync.backup_workers closes a BSP round without its slowest workers: it needs {}",
+                self.lockstep_needs()
             );
         }
         Ok(())
@@ -899,54 +1022,55 @@ impl NodeConfig {
     /// DiLoCo: local steps, pushed as a pseudo-gradient that owners apply
     /// with the outer optimizer.
     fn validate_local_steps(&self) -> anyhow::Result<()> {
-        let c = &self.cluster;
-        if c.local_steps == 0 {
-            bail!("cluster.local_steps must be at least 1 (1: no local steps)");
+        let (Some(l), Some(outer)) = (self.local_steps, self.outer_optimizer()) else { return Ok(()) };
+        if l.steps < 2 {
+            bail!("local_steps.steps must be at least 2 (got {}); leave the [local_steps] table out for none", l.steps);
         }
-        if c.local_steps > 1 {
-            if !c.bsp_rounds() {
-                bail!(
-                    "cluster.local_steps = {} (DiLoCo) pushes a pseudo-gradient to owners that apply it in BSP \
-                     rounds: it needs mode = \"pull\" and sync = \"bsp\" (this config has {:?} and {})",
-                    c.local_steps,
-                    c.mode,
-                    c.sync
-                );
-            }
-            if c.worker_momentum > 0.0 {
-                bail!("cluster.worker_momentum applies to gradients pushed every step: leave it 0 with cluster.local_steps > 1");
-            }
-            self.outer_optimizer().validate()?;
-            if !(c.outer_lr.is_finite() && c.outer_lr > 0.0) {
-                bail!("cluster.outer_lr must be a positive number (got {})", c.outer_lr);
-            }
+        if !self.bsp_rounds() {
+            bail!(
+                "local_steps.steps = {} (DiLoCo) pushes a pseudo-gradient to owners that apply it in BSP \
+                 rounds: it needs cluster.mode = \"pull\" and sync.policy = \"bsp\" (this config has {:?} and {})",
+                l.steps,
+                self.cluster.mode,
+                self.sync.policy
+            );
+        }
+        if self.aggregation.worker_momentum > 0.0 {
+            bail!(
+                "aggregation.worker_momentum applies to gradients pushed every step: leave it 0 with a \
+                 [local_steps] table"
+            );
+        }
+        outer.validate()?;
+        if !(l.outer_lr.is_finite() && l.outer_lr > 0.0) {
+            bail!("local_steps.outer_lr must be a positive number (got {})", l.outer_lr);
         }
         Ok(())
     }
 
     /// What the pushes and pulls are compressed to.
     fn validate_compression(&self) -> anyhow::Result<()> {
-        let c = &self.cluster;
-        let compressed = c.compression != crate::policy::compress::CompressionConfig::default();
-        if compressed && c.mode != Mode::Pull {
+        let c = &self.compression;
+        let compressed = *c != crate::policy::compress::CompressionConfig::default();
+        if compressed && self.cluster.mode != Mode::Pull {
             bail!(
-                "cluster.compression (push = \"{}\", pull = \"{}\") applies to pushes and pulls: it needs \
-                 mode = \"pull\" (gossip mode exchanges whole f32 models)",
-                c.compression.push,
-                c.compression.pull
+                "compression (push = \"{}\", pull = \"{}\") applies to pushes and pulls: it needs \
+                 cluster.mode = \"pull\" (gossip mode exchanges whole f32 models)",
+                c.push,
+                c.pull
             );
         }
-        if c.compression.push == crate::policy::compress::PushCompression::Sfb
-            && (c.worker_momentum > 0.0
-                || c.local_steps > 1
-                || c.fault_byzantine != crate::ops::faults::Byzantine::None)
+        if c.push == crate::policy::compress::PushCompression::Sfb
+            && (self.aggregation.worker_momentum > 0.0
+                || self.local_steps.is_some()
+                || self.faults.byzantine != crate::ops::faults::Byzantine::None)
         {
             bail!(
-                "cluster.compression.push = \"sfb\" sends each step's own gradient as the factors of its batch: \
+                "compression.push = \"sfb\" sends each step's own gradient as the factors of its batch: \
                  it cannot carry worker momentum, DiLoCo's pseudo-gradients or a byzantine fault's altered \
                  gradient (this config has worker_momentum {}, local_steps {})",
-                c.worker_momentum,
-                c.local_steps
+                self.aggregation.worker_momentum,
+                self.steps_per_round()
             );
         }
         Ok(())
@@ -960,9 +1084,9 @@ impl NodeConfig {
                 bail!("training.momentum must be from 0 to below 1, with optimizer = \"sgd\" (got {m})");
             }
         }
-        let k = self.cluster.norm_check_factor();
+        let k = self.norm_check_factor();
         if !(k.is_finite() && (k == 0.0 || k >= 1.0)) {
-            bail!("cluster.norm_check must be 0 (off) or a factor of at least 1, got {k}");
+            bail!("aggregation.norm_check must be 0 (off) or a factor of at least 1, got {k}");
         }
         Ok(())
     }
@@ -971,7 +1095,7 @@ impl NodeConfig {
     /// channels and the peers it dials.
     fn validate_node_local(&self) -> anyhow::Result<()> {
         let c = &self.cluster;
-        c.faults().map_err(|e| anyhow::anyhow!("cluster.{e}"))?;
+        self.faults.faults().map_err(|e| anyhow::anyhow!("faults.{e}"))?;
         self.http.addr()?;
         if c.channel_capacity == 0 {
             bail!("cluster.channel_capacity must be at least 1");
@@ -995,6 +1119,66 @@ impl NodeConfig {
             None => m,
         }
     }
+}
+
+/// The keys that moved when the config was split by concern: each old
+/// path with its new one. A file that still writes an old key is refused
+/// with a message naming the new place (never read silently as a default);
+/// `docs/operations.md`, "Config keys that moved", lists this table, and a
+/// test holds the two together.
+pub const MOVED_KEYS: &[(&str, &str)] = &[
+    ("cluster.sync", "sync.policy"),
+    ("cluster.overlap", "sync.overlap"),
+    ("cluster.round_timeout_ms", "sync.round_timeout_ms"),
+    ("cluster.backup_workers", "sync.backup_workers"),
+    ("cluster.fit_batch", "sync.fit_batch"),
+    ("cluster.fit_rebalance", "sync.fit_rebalance"),
+    ("cluster.gossip_every", "gossip.every"),
+    ("cluster.elastic", "roles.elastic"),
+    ("cluster.demote_ratio", "roles.demote_ratio"),
+    ("cluster.restore_ratio", "roles.restore_ratio"),
+    ("cluster.straggler_min_excess_ms", "roles.straggler_min_excess_ms"),
+    ("cluster.aggregators", "roles.aggregators"),
+    ("cluster.start_aggregators", "roles.start_aggregators"),
+    ("cluster.explore_window_steps", "roles.explore_window_steps"),
+    ("cluster.explore_idle_share", "roles.explore_idle_share"),
+    ("cluster.service_forget_steps", "roles.service_forget_steps"),
+    ("cluster.replicas", "roles.replicas"),
+    ("cluster.replica_every", "roles.replica_every"),
+    ("cluster.handoff_timeout_ms", "roles.handoff_timeout_ms"),
+    ("cluster.aggregation", "aggregation.rule"),
+    ("cluster.norm_check", "aggregation.norm_check"),
+    ("cluster.worker_momentum", "aggregation.worker_momentum"),
+    ("cluster.compression", "compression"),
+    ("cluster.local_steps", "local_steps.steps"),
+    ("cluster.outer_lr", "local_steps.outer_lr"),
+    ("cluster.outer_momentum", "local_steps.outer_momentum"),
+    ("cluster.fault_delay_ms", "faults.delay_ms"),
+    ("cluster.slowdown", "faults.slowdown"),
+    ("cluster.fault_serve_mbps", "faults.serve_mbps"),
+    ("cluster.fault_byzantine", "faults.byzantine"),
+    ("cluster.link_mbps", "faults.link_mbps"),
+    ("cluster.link_latency_ms", "faults.link_latency_ms"),
+];
+
+/// Refuse a config whose TOML still writes a key of [`MOVED_KEYS`], naming
+/// every such key and where it went.
+fn refuse_moved_keys(table: &toml::Table) -> anyhow::Result<()> {
+    let written = |path: &str| {
+        let mut parts = path.split('.');
+        let first = parts.next().and_then(|k| table.get(k));
+        parts.try_fold(first, |at, key| Some(at?.as_table()?.get(key))).flatten().is_some()
+    };
+    let moved: Vec<String> =
+        MOVED_KEYS.iter().filter(|(old, _)| written(old)).map(|(old, new)| format!("`{old}` is now `{new}`")).collect();
+    if !moved.is_empty() {
+        bail!(
+            "this config writes keys that have moved to their own tables: {} (see docs/operations.md, \
+             \"Config keys that moved\")",
+            moved.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// What every peer of a run must agree on. Its hash goes in every
@@ -1037,16 +1221,16 @@ pub struct RunAgreement {
     /// with one that writes the default).
     pub norm_check: f32,
     pub worker_momentum: f32,
-    pub local_steps: u64,
-    pub outer_lr: f64,
-    pub outer_momentum: f64,
+    /// DiLoCo's rounds: `local_steps.steps`, `outer_lr` and
+    /// `outer_momentum`, or none.
+    pub local_steps: Option<LocalStepsConfig>,
     pub overlap: bool,
 }
 
 impl RunAgreement {
     /// What `config` makes its node agree to, for the model it built.
     pub fn of(config: &NodeConfig, model: &ModelConfig) -> Self {
-        let (t, c) = (&config.training, &config.cluster);
+        let (t, r) = (&config.training, &config.roles);
         Self {
             run_id: config.run_id.clone(),
             model: model.clone(),
@@ -1055,25 +1239,23 @@ impl RunAgreement {
             steps: t.steps,
             optimizer: t.optimizer_config(),
             lr_decay: t.lr_decay,
-            shards: c.shards,
-            mode: c.mode,
-            sync: c.sync,
-            elastic: c.elastic,
-            demote_ratio: c.demote_ratio,
-            restore_ratio: c.restore_ratio,
-            straggler_min_excess_ms: c.straggler_min_excess_ms,
-            replicas: c.replicas,
-            aggregators: c.aggregators,
-            start_aggregators: c.start_aggregators,
-            explore_window_steps: c.explore_window_steps,
-            explore_idle_share: c.explore_idle_share,
-            aggregation: c.aggregation,
-            norm_check: c.norm_check_factor(),
-            worker_momentum: c.worker_momentum,
-            local_steps: c.local_steps,
-            outer_lr: c.outer_lr,
-            outer_momentum: c.outer_momentum,
-            overlap: c.overlap,
+            shards: config.cluster.shards,
+            mode: config.cluster.mode,
+            sync: config.sync.policy,
+            elastic: r.elastic,
+            demote_ratio: r.demote_ratio,
+            restore_ratio: r.restore_ratio,
+            straggler_min_excess_ms: r.straggler_min_excess_ms,
+            replicas: r.replicas,
+            aggregators: r.aggregators,
+            start_aggregators: r.start_aggregators,
+            explore_window_steps: r.explore_window_steps,
+            explore_idle_share: r.explore_idle_share,
+            aggregation: config.aggregation.rule,
+            norm_check: config.norm_check_factor(),
+            worker_momentum: config.aggregation.worker_momentum,
+            local_steps: config.local_steps,
+            overlap: config.sync.overlap,
         }
     }
 
@@ -1200,12 +1382,12 @@ mod tests {
     #[test]
     fn sufficient_factors_need_the_batchs_own_gradient() {
         let mut c = NodeConfig::default();
-        c.cluster.compression.push = crate::policy::compress::PushCompression::Sfb;
+        c.compression.push = crate::policy::compress::PushCompression::Sfb;
         assert!(c.validate().is_ok(), "{:?}", c.validate());
-        c.cluster.worker_momentum = 0.9;
+        c.aggregation.worker_momentum = 0.9;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("sfb") && e.contains("worker_momentum 0.9"), "{e}");
-        c.cluster.worker_momentum = 0.0;
+        c.aggregation.worker_momentum = 0.0;
         c.cluster.mode = Mode::Gossip;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("mode = \"pull\""), "{e}");
@@ -1214,13 +1396,13 @@ mod tests {
     #[test]
     fn backup_workers_need_bsp_rounds() {
         let mut c = NodeConfig::default();
-        c.cluster.backup_workers = 1;
+        c.sync.backup_workers = 1;
         assert!(c.validate().is_ok(), "{:?}", c.validate());
-        c.cluster.sync = SyncPolicy::Ssp { staleness: 2 };
+        c.sync.policy = SyncPolicy::Ssp { staleness: 2 };
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("backup_workers") && e.contains("sync ssp:2"), "{e}");
-        c.cluster.sync = SyncPolicy::Bsp;
-        c.cluster.local_steps = 4;
+        c.sync.policy = SyncPolicy::Bsp;
+        c.local_steps = Some(LocalStepsConfig::every(4));
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("backup_workers") && e.contains("local_steps 4"), "{e}");
     }
@@ -1238,10 +1420,11 @@ mod tests {
         c.training.dataset = "text@32:corpus.txt".parse().unwrap_or_default();
         c.training.optimizer = OptimizerKind::Adamw;
         c.training.lr_decay = LrDecay::Cosine;
-        c.cluster.sync = SyncPolicy::Ssp { staleness: 2 };
-        c.cluster.aggregators = Aggregators::Fixed(3);
-        c.cluster.norm_check = Some(20.0);
-        c.cluster.overlap = true;
+        c.sync.policy = SyncPolicy::Ssp { staleness: 2 };
+        c.roles.aggregators = Aggregators::Fixed(3);
+        c.aggregation.norm_check = Some(20.0);
+        c.sync.overlap = true;
+        c.local_steps = Some(LocalStepsConfig::every(4));
         c
     }
 
@@ -1295,7 +1478,7 @@ mod tests {
             let mut paths = Vec::new();
             leaves(&base, String::new(), &mut paths);
             let fields = base.as_object().map(|m| m.len()).unwrap_or(0);
-            assert!(paths.len() >= fields && fields >= 26, "{} leaves in {fields} fields", paths.len());
+            assert!(paths.len() >= fields && fields >= 24, "{} leaves in {fields} fields", paths.len());
             for path in paths {
                 let mut changed = base.clone();
                 let leaf = changed.pointer_mut(&path).ok_or_else(|| anyhow::anyhow!("no leaf at {path}"))?;
@@ -1350,9 +1533,9 @@ mod tests {
             ("cluster.heartbeat_ms", |c| c.cluster.heartbeat_ms = 200),
             ("cluster.request_timeout_ms", |c| c.cluster.request_timeout_ms = 9_000),
             ("cluster.channel_capacity", |c| c.cluster.channel_capacity = 16),
-            ("cluster.fault_delay_ms", |c| c.cluster.fault_delay_ms = 50),
-            ("cluster.link_mbps", |c| c.cluster.link_mbps = 100.0),
-            ("cluster.compression", |c| c.cluster.compression.push = crate::policy::compress::PushCompression::Bf16),
+            ("faults.delay_ms", |c| c.faults.delay_ms = 50),
+            ("faults.link_mbps", |c| c.faults.link_mbps = 100.0),
+            ("compression", |c| c.compression.push = crate::policy::compress::PushCompression::Bf16),
         ];
         for (name, set) in local {
             let mut config = NodeConfig::default();
@@ -1379,12 +1562,12 @@ mod tests {
         assert_ne!(here, hash(&|c| c.training.dataset = text("text@32:/home/a/other.txt"))?);
         // The norm check agreed is the factor in force: BSP's default of 50
         // written out is the same agreement.
-        assert_eq!(hash(&|_| {})?, hash(&|c| c.cluster.norm_check = Some(50.0))?);
-        assert_ne!(hash(&|_| {})?, hash(&|c| c.cluster.norm_check = Some(0.0))?);
+        assert_eq!(hash(&|_| {})?, hash(&|c| c.aggregation.norm_check = Some(50.0))?);
+        assert_ne!(hash(&|_| {})?, hash(&|c| c.aggregation.norm_check = Some(0.0))?);
         // The learning rate agreed is the one the optimizer runs.
         assert_eq!(hash(&|_| {})?, hash(&|c| c.training.lr = Some(OptimizerConfig::default_lr(OptimizerKind::Sgd)))?);
         // The idle share is a field like any other.
-        assert_ne!(hash(&|_| {})?, hash(&|c| c.cluster.explore_idle_share = 0.1)?);
+        assert_ne!(hash(&|_| {})?, hash(&|c| c.roles.explore_idle_share = 0.1)?);
         Ok(())
     }
 
@@ -1422,7 +1605,7 @@ mod tests {
         let e =
             toml::from_str::<NodeConfig>("[training]\nbatch = 3\n").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("batch"), "{e}");
-        let e = toml::from_str::<NodeConfig>("[cluster]\nsync = \"raft\"\n")
+        let e = toml::from_str::<NodeConfig>("[sync]\npolicy = \"raft\"\n")
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
@@ -1436,15 +1619,196 @@ mod tests {
             ("\"many\"", None),
         ] {
             let text = if text == "auto" { "\"auto\"" } else { text };
-            let got = toml::from_str::<NodeConfig>(&format!("[cluster]\naggregators = {text}\n"));
-            assert_eq!(got.as_ref().ok().map(|c| c.cluster.aggregators), want, "{text}: {got:?}");
+            let got = toml::from_str::<NodeConfig>(&format!("[roles]\naggregators = {text}\n"));
+            assert_eq!(got.as_ref().ok().map(|c| c.roles.aggregators), want, "{text}: {got:?}");
         }
-        let e = toml::from_str::<NodeConfig>("[cluster]\naggregators = 0\n").err().map(|e| e.to_string());
+        let e = toml::from_str::<NodeConfig>("[roles]\naggregators = 0\n").err().map(|e| e.to_string());
         assert!(e.unwrap_or_default().contains("expected auto, all or a count"));
         let mut c = NodeConfig::default();
         c.cluster.failure_timeout_ms = 100;
         assert!(c.validate().is_err());
         let c = NodeConfig { run_id: String::new(), ..NodeConfig::default() };
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn an_old_key_is_refused_with_its_new_place() {
+        for (old, new) in MOVED_KEYS {
+            let (table, key) = old.split_once('.').unwrap_or(("", old));
+            // A value of the old key's kind does not matter: it is refused
+            // before it is read.
+            let text = format!("[{table}]\n{key} = 1\n");
+            let e = NodeConfig::from_toml(&text, None).err().map(|e| format!("{e:#}")).unwrap_or_default();
+            assert!(e.contains(&format!("`{old}` is now `{new}`")), "{old}: {e}");
+            assert!(e.contains("Config keys that moved"), "{old}: {e}");
+        }
+        // Every old key written at once is named at once.
+        let e = NodeConfig::from_toml("[cluster]\nsync = \"asp\"\nslowdown = 2.0\nlocal_steps = 4\n", None)
+            .err()
+            .map(|e| format!("{e:#}"))
+            .unwrap_or_default();
+        for want in [
+            "`cluster.sync` is now `sync.policy`",
+            "`cluster.slowdown` is now `faults.slowdown`",
+            "`cluster.local_steps` is now `local_steps.steps`",
+        ] {
+            assert!(e.contains(want), "{e}");
+        }
+        // The new places parse, and each lands where its name says.
+        let c = NodeConfig::from_toml(
+            "[sync]\npolicy = \"asp\"\n[faults]\nslowdown = 2.0\n[local_steps]\nsteps = 4\n[roles]\nreplicas = 1\n",
+            None,
+        );
+        let c = c.unwrap_or_default();
+        assert_eq!(c.sync.policy, SyncPolicy::Asp);
+        assert_eq!(c.faults.slowdown, 2.0);
+        assert_eq!(c.local_steps, Some(LocalStepsConfig::every(4)));
+        assert_eq!(c.roles.replicas, 1);
+    }
+
+    #[test]
+    fn every_new_place_of_a_moved_key_exists_and_no_old_place_does() -> anyhow::Result<()> {
+        // The new paths, in the full config: optional tables written out.
+        let mut full = NodeConfig {
+            local_steps: Some(LocalStepsConfig::every(4)),
+            gossip: Some(GossipConfig::default()),
+            ..NodeConfig::default()
+        };
+        full.aggregation.norm_check = Some(50.0);
+        let full = toml::Table::try_from(&full)?;
+        let at = |path: &str| {
+            let mut parts = path.split('.');
+            let first = parts.next().and_then(|k| full.get(k));
+            parts.try_fold(first, |at, key| Some(at?.as_table()?.get(key))).flatten().is_some()
+        };
+        for (old, new) in MOVED_KEYS {
+            assert!(at(new), "{new} (the new place of {old}) is not a key of the config");
+            assert!(!at(old), "{old} moved but is still a key of the config");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_docs_list_exactly_the_moved_keys() {
+        let docs = include_str!("../../docs/operations.md");
+        let heading = "## Config keys that moved";
+        let section = docs.split_once(heading).map(|(_, rest)| rest).unwrap_or_default();
+        let section = section.split("\n#").next().unwrap_or_default();
+        let rows: Vec<(String, String)> = section
+            .lines()
+            .filter_map(|l| {
+                let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+                match cells.as_slice() {
+                    ["", old, new, ""] if old.starts_with('`') => {
+                        Some((old.trim_matches('`').to_string(), new.trim_matches('`').to_string()))
+                    }
+                    _ => None,
+                }
+            })
+            .collect();
+        let want: Vec<(String, String)> = MOVED_KEYS.iter().map(|(o, n)| (o.to_string(), n.to_string())).collect();
+        assert_eq!(rows, want, "docs/operations.md, `{heading}`, differs from MOVED_KEYS");
+    }
+
+    #[test]
+    fn the_example_config_shows_the_defaults() -> anyhow::Result<()> {
+        let mut example = NodeConfig::from_toml(include_str!("../../testnet/node.example.toml"), None)?;
+        // The keys whose comments say they are not the default.
+        let defaults = NodeConfig::default();
+        assert_eq!(example.run_id, "example");
+        assert_eq!(example.cluster.min_peers, 4);
+        example.run_id = defaults.run_id.clone();
+        example.cluster.min_peers = defaults.cluster.min_peers;
+        example.network.listen = defaults.network.listen.clone();
+        assert_eq!(example, defaults);
+        Ok(())
+    }
+
+    #[test]
+    fn local_steps_need_two_steps_and_bsp_rounds() {
+        let mut c = NodeConfig { local_steps: Some(LocalStepsConfig::every(1)), ..NodeConfig::default() };
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("local_steps.steps must be at least 2"), "{e}");
+        c.local_steps = LocalStepsConfig::per_round(20);
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        assert_eq!((c.steps_per_round(), c.owner_optimizer().lr()), (20, 0.7));
+        c.sync.policy = SyncPolicy::Asp;
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("needs cluster.mode = \"pull\" and sync.policy = \"bsp\""), "{e}");
+        assert_eq!(LocalStepsConfig::per_round(1), None);
+        // A [gossip] table in pull mode is refused, not ignored.
+        let c = NodeConfig { gossip: Some(GossipConfig { every: 3 }), ..NodeConfig::default() };
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("[gossip] table applies only"), "{e}");
+    }
+
+    #[test]
+    fn no_config_table_has_more_than_twenty_keys() -> anyhow::Result<()> {
+        let full = NodeConfig {
+            local_steps: Some(LocalStepsConfig::every(4)),
+            gossip: Some(GossipConfig::default()),
+            ..NodeConfig::default()
+        };
+        fn check(path: &str, table: &toml::Table) {
+            assert!(table.len() <= 20, "{path} has {} keys", table.len());
+            for (key, value) in table {
+                if let toml::Value::Table(t) = value {
+                    check(&format!("{path}.{key}"), t);
+                }
+            }
+        }
+        check("the top level", &toml::Table::try_from(&full)?);
+        Ok(())
+    }
+
+    #[test]
+    fn the_docs_defaults_are_the_code_defaults() -> anyhow::Result<()> {
+        let docs = include_str!("../../docs/operations.md");
+        let section = docs.split_once("### The config file").map(|(_, r)| r).unwrap_or_default();
+        let section = section.split("\n### ").next().unwrap_or_default();
+        // The optional tables written out with their defaults.
+        let full = NodeConfig {
+            local_steps: Some(LocalStepsConfig::every(2)),
+            gossip: Some(GossipConfig::default()),
+            ..NodeConfig::default()
+        };
+        let full = toml::Table::try_from(&full)?;
+        let number = |v: &toml::Value| v.as_float().or(v.as_integer().map(|i| i as f64));
+        let (mut table, mut checked) = (String::new(), 0);
+        for line in section.lines() {
+            if line.starts_with("**Top level**") {
+                table.clear();
+            } else if let Some(rest) = line.strip_prefix("**`[") {
+                table = rest.split(']').next().unwrap_or_default().to_string();
+            }
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let (Some(key), Some(default)) = (cells.get(1).and_then(|k| k.strip_prefix('`')), cells.get(2)) else {
+                continue;
+            };
+            let key = key.trim_end_matches('`');
+            if table == "network" || key.starts_with('[') {
+                continue; // described by its own section of protocol.md
+            }
+            let at = if table.is_empty() { Some(&full) } else { full.get(&table).and_then(|t| t.as_table()) };
+            let value = at.and_then(|t| t.get(key));
+            if *default == "none" {
+                assert!(value.is_none(), "[{table}] {key}: the docs say none, the code has {value:?}");
+                checked += 1;
+                continue;
+            }
+            // A default the docs describe in words is not compared.
+            let Ok(doc) = toml::from_str::<toml::Table>(&format!("v = {}", default.trim_matches('`'))) else {
+                continue;
+            };
+            let (Some(doc), Some(value)) = (doc.get("v"), value) else { continue };
+            let same = match (number(doc), number(value)) {
+                (Some(a), Some(b)) => a == b,
+                _ => doc == value,
+            };
+            assert!(same, "[{table}] {key}: the docs say {doc}, the code has {value}");
+            checked += 1;
+        }
+        assert!(checked >= 60, "only {checked} documented defaults were compared");
+        Ok(())
     }
 }

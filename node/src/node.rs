@@ -406,7 +406,7 @@ fn spawn_network(config: &NodeConfig, run: &RunId, training: &Training, keypair:
     let swarm = build_swarm(&proto, keypair)?;
     let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
         .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
-    let faults = Arc::new(c.faults().map_err(|e| anyhow::anyhow!("cluster.{e}"))?);
+    let faults = Arc::new(config.faults.faults().map_err(|e| anyhow::anyhow!("faults.{e}"))?);
     let (hb_tx, heartbeats) = mpsc::channel(c.channel_capacity);
     let (routes, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
     let (snapshot, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(training.initial.clone()) });
@@ -424,13 +424,9 @@ fn spawn_network(config: &NodeConfig, run: &RunId, training: &Training, keypair:
             faults: faults.clone(),
         },
     );
-    if c.fault_delay_ms > 0 || c.slowdown > 1.0 || c.fault_serve_mbps > 0.0 {
-        warn!(
-            serve_delay_ms = c.fault_delay_ms,
-            slowdown = c.slowdown,
-            serve_mbps = c.fault_serve_mbps,
-            "fault injection is on"
-        );
+    let f = &config.faults;
+    if f.delay_ms > 0 || f.slowdown > 1.0 || f.serve_mbps > 0.0 {
+        warn!(serve_delay_ms = f.delay_ms, slowdown = f.slowdown, serve_mbps = f.serve_mbps, "fault injection is on");
     }
     let open = proto.open_listeners();
     if !open.is_empty() {
@@ -479,8 +475,8 @@ fn spawn_membership(
         heartbeats,
     );
     // Gossip the configured number of aggregators from the first heartbeat on.
-    let initial_aggregators = match c.aggregators {
-        Aggregators::Auto => c.start_aggregators,
+    let initial_aggregators = match config.roles.aggregators {
+        Aggregators::Auto => config.roles.start_aggregators,
         Aggregators::All => 0,
         Aggregators::Fixed(k) => k,
     };
@@ -513,7 +509,7 @@ fn aggregator_config(
     proto: &ProtocolConfig,
     disk: Option<&Disk>,
 ) -> AggregatorConfig {
-    let c = &config.cluster;
+    let (c, r) = (&config.cluster, &config.roles);
     AggregatorConfig {
         me: id.me,
         incarnation: id.incarnation,
@@ -521,14 +517,17 @@ fn aggregator_config(
         policy: config.owner_policy(),
         optimizer: config.owner_optimizer(),
         schedule: config.owner_schedule(),
-        robust: crate::policy::robust::Robust { aggregation: c.aggregation, norm_check: c.norm_check_factor() },
+        robust: crate::policy::robust::Robust {
+            aggregation: config.aggregation.rule,
+            norm_check: config.norm_check_factor(),
+        },
         ranges: plan.shards().iter().map(|s| s.range()).collect(),
         max_wait: proto.timeouts.response_wait(),
-        replica_every: if c.replicas >= 2 { c.replica_every } else { 0 },
-        handoff_timeout: Duration::from_millis(c.handoff_timeout_ms),
+        replica_every: if r.replicas >= 2 { r.replica_every } else { 0 },
+        handoff_timeout: Duration::from_millis(r.handoff_timeout_ms),
         transfer_retry: Duration::from_millis(c.heartbeat_ms),
-        round_timeout_ms: c.round_timeout_ms,
-        backup_workers: c.backup_workers as usize,
+        round_timeout_ms: config.sync.round_timeout_ms,
+        backup_workers: config.sync.backup_workers as usize,
         capacity: c.channel_capacity,
         checkpoint: disk.map(|d| d.policy.clone()),
     }
@@ -645,13 +644,13 @@ impl Node {
     /// Elect: in pull mode, start the election actor and wait for its first
     /// placement (who owns which shard); gossip mode has no owners.
     async fn elect(&mut self, roster: &Roster) -> anyhow::Result<()> {
-        let (c, worker) = (&self.config.cluster, &self.worker);
+        let (c, r, worker) = (&self.config.cluster, &self.config.roles, &self.worker);
         if c.mode == Mode::Pull {
             if !roster.members.iter().any(|m| m.1) {
                 bail!("no node in the roster may aggregate (set cluster.can_aggregate = true on at least one)");
             }
             let placement = self.placement.take().context("the election was started twice")?;
-            let health = c.health_policy(worker.plan.total_len(), worker.plan.len());
+            let health = r.health_policy(worker.plan.total_len(), worker.plan.len());
             election::start(
                 placement,
                 ElectionConfig {
@@ -663,13 +662,13 @@ impl Node {
                             self.config.training.optimizer_config().slot_names().len() as u64,
                         ),
                     },
-                    explore: (c.elastic && c.aggregators == Aggregators::Auto).then(|| {
+                    explore: (r.elastic && r.aggregators == Aggregators::Auto).then(|| {
                         let policy = ExplorePolicy {
-                            window_steps: c.explore_window_steps,
-                            idle_share: c.explore_idle_share,
+                            window_steps: r.explore_window_steps,
+                            idle_share: r.explore_idle_share,
                             ..ExplorePolicy::default()
                         };
-                        (policy, (c.start_aggregators > 0).then_some(c.start_aggregators as usize))
+                        (policy, (r.start_aggregators > 0).then_some(r.start_aggregators as usize))
                     }),
                     own: Own {
                         can_aggregate: c.can_aggregate,
@@ -862,7 +861,7 @@ async fn join_run(
     // BSP pull: versions count rounds, one per step, so the step the run
     // is at now follows from them (elsewhere they count pushes or outer
     // rounds: the join point's step).
-    let start = if config.cluster.lockstep() { start_step(&jp, &fetched.versions) } else { jp.step };
+    let start = if config.lockstep() { start_step(&jp, &fetched.versions) } else { jp.step };
     if start >= steps {
         bail!(
             "run `{}` finished while this node fetched its model (it is at step {start}); nothing to join",
@@ -910,8 +909,7 @@ async fn leave_run(
     });
     // A transfer is retried within handoff_timeout; allow the election a
     // few heartbeats on top to move the shards in the first place.
-    let c = &config.cluster;
-    let limit = Duration::from_millis(c.handoff_timeout_ms * 2 + c.heartbeat_ms * 4);
+    let limit = Duration::from_millis(config.roles.handoff_timeout_ms * 2 + config.cluster.heartbeat_ms * 4);
     let mut held = aggregator.held();
     let drained = matches!(tokio::time::timeout(limit, held.wait_for(|h| h.is_empty())).await, Ok(Ok(_)));
     match drained {
@@ -1083,7 +1081,7 @@ async fn resume_from(
         }
     }
     let shards = worker.plan.len() as u32;
-    let Some(rp) = resume_point(&offers, shards, config.cluster.sync == SyncPolicy::Bsp)? else { return Ok(None) };
+    let Some(rp) = resume_point(&offers, shards, config.sync.policy == SyncPolicy::Bsp)? else { return Ok(None) };
     if rp.step >= config.training.steps {
         bail!(
             "the checkpoints are at step {}, and training.steps is {}: this run is finished \

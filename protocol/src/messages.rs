@@ -714,7 +714,7 @@ pub struct Pace {
     /// (hysteresis from gossiped state, as for stragglers).
     pub capacity_level: i8,
     /// The share of its step's own batch the sender trained on in its last
-    /// step, in thousandths (`cluster.fit_batch`): 1000 all
+    /// step, in thousandths (`sync.fit_batch`): 1000 all
     /// of it, below 1000 a slow worker's fitted batch, above 1000 a worker
     /// that takes on the samples the fitted ones shed; 0 before its first
     /// step. At most [`MAX_BATCH_PERMILLE`].

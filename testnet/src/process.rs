@@ -234,14 +234,18 @@ impl Testnet<'_> {
             let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
             training.insert("threads".into(), ((cores / self.scenario.nodes.max(1)).max(1) as i64).into());
         }
+        let mut faults = table(&mut cfg, "faults")?;
         if let Some(s) = spec.slowdown {
-            cluster.insert("slowdown".into(), s.into());
+            faults.insert("slowdown".into(), s.into());
         }
         if let Some(a) = spec.can_aggregate {
             cluster.insert("can_aggregate".into(), a.into());
         }
         if let Some(d) = spec.serve_delay_ms {
-            cluster.insert("fault_delay_ms".into(), (d as i64).into());
+            faults.insert("delay_ms".into(), (d as i64).into());
+        }
+        if !faults.is_empty() {
+            cfg.insert("faults".into(), faults.into());
         }
         if let Some(p) = &spec.profile {
             cfg.insert("profile".into(), p.clone().into());

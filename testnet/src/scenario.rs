@@ -19,7 +19,7 @@
 //! serve_delay_ms = 0        # delay on every push/pull it answers as an owner
 //! profile = "edge"          # a config preset (`shoal node --profile`)
 //! arch = "aarch64"          # run the aarch64 binary under qemu (process backend)
-//! config = { cluster = { compression = { push = "int8" } } }  # merged over node_config
+//! config = { compression = { push = "int8" } }  # merged over node_config
 //! max_peak_rss_mib = 64     # check: the node's peak resident memory
 //!
 //! [relay]                   # with discovery = "relay" only
@@ -56,6 +56,22 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
+
+/// The node config tables a scenario may set under `[node_config]`.
+const NODE_CONFIG_TABLES: &[&str] = &[
+    "training",
+    "cluster",
+    "sync",
+    "roles",
+    "aggregation",
+    "compression",
+    "local_steps",
+    "gossip",
+    "faults",
+    "network",
+    "http",
+    "checkpoint",
+];
 
 /// A scenario error, with the 1-based line it points at (0: the whole file).
 #[derive(Debug, Clone, PartialEq)]
@@ -477,12 +493,13 @@ impl Source<'_> {
     /// `[node_config]` holds only the tables a testnet lets a scenario set.
     fn node_config_keys(&self, node_config: &toml::Table) -> Result<(), ScenarioError> {
         for key in node_config.keys() {
-            if !["training", "cluster", "network", "http", "checkpoint"].contains(&key.as_str()) {
+            if !NODE_CONFIG_TABLES.contains(&key.as_str()) {
                 return Err(self.err_at_key(
                     key,
                     format!(
-                        "node_config.{key}: only training, cluster, network, http and checkpoint tables may \
-                         be set here (run_id, name and identity are set by the testnet)"
+                        "node_config.{key}: only the tables {} may be set here (run_id, name and identity are \
+                         set by the testnet)",
+                        NODE_CONFIG_TABLES.join(", ")
                     ),
                 ));
             }

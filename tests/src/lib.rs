@@ -16,7 +16,7 @@ pub fn digits_config(run: &str, steps: u64, sync: SyncPolicy, optimizer: Optimiz
     c.training.steps = steps;
     c.training.optimizer = optimizer;
     c.training.lr = Some(lr);
-    c.cluster.sync = sync;
+    c.sync.policy = sync;
     c.cluster.shards = 8;
     c.cluster.heartbeat_ms = 100;
     c.cluster.failure_timeout_ms = 5_000;
@@ -26,7 +26,7 @@ pub fn digits_config(run: &str, steps: u64, sync: SyncPolicy, optimizer: Optimiz
     // These scenarios test sync policies and exact results; several clusters
     // share 2 cores, so keep scheduling noise from moving shards. Elastic
     // roles are tested in tests/elastic.rs.
-    c.cluster.elastic = false;
+    c.roles.elastic = false;
     c
 }
 
@@ -52,8 +52,8 @@ pub fn elastic_config(run: &str) -> NodeConfig {
     let mut c = digits_config(run, ELASTIC_STEPS, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
     c.cluster.heartbeat_ms = 100;
     c.cluster.failure_timeout_ms = 1_500;
-    c.cluster.replica_every = 4;
-    c.cluster.elastic = true;
+    c.roles.replica_every = 4;
+    c.roles.elastic = true;
     c
 }
 

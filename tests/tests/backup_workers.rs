@@ -1,4 +1,4 @@
-//! Backup workers (`cluster.backup_workers`, Chen et al. 2016) over real
+//! Backup workers (`sync.backup_workers`, Chen et al. 2016) over real
 //! loopback TCP: a BSP round is applied once all but one worker pushed, so
 //! a worker computing 4x slower does not hold the rounds back. Its late
 //! pushes are dropped and it skips ahead to the round in progress.
@@ -12,7 +12,7 @@ use shoal_tests::{elastic_config, rel_diff, run_with_slow_node3, status, ELASTIC
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_4x_slower_worker_does_not_hold_bsp_rounds_back_with_one_backup_worker() -> anyhow::Result<()> {
     let mut base = elastic_config("backup-workers");
-    base.cluster.backup_workers = 1;
+    base.sync.backup_workers = 1;
     let batch = base.training.batch_size as u64;
     let (slow, reports) = run_with_slow_node3(base, 4.0).await?;
     for r in &reports {

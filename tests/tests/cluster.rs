@@ -227,7 +227,7 @@ async fn ssp_dssp_and_asp_clusters_reach_93_percent_within_their_staleness_bound
 async fn gossip_mode_converges_and_nodes_agree() -> anyhow::Result<()> {
     let mut base = digits_config("gossip", 300, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
     base.cluster.mode = shoal_node::config::Mode::Gossip;
-    base.cluster.gossip_every = 5;
+    base.gossip = Some(shoal_node::config::GossipConfig { every: 5 });
     // Decentralised SGD reaches consensus as the step size decays, and the
     // nodes end on the average of their final models.
     base.training.lr_decay = shoal_node::config::LrDecay::Cosine;

@@ -1,4 +1,4 @@
-//! Compressed pushes and pulls (`cluster.compression`) over real loopback
+//! Compressed pushes and pulls (`compression`) over real loopback
 //! TCP: 4 nodes under BSP on digits, each node with its own encodings.
 //! Lossy push encodings carry error feedback (the residual sums are tested
 //! in `node::policy::compress`); here the clusters must still reach 93%,

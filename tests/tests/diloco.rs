@@ -1,4 +1,4 @@
-//! DiLoCo (`cluster.local_steps`): 4 nodes over loopback TCP, each taking
+//! DiLoCo (`local_steps.steps`): 4 nodes over loopback TCP, each taking
 //! local AdamW steps and pushing a pseudo-gradient every H steps to owners
 //! that apply Nesterov SGD (lr 0.7, momentum 0.9), with and without int8
 //! compression of the pseudo-gradients.
@@ -15,8 +15,8 @@ const H: u64 = 20;
 
 async fn diloco(name: &str, push: PushCompression) -> anyhow::Result<Vec<NodeReport>> {
     let mut base = digits_config(name, STEPS, SyncPolicy::Bsp, OptimizerKind::Adamw, 2e-3);
-    base.cluster.local_steps = H;
-    base.cluster.compression = CompressionConfig { push, pull: PullCompression::None };
+    base.local_steps = Some(shoal_node::config::LocalStepsConfig::every(H));
+    base.compression = CompressionConfig { push, pull: PullCompression::None };
     let reports = run_cluster(&ClusterSpec::new(4, base)).await?;
     for r in &reports {
         let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;

@@ -86,7 +86,7 @@ async fn a_demoted_owner_is_readmitted_by_its_probes_once_its_slowdown_ends() ->
     let mut base = elastic_config("elastic-readmit");
     // Reports never age out in this run: only fresh measurements (the
     // probes) can bring the demoted owner back.
-    base.cluster.service_forget_steps = 100_000;
+    base.roles.service_forget_steps = 100_000;
     let mut spec = ClusterSpec::new(4, base);
     spec.overrides = vec![NodeOverride::default(); 4];
     spec.overrides[3].fault_delay_ms = Some(25);
@@ -140,8 +140,8 @@ async fn killed_aggregator_shards_are_rehomed_from_replicas_within_the_loss_boun
     let mut base = elastic_config("elastic-kill");
     // Only the failure moves shards here: no straggler judgement (noise on a
     // loaded 2-core machine must not add moves to the loss accounting).
-    base.cluster.elastic = false;
-    let replica_every = base.cluster.replica_every;
+    base.roles.elastic = false;
+    let replica_every = base.roles.replica_every;
     let spec = ClusterSpec::new(4, base);
     let mut cluster = Cluster::start(&spec).await?;
     let victim = 3;
@@ -205,7 +205,7 @@ fn pushes_from(reports: &[NodeReport], peer: &shoal_protocol::libp2p::PeerId) ->
 async fn a_node_joins_mid_run_fetches_the_model_from_several_peers_and_its_gradients_count() -> anyhow::Result<()> {
     let mut base = elastic_config("elastic-join");
     // Only the join moves shards here (see the kill test).
-    base.cluster.elastic = false;
+    base.roles.elastic = false;
     let shards = base.cluster.shards as u64;
     let spec = ClusterSpec::new(4, base);
     let mut cluster = Cluster::start(&spec).await?;
@@ -270,7 +270,7 @@ async fn a_node_joins_mid_run_fetches_the_model_from_several_peers_and_its_gradi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_leaves_cleanly_hands_off_its_shards_and_loses_nothing() -> anyhow::Result<()> {
     let mut base = elastic_config("elastic-leave");
-    base.cluster.elastic = false;
+    base.roles.elastic = false;
     let shards = base.cluster.shards;
     let spec = ClusterSpec::new(4, base);
     let cluster = Cluster::start(&spec).await?;
@@ -334,10 +334,10 @@ async fn an_idle_aggregator_is_removed_and_its_shards_move_without_loss() -> any
     // tries one owner fewer, and keeps it unless steps get 10% slower.
     let mut base = elastic_config("elastic-idle");
     base.training.steps = 240;
-    base.cluster.aggregators = shoal_node::config::Aggregators::Auto;
-    base.cluster.explore_window_steps = 20;
-    base.cluster.explore_idle_share = 0.45;
-    base.cluster.slowdown = 16.0;
+    base.roles.aggregators = shoal_node::config::Aggregators::Auto;
+    base.roles.explore_window_steps = 20;
+    base.roles.explore_idle_share = 0.45;
+    base.faults.slowdown = 16.0;
     // One compute thread on any host, so that the slowdown stretches CPU
     // time everywhere (with more it falls back to wall time).
     base.training.threads = Some(1);
@@ -397,10 +397,10 @@ async fn the_number_of_aggregators_grows_while_one_owner_is_the_bottleneck() -> 
     let mut base = elastic_config("elastic-explore");
     base.training.mlp_hidden = Some(vec![256, 256]);
     base.training.steps = 240;
-    base.cluster.aggregators = shoal_node::config::Aggregators::Auto;
-    base.cluster.start_aggregators = 1;
-    base.cluster.explore_window_steps = 20;
-    base.cluster.fault_serve_mbps = 40.0;
+    base.roles.aggregators = shoal_node::config::Aggregators::Auto;
+    base.roles.start_aggregators = 1;
+    base.roles.explore_window_steps = 20;
+    base.faults.serve_mbps = 40.0;
     let steps = base.training.steps;
     let spec = ClusterSpec::new(4, base);
     let reports = wait_all(Cluster::start(&spec).await?).await?;

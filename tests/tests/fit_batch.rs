@@ -1,7 +1,7 @@
 //! A worker computing 8x slower fits its batch to the BSP rounds
-//! (`cluster.fit_batch`) over real loopback TCP, while the workers at the
+//! (`sync.fit_batch`) over real loopback TCP, while the workers at the
 //! cluster's pace keep their full batch and take on the samples it sheds
-//! (`cluster.fit_rebalance`, the default).
+//! (`sync.fit_rebalance`, the default).
 //!
 //! Alone in its own test binary: beside the elastic tests (8 clusters on 2
 //! cores at once) a healthy worker was starved for most of 9 steps in a
@@ -17,10 +17,10 @@ use shoal_tests::{elastic_config, run_with_slow_node3, status, ELASTIC_STEPS as 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_8x_slower_worker_fits_its_batch_to_the_bsp_rounds_and_accuracy_reaches_93_percent() -> anyhow::Result<()> {
-    // node3 computes 8x slower; with cluster.fit_batch it trains on a
+    // node3 computes 8x slower; with sync.fit_batch it trains on a
     // smaller batch instead of holding every BSP round back.
     let mut base = elastic_config("fit-batch");
-    base.cluster.fit_batch = true;
+    base.sync.fit_batch = true;
     let batch = base.training.batch_size as u64;
     let (slow, reports) = run_with_slow_node3(base, 8.0).await?;
     for r in &reports {

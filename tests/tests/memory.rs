@@ -15,7 +15,7 @@ async fn a_node_without_the_memory_for_its_share_owns_nothing_and_still_trains()
     // reads node3's figure from its heartbeats and leaves it out of the
     // placement, from the first one on.
     let mut base = elastic_config("elastic-memory");
-    base.cluster.elastic = false;
+    base.roles.elastic = false;
     let mut spec = ClusterSpec::new(4, base);
     spec.overrides = vec![NodeOverride::default(); 4];
     spec.overrides[3].memory_bytes = Some(1000);

@@ -1,4 +1,4 @@
-//! Overlap of communication with compute (`cluster.overlap`): 4 nodes over
+//! Overlap of communication with compute (`sync.overlap`): 4 nodes over
 //! loopback TCP under SSP, each computing step t+1 while step t's pushes
 //! and pulls are on the wire. The run must train, every step but the last
 //! must have overlapped, and the parameters a worker computes on must stay
@@ -21,11 +21,11 @@ async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> any
         // non-overlapped policies train with) the extra step of delay made
         // the run diverge (8% accuracy).
         let mut base = digits_config(&name, STEPS, sync, OptimizerKind::Sgd, 0.025);
-        base.cluster.overlap = true;
+        base.sync.overlap = true;
         // An emulated 200 Mbit/s, 1 ms link on every node: communication
         // takes time of its own, as off loopback, for the overlap to hide.
-        base.cluster.link_mbps = 200.0;
-        base.cluster.link_latency_ms = 1.0;
+        base.faults.link_mbps = 200.0;
+        base.faults.link_latency_ms = 1.0;
         let reports = run_cluster(&ClusterSpec::new(4, base)).await?;
         for r in &reports {
             let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;

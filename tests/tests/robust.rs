@@ -12,7 +12,7 @@
 //! honest node's view lists it.
 //!
 //! The setup follows Karimireddy, He and Jaggi (2021): workers push the
-//! moving average of their gradients (`cluster.worker_momentum = 0.9`, with
+//! moving average of their gradients (`aggregation.worker_momentum = 0.9`, with
 //! the owners' SGD momentum off and the rate scaled up to match), so honest
 //! pushes vary less and a bad one stands out; and the rate decays (cosine).
 //! Without worker momentum, a sign-flipping peer held `trimmed_mean` and
@@ -58,12 +58,12 @@ const RUNS_WIDE_MARGIN: usize = 1;
 async fn run(attack: Byzantine, rule: Aggregation, norm_check: f32) -> anyhow::Result<Vec<NodeReport>> {
     let name = format!("byz-{attack}-{rule}-{norm_check}").replace([':', '.'], "-");
     let mut base = digits_config(&name, STEPS, SyncPolicy::Bsp, OptimizerKind::Sgd, LR);
-    base.cluster.aggregation = rule;
-    base.cluster.norm_check = Some(norm_check);
+    base.aggregation.rule = rule;
+    base.aggregation.norm_check = Some(norm_check);
     base.training.batch_size = BATCH;
     base.training.momentum = Some(0.0);
     base.training.lr_decay = shoal_node::config::LrDecay::Cosine;
-    base.cluster.worker_momentum = WORKER_MOMENTUM;
+    base.aggregation.worker_momentum = WORKER_MOMENTUM;
     let mut spec = ClusterSpec::new(NODES, base);
     spec.overrides = vec![NodeOverride::default(); NODES];
     spec.overrides[BAD] = NodeOverride { byzantine: Some(attack), can_aggregate: Some(false), ..Default::default() };

@@ -86,7 +86,7 @@ pub struct AggregatorConfig {
     /// BSP: longest a round waits for its last gradients (ms).
     pub round_timeout_ms: u64,
     /// BSP: a round is applied once all but this many workers pushed
-    /// (`cluster.backup_workers`).
+    /// (`sync.backup_workers`).
     pub backup_workers: usize,
     /// How long a new owner waits for a live old owner's transfer.
     pub handoff_timeout: Duration,

@@ -52,7 +52,7 @@ pub struct NetworkParts {
     /// This run's optimizer (to decode handed-off optimizer state).
     pub optimizer: OptimizerConfig,
     /// Fault injection: answer every push and pull this node serves as an
-    /// owner this much later (`cluster.fault_delay_ms`). Zero in production.
+    /// owner this much later (`faults.delay_ms`). Zero in production.
     pub faults: std::sync::Arc<crate::ops::faults::Faults>,
 }
 

@@ -10,7 +10,7 @@
 //! Gossip mode replaces 3-4 with a local optimizer step and, every k steps,
 //! averaging each shard with a random peer's copy.
 //!
-//! With `cluster.local_steps = H` (DiLoCo) a pull-mode worker takes local
+//! With a `[local_steps]` table of H steps (DiLoCo) a pull-mode worker takes local
 //! optimizer steps and runs 2-5 every H steps only, pushing the
 //! pseudo-gradient (its parameters at the round's start minus now).
 
@@ -106,7 +106,7 @@ impl WorkerBatches {
     }
 
     /// Grow `out`, the batch of `step` as positions in [`Self::rows`]
-    /// ([`Self::local_for_step`]), to `n` samples (`cluster.fit_rebalance`)
+    /// ([`Self::local_for_step`]), to `n` samples (`sync.fit_rebalance`)
     /// with the first samples of the epoch's following batches, wrapping to
     /// its first: all distinct, and at most the whole partition.
     pub fn grow_local(&mut self, step: u64, out: &mut Vec<usize>, n: usize) -> anyhow::Result<()> {
@@ -292,10 +292,10 @@ enum StepMode {
     /// Push the gradients to the shards' owners and pull every shard's new
     /// version ([`Worker::pull_exchange`]).
     Pull,
-    /// A local optimizer step, and every `cluster.gossip_every` steps an
+    /// A local optimizer step, and every `gossip.every` steps an
     /// average with random peers ([`Worker::gossip_step`]).
     Gossip { opt: Optimizer },
-    /// DiLoCo (`cluster.local_steps` > 1 in pull mode): local optimizer
+    /// DiLoCo (a `[local_steps]` table, pull mode): local optimizer
     /// steps, and every `local_steps` steps an exchange of the
     /// pseudo-gradient ([`Worker::local_step`]).
     LocalSteps(LocalRound),
@@ -303,7 +303,7 @@ enum StepMode {
 
 impl StepMode {
     fn new(config: &NodeConfig, params: &[f32]) -> anyhow::Result<Self> {
-        let local_steps = config.cluster.local_steps;
+        let local_steps = config.steps_per_round();
         let optimizer = || Optimizer::new(config.training.optimizer_config(), params.len());
         Ok(match config.cluster.mode {
             Mode::Pull if local_steps <= 1 => StepMode::Pull,
@@ -327,7 +327,7 @@ struct LocalRound {
     start: Vec<f32>,
     /// The samples trained on since.
     samples: u64,
-    /// The steps of a round (`cluster.local_steps`).
+    /// The steps of a round (`local_steps.steps`).
     every: u64,
 }
 
@@ -338,14 +338,14 @@ struct StepLoop {
     /// Each shard's version as last pulled.
     versions: Vec<u64>,
     batches: WorkerBatches,
-    /// Error feedback of the lossy push encodings (cluster.compression).
+    /// Error feedback of the lossy push encodings (`compression`).
     feedback: ErrorFeedback,
     /// Worker momentum: the average pushed instead of each gradient.
     momentum: Option<Vec<f32>>,
-    /// Overlap (cluster.overlap): the next step's gradients, computed while
+    /// Overlap (`sync.overlap`): the next step's gradients, computed while
     /// this step's exchange was in flight, and how long they took.
     prefetched: Option<(Gradients, f64)>,
-    /// A slow worker's batch fitted to the others' pace (cluster.fit_batch).
+    /// A slow worker's batch fitted to the others' pace (`sync.fit_batch`).
     fit: Option<BatchFit>,
     /// The others' heartbeats, for `fit`.
     view: watch::Receiver<ViewSnapshot>,
@@ -506,14 +506,14 @@ impl std::fmt::Debug for Worker {
 }
 
 impl Worker {
-    /// BSP with backup workers (`cluster.backup_workers`): rounds close
+    /// BSP with backup workers (`sync.backup_workers`): rounds close
     /// without the slowest, late pushes are dropped, workers skip ahead.
     fn backup_mode(&self) -> bool {
-        self.config.cluster.backup_workers > 0 && self.policy() == SyncPolicy::Bsp
+        self.config.sync.backup_workers > 0 && self.policy() == SyncPolicy::Bsp
     }
 
     fn policy(&self) -> SyncPolicy {
-        self.config.cluster.sync
+        self.config.sync.policy
     }
 
     fn request_timeout(&self) -> Duration {
@@ -563,9 +563,9 @@ impl Worker {
         let report = ReportClock {
             at: None,
             demoting: Default::default(),
-            health: self.config.cluster.health_policy(self.plan.total_len(), self.plan.len()),
+            health: self.config.roles.health_policy(self.plan.total_len(), self.plan.len()),
         };
-        let compression = self.config.cluster.compression;
+        let compression = self.config.compression;
         self.status.record(StatusEvent::Compression {
             push: compression.push.to_string(),
             pull: compression.pull.to_string(),
@@ -575,9 +575,9 @@ impl Worker {
             versions,
             batches,
             feedback: ErrorFeedback::new(self.plan.len()),
-            momentum: (self.config.cluster.worker_momentum > 0.0).then(Vec::new),
+            momentum: (self.config.aggregation.worker_momentum > 0.0).then(Vec::new),
             prefetched: None,
-            fit: self.config.cluster.fit_batch.then(|| BatchFit::new(t.batch_size)),
+            fit: self.config.sync.fit_batch.then(|| BatchFit::new(t.batch_size)),
             view: self.membership.subscribe(),
             report,
             pace: Default::default(),
@@ -620,8 +620,8 @@ impl Worker {
     }
 
     /// This step's gradients, with the seconds they took: those computed
-    /// beside the last step's exchange (`cluster.overlap`), or computed now
-    /// on a batch fitted to the others' pace (`cluster.fit_batch`; then also
+    /// beside the last step's exchange (`sync.overlap`), or computed now
+    /// on a batch fitted to the others' pace (`sync.fit_batch`; then also
     /// the share of its nominal batch the step trained on).
     async fn gradients(&self, run: &mut StepLoop, step: u64) -> anyhow::Result<(Gradients, f64, Option<u16>)> {
         if let Some((g, secs)) = run.prefetched.take() {
@@ -640,8 +640,8 @@ impl Worker {
         Ok((g, secs, share))
     }
 
-    /// A slow worker's batch fitted to the others' pace (`cluster.fit_batch`),
-    /// or, with `cluster.fit_rebalance`, a fast one's grown to take up what
+    /// A slow worker's batch fitted to the others' pace (`sync.fit_batch`),
+    /// or, with `sync.fit_rebalance`, a fast one's grown to take up what
     /// the others left. Returns the samples to train on and the nominal
     /// batch size.
     fn fit_batch(
@@ -655,7 +655,7 @@ impl Worker {
         let others = self.others_paces(view, self.config.training.steps);
         let times: Vec<f64> = others.iter().map(|p| f64::from(p.step_micros.saturating_sub(p.comm_micros))).collect();
         let fitted = fit.batch(&times, nominal);
-        let size = if fitted < nominal || !self.config.cluster.fit_rebalance {
+        let size = if fitted < nominal || !self.config.sync.fit_rebalance {
             fitted
         } else {
             let shares: Vec<u16> = others.iter().map(|p| p.batch_permille).collect();
@@ -671,7 +671,7 @@ impl Worker {
         let steps = self.config.training.steps;
         let pushed = (g.samples as u32, &g.grads[..], &g.factors[..]);
         let exchange = self.exchange_all(step, &mut run.versions, pushed, &mut run.params, &mut run.feedback);
-        let (version, secs) = if self.config.cluster.overlap && step + 1 < steps {
+        let (version, secs) = if self.config.sync.overlap && step + 1 < steps {
             // Step t+1's gradients, on the parameters of step t-1, while
             // step t's pushes and pulls are on the wire. The owners' clock
             // bound is one lower to pay for it (`SyncPolicy::pipelined`).
@@ -693,7 +693,7 @@ impl Worker {
     }
 
     /// [`StepMode::Gossip`]: a local optimizer step, and every
-    /// `cluster.gossip_every` steps an average with random peers. Returns
+    /// `gossip.every` steps an average with random peers. Returns
     /// the model version (the step count).
     async fn gossip_step(
         &self,
@@ -705,7 +705,7 @@ impl Worker {
     ) -> anyhow::Result<u64> {
         opt.set_lr(self.config.training.lr_schedule().lr_at(step))?;
         opt.step(&mut run.params, &g.grads)?;
-        if (step + 1).is_multiple_of(self.config.cluster.gossip_every) {
+        if (step + 1).is_multiple_of(self.config.gossip().every) {
             self.gossip_average(routing, step, &mut run.params).await?;
         }
         Ok(step + 1)
@@ -788,7 +788,7 @@ impl Worker {
 
     /// The step after `step`, whose exchange reached model `version`. Under
     /// BSP the version after a round is the next step. A worker whose push
-    /// was dropped (`cluster.backup_workers`) pulled the rounds applied
+    /// was dropped (`sync.backup_workers`) pulled the rounds applied
     /// without it, and trains for the round in progress.
     fn next_step(&self, step: u64, version: u64) -> u64 {
         if !(self.backup_mode() && version > step + 1) {
@@ -889,13 +889,13 @@ impl Worker {
             self.status.record(StatusEvent::FittedBatch { samples: indices.len(), nominal });
         }
         let started = Instant::now();
-        let factored = self.config.cluster.compression.push == PushCompression::Sfb;
+        let factored = self.config.compression.push == PushCompression::Sfb;
         let slow = self.faults.slowdown() > 1.0;
         let mut g =
             self.trainer.gradients(indices, factored, slow).await.with_context(|| format!("step {step}: gradients"))?;
         if let Some(m) = momentum.as_mut() {
             // Push the moving average of the gradients (worker momentum).
-            let b = self.config.cluster.worker_momentum;
+            let b = self.config.aggregation.worker_momentum;
             if m.is_empty() {
                 m.extend_from_slice(&g.grads);
             } else {
@@ -904,7 +904,7 @@ impl Worker {
             g.grads.copy_from_slice(m);
         }
         // Fault injection: this node plays a bad peer (none by default).
-        self.config.cluster.fault_byzantine.corrupt(step, &mut g.grads);
+        self.config.faults.byzantine.corrupt(step, &mut g.grads);
         if slow {
             // Fault injection: this node plays a slower machine. What is
             // stretched is the trainer thread's CPU time where it is known,
@@ -946,10 +946,10 @@ impl Worker {
     /// once, not at the next heartbeat: a slow owner keeps its shards until
     /// most reports about it say so.
     fn after_exchange(&self, step: u64, feedback: &ErrorFeedback, last: &mut ReportClock) {
-        if self.config.cluster.compression.push.is_lossy() {
+        if self.config.compression.push.is_lossy() {
             self.status.record(StatusEvent::ResidualBytes(feedback.bytes()));
         }
-        if !self.config.cluster.elastic {
+        if !self.config.roles.elastic {
             return;
         }
         let heartbeat = Duration::from_millis(self.config.cluster.heartbeat_ms);
@@ -958,7 +958,7 @@ impl Worker {
         if !due && since.is_some_and(|e| e < heartbeat / 4) {
             return;
         }
-        let forget = self.config.cluster.service_forget_steps;
+        let forget = self.config.roles.service_forget_steps;
         let report = self.service.lock().map(|mut t| t.report(step, forget)).unwrap_or_default();
         let demoting = would_demote(self.me, &report, &last.demoting, last.health);
         let urgent = demoting != last.demoting;
@@ -1095,7 +1095,7 @@ impl Worker {
     ) -> anyhow::Result<u64> {
         let (samples, grads, factors) = pushed;
         let parts = self.plan.split(grads)?;
-        let push = self.config.cluster.compression.push;
+        let push = self.config.compression.push;
         let outgoing = self
             .plan
             .shards()
@@ -1605,9 +1605,9 @@ impl Worker {
         self.status.record(StatusEvent::Bytes { out, r#in });
     }
 
-    /// The encoding this worker asks its pulls in (`cluster.compression.pull`).
+    /// The encoding this worker asks its pulls in (`compression.pull`).
     fn pull_encoding(&self) -> Encoding {
-        self.config.cluster.compression.pull.encoding()
+        self.config.compression.pull.encoding()
     }
 
     /// How long an owner may hold a pull: what is left of the deadline,

@@ -441,7 +441,7 @@ async fn straggler_case(
     use crate::handles::status::RoleView;
 
     let mut cfg = cluster_bench_config(run, args.steps, args.batch_size);
-    cfg.cluster.elastic = elastic;
+    cfg.roles.elastic = elastic;
     let mut spec = ClusterSpec::new(4, cfg);
     spec.overrides = vec![NodeOverride::default(); 4];
     spec.overrides[3].fault_delay_ms = Some(delay_ms);
@@ -468,13 +468,13 @@ async fn straggler_case(
     })
 }
 
-/// `cluster.fit_batch` in a slow-worker case.
+/// `sync.fit_batch` in a slow-worker case.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fit {
     Off,
     /// The slow worker's batch shrinks; the round is that much shorter.
     Shrink,
-    /// And the others take on what it sheds (`cluster.fit_rebalance`).
+    /// And the others take on what it sheds (`sync.fit_rebalance`).
     Rebalance,
 }
 
@@ -498,10 +498,10 @@ async fn slow_worker_case(
     use crate::cluster::{Cluster, ClusterSpec, NodeOverride};
 
     let mut cfg = cluster_bench_config(run, args.steps, args.batch_size);
-    cfg.cluster.sync = sync;
-    cfg.cluster.fit_batch = fit != Fit::Off;
-    cfg.cluster.fit_rebalance = fit == Fit::Rebalance;
-    cfg.cluster.backup_workers = backup_workers;
+    cfg.sync.policy = sync;
+    cfg.sync.fit_batch = fit != Fit::Off;
+    cfg.sync.fit_rebalance = fit == Fit::Rebalance;
+    cfg.sync.backup_workers = backup_workers;
     let mut spec = ClusterSpec::new(4, cfg);
     spec.overrides = vec![NodeOverride::default(); 4];
     spec.overrides[3].slowdown = Some(slowdown);
@@ -706,10 +706,10 @@ async fn aggregators_case(
 
     let mut cfg = cluster_bench_config(run, args.steps, args.batch_size);
     cfg.training.mlp_hidden = Some(args.hidden.clone());
-    cfg.cluster.aggregators = aggregators;
-    cfg.cluster.start_aggregators = start;
-    cfg.cluster.explore_window_steps = args.window;
-    cfg.cluster.fault_serve_mbps = args.serve_mbps;
+    cfg.roles.aggregators = aggregators;
+    cfg.roles.start_aggregators = start;
+    cfg.roles.explore_window_steps = args.window;
+    cfg.faults.serve_mbps = args.serve_mbps;
     let reports = Cluster::start(&ClusterSpec::new(4, cfg)).await?.wait().await?;
     let secs =
         reports.iter().filter_map(|r| r.status.as_ref().map(|s| s.compute_secs + s.comm_secs)).fold(0.0f64, f64::max);

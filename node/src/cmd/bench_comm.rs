@@ -359,15 +359,15 @@ impl CommBench {
         cfg.training.threads = Some(self.threads);
         cfg.cluster.heartbeat_ms = 100;
         // Fixed owners: every case moves the same shards between the same nodes.
-        cfg.cluster.elastic = false;
-        cfg.cluster.sync = case.sync;
-        cfg.cluster.overlap = case.overlap;
-        cfg.cluster.local_steps = case.local_steps;
-        cfg.cluster.compression = CompressionConfig { push: case.push, pull: case.pull };
-        cfg.cluster.link_mbps = mbps;
-        cfg.cluster.link_latency_ms = if mbps > 0.0 { self.args.latency_ms } else { 0.0 };
+        cfg.roles.elastic = false;
+        cfg.sync.policy = case.sync;
+        cfg.sync.overlap = case.overlap;
+        cfg.local_steps = crate::config::LocalStepsConfig::per_round(case.local_steps);
+        cfg.compression = CompressionConfig { push: case.push, pull: case.pull };
+        cfg.faults.link_mbps = mbps;
+        cfg.faults.link_latency_ms = if mbps > 0.0 { self.args.latency_ms } else { 0.0 };
         if case.match_comm {
-            cfg.cluster.slowdown = slowdown;
+            cfg.faults.slowdown = slowdown;
         }
         cfg
     }

@@ -89,13 +89,13 @@ fn config(args: &BenchExchangeArgs, hidden: usize, run: &str, compression: Compr
     cfg.cluster.shards = args.shards;
     // Every node owns shards from the start, as every rank reduces a part
     // in a ring all-reduce.
-    cfg.cluster.aggregators = Aggregators::All;
+    cfg.roles.aggregators = Aggregators::All;
     cfg.cluster.heartbeat_ms = 100;
-    cfg.cluster.compression = compression;
+    cfg.compression = compression;
     // One sample's gradient differs from the next by orders of magnitude
     // in norm, which the default norm check (BSP) would take for an attack:
     // off, so every push counts, as in an all-reduce.
-    cfg.cluster.norm_check = Some(0.0);
+    cfg.aggregation.norm_check = Some(0.0);
     cfg
 }
 

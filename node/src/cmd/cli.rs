@@ -344,6 +344,10 @@ pub struct NodeArgs {
     /// Write shard checkpoints into this folder, and resume from it after a full stop.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
+    /// Print the config that the file, the profile and these flags make,
+    /// every key with its value (the defaults included), and exit.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 /// `shoal demo`.
@@ -561,9 +565,9 @@ pub struct BenchStragglerArgs {
     #[arg(long, default_value_t = 5.0)]
     pub slowdown: f64,
     /// A slow worker instead of a slow owner: node3 computes --slowdown
-    /// times slower; BSP waiting for it against `cluster.fit_batch` (shrink
+    /// times slower; BSP waiting for it against `sync.fit_batch` (shrink
     /// only, and rebalanced over the other workers), DSSP, and one backup
-    /// worker (`cluster.backup_workers`).
+    /// worker (`sync.backup_workers`).
     #[arg(long)]
     pub worker: bool,
     /// Also write the numbers as JSON to this file.

@@ -32,13 +32,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     base.training.lr = args.lr.or((args.local_steps <= 1).then_some(DEMO_LR));
     base.training.lr_decay = args.lr_decay;
     base.training.seed = args.seed;
-    base.cluster.sync = args.sync;
+    base.sync.policy = args.sync;
     base.cluster.mode = args.mode;
     base.cluster.shards = args.shards;
-    base.cluster.compression.push = args.compress_push;
-    base.cluster.compression.pull = args.compress_pull;
-    base.cluster.overlap = args.overlap;
-    base.cluster.local_steps = args.local_steps;
+    base.compression.push = args.compress_push;
+    base.compression.pull = args.compress_pull;
+    base.sync.overlap = args.overlap;
+    base.local_steps = crate::config::LocalStepsConfig::per_round(args.local_steps);
     base.cluster.start_timeout_ms = 30_000;
     // The nodes share this host: each gets its share (or --threads).
     let threads = crate::ops::threads::resolve(args.threads, args.nodes);

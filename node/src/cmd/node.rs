@@ -1,96 +1,179 @@
 //! `shoal node`: one node of a real deployment.
 
 use crate::cmd::cli::NodeArgs;
-use crate::config::NodeConfig;
+use anyhow::Context;
+
+use crate::config::{LocalStepsConfig, NodeConfig};
 use crate::node::{load_identity, start};
 
-/// Apply command-line overrides on top of the file (or defaults).
+/// One flag of `shoal node` and the one config path it sets (it wins over
+/// the file and the profile). `docs/operations.md`, "Flags and the keys
+/// they set", lists this table; a test holds the two together.
+#[derive(Debug)]
+pub struct Flag {
+    pub flag: &'static str,
+    pub path: &'static str,
+    apply: fn(&NodeArgs, &mut NodeConfig),
+}
+
+/// Set `$field` to the flag's value when the flag was given.
+macro_rules! set {
+    ($field:expr, $val:expr) => {
+        if let Some(v) = $val.clone() {
+            $field = v;
+        }
+    };
+}
+
+/// Every flag of `shoal node` but `--config`, in `--help` order.
+pub const FLAGS: &[Flag] = &[
+    Flag { flag: "--profile", path: "profile", apply: |a, c| c.profile = a.profile.or(c.profile) },
+    Flag { flag: "--run-id", path: "run_id", apply: |a, c| set!(c.run_id, a.run_id) },
+    Flag { flag: "--name", path: "name", apply: |a, c| c.name = a.name.clone().or(c.name.take()) },
+    Flag { flag: "--identity", path: "identity", apply: |a, c| c.identity = a.identity.clone().or(c.identity.take()) },
+    Flag {
+        flag: "--listen",
+        path: "network.listen",
+        apply: |a, c| {
+            if !a.listen.is_empty() {
+                c.network.listen = a.listen.clone();
+            }
+        },
+    },
+    Flag {
+        flag: "--bootstrap",
+        path: "cluster.bootstrap",
+        apply: |a, c| {
+            if !a.bootstrap.is_empty() {
+                c.cluster.bootstrap = a.bootstrap.clone();
+            }
+        },
+    },
+    Flag { flag: "--no-mdns", path: "network.discovery.mdns", apply: |a, c| c.network.discovery.mdns &= !a.no_mdns },
+    Flag {
+        flag: "--relay",
+        path: "network.discovery.relays",
+        apply: |a, c| {
+            if !a.relay.is_empty() {
+                let d = &mut c.network.discovery;
+                d.relays = a.relay.clone();
+                // A relay is of no use without being its client, and a
+                // relayed connection is upgraded to a direct one when it can.
+                d.relay_client = true;
+                d.dcutr = true;
+            }
+        },
+    },
+    Flag {
+        flag: "--relay-server",
+        path: "network.discovery.relay_server",
+        apply: |a, c| c.network.discovery.relay_server |= a.relay_server,
+    },
+    Flag { flag: "--model", path: "training.model", apply: |a, c| set!(c.training.model, a.model) },
+    Flag { flag: "--dataset", path: "training.dataset", apply: |a, c| set!(c.training.dataset, a.dataset) },
+    Flag {
+        flag: "--data-dir",
+        path: "training.data_dir",
+        apply: |a, c| c.training.data_dir = a.data_dir.clone().or(c.training.data_dir.take()),
+    },
+    Flag { flag: "--batch-size", path: "training.batch_size", apply: |a, c| set!(c.training.batch_size, a.batch_size) },
+    Flag { flag: "--optimizer", path: "training.optimizer", apply: |a, c| set!(c.training.optimizer, a.optimizer) },
+    Flag { flag: "--lr", path: "training.lr", apply: |a, c| c.training.lr = a.lr.or(c.training.lr) },
+    Flag { flag: "--lr-decay", path: "training.lr_decay", apply: |a, c| set!(c.training.lr_decay, a.lr_decay) },
+    Flag { flag: "--seed", path: "training.seed", apply: |a, c| set!(c.training.seed, a.seed) },
+    Flag { flag: "--steps", path: "training.steps", apply: |a, c| set!(c.training.steps, a.steps) },
+    Flag { flag: "--device", path: "training.device", apply: |a, c| set!(c.training.device, a.device) },
+    Flag { flag: "--mode", path: "cluster.mode", apply: |a, c| set!(c.cluster.mode, a.mode) },
+    Flag { flag: "--sync", path: "sync.policy", apply: |a, c| set!(c.sync.policy, a.sync) },
+    Flag { flag: "--min-peers", path: "cluster.min_peers", apply: |a, c| set!(c.cluster.min_peers, a.min_peers) },
+    Flag { flag: "--shards", path: "cluster.shards", apply: |a, c| set!(c.cluster.shards, a.shards) },
+    Flag {
+        flag: "--can-aggregate",
+        path: "cluster.can_aggregate",
+        apply: |a, c| set!(c.cluster.can_aggregate, a.can_aggregate),
+    },
+    Flag {
+        flag: "--heartbeat-ms",
+        path: "cluster.heartbeat_ms",
+        apply: |a, c| set!(c.cluster.heartbeat_ms, a.heartbeat_ms),
+    },
+    Flag {
+        flag: "--failure-timeout-ms",
+        path: "cluster.failure_timeout_ms",
+        apply: |a, c| set!(c.cluster.failure_timeout_ms, a.failure_timeout_ms),
+    },
+    Flag {
+        flag: "--start-timeout-ms",
+        path: "cluster.start_timeout_ms",
+        apply: |a, c| set!(c.cluster.start_timeout_ms, a.start_timeout_ms),
+    },
+    Flag { flag: "--elastic", path: "roles.elastic", apply: |a, c| set!(c.roles.elastic, a.elastic) },
+    Flag { flag: "--aggregators", path: "roles.aggregators", apply: |a, c| set!(c.roles.aggregators, a.aggregators) },
+    Flag {
+        flag: "--start-aggregators",
+        path: "roles.start_aggregators",
+        apply: |a, c| set!(c.roles.start_aggregators, a.start_aggregators),
+    },
+    Flag { flag: "--replicas", path: "roles.replicas", apply: |a, c| set!(c.roles.replicas, a.replicas) },
+    Flag {
+        flag: "--replica-every",
+        path: "roles.replica_every",
+        apply: |a, c| set!(c.roles.replica_every, a.replica_every),
+    },
+    Flag { flag: "--fault-delay-ms", path: "faults.delay_ms", apply: |a, c| set!(c.faults.delay_ms, a.fault_delay_ms) },
+    Flag { flag: "--slowdown", path: "faults.slowdown", apply: |a, c| set!(c.faults.slowdown, a.slowdown) },
+    Flag {
+        flag: "--fault-serve-mbps",
+        path: "faults.serve_mbps",
+        apply: |a, c| set!(c.faults.serve_mbps, a.fault_serve_mbps),
+    },
+    Flag { flag: "--overlap", path: "sync.overlap", apply: |a, c| set!(c.sync.overlap, a.overlap) },
+    Flag {
+        flag: "--local-steps",
+        path: "local_steps.steps",
+        apply: |a, c| {
+            if let Some(h) = a.local_steps {
+                // The file's outer optimizer stays; 1 means no local steps.
+                let outer = c.local_steps.unwrap_or(LocalStepsConfig::every(h));
+                c.local_steps = LocalStepsConfig::per_round(h).map(|_| LocalStepsConfig { steps: h, ..outer });
+            }
+        },
+    },
+    Flag { flag: "--link-mbps", path: "faults.link_mbps", apply: |a, c| set!(c.faults.link_mbps, a.link_mbps) },
+    Flag {
+        flag: "--link-latency-ms",
+        path: "faults.link_latency_ms",
+        apply: |a, c| set!(c.faults.link_latency_ms, a.link_latency_ms),
+    },
+    Flag { flag: "--aggregation", path: "aggregation.rule", apply: |a, c| set!(c.aggregation.rule, a.aggregation) },
+    Flag {
+        flag: "--norm-check",
+        path: "aggregation.norm_check",
+        apply: |a, c| c.aggregation.norm_check = a.norm_check.or(c.aggregation.norm_check),
+    },
+    Flag {
+        flag: "--fault-byzantine",
+        path: "faults.byzantine",
+        apply: |a, c| set!(c.faults.byzantine, a.fault_byzantine),
+    },
+    Flag { flag: "--compress-push", path: "compression.push", apply: |a, c| set!(c.compression.push, a.compress_push) },
+    Flag { flag: "--compress-pull", path: "compression.pull", apply: |a, c| set!(c.compression.pull, a.compress_pull) },
+    Flag { flag: "--http", path: "http.listen", apply: |a, c| set!(c.http.listen, a.http) },
+    Flag { flag: "--control", path: "http.control", apply: |a, c| c.http.control |= a.control },
+    Flag { flag: "--output", path: "output", apply: |a, c| c.output = a.output.clone().or(c.output.take()) },
+    Flag {
+        flag: "--checkpoint-dir",
+        path: "checkpoint.dir",
+        apply: |a, c| c.checkpoint.dir = a.checkpoint_dir.clone().or(c.checkpoint.dir.take()),
+    },
+];
+
+/// The file (or the defaults) under its profile, then every flag given on
+/// top (see [`FLAGS`]), checked.
 pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
     let mut c = NodeConfig::load(args.config.as_deref(), args.profile)?;
-    macro_rules! set {
-        ($field:expr, $val:expr) => {
-            if let Some(v) = $val.clone() {
-                $field = v;
-            }
-        };
-    }
-    set!(c.run_id, args.run_id);
-    if args.name.is_some() {
-        c.name = args.name.clone();
-    }
-    if args.identity.is_some() {
-        c.identity = args.identity.clone();
-    }
-    if !args.listen.is_empty() {
-        c.network.listen = args.listen.clone();
-    }
-    if !args.bootstrap.is_empty() {
-        c.cluster.bootstrap = args.bootstrap.clone();
-    }
-    if args.no_mdns {
-        c.network.discovery.mdns = false;
-    }
-    if !args.relay.is_empty() {
-        let d = &mut c.network.discovery;
-        d.relays = args.relay.clone();
-        d.relay_client = true;
-        d.dcutr = true;
-    }
-    if args.relay_server {
-        c.network.discovery.relay_server = true;
-    }
-    let t = &mut c.training;
-    set!(t.model, args.model);
-    set!(t.dataset, args.dataset);
-    if args.data_dir.is_some() {
-        t.data_dir = args.data_dir.clone();
-    }
-    set!(t.batch_size, args.batch_size);
-    set!(t.optimizer, args.optimizer);
-    if args.lr.is_some() {
-        t.lr = args.lr;
-    }
-    set!(t.lr_decay, args.lr_decay);
-    set!(t.seed, args.seed);
-    set!(t.steps, args.steps);
-    set!(t.device, args.device);
-    let k = &mut c.cluster;
-    set!(k.mode, args.mode);
-    set!(k.sync, args.sync);
-    set!(k.min_peers, args.min_peers);
-    set!(k.shards, args.shards);
-    set!(k.can_aggregate, args.can_aggregate);
-    set!(k.heartbeat_ms, args.heartbeat_ms);
-    set!(k.failure_timeout_ms, args.failure_timeout_ms);
-    set!(k.start_timeout_ms, args.start_timeout_ms);
-    set!(k.elastic, args.elastic);
-    set!(k.aggregators, args.aggregators);
-    set!(k.start_aggregators, args.start_aggregators);
-    set!(k.replicas, args.replicas);
-    set!(k.replica_every, args.replica_every);
-    set!(k.fault_delay_ms, args.fault_delay_ms);
-    set!(k.slowdown, args.slowdown);
-    set!(k.fault_serve_mbps, args.fault_serve_mbps);
-    set!(k.overlap, args.overlap);
-    set!(k.local_steps, args.local_steps);
-    set!(k.link_mbps, args.link_mbps);
-    set!(k.link_latency_ms, args.link_latency_ms);
-    set!(k.aggregation, args.aggregation);
-    if args.norm_check.is_some() {
-        k.norm_check = args.norm_check;
-    }
-    set!(k.fault_byzantine, args.fault_byzantine);
-    set!(k.compression.push, args.compress_push);
-    set!(k.compression.pull, args.compress_pull);
-    set!(c.http.listen, args.http);
-    if args.checkpoint_dir.is_some() {
-        c.checkpoint.dir = args.checkpoint_dir.clone();
-    }
-    if args.output.is_some() {
-        c.output = args.output.clone();
-    }
-    if args.control {
-        c.http.control = true;
+    for flag in FLAGS {
+        (flag.apply)(args, &mut c);
     }
     c.validate()?;
     Ok(c)
@@ -107,6 +190,10 @@ macro_rules! say {
 
 pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     let config = resolve(&args)?;
+    if args.print_config {
+        say!("{}", toml::to_string(&config).context("writing the config as TOML")?);
+        return Ok(());
+    }
     let open: Vec<String> = config.network.open_listeners().iter().map(ToString::to_string).collect();
     let keypair = load_identity(config.identity.as_deref())?;
     // This process is one node: it gets `training.threads`, or every core.
@@ -185,5 +272,131 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+    use crate::cmd::cli::{Cli, Command};
+
+    /// `shoal node ARGS...` parsed as the binary parses it.
+    fn node_args(args: &[&str]) -> anyhow::Result<NodeArgs> {
+        let cli = Cli::try_parse_from(["shoal", "node"].iter().chain(args))?;
+        match cli.command {
+            Command::Node(args) => Ok(*args),
+            _ => anyhow::bail!("not the node command"),
+        }
+    }
+
+    #[test]
+    fn every_flag_of_shoal_node_is_in_the_table_once() {
+        let cmd = Cli::command();
+        let node = cmd.find_subcommand("node").cloned().unwrap_or_default();
+        let clap: BTreeSet<String> = node
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+            .filter(|l| !["--config", "--print-config", "--help"].contains(&l.as_str()))
+            .collect();
+        let table: Vec<&str> = FLAGS.iter().map(|f| f.flag).collect();
+        let unique: BTreeSet<String> = table.iter().map(|f| f.to_string()).collect();
+        assert_eq!(unique.len(), table.len(), "a flag is in FLAGS twice");
+        assert_eq!(unique, clap, "FLAGS and the flags of `shoal node` differ");
+    }
+
+    #[test]
+    fn the_docs_list_exactly_the_flags_and_their_keys() {
+        let docs = include_str!("../../../docs/operations.md");
+        let section = docs.split_once("### `shoal node` flags").map(|(_, r)| r).unwrap_or_default();
+        let section = section.split("\n#").next().unwrap_or_default();
+        let documented: BTreeSet<(String, String)> = section
+            .lines()
+            .filter_map(|l| {
+                // `\|` is a bar inside a cell (`--model mlp\|cnn`).
+                let l = l.replace("\\|", "/");
+                let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+                let flag = cells.get(1)?.strip_prefix("`--")?.split([' ', '`']).next()?;
+                let path = cells.get(2)?.strip_prefix('`')?.split(['`', ' ']).next()?;
+                Some((format!("--{flag}"), path.to_string()))
+            })
+            .collect();
+        let code: BTreeSet<(String, String)> = FLAGS.iter().map(|f| (f.flag.to_string(), f.path.to_string())).collect();
+        assert_eq!(documented, code, "docs/operations.md's flags table differs from FLAGS");
+    }
+
+    #[test]
+    fn each_flag_sets_the_key_it_names() -> anyhow::Result<()> {
+        let c = resolve(&node_args(&[
+            "--sync",
+            "ssp:2",
+            "--overlap",
+            "true",
+            "--slowdown",
+            "2",
+            "--fault-delay-ms",
+            "7",
+            "--link-mbps",
+            "10",
+            "--aggregators",
+            "3",
+            "--replicas",
+            "1",
+            "--compress-push",
+            "int8",
+            "--norm-check",
+            "0",
+            "--min-peers",
+            "2",
+        ])?)?;
+        assert_eq!(c.sync.policy, crate::policy::sync::SyncPolicy::Ssp { staleness: 2 });
+        assert!(c.sync.overlap);
+        assert_eq!((c.faults.slowdown, c.faults.delay_ms, c.faults.link_mbps), (2.0, 7, 10.0));
+        assert_eq!(c.roles.aggregators, crate::config::Aggregators::Fixed(3));
+        assert_eq!(c.roles.replicas, 1);
+        assert_eq!(c.compression.push, crate::policy::compress::PushCompression::Int8);
+        assert_eq!(c.aggregation.norm_check, Some(0.0));
+        assert_eq!(c.cluster.min_peers, 2);
+        // --local-steps: H > 1 is a [local_steps] table, 1 is none.
+        let c = resolve(&node_args(&["--local-steps", "8"])?)?;
+        assert_eq!(c.local_steps, Some(LocalStepsConfig::every(8)));
+        let c = resolve(&node_args(&["--local-steps", "1"])?)?;
+        assert_eq!(c.local_steps, None);
+        // No flag: the defaults, untouched.
+        assert_eq!(resolve(&node_args(&[])?)?, NodeConfig::default());
+        Ok(())
+    }
+
+    #[test]
+    fn a_flag_wins_over_the_file_and_keeps_the_rest_of_its_table() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("node.toml");
+        std::fs::write(&path, "[local_steps]\nsteps = 4\nouter_lr = 0.5\n[faults]\nslowdown = 3.0\n")?;
+        let file = path.to_string_lossy().to_string();
+        let c = resolve(&node_args(&["--config", &file, "--local-steps", "10", "--link-mbps", "5"])?)?;
+        assert_eq!(c.local_steps.map(|l| (l.steps, l.outer_lr)), Some((10, 0.5)));
+        assert_eq!((c.faults.slowdown, c.faults.link_mbps), (3.0, 5.0));
+        Ok(())
+    }
+
+    #[test]
+    fn the_printed_config_reads_back_as_the_same_config() -> anyhow::Result<()> {
+        let c = resolve(&node_args(&[
+            "--sync",
+            "asp",
+            "--local-steps",
+            "1",
+            "--bootstrap",
+            "/ip4/127.0.0.1/tcp/7000/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+        ])?)?;
+        let text = toml::to_string(&c)?;
+        assert_eq!(NodeConfig::from_toml(&text, None)?, c, "{text}");
+        for table in ["[cluster]", "[sync]", "[roles]", "[aggregation]", "[faults]", "[network]"] {
+            assert!(text.contains(table), "{table} missing from\n{text}");
+        }
+        Ok(())
     }
 }

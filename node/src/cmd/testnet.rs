@@ -20,6 +20,7 @@ pub fn run(args: TestnetRunArgs) -> anyhow::Result<()> {
         "docker" => Backend::Docker { image: args.image },
         other => anyhow::bail!("unknown backend `{other}`: processes or docker"),
     };
+    node_configs_parse(&Scenario::from_file(&args.scenario)?)?;
     let stop = Arc::new(AtomicBool::new(false));
     watch_for_stop(stop.clone())?;
     let opts = RunOptions {
@@ -66,9 +67,27 @@ fn watch_for_stop(stop: Arc<AtomicBool>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuse a scenario whose node configs a node would refuse (an unknown
+/// key, or a key that moved to its own table) before any node starts:
+/// `[node_config]`, and each node's `[node.config]` merged over it.
+fn node_configs_parse(s: &Scenario) -> anyhow::Result<()> {
+    let mut configs = vec![("node_config".to_string(), s.node_config.clone())];
+    for (index, spec) in &s.overrides {
+        let mut merged = s.node_config.clone();
+        shoal_testnet::layers::merge_tables(&mut merged, spec.config.clone());
+        configs.push((format!("node_config with [node.config] of node {index}"), merged));
+    }
+    for (what, table) in configs {
+        crate::config::NodeConfig::from_toml(&toml::to_string(&table)?, None)
+            .map_err(|e| anyhow::anyhow!("{what}: {e:#}"))?;
+    }
+    Ok(())
+}
+
 #[allow(clippy::print_stdout)] // The command's own output.
 pub fn check(path: &Path) -> anyhow::Result<()> {
     let s = Scenario::from_file(path)?;
+    node_configs_parse(&s)?;
     println!("{}: {} nodes, run `{}`, time limit {} s", path.display(), s.nodes, s.run_id, s.time_limit.as_secs());
     for e in &s.events {
         println!("  at {:>6.1} s (line {}): {}", e.at_secs, e.line, e.action);

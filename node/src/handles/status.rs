@@ -55,7 +55,7 @@ pub struct StatusSnapshot {
     pub push_latency_ms: Option<f64>,
     pub pull_latency_ms: Option<f64>,
     /// Seconds of step time spent computing gradients vs. communicating
-    /// (with `cluster.overlap` the two run at once, so their sum exceeds
+    /// (with `sync.overlap` the two run at once, so their sum exceeds
     /// `step_secs`).
     pub compute_secs: f64,
     pub comm_secs: f64,
@@ -117,26 +117,26 @@ pub struct StatusSnapshot {
     pub checkpoint_versions: BTreeMap<u32, u64>,
     /// Resumed from checkpoints after a full stop: the step the run went on from.
     pub resumed_at_step: Option<u64>,
-    /// This node's push and pull encodings (`cluster.compression`; empty
+    /// This node's push and pull encodings (`compression`; empty
     /// before training starts).
     pub compress_push: String,
     pub compress_pull: String,
     /// Memory held by error feedback's residuals (a lossy push encoding).
     pub residual_bytes: u64,
     /// Steps whose next gradients were computed while their exchange was in
-    /// flight (`cluster.overlap`).
+    /// flight (`sync.overlap`).
     pub overlapped_steps: u64,
     /// Steps trained on a batch fitted below the step's own batch
-    /// (`cluster.fit_batch`), the samples they held, and the samples they
+    /// (`sync.fit_batch`), the samples they held, and the samples they
     /// skipped.
     pub fitted_steps: u64,
     pub fitted_samples: u64,
     pub shed_samples: u64,
     /// Steps trained on a batch grown to take on what fitted workers shed
-    /// (`cluster.fit_rebalance`), and the samples added.
+    /// (`sync.fit_rebalance`), and the samples added.
     pub grown_steps: u64,
     pub grown_samples: u64,
-    /// Backup workers (`cluster.backup_workers`): samples whose gradients
+    /// Backup workers (`sync.backup_workers`): samples whose gradients
     /// missed their round and were dropped (a step counts in the share of
     /// the model whose pushes were dropped), and the steps skipped to catch
     /// up with the round in progress.
@@ -252,16 +252,16 @@ pub enum StatusEvent {
     },
     ResidualBytes(u64),
     /// A step whose next gradients were computed while its exchange was in
-    /// flight (`cluster.overlap`).
+    /// flight (`sync.overlap`).
     Overlapped,
     /// A step trained on `samples` instead of its own batch of `nominal`
-    /// (`cluster.fit_batch`: fewer, fitted; or more, grown).
+    /// (`sync.fit_batch`: fewer, fitted; or more, grown).
     FittedBatch {
         samples: usize,
         nominal: usize,
     },
     /// A step's pushes missed their rounds on some shards and were dropped
-    /// (`cluster.backup_workers`): its samples in the share of the model
+    /// (`sync.backup_workers`): its samples in the share of the model
     /// they covered.
     DroppedPushes {
         samples: f64,

@@ -13,7 +13,7 @@ pub struct Gradients {
     pub samples: usize,
     pub grads: Vec<f32>,
     /// The fully connected layers' weight gradients as their sufficient
-    /// factors, when asked for (`cluster.compression.push = "sfb"`).
+    /// factors, when asked for (`compression.push = "sfb"`).
     pub factors: Vec<LayerFactors>,
     /// The CPU time the trainer's thread spent on them, when asked for,
     /// the OS reports it, and the work ran on that one thread (the CPU

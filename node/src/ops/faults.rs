@@ -8,13 +8,13 @@
 //! - `serve_mbps`: the shard states this node sends as an owner leave over
 //!   one link of this many Mbit/s, each queued behind the previous one (an
 //!   owner on a slow uplink: its serving time grows with its load);
-//! - `link`: this node's own link to its peers (`cluster.link_mbps`,
-//!   `cluster.link_latency_ms`), in both directions: what it sends (pushes,
+//! - `link`: this node's own link to its peers (`faults.link_mbps`,
+//!   `faults.link_latency_ms`), in both directions: what it sends (pushes,
 //!   and the answers it serves) leaves over an uplink of that rate, queued,
 //!   and arrives one latency later; what it receives (pulled parameters,
 //!   pushed gradients) comes in over a downlink of the same rate. An edge
 //!   board on a home link, for tests and benchmarks;
-//! - [`Byzantine`] (`cluster.fault_byzantine`, read by the worker): this node's
+//! - [`Byzantine`] (`faults.byzantine`, read by the worker): this node's
 //!   pushed gradients are scaled, sign-flipped or random (a bad peer, for
 //!   the robust-aggregation tests).
 
@@ -197,7 +197,7 @@ impl Faults {
 
     /// `mbps` must be finite and non-negative; 0 turns the emulated link off.
     pub fn set_serve_mbps(&self, mbps: f64) -> Result<(), String> {
-        self.serve.set_mbps(mbps, "fault_serve_mbps")
+        self.serve.set_mbps(mbps, "serve_mbps")
     }
 
     /// The emulated serving uplink in Mbit/s (0: none).

@@ -1,5 +1,5 @@
 //! What a node sends on the wire: the encoding of its gradient pushes and
-//! of the parameters it pulls (`cluster.compression`), and error feedback
+//! of the parameters it pulls (`compression`), and error feedback
 //! for the lossy push encodings.
 //!
 //! Each node chooses for itself: an edge board on a slow link may push
@@ -30,7 +30,7 @@ use shoal_models::LayerFactors;
 use shoal_protocol::payload::DEFAULT_INT8_BLOCK;
 use shoal_protocol::{Encoding, FactorBlock, Payload, ProtocolError};
 
-/// How a worker encodes its gradient pushes (`cluster.compression.push`).
+/// How a worker encodes its gradient pushes (`compression.push`).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum PushCompression {
@@ -120,7 +120,7 @@ impl TryFrom<String> for PushCompression {
 }
 
 /// How a worker asks for the parameters it pulls
-/// (`cluster.compression.pull`). The owner keeps f32 and encodes each
+/// (`compression.pull`). The owner keeps f32 and encodes each
 /// answer as asked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
@@ -176,7 +176,7 @@ impl TryFrom<String> for PullCompression {
     }
 }
 
-/// `cluster.compression`: this node's choice, not part of the run's config
+/// `compression`: this node's choice, not part of the run's config
 /// hash (nodes of one run may choose differently).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

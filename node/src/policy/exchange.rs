@@ -31,7 +31,7 @@ use crate::policy::sync::SyncPolicy;
 pub struct Exchanged<V> {
     pub version: u64,
     pub params: V,
-    /// The push missed its round and was dropped (`cluster.backup_workers`).
+    /// The push missed its round and was dropped (`sync.backup_workers`).
     pub dropped: bool,
 }
 

@@ -1,4 +1,4 @@
-//! A slow worker under BSP (`cluster.fit_batch`): every round waits for the
+//! A slow worker under BSP (`sync.fit_batch`): every round waits for the
 //! slowest worker's gradient, so one machine computing 4x slower holds the
 //! whole cluster at a quarter of its speed. Instead, the slow worker trains
 //! on a smaller batch, sized so that its step computes in about the time
@@ -67,7 +67,7 @@ pub const MIN_FRACTION: f64 = 1.0 / 16.0;
 pub const WARMUP_STEPS: u32 = 5;
 
 /// The most a worker that keeps its full batch grows it to take on the
-/// samples the fitted workers shed (`cluster.fit_rebalance`), as a multiple
+/// samples the fitted workers shed (`sync.fit_rebalance`), as a multiple
 /// of its own batch: with most of a cluster slow, the few fast workers
 /// would otherwise train on many times their batch and set a pace the slow
 /// ones fit themselves down to.
@@ -75,7 +75,7 @@ pub const MAX_GROWTH: f64 = shoal_protocol::MAX_BATCH_PERMILLE as f64 / 1000.0;
 
 /// How many samples a worker that keeps its full batch (`nominal`) trains
 /// on when the other workers' last steps trained on `others_permille`
-/// thousandths of theirs (`cluster.fit_rebalance`): the samples the fitted
+/// thousandths of theirs (`sync.fit_rebalance`): the samples the fitted
 /// workers (below 1000) shed, spread evenly over the workers that are not
 /// fitted (this one, the others at 1000 or above, and those not measured
 /// yet, at 0), so that a round holds the configured global batch. The

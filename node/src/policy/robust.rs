@@ -3,14 +3,14 @@
 //! count, and how a round's gradients are combined. Pure: slices in, a
 //! vector and the rejected contributions out. No tokio, no libp2p.
 //!
-//! - **Norm check** (`cluster.norm_check = K`; default 50 under BSP and
+//! - **Norm check** (`aggregation.norm_check = K`; default 50 under BSP and
 //!   off under the other policies; 0 turns it off):
 //!   a gradient whose L2 norm exceeds K times the median norm of its round
 //!   (BSP) or of the last [`WINDOW`] accepted pushes (SSP, DSSP, ASP, after
 //!   the shard's first [`WARMUP`] pushes) is rejected. It needs 3 or more
 //!   norms to compare with, so in BSP it never fires with fewer than 3
 //!   workers.
-//! - **Rule** (`cluster.aggregation`), BSP only:
+//! - **Rule** (`aggregation.rule`), BSP only:
 //!   - `mean`: the sample-weighted mean, as before;
 //!   - `trimmed_mean:F`: per coordinate, drop the `floor(F * n)` largest and
 //!     smallest values and average the rest (unweighted);

@@ -84,7 +84,7 @@ impl SyncPolicy {
     }
 
     /// The owners' policy when every worker computes one step ahead of its
-    /// exchanges (`cluster.overlap`): the same policy with its clock bound
+    /// exchanges (`sync.overlap`): the same policy with its clock bound
     /// one lower. A pipelined worker computes step t+1 on the parameters it
     /// pulled after step t-1, one step staler than without overlap; the
     /// tighter gate on that pull keeps the parameters it computes on within
