@@ -13,7 +13,9 @@ use shoal_models::{
 };
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
-use shoal_protocol::{build_swarm, Capabilities, Device, Heartbeat, ProtocolConfig, Role, RunId, ValidationContext};
+use shoal_protocol::{
+    build_swarm_with, Capabilities, Device, Heartbeat, ProtocolConfig, Role, RunId, ValidationContext,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -36,6 +38,7 @@ use crate::handles::net::{ModelSnapshot, NetworkHandle, Routes};
 use crate::handles::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
 use crate::handles::trainer::TrainerHandle;
 use crate::ops::logging::short;
+use crate::ops::tasks::NodeTasks;
 use crate::policy::backoff::Backoff;
 use crate::policy::explore::ExplorePolicy;
 use crate::policy::health::ServiceTracker;
@@ -128,6 +131,8 @@ pub struct RunningNode {
     /// Fault injection, live (what `/control/fault` sets).
     pub faults: Arc<crate::ops::faults::Faults>,
     leave: LeaveSwitch,
+    /// Every task the node spawned but its own.
+    tasks: NodeTasks,
 }
 
 impl RunningNode {
@@ -141,11 +146,20 @@ impl RunningNode {
     pub fn leave_switch(&self) -> LeaveSwitch {
         self.leave.clone()
     }
-    /// Crash the node: stop its training task and close every connection at
-    /// once, with no handoff (tests and testnets use this as a kill).
+    /// Crash the node: stop its training task and every task it spawned,
+    /// closing every connection and port at once, with no handoff (tests
+    /// and testnets use this as a kill). Returns once all have ended.
     pub async fn kill(self) {
         self.task.abort();
-        self.net.shutdown().await;
+        // Resolves once the node task is dropped (its guard stops the rest).
+        let _ = self.task.await;
+        self.tasks.shutdown().await;
+    }
+
+    /// Tasks of this node still running, its own task not counted: none
+    /// once its task has ended.
+    pub fn tasks_alive(&self) -> usize {
+        self.tasks.len()
     }
 }
 
@@ -211,7 +225,9 @@ async fn dial_bootstrap(net: &NetworkHandle, peers: &[Multiaddr], within: Durati
 /// Start a node: build its actors (start listening, dial the bootstrap
 /// peers) and spawn the node task, which enters the run, elects, trains and
 /// finishes ([`Node::drive`]). Errors in config, data or bootstrap come back
-/// here; later ones end the task.
+/// here; later ones end the task. However the node ends (it finishes,
+/// leaves, fails, or its task is aborted) every task it spawned ends too,
+/// and the node task returns only once they have: its ports are closed.
 pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<RunningNode> {
     config.validate()?;
     // The memory this node offers for owning shards, resolved once: its
@@ -219,20 +235,37 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
     if config.cluster.memory_bytes == 0 {
         config.cluster.memory_bytes = crate::ops::memory::available_bytes().unwrap_or(0);
     }
-    let Built { node, listen, http, leave } = build(config, keypair).await?;
+    let tasks = NodeTasks::new();
+    let built = build(config, keypair, &tasks).await;
+    let Built { node, listen, http, leave } = match built {
+        Ok(b) => b,
+        Err(e) => {
+            tasks.shutdown().await;
+            return Err(e);
+        }
+    };
     let (peer_id, name, net) = (node.worker.me, node.name.clone(), node.worker.net.clone());
     let (status, faults) = (node.worker.status.clone(), node.worker.faults.clone());
     let progress = node.worker.membership.subscribe_self();
     let placement_view = node.election.clone();
     let status_for_task = status.clone();
+    let owned = tasks.clone();
+    // Not one of `tasks`: it waits for them.
     let task = tokio::spawn(async move {
+        let _stop_on_abort = owned.stop_on_drop();
         let out = node.drive().await;
         if let Err(e) = &out {
             warn!(error = %format!("{e:#}"), "node failed");
         }
-        let mut report = out?;
-        report.status = status_for_task.snapshot().await;
-        Ok(report)
+        let out = match out {
+            Ok(mut report) => {
+                report.status = status_for_task.snapshot().await;
+                Ok(report)
+            }
+            Err(e) => Err(e),
+        };
+        owned.shutdown().await;
+        out
     });
     Ok(RunningNode {
         peer_id,
@@ -246,6 +279,7 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
         leave,
         http,
         faults,
+        tasks,
     })
 }
 
@@ -312,7 +346,7 @@ struct Identity {
 /// (listening, and connected to a bootstrap peer), status, the checkpoint
 /// writer, membership (gossiping the hash of what this node agrees to), the
 /// aggregator and the HTTP endpoint, wired through one [`Worker`].
-async fn build(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Built> {
+async fn build(config: NodeConfig, keypair: Keypair, tasks: &NodeTasks) -> anyhow::Result<Built> {
     let run = RunId::new(config.run_id.clone()).map_err(|e| anyhow::anyhow!("run_id: {e}"))?;
     let c = &config.cluster;
     let me = keypair.public().to_peer_id();
@@ -320,13 +354,13 @@ async fn build(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Built> {
     let training = open_trainer(&config, &name).await?;
     let agreed = RunAgreement::of(&config, &training.model).hash()?;
     let Network { net, proto, faults, heartbeats, routes, snapshot } =
-        spawn_network(&config, &run, &training, keypair)?;
-    let status = status::spawn(name.clone(), me.to_string(), config.training.steps, c.channel_capacity);
+        spawn_network(&config, &run, &training, keypair, tasks)?;
+    let status = status::spawn(name.clone(), me.to_string(), config.training.steps, c.channel_capacity, tasks);
     let disk = open_checkpoints(&config, &training.model, training.plan.len() as u32, &status, &name).await?;
     let incarnation =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let id = Identity { run, me, incarnation };
-    let membership = spawn_membership(&config, &id, agreed, disk.as_ref(), &net, heartbeats);
+    let membership = spawn_membership(&config, &id, agreed, disk.as_ref(), &net, heartbeats, tasks);
     let listen = connect(c, &proto, &net).await?;
     let (placement, election) = ElectionHandle::channel();
     let aggregator = aggregator::spawn(
@@ -335,8 +369,9 @@ async fn build(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Built> {
         net.clone(),
         election.subscribe(),
         snapshot.subscribe(),
+        tasks,
     );
-    gossip_suspects(&aggregator, &membership);
+    gossip_suspects(&aggregator, &membership, tasks);
     info!(peer = %me, %name, ?listen, "node started");
 
     let (leave_tx, leave_rx) = watch::channel(false);
@@ -359,6 +394,7 @@ async fn build(config: NodeConfig, keypair: Keypair) -> anyhow::Result<Built> {
         leave: leave_rx,
         faults: faults.clone(),
         link: Default::default(),
+        tasks: tasks.clone(),
     };
     let leave = LeaveSwitch::new(leave_tx);
     let http = serve_http(&config, &worker, &leave, &listen).await?;
@@ -398,12 +434,18 @@ async fn open_trainer(config: &NodeConfig, name: &str) -> anyhow::Result<Trainin
 
 /// Build the swarm and spawn the network actor that polls it; warn when
 /// faults are injected or the node accepts any peer.
-fn spawn_network(config: &NodeConfig, run: &RunId, training: &Training, keypair: Keypair) -> anyhow::Result<Network> {
+fn spawn_network(
+    config: &NodeConfig,
+    run: &RunId,
+    training: &Training,
+    keypair: Keypair,
+    tasks: &NodeTasks,
+) -> anyhow::Result<Network> {
     let c = &config.cluster;
     let plan = &training.plan;
     let mut proto = config.network.clone();
     proto.run_id = run.clone();
-    let swarm = build_swarm(&proto, keypair)?;
+    let swarm = build_swarm_with(&proto, keypair, tasks.clone())?;
     let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
         .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
     let faults = Arc::new(config.faults.faults().map_err(|e| anyhow::anyhow!("faults.{e}"))?);
@@ -423,6 +465,7 @@ fn spawn_network(config: &NodeConfig, run: &RunId, training: &Training, keypair:
             optimizer: config.owner_optimizer(),
             faults: faults.clone(),
         },
+        tasks,
     );
     let f = &config.faults;
     if f.delay_ms > 0 || f.slowdown > 1.0 || f.serve_mbps > 0.0 {
@@ -449,6 +492,7 @@ fn spawn_membership(
     disk: Option<&Disk>,
     net: &NetworkHandle,
     heartbeats: mpsc::Receiver<Heartbeat>,
+    tasks: &NodeTasks,
 ) -> MembershipHandle {
     let c = &config.cluster;
     let membership = membership::spawn(
@@ -473,6 +517,7 @@ fn spawn_membership(
         },
         net.clone(),
         heartbeats,
+        tasks,
     );
     // Gossip the configured number of aggregators from the first heartbeat on.
     let initial_aggregators = match config.roles.aggregators {
@@ -535,10 +580,10 @@ fn aggregator_config(
 
 /// The owner's suspects go into this node's heartbeat. The task ends with
 /// the aggregator.
-fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle) {
+fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle, tasks: &NodeTasks) {
     let mut suspects = aggregator.suspects();
     let gossiped = membership.clone();
-    tokio::spawn(async move {
+    tasks.spawn(async move {
         while suspects.changed().await.is_ok() {
             let now = suspects.borrow_and_update().clone();
             gossiped.set_self(|s| s.suspects = now);
@@ -563,6 +608,7 @@ async fn serve_http(
         listen: listen.to_vec(),
         control: config.http.control,
         failure_timeout_ms: config.cluster.failure_timeout_ms,
+        tasks: worker.tasks.clone(),
     };
     Ok(Some(crate::ops::http::serve(addr, state).await?))
 }
@@ -681,6 +727,7 @@ impl Node {
                 },
                 worker.membership.clone(),
                 worker.status.clone(),
+                &worker.tasks,
             );
             let mut rx = self.election.subscribe();
             tokio::time::timeout(Duration::from_millis(c.start_timeout_ms), rx.wait_for(Option::is_some))

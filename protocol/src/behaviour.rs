@@ -453,8 +453,27 @@ fn build_transport(
 
 /// Builds the swarm: validates `cfg`, sets up the transports and behaviours,
 /// and starts listening on `cfg.listen`. The address picks the transport
-/// (`/tcp/` or `/udp/../quic-v1`). Must run inside a tokio runtime.
+/// (`/tcp/` or `/udp/../quic-v1`). Must run inside a tokio runtime; each
+/// connection's task is a detached tokio task.
 pub fn build_swarm(cfg: &ProtocolConfig, keypair: Keypair) -> Result<Swarm<ShoalBehaviour>> {
+    build_swarm_on(cfg, keypair, libp2p::swarm::Config::with_tokio_executor())
+}
+
+/// [`build_swarm`], with each connection's task spawned by `executor` (a
+/// node's own task set, so that its connections end with it).
+pub fn build_swarm_with(
+    cfg: &ProtocolConfig,
+    keypair: Keypair,
+    executor: impl libp2p::swarm::Executor + Send + 'static,
+) -> Result<Swarm<ShoalBehaviour>> {
+    build_swarm_on(cfg, keypair, libp2p::swarm::Config::with_executor(executor))
+}
+
+fn build_swarm_on(
+    cfg: &ProtocolConfig,
+    keypair: Keypair,
+    swarm_cfg: libp2p::swarm::Config,
+) -> Result<Swarm<ShoalBehaviour>> {
     cfg.validate()?;
     let peer_id = keypair.public().to_peer_id();
     let (relay_transport, relay_behaviour) = if cfg.discovery.relay_client {
@@ -465,8 +484,7 @@ pub fn build_swarm(cfg: &ProtocolConfig, keypair: Keypair) -> Result<Swarm<Shoal
     };
     let transport = build_transport(cfg, &keypair, relay_transport)?;
     let behaviour = build_behaviour(cfg, &keypair, relay_behaviour)?;
-    let swarm_cfg = libp2p::swarm::Config::with_tokio_executor()
-        .with_idle_connection_timeout(Duration::from_millis(cfg.timeouts.idle_connection_ms));
+    let swarm_cfg = swarm_cfg.with_idle_connection_timeout(Duration::from_millis(cfg.timeouts.idle_connection_ms));
     let mut swarm = Swarm::new(transport, behaviour, peer_id, swarm_cfg);
     for addr in &cfg.listen {
         if is_quic_addr(addr) && !cfg.quic {

@@ -29,7 +29,9 @@ pub mod payload;
 pub mod validate;
 pub mod wire;
 
-pub use behaviour::{build_swarm, check_peer_version, membership_topic, ShoalBehaviour, ShoalBehaviourEvent};
+pub use behaviour::{
+    build_swarm, build_swarm_with, check_peer_version, membership_topic, ShoalBehaviour, ShoalBehaviourEvent,
+};
 pub use codec::{ShardCodec, SHARD_PROTOCOL};
 pub use config::{Admission, Discovery, Gossip, Limits, ProtocolConfig, Timeouts};
 pub use error::ProtocolError;

@@ -54,6 +54,7 @@ use crate::handles::handoff::{to_wire, ShardState};
 use crate::handles::net::{ModelSnapshot, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::ops::logging::short;
+use crate::ops::tasks::NodeTasks;
 use crate::policy::backoff::Backoff;
 use crate::policy::placement::Placement;
 use crate::policy::robust::Robust;
@@ -134,11 +135,13 @@ pub fn spawn(
     net: NetworkHandle,
     placement: watch::Receiver<Option<Arc<Placement>>>,
     snapshot: watch::Receiver<ModelSnapshot>,
+    tasks: &NodeTasks,
 ) -> AggregatorHandle {
     let (sender, receiver) = mpsc::channel(cfg.capacity.max(1));
     let (held_tx, held) = watch::channel(Held::default());
     let (suspects_tx, suspects) = watch::channel(Vec::new());
     let actor = AggregatorActor {
+        tasks: tasks.clone(),
         held: held_tx,
         suspects: suspects_tx,
         transfers: 0,
@@ -162,11 +165,13 @@ pub fn spawn(
         queueing: BTreeSet::new(),
         cfg,
     };
-    tokio::spawn(actor.run());
+    tasks.spawn(actor.run());
     AggregatorHandle::new(sender, held, suspects)
 }
 
 struct AggregatorActor {
+    /// The node's tasks: the actor, its checkpoint queueing and its handoffs.
+    tasks: NodeTasks,
     cfg: AggregatorConfig,
     /// For spawned transfers and replicas to report back; weak, so the
     /// actor still stops when every handle is dropped.
@@ -399,7 +404,7 @@ impl AggregatorActor {
         match self.cfg.checkpoint.as_ref().map(|c| c.writer.clone()) {
             Some(w) => {
                 // One task, in order: the flush answers after these writes.
-                tokio::spawn(async move {
+                self.tasks.spawn(async move {
                     for c in due {
                         w.write(c).await;
                     }
@@ -696,7 +701,7 @@ impl AggregatorActor {
             let version = ckpt.version;
             self.queueing.insert(shard);
             let back = self.me_tx.clone();
-            tokio::spawn(async move {
+            self.tasks.spawn(async move {
                 writer.write(ckpt).await;
                 if let Some(tx) = back.upgrade() {
                     let _ = tx.send(AggCommand::CheckpointQueued { shard }).await;
@@ -805,7 +810,7 @@ impl AggregatorActor {
         let back = self.me_tx.clone();
         let (run, me, incarnation) = (self.cfg.run.clone(), self.cfg.me, self.cfg.incarnation);
         let deadline = Instant::now() + self.cfg.handoff_timeout;
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let shard = state.shard;
             let result = send_handoff(&net, to, &run, me, incarnation, (kind, hops), &state, deadline).await;
             let msg = match (kind, result) {
@@ -1116,8 +1121,10 @@ mod tests {
                 capacity: 64,
                 checkpoint: None,
             };
-            let status = crate::actors::status::spawn("t".into(), me.to_string(), 100, 64);
-            let agg = spawn(cfg, status, NetworkHandle::new(net_tx, me, Default::default()), placement_rx, snapshot);
+            let tasks = NodeTasks::new();
+            let status = crate::actors::status::spawn("t".into(), me.to_string(), 100, 64, &tasks);
+            let net = NetworkHandle::new(net_tx, me, Default::default());
+            let agg = spawn(cfg, status, net, placement_rx, snapshot, &tasks);
             nodes.push(Node { me, agg, placement });
             inboxes.push((me, net_rx));
         }

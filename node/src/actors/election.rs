@@ -39,8 +39,9 @@ pub fn start(
     cfg: ElectionConfig,
     membership: MembershipHandle,
     status: StatusHandle,
+    tasks: &crate::ops::tasks::NodeTasks,
 ) {
-    tokio::spawn(run(out, cfg, membership, status));
+    tasks.spawn(run(out, cfg, membership, status));
 }
 
 async fn run(

@@ -34,7 +34,12 @@ pub struct MembershipConfig {
 /// Start the actor. It stops when every handle has been dropped or the
 /// network actor has gone.
 /// `inbound` carries validated heartbeats from the network actor.
-pub fn spawn(cfg: MembershipConfig, net: NetworkHandle, inbound: mpsc::Receiver<Heartbeat>) -> MembershipHandle {
+pub fn spawn(
+    cfg: MembershipConfig,
+    net: NetworkHandle,
+    inbound: mpsc::Receiver<Heartbeat>,
+    tasks: &crate::ops::tasks::NodeTasks,
+) -> MembershipHandle {
     let initial_self = SelfState {
         role: Role::Joining,
         owned_shards: Vec::new(),
@@ -65,7 +70,7 @@ pub fn spawn(cfg: MembershipConfig, net: NetworkHandle, inbound: mpsc::Receiver<
         seq: 0,
         announced: 0,
     };
-    tokio::spawn(actor.run());
+    tasks.spawn(actor.run());
     MembershipHandle::new(self_tx, view_rx)
 }
 

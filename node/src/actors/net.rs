@@ -62,7 +62,9 @@ type DialWaiters = Vec<(Multiaddr, oneshot::Sender<Result<PeerId, NetError>>)>;
 type PendingResponse = Pin<Box<dyn Future<Output = (ResponseChannel<ShardResponse>, ShardResponse)> + Send>>;
 
 /// Start the actor on an already built swarm.
-pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle {
+/// The actor is one of the node's `tasks`: on the node's stop it is dropped,
+/// and with it the swarm, its listeners and its connections.
+pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts, tasks: &crate::ops::tasks::NodeTasks) -> NetworkHandle {
     let local_peer = *swarm.local_peer_id();
     let (sender, receiver) = mpsc::channel(parts.capacity.max(1));
     let paths = Arc::new(std::sync::Mutex::new(PathLatency::default()));
@@ -79,7 +81,7 @@ pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts) -> NetworkHandle
         kad_bootstrapped: false,
         encoded: Arc::default(),
     };
-    tokio::spawn(actor.run());
+    tasks.spawn(actor.run());
     NetworkHandle::new(sender, local_peer, paths)
 }
 
@@ -1208,6 +1210,7 @@ mod tests {
                 optimizer: shoal_models::OptimizerConfig::new(shoal_models::OptimizerKind::Sgd, 0.1),
                 faults,
             },
+            &crate::ops::tasks::NodeTasks::new(),
         )
     }
 

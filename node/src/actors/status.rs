@@ -12,10 +12,16 @@ use crate::handles::status::{
 use crate::policy::explore::Decision;
 
 /// Start the status actor. It stops when every handle has been dropped.
-pub fn spawn(name: String, peer_id: String, total_steps: u64, capacity: usize) -> StatusHandle {
+pub fn spawn(
+    name: String,
+    peer_id: String,
+    total_steps: u64,
+    capacity: usize,
+    tasks: &crate::ops::tasks::NodeTasks,
+) -> StatusHandle {
     let (sender, receiver) = mpsc::channel(capacity.max(1));
     let snap = StatusSnapshot { name, peer_id, total_steps, ..Default::default() };
-    tokio::spawn(
+    tasks.spawn(
         StatusActor {
             snap,
             receiver,

@@ -163,6 +163,8 @@ pub struct Worker {
     /// This step's exchanges with remote owners: the link rate in this
     /// node's capabilities.
     pub link: LinkMeter,
+    /// The node's tasks (probes are spawned here).
+    pub tasks: crate::ops::tasks::NodeTasks,
 }
 
 /// Bytes moved in exchanges with remote owners, and the time those
@@ -1001,7 +1003,7 @@ impl Worker {
             }
             let req = ShardRequest::Probe(Probe { run: self.run.clone(), padding: padding.clone() });
             let (net, service, faults) = (self.net.clone(), self.service.clone(), self.faults.clone());
-            tokio::spawn(async move {
+            self.tasks.spawn(async move {
                 let sent = Instant::now();
                 hold(faults.send_delay(sent_bytes)).await;
                 let answered = match timed_request(&net, owner, req).await {

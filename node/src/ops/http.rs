@@ -2,8 +2,12 @@
 //! (Prometheus text format) and, when `http.control` is set, the control
 //! endpoint testnets use to inject faults.
 //!
-//! One small HTTP/1.1 server, one task per connection, `Connection: close`,
-//! bounded request size and read time. Routes:
+//! An axum router served over HTTP/1.1 with `Connection: close`: at most
+//! [`MAX_CONNECTIONS`] connections at once (more wait in the listen
+//! backlog), request bodies refused over [`MAX_REQUEST`] bytes, and every
+//! answer within [`ANSWER_TIMEOUT`]. The server is one of the node's tasks:
+//! when the node stops it stops accepting, lets the requests in hand
+//! finish (at most [`SHUTDOWN_GRACE`]) and closes its port. Routes:
 //!
 //! | method | path | answer |
 //! | --- | --- | --- |
@@ -14,31 +18,48 @@
 //! | POST | `/control/block?peer=ID` | refuse and close connections to a peer |
 //! | POST | `/control/unblock?peer=ID[&addr=MULTIADDR]` | lift a block, then dial `addr` |
 //! | POST | `/control/leave` | leave the run cleanly |
+//!
+//! Another method on `/`, `/status` or `/metrics` is answered 405, any
+//! other path 404, a control request with the endpoint off 403, and a bad
+//! control parameter 400 with what was wrong; each as one line of text.
 
 use std::collections::BTreeMap;
+use std::future::IntoFuture;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
 use anyhow::Context;
+use axum::extract::{DefaultBodyLimit, Query, Request, State};
+use axum::http::{header, HeaderValue, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
 use serde::Serialize;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tracing::{debug, info, warn};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::{info, warn};
 
 use crate::handles::leave::LeaveSwitch;
 use crate::handles::membership::MembershipHandle;
 use crate::handles::net::NetworkHandle;
 use crate::handles::status::{StatusHandle, StatusSnapshot};
 use crate::ops::faults::Faults;
+use crate::ops::tasks::NodeTasks;
 
-/// Largest request head accepted.
-const MAX_REQUEST: usize = 16 * 1024;
-/// Longest a client may take to send its request, and to take the answer.
-const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest request body accepted (no route reads one).
+pub const MAX_REQUEST: usize = 16 * 1024;
+/// Longest the node may take to answer a request.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections served at once; more wait in the listen backlog.
-const MAX_CONNECTIONS: usize = 64;
+pub const MAX_CONNECTIONS: usize = 64;
+/// Longest the requests in hand may take to finish once the node stops.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// What the endpoint reads and controls.
 #[derive(Debug, Clone)]
@@ -51,6 +72,9 @@ pub struct HttpState {
     pub listen: Vec<Multiaddr>,
     pub control: bool,
     pub failure_timeout_ms: u64,
+    /// The node's tasks: the server is one, and so is a redial after
+    /// `/control/unblock`.
+    pub tasks: NodeTasks,
 }
 
 /// One peer as `/status` shows it.
@@ -78,7 +102,8 @@ pub struct StatusDoc {
     pub slowdown: f64,
 }
 
-/// Bind and serve until the process ends. Returns the bound address.
+/// Bind, and serve as one of the node's tasks until the node stops.
+/// Returns the bound address.
 pub async fn serve(addr: SocketAddr, state: HttpState) -> anyhow::Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await.with_context(|| format!("binding the HTTP endpoint on {addr}"))?;
     let local = listener.local_addr()?;
@@ -89,182 +114,113 @@ pub async fn serve(addr: SocketAddr, state: HttpState) -> anyhow::Result<SocketA
         warn!(%local, "control endpoint enabled: anyone who reaches it can inject faults");
     }
     info!(%local, "status on http://{local}/");
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    tokio::spawn(async move {
-        loop {
-            // Take a slot before accepting: at most MAX_CONNECTIONS at once.
-            let Ok(slot) = slots.clone().acquire_owned().await else { break };
-            match listener.accept().await {
-                Ok((stream, _)) => {
-                    let state = state.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = handle(stream, &state).await {
-                            debug!(error = %format!("{e:#}"), "http request failed");
-                        }
-                        drop(slot);
-                    });
-                }
-                Err(e) => {
-                    warn!(error = %e, "http accept failed");
-                    // Out of file descriptors and the like: do not spin.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+    let tasks = state.tasks.clone();
+    let listener = Bounded { listener, slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)) };
+    let server = axum::serve(listener, router(state)).with_graceful_shutdown(tasks.stopping());
+    let stopping = tasks.stopping();
+    tasks.spawn_graceful(async move {
+        let grace = async {
+            stopping.await;
+            // Bounds the wait on a client that holds its connection open.
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        };
+        tokio::select! {
+            r = server.into_future() => {
+                if let Err(e) = r {
+                    warn!(error = %e, "the HTTP endpoint failed");
                 }
             }
+            () = grace => warn!(%local, "HTTP requests still in hand {} s after the node stopped: dropped",
+                SHUTDOWN_GRACE.as_secs()),
         }
     });
     Ok(local)
 }
 
-/// A parsed request line.
-#[derive(Debug, PartialEq)]
-struct Request {
-    method: String,
-    path: String,
-    query: Vec<(String, String)>,
+/// The routes, and the limits every request passes through.
+fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/", get(page).fallback(use_get))
+        .route("/status", get(status).fallback(use_get))
+        .route("/metrics", get(metrics).fallback(use_get))
+        .route("/control/", post(control).fallback(not_found))
+        .route("/control/{*action}", post(control).fallback(not_found))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_REQUEST))
+        .layer(middleware::from_fn(answer_within))
+        .with_state(Arc::new(state))
 }
 
-fn parse_request(head: &str) -> Option<Request> {
-    let line = head.lines().next()?;
-    let mut parts = line.split_whitespace();
-    let method = parts.next()?.to_string();
-    let target = parts.next()?;
-    if !parts.next()?.starts_with("HTTP/1.") {
-        return None;
-    }
-    let (path, q) = target.split_once('?').unwrap_or((target, ""));
-    let query = q
-        .split('&')
-        .filter(|kv| !kv.is_empty())
-        .map(|kv| {
-            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-            (percent_decode(k), percent_decode(v))
-        })
-        .collect();
-    Some(Request { method, path: path.to_string(), query })
+/// One line of plain text.
+fn text(code: StatusCode, body: impl Into<String>) -> Response {
+    (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body.into()).into_response()
 }
 
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
-                    Ok(v) => {
-                        out.push(v);
-                        i += 3;
-                        continue;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            b'+' => out.push(b' '),
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-struct Response {
-    code: u16,
-    content_type: &'static str,
-    body: Vec<u8>,
-}
-
-impl Response {
-    fn text(code: u16, body: impl Into<String>) -> Self {
-        Self { code, content_type: "text/plain; charset=utf-8", body: body.into().into_bytes() }
-    }
-}
-
-async fn handle(mut stream: TcpStream, state: &HttpState) -> anyhow::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let head = tokio::time::timeout(READ_TIMEOUT, async {
-        let mut chunk = [0u8; 1024];
-        loop {
-            let n = stream.read(&mut chunk).await?;
-            if n == 0 {
-                break;
-            }
-            buf.extend_from_slice(&chunk[..n]);
-            if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.len() > MAX_REQUEST {
-                break;
-            }
-        }
-        Ok::<_, std::io::Error>(())
-    })
-    .await;
-    let resp = match head {
-        Err(_) => Response::text(408, "request timeout\n"),
-        Ok(Err(e)) => return Err(e.into()),
-        Ok(Ok(())) if buf.len() > MAX_REQUEST => Response::text(431, "request too large\n"),
-        Ok(Ok(())) => match parse_request(&String::from_utf8_lossy(&buf)) {
-            None => Response::text(400, "bad request\n"),
-            Some(req) => route(&req, state).await,
-        },
+/// Every answer: within [`ANSWER_TIMEOUT`], never cached, and the
+/// connection closed after it.
+async fn answer_within(req: Request, next: Next) -> Response {
+    let mut resp = match tokio::time::timeout(ANSWER_TIMEOUT, next.run(req)).await {
+        Ok(r) => r,
+        Err(_) => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the node did not answer within {} s\n", ANSWER_TIMEOUT.as_secs()),
+        ),
     };
-    let reason = match resp.code {
-        200 => "OK",
-        400 => "Bad Request",
-        403 => "Forbidden",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        431 => "Request Header Fields Too Large",
-        _ => "Service Unavailable",
-    };
-    let head = format!(
-        "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n",
-        resp.code,
-        resp.content_type,
-        resp.body.len()
-    );
-    tokio::time::timeout(READ_TIMEOUT, async {
-        stream.write_all(head.as_bytes()).await?;
-        stream.write_all(&resp.body).await?;
-        stream.shutdown().await
-    })
-    .await
-    .map_err(|_| anyhow::anyhow!("client did not take the answer within {} s", READ_TIMEOUT.as_secs()))??;
-    Ok(())
+    let h = resp.headers_mut();
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
 }
 
-async fn route(req: &Request, state: &HttpState) -> Response {
-    match (req.method.as_str(), req.path.as_str()) {
-        ("GET", "/") => {
-            Response { code: 200, content_type: "text/html; charset=utf-8", body: PAGE.as_bytes().to_vec() }
+async fn page() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], PAGE).into_response()
+}
+
+async fn status(State(state): State<Arc<HttpState>>) -> Response {
+    let Some(doc) = status_doc(&state).await else {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "status actor stopped\n");
+    };
+    match serde_json::to_vec_pretty(&doc) {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("encoding status: {e}\n")),
+    }
+}
+
+async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
+    match state.status.snapshot().await {
+        Some(s) => {
+            let body = crate::ops::metrics::metrics_text(&s, state.faults.as_ref());
+            ([(header::CONTENT_TYPE, crate::ops::metrics::CONTENT_TYPE)], body).into_response()
         }
-        ("GET", "/status") => match status_doc(state).await {
-            Some(doc) => match serde_json::to_vec_pretty(&doc) {
-                Ok(body) => Response { code: 200, content_type: "application/json", body },
-                Err(e) => Response::text(503, format!("encoding status: {e}\n")),
-            },
-            None => Response::text(503, "status actor stopped\n"),
-        },
-        ("GET", "/metrics") => match state.status.snapshot().await {
-            Some(s) => Response {
-                code: 200,
-                content_type: crate::ops::metrics::CONTENT_TYPE,
-                body: crate::ops::metrics::metrics_text(&s, state.faults.as_ref()).into_bytes(),
-            },
-            None => Response::text(503, "status actor stopped\n"),
-        },
-        ("POST", p) if p.starts_with("/control/") => {
-            if !state.control {
-                return Response::text(403, "control endpoint disabled (start the node with --control)\n");
-            }
-            match control(p, &req.query, state).await {
-                Ok(msg) => {
-                    info!(path = p, query = ?req.query, "control: {msg}");
-                    Response::text(200, format!("{msg}\n"))
-                }
-                Err(e) => Response::text(400, format!("{e:#}\n")),
-            }
+        None => text(StatusCode::SERVICE_UNAVAILABLE, "status actor stopped\n"),
+    }
+}
+
+async fn use_get() -> Response {
+    text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n")
+}
+
+async fn not_found() -> Response {
+    text(StatusCode::NOT_FOUND, "not found: try /, /status or /metrics\n")
+}
+
+/// `POST /control/...`: 403 while the endpoint is off, 400 with the
+/// reason for a bad command or parameter.
+async fn control(State(state): State<Arc<HttpState>>, uri: Uri) -> Response {
+    if !state.control {
+        return text(StatusCode::FORBIDDEN, "control endpoint disabled (start the node with --control)\n");
+    }
+    let query = match Query::<Vec<(String, String)>>::try_from_uri(&uri) {
+        Ok(Query(q)) => q,
+        Err(e) => return text(StatusCode::BAD_REQUEST, format!("{}\n", e.body_text())),
+    };
+    let path = uri.path();
+    match command(path, &query, &state).await {
+        Ok(msg) => {
+            info!(path, query = ?query, "control: {msg}");
+            text(StatusCode::OK, format!("{msg}\n"))
         }
-        (_, "/" | "/status" | "/metrics") => Response::text(405, "use GET\n"),
-        _ => Response::text(404, "not found: try /, /status or /metrics\n"),
+        Err(e) => text(StatusCode::BAD_REQUEST, format!("{e:#}\n")),
     }
 }
 
@@ -272,27 +228,13 @@ fn param<'a>(query: &'a [(String, String)], key: &str) -> Option<&'a str> {
     query.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
 }
 
-async fn control(path: &str, query: &[(String, String)], state: &HttpState) -> anyhow::Result<String> {
+async fn command(path: &str, query: &[(String, String)], state: &HttpState) -> anyhow::Result<String> {
     let peer = || -> anyhow::Result<PeerId> {
         let p = param(query, "peer").context("missing ?peer=<peer id>")?;
         p.parse().with_context(|| format!("`{p}` is not a peer id"))
     };
     match path {
-        "/control/fault" => {
-            let mut done = Vec::new();
-            if let Some(v) = param(query, "serve_delay_ms") {
-                let ms: u64 = v.parse().with_context(|| format!("serve_delay_ms `{v}` is not a whole number"))?;
-                state.faults.set_serve_delay_ms(ms);
-                done.push(format!("serve delay {ms} ms"));
-            }
-            if let Some(v) = param(query, "slowdown") {
-                let f: f64 = v.parse().with_context(|| format!("slowdown `{v}` is not a number"))?;
-                state.faults.set_slowdown(f).map_err(|e| anyhow::anyhow!(e))?;
-                done.push(format!("slowdown {f}x"));
-            }
-            anyhow::ensure!(!done.is_empty(), "give serve_delay_ms and/or slowdown");
-            Ok(done.join(", "))
-        }
+        "/control/fault" => fault(query, &state.faults),
         "/control/block" => {
             let p = peer()?;
             state.net.block(p).await.map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -305,7 +247,7 @@ async fn control(path: &str, query: &[(String, String)], state: &HttpState) -> a
                 let addr: Multiaddr = a.parse().with_context(|| format!("`{a}` is not a multiaddr"))?;
                 // Reconnect in the background: the answer does not wait on the dial.
                 let net = state.net.clone();
-                tokio::spawn(async move {
+                state.tasks.spawn(async move {
                     if let Err(e) = net.dial(addr.clone()).await {
                         warn!(%addr, error = %e, "redial after unblock failed");
                     }
@@ -318,6 +260,97 @@ async fn control(path: &str, query: &[(String, String)], state: &HttpState) -> a
             Ok("leaving".into())
         }
         other => anyhow::bail!("unknown control `{other}`: fault, block, unblock or leave"),
+    }
+}
+
+/// `/control/fault`: set the serve delay and/or the slowdown.
+fn fault(query: &[(String, String)], faults: &Faults) -> anyhow::Result<String> {
+    let mut done = Vec::new();
+    if let Some(v) = param(query, "serve_delay_ms") {
+        let ms: u64 = v.parse().with_context(|| format!("serve_delay_ms `{v}` is not a whole number"))?;
+        faults.set_serve_delay_ms(ms);
+        done.push(format!("serve delay {ms} ms"));
+    }
+    if let Some(v) = param(query, "slowdown") {
+        let f: f64 = v.parse().with_context(|| format!("slowdown `{v}` is not a number"))?;
+        faults.set_slowdown(f).map_err(|e| anyhow::anyhow!(e))?;
+        done.push(format!("slowdown {f}x"));
+    }
+    anyhow::ensure!(!done.is_empty(), "give serve_delay_ms and/or slowdown");
+    Ok(done.join(", "))
+}
+
+/// The TCP listener, with at most [`MAX_CONNECTIONS`] connections open: a
+/// slot is taken before accepting and held by the connection.
+struct Bounded {
+    listener: TcpListener,
+    slots: Arc<Semaphore>,
+}
+
+impl axum::serve::Listener for Bounded {
+    type Io = Slotted;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Slotted, SocketAddr) {
+        // The semaphore is never closed: `None` cannot happen, and would
+        // only lift the bound.
+        let slot = self.slots.clone().acquire_owned().await.ok();
+        loop {
+            match self.listener.accept().await {
+                Ok((stream, addr)) => return (Slotted { stream, _slot: slot }, addr),
+                Err(e) => {
+                    warn!(error = %e, "http accept failed");
+                    // Out of file descriptors and the like: do not spin.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+}
+
+/// A connection holding its slot until it is dropped.
+struct Slotted {
+    stream: TcpStream,
+    _slot: Option<OwnedSemaphorePermit>,
+}
+
+impl AsyncRead for Slotted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Slotted {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
 
@@ -404,14 +437,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn request_lines_parse_and_bad_ones_are_refused() {
-        let r = parse_request("POST /control/unblock?peer=12D3&addr=%2Fip4%2F127.0.0.1%2Ftcp%2F1 HTTP/1.1\r\n\r\n");
-        let Some(r) = r else { panic!("did not parse") };
-        assert_eq!((r.method.as_str(), r.path.as_str()), ("POST", "/control/unblock"));
-        assert_eq!(param(&r.query, "addr"), Some("/ip4/127.0.0.1/tcp/1"));
-        assert_eq!(param(&r.query, "peer"), Some("12D3"));
-        assert_eq!(parse_request("GET /\r\n"), None);
-        assert_eq!(parse_request(""), None);
-        assert_eq!(percent_decode("a%2"), "a%2", "a truncated escape is kept as is");
+    fn control_parameters_are_percent_decoded() -> anyhow::Result<()> {
+        let uri: Uri = "/control/unblock?peer=12D3&addr=%2Fip4%2F127.0.0.1%2Ftcp%2F1&x=a%2".parse()?;
+        let Query(q) = Query::<Vec<(String, String)>>::try_from_uri(&uri)?;
+        assert_eq!(param(&q, "addr"), Some("/ip4/127.0.0.1/tcp/1"));
+        assert_eq!(param(&q, "peer"), Some("12D3"));
+        assert_eq!(param(&q, "x"), Some("a%2"), "a truncated escape is kept as is");
+        Ok(())
+    }
+
+    #[test]
+    fn bad_fault_parameters_are_refused_with_the_reason() {
+        let faults = Faults::default();
+        let q = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        let err = |q: Vec<(String, String)>| fault(&q, &faults).err().map(|e| format!("{e:#}")).unwrap_or_default();
+        assert_eq!(
+            err(q("serve_delay_ms", "abc")),
+            "serve_delay_ms `abc` is not a whole number: invalid digit found in string"
+        );
+        assert_eq!(err(q("slowdown", "x")), "slowdown `x` is not a number: invalid float literal");
+        assert_eq!(err(Vec::new()), "give serve_delay_ms and/or slowdown");
+        assert_eq!(fault(&q("serve_delay_ms", "7"), &faults).ok().as_deref(), Some("serve delay 7 ms"));
     }
 }

@@ -1,6 +1,6 @@
 //! Operations: the node's HTTP endpoint and its Prometheus metrics, runtime
-//! fault injection, logging, compute threads and
-//! the allocator's tuning.
+//! fault injection, logging, compute threads, the allocator's tuning, and
+//! the set of tasks a node owns.
 
 pub mod allocator;
 pub mod faults;
@@ -8,4 +8,5 @@ pub mod http;
 pub mod logging;
 pub mod memory;
 pub mod metrics;
+pub mod tasks;
 pub mod threads;

@@ -1,0 +1,166 @@
+//! A node's shutdown: however it ends (it finishes, leaves, is killed, or
+//! fails to start), none of its tasks is left running and its ports are
+//! free. Each scenario runs one real node (loopback TCP, real training on
+//! the embedded digits data set) in a runtime of its own, so the runtime's
+//! count of live tasks is the node's alone. The runtime has one thread: a
+//! task that has ended is released before the task waiting on it runs
+//! again, so the count is exact the moment the node's task has returned.
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::time::Duration;
+
+use anyhow::Context;
+use shoal_models::OptimizerKind;
+use shoal_node::cluster::ClusterSpec;
+use shoal_node::config::NodeConfig;
+use shoal_node::node::{start, NodeReport, RunningNode};
+use shoal_node::policy::sync::SyncPolicy;
+use shoal_protocol::libp2p::identity::Keypair;
+use shoal_protocol::libp2p::multiaddr::Protocol;
+use shoal_protocol::libp2p::Multiaddr;
+use shoal_tests::digits_config;
+
+/// The longest any one wait may take before the test fails.
+const BOUND: Duration = Duration::from_secs(120);
+
+/// One node alone (it is its own roster): digits, BSP, loopback TCP on a
+/// free port, the HTTP endpoint on a free port with control on.
+fn one_node(run: &str, steps: u64) -> anyhow::Result<NodeConfig> {
+    let mut c =
+        ClusterSpec::new(1, digits_config(run, steps, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1)).node_config(0)?;
+    c.http.control = true;
+    Ok(c)
+}
+
+/// Run `scenario` in a runtime of its own, one thread, as a node's process would.
+fn in_own_runtime<F: Future<Output = anyhow::Result<()>>>(scenario: F) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(scenario)
+}
+
+fn live_tasks() -> usize {
+    tokio::runtime::Handle::current().metrics().num_alive_tasks()
+}
+
+/// The node's libp2p TCP address as a socket address.
+fn tcp_addr(a: &Multiaddr) -> anyhow::Result<SocketAddr> {
+    let (mut ip, mut port) = (None, None);
+    for p in a.iter() {
+        match p {
+            Protocol::Ip4(v) => ip = Some(std::net::IpAddr::V4(v)),
+            Protocol::Tcp(v) => port = Some(v),
+            _ => {}
+        }
+    }
+    Ok(SocketAddr::new(ip.context("no ip4")?, port.context("no tcp port")?))
+}
+
+/// The node's ports: its libp2p TCP listener and its HTTP endpoint.
+fn ports(node: &RunningNode) -> anyhow::Result<[SocketAddr; 2]> {
+    let tcp = tcp_addr(node.listen.first().context("no listen address")?)?;
+    Ok([tcp, node.http.context("no HTTP endpoint")?])
+}
+
+/// What must hold once a node is gone: the runtime holds no more tasks
+/// than before it started, and each of its ports can be bound again.
+fn assert_gone(before: usize, ports: &[SocketAddr]) -> anyhow::Result<()> {
+    let left = live_tasks().saturating_sub(before);
+    anyhow::ensure!(left == 0, "{left} of the node's tasks are still running after it stopped");
+    for addr in ports {
+        TcpListener::bind(addr).with_context(|| format!("the node's port {addr} is still taken"))?;
+    }
+    Ok(())
+}
+
+/// Wait for the node's task, bounded.
+async fn join(node: RunningNode) -> anyhow::Result<NodeReport> {
+    tokio::time::timeout(BOUND, node.task).await.context("the node did not end in time")?.context("node panicked")?
+}
+
+/// An HTTP request on a blocking thread (the node serves on this runtime's
+/// only thread): the status code and the body.
+async fn http(addr: SocketAddr, method: &'static str, path: &'static str) -> anyhow::Result<(u16, String)> {
+    tokio::task::spawn_blocking(move || shoal_testnet::http::request(addr, method, path, Duration::from_secs(30)))
+        .await?
+}
+
+/// Wait until the node has trained `step` steps.
+async fn until_step(node: &mut RunningNode, step: u64) -> anyhow::Result<()> {
+    tokio::time::timeout(BOUND, node.progress.wait_for(|s| s.step >= step))
+        .await
+        .context("the node did not train in time")?
+        .context("the node's progress stopped")?;
+    Ok(())
+}
+
+#[test]
+fn a_finished_node_leaves_no_task_and_frees_its_ports() -> anyhow::Result<()> {
+    in_own_runtime(async {
+        let before = live_tasks();
+        let node = start(one_node("shutdown-finish", 5)?, Keypair::generate_ed25519()).await?;
+        let ports = ports(&node)?;
+        // The endpoint answers while the node runs, as it always has.
+        let (code, body) = http(ports[1], "GET", "/status").await?;
+        assert_eq!(code, 200, "{body}");
+        assert!(body.contains("\"total_steps\": 5"), "{body}");
+        let (code, body) = http(ports[1], "GET", "/metrics").await?;
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(http(ports[1], "POST", "/status").await?, (405, "use GET\n".into()));
+        assert_eq!(http(ports[1], "GET", "/nope").await?, (404, "not found: try /, /status or /metrics\n".into()));
+        assert_eq!(
+            http(ports[1], "POST", "/control/fault?serve_delay_ms=abc").await?,
+            (400, "serve_delay_ms `abc` is not a whole number: invalid digit found in string\n".into())
+        );
+        assert_eq!(
+            http(ports[1], "POST", "/control/fault?serve_delay_ms=0").await?,
+            (200, "serve delay 0 ms\n".into())
+        );
+        let report = join(node).await?;
+        assert_eq!((report.steps, report.left), (5, false));
+        assert_gone(before, &ports)
+    })
+}
+
+#[test]
+fn a_node_that_leaves_early_leaves_no_task_and_frees_its_ports() -> anyhow::Result<()> {
+    in_own_runtime(async {
+        let before = live_tasks();
+        let mut node = start(one_node("shutdown-leave", 10_000)?, Keypair::generate_ed25519()).await?;
+        let ports = ports(&node)?;
+        until_step(&mut node, 2).await?;
+        node.leave();
+        let report = join(node).await?;
+        assert!(report.left && report.steps < 10_000, "left at step {}", report.steps);
+        assert_gone(before, &ports)
+    })
+}
+
+#[test]
+fn a_killed_node_leaves_no_task_and_frees_its_ports() -> anyhow::Result<()> {
+    in_own_runtime(async {
+        let before = live_tasks();
+        let mut node = start(one_node("shutdown-kill", 10_000)?, Keypair::generate_ed25519()).await?;
+        let ports = ports(&node)?;
+        until_step(&mut node, 2).await?;
+        tokio::time::timeout(BOUND, node.kill()).await.context("the kill did not end in time")?;
+        assert_gone(before, &ports)
+    })
+}
+
+#[test]
+fn a_node_that_fails_to_start_leaves_no_task_and_frees_its_ports() -> anyhow::Result<()> {
+    in_own_runtime(async {
+        // Its HTTP port is taken: the start fails at the last thing it
+        // builds, with every actor already running.
+        let taken = TcpListener::bind("127.0.0.1:0")?;
+        let tcp = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        let mut c = one_node("shutdown-fail", 5)?;
+        c.network.listen = vec![format!("/ip4/127.0.0.1/tcp/{}", tcp.port()).parse()?];
+        c.http.listen = taken.local_addr()?.to_string();
+        let before = live_tasks();
+        let started = tokio::time::timeout(BOUND, start(c, Keypair::generate_ed25519())).await?;
+        let Err(e) = started else { anyhow::bail!("the node started on a port already taken") };
+        assert!(format!("{e:#}").contains("binding the HTTP endpoint"), "{e:#}");
+        assert_gone(before, &[tcp])
+    })
+}
