@@ -1164,13 +1164,11 @@ pub const MOVED_KEYS: &[(&str, &str)] = &[
 /// Refuse a config whose TOML still writes a key of [`MOVED_KEYS`], naming
 /// every such key and where it went.
 fn refuse_moved_keys(table: &toml::Table) -> anyhow::Result<()> {
-    let written = |path: &str| {
-        let mut parts = path.split('.');
-        let first = parts.next().and_then(|k| table.get(k));
-        parts.try_fold(first, |at, key| Some(at?.as_table()?.get(key))).flatten().is_some()
-    };
-    let moved: Vec<String> =
-        MOVED_KEYS.iter().filter(|(old, _)| written(old)).map(|(old, new)| format!("`{old}` is now `{new}`")).collect();
+    let moved: Vec<String> = MOVED_KEYS
+        .iter()
+        .filter(|(old, _)| has_key(table, old))
+        .map(|(old, new)| format!("`{old}` is now `{new}`"))
+        .collect();
     if !moved.is_empty() {
         bail!(
             "this config writes keys that have moved to their own tables: {} (see docs/operations.md, \
@@ -1179,6 +1177,13 @@ fn refuse_moved_keys(table: &toml::Table) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Whether `table` holds the dotted `path` (`cluster.sync`).
+fn has_key(table: &toml::Table, path: &str) -> bool {
+    let mut parts = path.split('.');
+    let first = parts.next().and_then(|k| table.get(k));
+    parts.try_fold(first, |at, key| Some(at?.as_table()?.get(key))).flatten().is_some()
 }
 
 /// What every peer of a run must agree on. Its hash goes in every
@@ -1676,14 +1681,9 @@ mod tests {
         };
         full.aggregation.norm_check = Some(50.0);
         let full = toml::Table::try_from(&full)?;
-        let at = |path: &str| {
-            let mut parts = path.split('.');
-            let first = parts.next().and_then(|k| full.get(k));
-            parts.try_fold(first, |at, key| Some(at?.as_table()?.get(key))).flatten().is_some()
-        };
         for (old, new) in MOVED_KEYS {
-            assert!(at(new), "{new} (the new place of {old}) is not a key of the config");
-            assert!(!at(old), "{old} moved but is still a key of the config");
+            assert!(has_key(&full, new), "{new} (the new place of {old}) is not a key of the config");
+            assert!(!has_key(&full, old), "{old} moved but is still a key of the config");
         }
         Ok(())
     }

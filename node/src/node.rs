@@ -258,10 +258,7 @@ pub async fn start(mut config: NodeConfig, keypair: Keypair) -> anyhow::Result<R
             warn!(error = %format!("{e:#}"), "node failed");
         }
         let out = match out {
-            Ok(mut report) => {
-                report.status = status_for_task.snapshot().await;
-                Ok(report)
-            }
+            Ok(report) => Ok(NodeReport { status: status_for_task.snapshot().await, ..report }),
             Err(e) => Err(e),
         };
         owned.shutdown().await;

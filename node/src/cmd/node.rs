@@ -25,10 +25,17 @@ macro_rules! set {
     };
 }
 
+/// A flag whose value, when given, replaces the one key it names.
+macro_rules! plain {
+    ($flag:literal, $path:literal, $($field:ident).+ = $arg:ident) => {
+        Flag { flag: $flag, path: $path, apply: |a, c| set!(c.$($field).+, a.$arg) }
+    };
+}
+
 /// Every flag of `shoal node` but `--config`, in `--help` order.
 pub const FLAGS: &[Flag] = &[
     Flag { flag: "--profile", path: "profile", apply: |a, c| c.profile = a.profile.or(c.profile) },
-    Flag { flag: "--run-id", path: "run_id", apply: |a, c| set!(c.run_id, a.run_id) },
+    plain!("--run-id", "run_id", run_id = run_id),
     Flag { flag: "--name", path: "name", apply: |a, c| c.name = a.name.clone().or(c.name.take()) },
     Flag { flag: "--identity", path: "identity", apply: |a, c| c.identity = a.identity.clone().or(c.identity.take()) },
     Flag {
@@ -69,65 +76,37 @@ pub const FLAGS: &[Flag] = &[
         path: "network.discovery.relay_server",
         apply: |a, c| c.network.discovery.relay_server |= a.relay_server,
     },
-    Flag { flag: "--model", path: "training.model", apply: |a, c| set!(c.training.model, a.model) },
-    Flag { flag: "--dataset", path: "training.dataset", apply: |a, c| set!(c.training.dataset, a.dataset) },
+    plain!("--model", "training.model", training.model = model),
+    plain!("--dataset", "training.dataset", training.dataset = dataset),
     Flag {
         flag: "--data-dir",
         path: "training.data_dir",
         apply: |a, c| c.training.data_dir = a.data_dir.clone().or(c.training.data_dir.take()),
     },
-    Flag { flag: "--batch-size", path: "training.batch_size", apply: |a, c| set!(c.training.batch_size, a.batch_size) },
-    Flag { flag: "--optimizer", path: "training.optimizer", apply: |a, c| set!(c.training.optimizer, a.optimizer) },
+    plain!("--batch-size", "training.batch_size", training.batch_size = batch_size),
+    plain!("--optimizer", "training.optimizer", training.optimizer = optimizer),
     Flag { flag: "--lr", path: "training.lr", apply: |a, c| c.training.lr = a.lr.or(c.training.lr) },
-    Flag { flag: "--lr-decay", path: "training.lr_decay", apply: |a, c| set!(c.training.lr_decay, a.lr_decay) },
-    Flag { flag: "--seed", path: "training.seed", apply: |a, c| set!(c.training.seed, a.seed) },
-    Flag { flag: "--steps", path: "training.steps", apply: |a, c| set!(c.training.steps, a.steps) },
-    Flag { flag: "--device", path: "training.device", apply: |a, c| set!(c.training.device, a.device) },
-    Flag { flag: "--mode", path: "cluster.mode", apply: |a, c| set!(c.cluster.mode, a.mode) },
-    Flag { flag: "--sync", path: "sync.policy", apply: |a, c| set!(c.sync.policy, a.sync) },
-    Flag { flag: "--min-peers", path: "cluster.min_peers", apply: |a, c| set!(c.cluster.min_peers, a.min_peers) },
-    Flag { flag: "--shards", path: "cluster.shards", apply: |a, c| set!(c.cluster.shards, a.shards) },
-    Flag {
-        flag: "--can-aggregate",
-        path: "cluster.can_aggregate",
-        apply: |a, c| set!(c.cluster.can_aggregate, a.can_aggregate),
-    },
-    Flag {
-        flag: "--heartbeat-ms",
-        path: "cluster.heartbeat_ms",
-        apply: |a, c| set!(c.cluster.heartbeat_ms, a.heartbeat_ms),
-    },
-    Flag {
-        flag: "--failure-timeout-ms",
-        path: "cluster.failure_timeout_ms",
-        apply: |a, c| set!(c.cluster.failure_timeout_ms, a.failure_timeout_ms),
-    },
-    Flag {
-        flag: "--start-timeout-ms",
-        path: "cluster.start_timeout_ms",
-        apply: |a, c| set!(c.cluster.start_timeout_ms, a.start_timeout_ms),
-    },
-    Flag { flag: "--elastic", path: "roles.elastic", apply: |a, c| set!(c.roles.elastic, a.elastic) },
-    Flag { flag: "--aggregators", path: "roles.aggregators", apply: |a, c| set!(c.roles.aggregators, a.aggregators) },
-    Flag {
-        flag: "--start-aggregators",
-        path: "roles.start_aggregators",
-        apply: |a, c| set!(c.roles.start_aggregators, a.start_aggregators),
-    },
-    Flag { flag: "--replicas", path: "roles.replicas", apply: |a, c| set!(c.roles.replicas, a.replicas) },
-    Flag {
-        flag: "--replica-every",
-        path: "roles.replica_every",
-        apply: |a, c| set!(c.roles.replica_every, a.replica_every),
-    },
-    Flag { flag: "--fault-delay-ms", path: "faults.delay_ms", apply: |a, c| set!(c.faults.delay_ms, a.fault_delay_ms) },
-    Flag { flag: "--slowdown", path: "faults.slowdown", apply: |a, c| set!(c.faults.slowdown, a.slowdown) },
-    Flag {
-        flag: "--fault-serve-mbps",
-        path: "faults.serve_mbps",
-        apply: |a, c| set!(c.faults.serve_mbps, a.fault_serve_mbps),
-    },
-    Flag { flag: "--overlap", path: "sync.overlap", apply: |a, c| set!(c.sync.overlap, a.overlap) },
+    plain!("--lr-decay", "training.lr_decay", training.lr_decay = lr_decay),
+    plain!("--seed", "training.seed", training.seed = seed),
+    plain!("--steps", "training.steps", training.steps = steps),
+    plain!("--device", "training.device", training.device = device),
+    plain!("--mode", "cluster.mode", cluster.mode = mode),
+    plain!("--sync", "sync.policy", sync.policy = sync),
+    plain!("--min-peers", "cluster.min_peers", cluster.min_peers = min_peers),
+    plain!("--shards", "cluster.shards", cluster.shards = shards),
+    plain!("--can-aggregate", "cluster.can_aggregate", cluster.can_aggregate = can_aggregate),
+    plain!("--heartbeat-ms", "cluster.heartbeat_ms", cluster.heartbeat_ms = heartbeat_ms),
+    plain!("--failure-timeout-ms", "cluster.failure_timeout_ms", cluster.failure_timeout_ms = failure_timeout_ms),
+    plain!("--start-timeout-ms", "cluster.start_timeout_ms", cluster.start_timeout_ms = start_timeout_ms),
+    plain!("--elastic", "roles.elastic", roles.elastic = elastic),
+    plain!("--aggregators", "roles.aggregators", roles.aggregators = aggregators),
+    plain!("--start-aggregators", "roles.start_aggregators", roles.start_aggregators = start_aggregators),
+    plain!("--replicas", "roles.replicas", roles.replicas = replicas),
+    plain!("--replica-every", "roles.replica_every", roles.replica_every = replica_every),
+    plain!("--fault-delay-ms", "faults.delay_ms", faults.delay_ms = fault_delay_ms),
+    plain!("--slowdown", "faults.slowdown", faults.slowdown = slowdown),
+    plain!("--fault-serve-mbps", "faults.serve_mbps", faults.serve_mbps = fault_serve_mbps),
+    plain!("--overlap", "sync.overlap", sync.overlap = overlap),
     Flag {
         flag: "--local-steps",
         path: "local_steps.steps",
@@ -139,26 +118,18 @@ pub const FLAGS: &[Flag] = &[
             }
         },
     },
-    Flag { flag: "--link-mbps", path: "faults.link_mbps", apply: |a, c| set!(c.faults.link_mbps, a.link_mbps) },
-    Flag {
-        flag: "--link-latency-ms",
-        path: "faults.link_latency_ms",
-        apply: |a, c| set!(c.faults.link_latency_ms, a.link_latency_ms),
-    },
-    Flag { flag: "--aggregation", path: "aggregation.rule", apply: |a, c| set!(c.aggregation.rule, a.aggregation) },
+    plain!("--link-mbps", "faults.link_mbps", faults.link_mbps = link_mbps),
+    plain!("--link-latency-ms", "faults.link_latency_ms", faults.link_latency_ms = link_latency_ms),
+    plain!("--aggregation", "aggregation.rule", aggregation.rule = aggregation),
     Flag {
         flag: "--norm-check",
         path: "aggregation.norm_check",
         apply: |a, c| c.aggregation.norm_check = a.norm_check.or(c.aggregation.norm_check),
     },
-    Flag {
-        flag: "--fault-byzantine",
-        path: "faults.byzantine",
-        apply: |a, c| set!(c.faults.byzantine, a.fault_byzantine),
-    },
-    Flag { flag: "--compress-push", path: "compression.push", apply: |a, c| set!(c.compression.push, a.compress_push) },
-    Flag { flag: "--compress-pull", path: "compression.pull", apply: |a, c| set!(c.compression.pull, a.compress_pull) },
-    Flag { flag: "--http", path: "http.listen", apply: |a, c| set!(c.http.listen, a.http) },
+    plain!("--fault-byzantine", "faults.byzantine", faults.byzantine = fault_byzantine),
+    plain!("--compress-push", "compression.push", compression.push = compress_push),
+    plain!("--compress-pull", "compression.pull", compression.pull = compress_pull),
+    plain!("--http", "http.listen", http.listen = http),
     Flag { flag: "--control", path: "http.control", apply: |a, c| c.http.control |= a.control },
     Flag { flag: "--output", path: "output", apply: |a, c| c.output = a.output.clone().or(c.output.take()) },
     Flag {
