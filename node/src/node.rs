@@ -19,7 +19,7 @@ use shoal_protocol::{
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::actors::aggregator::{self, AggregatorConfig, CheckpointPolicy};
 use crate::actors::election::{self, ElectionConfig};
@@ -61,7 +61,10 @@ pub struct NodeReport {
     pub left: bool,
     /// Final flat parameters.
     pub params: Vec<f32>,
+    /// The shards this node owned when its training ended (none after it
+    /// left), as its placement had them.
     pub owned_shards: Vec<u32>,
+    /// At the end: the shards its aggregator holds.
     pub shard_stats: Vec<ShardStats>,
     pub roster: Vec<PeerId>,
     pub status: Option<StatusSnapshot>,
@@ -785,17 +788,25 @@ impl Node {
         let (config, worker, name, me) = (&self.config, &self.worker, self.name.as_str(), self.worker.me);
         // The final state of every shard this node still owns goes to disk.
         self.aggregator.flush_checkpoints().await;
-        if ran.left {
+        // The shards this node owns when its training ends, taken before it
+        // announces its last step: no peer stops lingering before that, so
+        // every peer is still in the view. Taken later, a peer that had
+        // stopped in the meantime is gone from the view, this node's
+        // placement moves its shards, and nodes report placements computed
+        // from different views (two owners of one shard).
+        let owned_ids = if ran.left {
             leave_run(config, worker, &self.aggregator, &self.election, ran.steps, name).await;
+            self.election.current().map(|p| p.owned_by(&me)).unwrap_or_default()
         } else {
+            let owned = self.election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
             worker.membership.set_self(|s| {
                 s.step = ran.steps;
                 s.announce += 1;
             });
-        }
+            owned
+        };
         let eval = worker.trainer.evaluate().await?;
         worker.status.record(StatusEvent::Evaluated(eval));
-        let owned_ids = self.election.current().map(|p| p.owned_by(&me)).unwrap_or_default();
         worker.status.record(StatusEvent::Role { role: RoleView::Done, owned: owned_ids.clone() });
         let report = NodeReport {
             peer_id: me,
@@ -835,15 +846,37 @@ impl Node {
                 warn!("stopped lingering: not every peer reported completion in time");
             }
         }
+        // Every push has arrived and no peer has stopped yet: what the
+        // report says of the shards and the view is read now.
         let mine = self.aggregator.suspects().borrow().clone();
         let view = worker.membership.snapshot().view;
-        Ok(NodeReport {
-            owned_shards: self.election.current().map(|p| p.owned_by(&me)).unwrap_or_default(),
+        let report = NodeReport {
             shard_stats: self.aggregator.stats().await,
             suspected_by: view.suspected_by(&mine),
             peer_capabilities: view.peers.iter().map(|(id, p)| (*id, p.heartbeat.capabilities.clone())).collect(),
             ..report
-        })
+        };
+        if !ran.left {
+            self.say_finished().await;
+        }
+        Ok(report)
+    }
+
+    /// The second half of lingering (docs/protocol.md, §6.3): say
+    /// `finished` and serve until every live peer says it too. A peer says
+    /// it once it has seen this node's last step, so this node does not
+    /// stop while its last heartbeat may still be on its way.
+    async fn say_finished(&self) {
+        let (config, worker) = (&self.config, &self.worker);
+        worker.membership.set_self(|s| {
+            s.finished = true;
+            s.announce += 1;
+        });
+        let timeout = config.cluster.failure_timeout_ms;
+        let limit = Duration::from_millis(timeout);
+        if !worker.membership.wait_until_peers_finish(worker.me, timeout, limit).await {
+            debug!(node = %self.name, "stopped: not every peer said it had finished within the failure timeout");
+        }
     }
 }
 

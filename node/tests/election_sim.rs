@@ -132,6 +132,7 @@ impl Sim {
                         net_bytes_per_sec: 0.0,
                         checkpoints: vec![],
                         suspects: vec![],
+                        finished: false,
                     },
                     placement: None,
                     slow: false,
@@ -163,6 +164,7 @@ impl Sim {
             pace: n.me.pace,
             checkpoints: vec![],
             suspects: vec![],
+            finished: false,
         }
     }
 

@@ -148,7 +148,7 @@ impl std::str::FromStr for RunId {
 }
 
 // ---------------------------------------------------------------------------
-// Requests on /shoal/shard/7.0.0
+// Requests on /shoal/shard/8.0.0
 // ---------------------------------------------------------------------------
 
 /// A worker's gradient contribution for one shard.
@@ -309,7 +309,7 @@ pub struct Probe {
     pub padding: Payload,
 }
 
-/// A request on `/shoal/shard/7.0.0`.
+/// A request on `/shoal/shard/8.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardRequest {
     /// Variant 0.
@@ -527,7 +527,7 @@ impl From<&ProtocolError> for WireError {
     }
 }
 
-/// A response on `/shoal/shard/7.0.0`.
+/// A response on `/shoal/shard/8.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardResponse {
     /// Variant 0: the push was accepted.
@@ -811,6 +811,14 @@ pub struct Heartbeat {
     /// claim of the sender's, reported in every node's view; nothing acts
     /// on it.
     pub suspects: Vec<PeerId>,
+    /// The sender has finished training and has seen every live peer
+    /// finish too: the run is over for it, and it stops once every live
+    /// peer says the same (the second half of the end-of-run handshake,
+    /// see `docs/protocol.md`, §6.3). A node that stopped at
+    /// the first half could stop before its last step's heartbeat reached
+    /// a peer, which then waited out the failure timeout for it and moved
+    /// its shards.
+    pub finished: bool,
 }
 
 /// Small events worth telling everyone.

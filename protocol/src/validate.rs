@@ -675,6 +675,7 @@ mod tests {
             },
             checkpoints: vec![],
             suspects: vec![PeerId::random()],
+            finished: true,
         };
         validate_heartbeat(&hb, Some(&me), &ctx()).unwrap();
         assert!(matches!(

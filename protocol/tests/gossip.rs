@@ -43,6 +43,7 @@ fn heartbeat(peer: PeerId, seq: u64) -> GossipMessage {
         pace: Pace::default(),
         checkpoints: vec![],
         suspects: vec![],
+        finished: false,
     })
 }
 

@@ -141,6 +141,12 @@ async fn train_policy(sync: SyncPolicy, steps: u64, target: f32) -> anyhow::Resu
         );
         assert!(r.accuracy >= target, "{sync}: {} reached only {:.4}", r.name, r.accuracy);
     }
+    // The run ended with nobody taken for failed: each node read its report
+    // while every peer was still in its view (the last node to finish
+    // stays until its peers have its last step, docs/protocol.md §6.3).
+    for r in &reports {
+        assert_eq!(r.peer_capabilities.len(), 3, "{sync}: {} saw {:?} at the end", r.name, r.peer_capabilities.keys());
+    }
     let owned: usize = reports.iter().map(|r| r.owned_shards.len()).sum();
     assert_eq!(owned, 8, "every shard has exactly one owner");
     assert!(reports.iter().all(|r| r.owned_shards.len() == 2), "8 shards over 4 equal nodes: 2 each");

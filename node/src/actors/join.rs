@@ -212,6 +212,7 @@ mod tests {
             pace: Default::default(),
             checkpoints: vec![],
             suspects: vec![],
+            finished: false,
         }
     }
 

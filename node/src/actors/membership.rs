@@ -54,6 +54,7 @@ pub fn spawn(
         net_bytes_per_sec: 0.0,
         checkpoints: cfg.checkpoints.clone(),
         suspects: Vec::new(),
+        finished: false,
     };
     let (self_tx, self_rx) = watch::channel(initial_self);
     let view = View::new(cfg.me, cfg.capabilities.can_aggregate, cfg.config_hash);
@@ -177,6 +178,7 @@ impl MembershipActor {
             pace: me.pace,
             checkpoints: me.checkpoints.iter().take(shoal_protocol::MAX_CHECKPOINT_OFFERS).cloned().collect(),
             suspects: me.suspects.iter().take(shoal_protocol::MAX_SUSPECTS).copied().collect(),
+            finished: me.finished,
         };
         self.net.publish(GossipMessage::Heartbeat(hb)).await.map_err(|_| ())
     }

@@ -62,6 +62,13 @@ impl MembershipHandle {
         self.wait_for_peers(me, failure_timeout_ms, limit, |h| h.step >= step).await
     }
 
+    /// As [`MembershipHandle::wait_until_peers_reach`], until every live
+    /// peer says `finished` (the end of a run's second half,
+    /// docs/protocol.md, §6.3).
+    pub async fn wait_until_peers_finish(&self, me: PeerId, failure_timeout_ms: u64, limit: Duration) -> bool {
+        self.wait_for_peers(me, failure_timeout_ms, limit, |h| h.finished).await
+    }
+
     /// As [`MembershipHandle::wait_until_peers_reach`], for the model
     /// version peers report having published.
     pub async fn wait_until_peers_publish(

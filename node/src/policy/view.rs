@@ -149,6 +149,7 @@ impl View {
                     || s.heartbeat.role != hb.role
                     || s.heartbeat.owned_shards != hb.owned_shards
                     || s.heartbeat.service != hb.service
+                    || s.heartbeat.finished != hb.finished
                     || s.heartbeat.incarnation != hb.incarnation;
                 s.heartbeat = hb;
                 s.last_seen_ms = now_ms;
@@ -266,6 +267,9 @@ pub struct SelfState {
     /// Workers this node's aggregator marked as suspects (at most
     /// `MAX_SUSPECTS`), set by the node from the aggregator.
     pub suspects: Vec<PeerId>,
+    /// Finished training and seen every live peer finish: the heartbeat's
+    /// `finished`, the second half of the end of a run (docs/protocol.md, §6.3).
+    pub finished: bool,
 }
 
 #[cfg(test)]
@@ -297,6 +301,7 @@ mod tests {
             pace: Default::default(),
             checkpoints: vec![],
             suspects: vec![],
+            finished: false,
         }
     }
 

@@ -250,6 +250,7 @@ pub fn gossip() -> impl Strategy<Value = GossipMessage> {
                     pace,
                     checkpoints: vec![CheckpointOffer::new(model_version, step, [0, 3])],
                     suspects: service.iter().map(|o| o.owner).collect(),
+                    finished: step % 2 == 1,
                 })
             },
         );
