@@ -243,7 +243,7 @@ impl Gpt {
 }
 
 /// Index drawn from softmax(logits / temperature); the argmax at 0.
-fn sample(logits: &[f32], temperature: f64, rng: &mut DetRng) -> usize {
+pub(crate) fn sample(logits: &[f32], temperature: f64, rng: &mut DetRng) -> usize {
     let argmax = logits
         .iter()
         .enumerate()

@@ -489,6 +489,277 @@ impl CustomOp2 for SoftmaxGrad {
     }
 }
 
+/// RMS norm over the last dimension with a gain, as Llama's:
+/// `x / sqrt(mean(x^2) + eps) * gain`.
+pub fn rms_norm(x: &Tensor, gain: &Tensor, eps: f32) -> Result<Tensor> {
+    if fast_path(x) && fast_path(gain) {
+        let cols = x.dim(D::Minus1)?;
+        Ok(x.contiguous()?.apply_op2(&gain.contiguous()?, RmsNorm { cols, eps })?)
+    } else {
+        let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + eps as f64)?.sqrt()?.recip()?;
+        Ok(x.broadcast_mul(&inv)?.broadcast_mul(gain)?)
+    }
+}
+
+struct RmsNorm {
+    cols: usize,
+    eps: f32,
+}
+
+/// The gradients of [`RmsNorm`]: rows of the input's, then one row of the
+/// gain's.
+struct RmsNormGrad {
+    cols: usize,
+    eps: f32,
+}
+
+/// `1 / sqrt(mean(x^2) + eps)` of a row.
+#[inline]
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len().max(1) as f32;
+    1.0 / (ms + eps).sqrt()
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, gain) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        let c = self.cols.max(1);
+        if gain.len() != c {
+            candle_core::bail!("RMS norm over {c} columns with {} gains", gain.len());
+        }
+        let out = map_rows(x, x, c, task_len(c, 1), |_, o, x, _| {
+            let inv = inv_rms(x, self.eps);
+            for ((o, &x), &g) in o.iter_mut().zip(x).zip(gain) {
+                *o = x * inv * g;
+            }
+        })?;
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gain: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let both = x.apply_op3_no_bwd(gain, &grad, &RmsNormGrad { cols: self.cols, eps: self.eps })?;
+        let n = x.elem_count();
+        let dx = both.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dgain = both.narrow(0, n, self.cols)?.reshape(gain.shape())?;
+        Ok((Some(dx), Some(dgain)))
+    }
+}
+
+impl candle_core::CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-grad"
+    }
+
+    /// With `x^ = x * inv` and `h = g * gain`:
+    /// `dx = inv * (h - x^ * mean(h * x^))`, `dgain = sum over rows of g * x^`.
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, gain, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?);
+        let c = self.cols.max(1);
+        if gain.len() != c || g.len() != x.len() {
+            candle_core::bail!("RMS norm gradient: shapes do not match");
+        }
+        let mut out = map_rows(x, g, c, task_len(c, 1), |_, o, x, g| {
+            let inv = inv_rms(x, self.eps);
+            let m = x.iter().zip(g).zip(gain).map(|((&x, &g), &w)| g * w * x * inv).sum::<f32>() / c as f32;
+            for (((o, &x), &g), &w) in o.iter_mut().zip(x).zip(g).zip(gain) {
+                *o = inv * (g * w - x * inv * m);
+            }
+        })?;
+        let dgain = sum_rows(x, g, c, c, |acc, x, g| {
+            let inv = inv_rms(x, self.eps);
+            for ((a, &x), &g) in acc.iter_mut().zip(x).zip(g) {
+                *a += g * x * inv;
+            }
+        })?;
+        out.extend_from_slice(&dgain);
+        let len = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(len)))
+    }
+}
+
+/// SwiGLU's gate: `silu(a) * b`, element-wise.
+pub fn swiglu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fast_path(a) && fast_path(b) && a.shape() == b.shape() {
+        Ok(a.contiguous()?.apply_op2(&b.contiguous()?, SwiGlu)?)
+    } else {
+        Ok((candle_nn::ops::silu(a)? * b)?)
+    }
+}
+
+struct SwiGlu;
+
+/// The gradients of [`SwiGlu`]: `a`'s, then `b`'s.
+struct SwiGluGrad;
+
+#[inline]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (a, b) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        let out = map_rows(a, b, MIN_CHUNK, MIN_CHUNK, |_, o, a, b| {
+            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                *o = a * sigmoid(a) * b;
+            }
+        })?;
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = a.apply_op3_no_bwd(b, &grad.contiguous()?, &SwiGluGrad)?;
+        let n = a.elem_count();
+        let da = both.narrow(0, 0, n)?.reshape(a.shape())?;
+        let db = both.narrow(0, n, n)?.reshape(b.shape())?;
+        Ok((Some(da), Some(db)))
+    }
+}
+
+impl candle_core::CustomOp3 for SwiGluGrad {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-grad"
+    }
+
+    /// `da = g * b * s * (1 + a * (1 - s))` with `s = sigmoid(a)`, and
+    /// `db = g * a * s`.
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (a, b, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?);
+        if a.len() != b.len() || a.len() != g.len() {
+            candle_core::bail!("SwiGLU gradient: shapes do not match");
+        }
+        let n = a.len();
+        let mut out = vec![0f32; 2 * n];
+        let (da, db) = out.split_at_mut(n);
+        da.par_chunks_mut(MIN_CHUNK)
+            .zip(db.par_chunks_mut(MIN_CHUNK))
+            .zip(a.par_chunks(MIN_CHUNK).zip(b.par_chunks(MIN_CHUNK)).zip(g.par_chunks(MIN_CHUNK)))
+            .for_each(|((da, db), ((a, b), g))| {
+                for ((((da, db), &a), &b), &g) in da.iter_mut().zip(db.iter_mut()).zip(a).zip(b).zip(g) {
+                    let s = sigmoid(a);
+                    *da = g * b * s * (1.0 + a * (1.0 - s));
+                    *db = g * a * s;
+                }
+            });
+        Ok((CpuStorage::F32(out), Shape::from(2 * n)))
+    }
+}
+
+/// Rotary position embeddings on `x [.., t, d]` (Llama's "rotate half"
+/// layout, as in Hugging Face's `LlamaForCausalLM`): for `i < d / 2`, the
+/// pair `(x_i, x_{i + d/2})` at position `p` is rotated by the angle
+/// `p * theta^(-2i/d)`. `cos` and `sin` are `[context, d / 2]` tables
+/// (context at least `t`).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (t, d) = (x.dim(D::Minus2)?, x.dim(D::Minus1)?);
+    let half = d / 2;
+    if d % 2 != 0 || cos.dim(1)? != half || cos.dim(0)? < t {
+        return Err(crate::error::ModelError::Invalid(format!(
+            "rotary embedding of {d} columns over {t} positions with tables of {:?}",
+            cos.dims()
+        )));
+    }
+    let (cos, sin) = (cos.narrow(0, 0, t)?, sin.narrow(0, 0, t)?);
+    if fast_path(x) && fast_path(&cos) {
+        let table = |m: &Tensor| -> Result<std::sync::Arc<Vec<f32>>> {
+            Ok(std::sync::Arc::new(m.flatten_all()?.to_vec1::<f32>()?))
+        };
+        return Ok(x.contiguous()?.apply_op1(Rope { t, d, cos: table(&cos)?, sin: table(&sin)?, sign: 1.0 })?);
+    }
+    let (cos, sin) = (Tensor::cat(&[&cos, &cos], 1)?, Tensor::cat(&[&sin, &sin], 1)?);
+    let (x1, x2) = (x.narrow(D::Minus1, 0, half)?, x.narrow(D::Minus1, half, half)?);
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+}
+
+/// [`rope`]'s rotation (`sign` 1), or its inverse (`sign` -1: its backward).
+struct Rope {
+    t: usize,
+    d: usize,
+    cos: std::sync::Arc<Vec<f32>>,
+    sin: std::sync::Arc<Vec<f32>>,
+    sign: f32,
+}
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "fused-rope"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous(storage, layout)?;
+        let (t, d, half) = (self.t.max(1), self.d, self.d / 2);
+        // Tasks of whole t x d blocks: row r of a task is position r % t.
+        let out = map_rows(x, x, d, task_len(d, t), |r, o, x, _| {
+            let p = r % t;
+            let (cos, sin) = (&self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half]);
+            let (x1, x2) = x.split_at(half);
+            let (o1, o2) = o.split_at_mut(half);
+            for i in 0..half {
+                let (c, s) = (cos[i], self.sign * sin[i]);
+                o1[i] = x1[i] * c - x2[i] * s;
+                o2[i] = x2[i] * c + x1[i] * s;
+            }
+        })?;
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        // A rotation's adjoint is the rotation by the opposite angle.
+        let inverse = Rope { t: self.t, d: self.d, cos: self.cos.clone(), sin: self.sin.clone(), sign: -self.sign };
+        Ok(Some(grad_res.contiguous()?.apply_op1_no_bwd(&inverse)?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -552,6 +823,49 @@ mod tests {
             let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff < 1e-3, "layer norm {name} gradient differs by {diff}");
         }
+        // RMS norm: the gradients of the input and the gain.
+        let a = rms_norm(x.as_tensor(), gain.as_tensor(), 1e-5)?;
+        let b = rms_norm(&x.as_tensor().to_dtype(DType::F64)?, &gain.as_tensor().to_dtype(DType::F64)?, 1e-5)?
+            .to_dtype(DType::F32)?;
+        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "RMS norm forward differs by {diff}");
+        let (ga, gb) = ((a * &w)?.sum_all()?.backward()?, (b * &w)?.sum_all()?.backward()?);
+        for (name, t) in [("input", x.as_tensor()), ("gain", gain.as_tensor())] {
+            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("RMS norm: no {name} gradient") };
+            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-3, "RMS norm {name} gradient differs by {diff}");
+        }
+        // SwiGLU: the gradients of both inputs.
+        let up = Var::from_tensor(&(Tensor::randn(0f32, 1.5, (6, 4, 33), &dev)?))?;
+        let a = swiglu(x.as_tensor(), up.as_tensor())?;
+        let b = (candle_nn::ops::silu(x.as_tensor())? * up.as_tensor())?;
+        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "SwiGLU forward differs by {diff}");
+        let (ga, gb) = ((a * &w)?.sum_all()?.backward()?, (b * &w)?.sum_all()?.backward()?);
+        for (name, t) in [("gate", x.as_tensor()), ("up", up.as_tensor())] {
+            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("SwiGLU: no {name} gradient") };
+            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-4, "SwiGLU {name} gradient differs by {diff}");
+        }
+        // Rotary embeddings: the fused rotation against the composed one
+        // (f64, the other devices' path), forward and backward.
+        let (t, d) = (7, 8);
+        let angles: Vec<f32> = (0..t * d / 2)
+            .map(|k| (k / (d / 2)) as f32 * 10000f32.powf(-2.0 * (k % (d / 2)) as f32 / d as f32))
+            .collect();
+        let angles = Tensor::from_vec(angles, (t, d / 2), &dev)?;
+        let (cos, sin) = (angles.cos()?, angles.sin()?);
+        let q = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (2, 3, t, d), &dev)?))?;
+        let wq = Tensor::randn(0f32, 1.0, (2, 3, t, d), &dev)?;
+        let a = rope(q.as_tensor(), &cos, &sin)?;
+        let b = rope(&q.as_tensor().to_dtype(DType::F64)?, &cos.to_dtype(DType::F64)?, &sin.to_dtype(DType::F64)?)?
+            .to_dtype(DType::F32)?;
+        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "rope forward differs by {diff}");
+        let (ga, gb) = ((a * &wq)?.sum_all()?.backward()?, (b * &wq)?.sum_all()?.backward()?);
+        let (Some(da), Some(db)) = (ga.get(q.as_tensor()), gb.get(q.as_tensor())) else { panic!("rope: no gradient") };
+        let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "rope gradient differs by {diff}");
         for (name, fused, reference) in cases {
             let (a, b) = (fused(x.as_tensor())?, reference(x.as_tensor())?);
             let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;

@@ -3,6 +3,9 @@
 //! - [`model`]: model configs, an MLP and a LeNet-style CNN, and the
 //!   [`TrainableModel`] trait the node drives.
 //! - [`gpt`]: a decoder-only transformer over bytes (`Arch::Gpt`).
+//! - [`hf`]: Hugging Face model directories (`LlamaForCausalLM`).
+//! - [`llama`]: a Llama-architecture transformer (`Arch::Llama`) under
+//!   Hugging Face's tensor names.
 //! - [`layout`]: [`ParamLayout`] (parameters as one flat vector) and
 //!   [`ShardPlan`] (that vector cut into shards).
 //! - [`optim`]: SGD (momentum, Nesterov) and AdamW over flat slices, with
@@ -28,8 +31,10 @@ pub mod device;
 pub mod error;
 pub mod gpt;
 pub mod grads;
+pub mod hf;
 pub mod kernels;
 pub mod layout;
+pub mod llama;
 pub mod model;
 pub mod modelfile;
 pub mod optim;
@@ -44,6 +49,7 @@ pub use device::DeviceKind;
 pub use error::{ModelError, Result};
 pub use gpt::GptSize;
 pub use layout::{ParamEntry, ParamLayout, Shard, ShardPlan};
+pub use llama::LlamaSize;
 pub use model::{Arch, ArchKind, Evaluation, GradOutput, LayerFactors, Model, ModelConfig, TrainableModel};
 pub use modelfile::{ModelFile, ModelMeta, MODEL_FORMAT};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind, OptimizerState};

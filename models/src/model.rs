@@ -13,6 +13,7 @@ use crate::error::{ModelError, Result};
 use crate::gpt::{Gpt, GptSize};
 pub use crate::grads::{GradOutput, LayerFactors};
 use crate::layout::ParamLayout;
+use crate::llama::{Llama, LlamaSize};
 use crate::rng::DetRng;
 
 /// Which architecture.
@@ -27,6 +28,9 @@ pub enum Arch {
     /// A decoder-only transformer over `classes` tokens (see [`crate::gpt`]);
     /// the input is a window of `context + 1` tokens.
     Gpt { layers: usize, heads: usize, width: usize, context: usize },
+    /// A Llama-architecture transformer over `classes` tokens (see
+    /// [`crate::llama`]); the input is a window of `context + 1` tokens.
+    Llama { size: LlamaSize, context: usize },
 }
 
 /// Architecture names accepted on the command line.
@@ -37,6 +41,7 @@ pub enum ArchKind {
     Mlp,
     Cnn,
     Gpt,
+    Llama,
 }
 
 impl FromStr for ArchKind {
@@ -46,7 +51,8 @@ impl FromStr for ArchKind {
             "mlp" => Ok(ArchKind::Mlp),
             "cnn" => Ok(ArchKind::Cnn),
             "gpt" => Ok(ArchKind::Gpt),
-            other => Err(ModelError::Config(format!("unknown model `{other}`: expected mlp, cnn or gpt"))),
+            "llama" => Ok(ArchKind::Llama),
+            other => Err(ModelError::Config(format!("unknown model `{other}`: expected mlp, cnn, gpt or llama"))),
         }
     }
 }
@@ -55,11 +61,11 @@ impl ArchKind {
     /// A language model trains on text and nothing else does.
     pub fn check_dataset(&self, data: &crate::data::DatasetKind) -> Result<()> {
         match (self, data.context()) {
-            (ArchKind::Gpt, None) => {
-                Err(ModelError::Config(format!("model gpt is a language model: it trains on text:PATH, not {data}")))
+            (ArchKind::Gpt | ArchKind::Llama, None) => {
+                Err(ModelError::Config(format!("model {self} is a language model: it trains on text:PATH, not {data}")))
             }
             (ArchKind::Mlp | ArchKind::Cnn, Some(_)) => {
-                Err(ModelError::Config(format!("{data} is text: it needs model gpt, not {self}")))
+                Err(ModelError::Config(format!("{data} is text: it needs a language model (llama or gpt), not {self}")))
             }
             _ => Ok(()),
         }
@@ -72,6 +78,7 @@ impl fmt::Display for ArchKind {
             ArchKind::Mlp => "mlp",
             ArchKind::Cnn => "cnn",
             ArchKind::Gpt => "gpt",
+            ArchKind::Llama => "llama",
         })
     }
 }
@@ -96,6 +103,7 @@ impl ModelConfig {
                 let GptSize { layers, heads, width } = GptSize::default();
                 Arch::Gpt { layers, heads, width, context: input.width.saturating_sub(1) }
             }
+            ArchKind::Llama => Arch::Llama { size: LlamaSize::default(), context: input.width.saturating_sub(1) },
         };
         Self { arch, input, classes }
     }
@@ -109,9 +117,38 @@ impl ModelConfig {
         self
     }
 
+    /// This config with a Llama's size replaced (no change for other
+    /// architectures).
+    pub fn with_llama_size(mut self, size: LlamaSize) -> Self {
+        if let Arch::Llama { context, .. } = self.arch {
+            self.arch = Arch::Llama { size, context };
+        }
+        self
+    }
+
     /// Whether this is a language model (its evaluations carry bits per byte).
     pub fn is_language_model(&self) -> bool {
-        matches!(self.arch, Arch::Gpt { .. })
+        matches!(self.arch, Arch::Gpt { .. } | Arch::Llama { .. })
+    }
+
+    /// This Llama config reading `context` tokens (its weights do not depend
+    /// on the context: rotary embeddings have no table to outgrow); `None`
+    /// for other architectures.
+    pub fn with_context(&self, context: usize) -> Option<Self> {
+        let Arch::Llama { size, .. } = self.arch else { return None };
+        Some(Self {
+            arch: Arch::Llama { size, context },
+            input: ImageShape { channels: 1, height: 1, width: context + 1 },
+            classes: self.classes,
+        })
+    }
+
+    /// A language model's context (the tokens it reads); `None` otherwise.
+    pub fn context(&self) -> Option<usize> {
+        match self.arch {
+            Arch::Gpt { context, .. } | Arch::Llama { context, .. } => Some(context),
+            _ => None,
+        }
     }
 
     /// The default config for a dataset.
@@ -143,12 +180,19 @@ impl ModelConfig {
                     )));
                 }
             }
-            Arch::Gpt { layers, heads, width, context } => {
-                GptSize { layers: *layers, heads: *heads, width: *width }.validate(*context)?;
+            Arch::Gpt { .. } | Arch::Llama { .. } => {
+                let context = self.context().unwrap_or(0);
+                match &self.arch {
+                    Arch::Gpt { layers, heads, width, .. } => {
+                        GptSize { layers: *layers, heads: *heads, width: *width }.validate(context)?
+                    }
+                    Arch::Llama { size, .. } => size.validate(context)?,
+                    _ => {}
+                }
                 let expected = ImageShape { channels: 1, height: 1, width: context + 1 };
                 if self.input != expected {
                     return Err(ModelError::Config(format!(
-                        "a GPT with context {context} reads text windows of {} tokens, not {}x{}x{} images (train it on text:PATH)",
+                        "a language model with context {context} reads text windows of {} tokens, not {}x{}x{} images (train it on text:PATH)",
                         context + 1,
                         self.input.channels,
                         self.input.height,
@@ -177,6 +221,16 @@ impl ModelConfig {
             Arch::Gpt { layers, heads, width, context } => {
                 format!("gpt[l{layers} h{heads} d{width} ctx{context} vocab{}]", self.classes)
             }
+            Arch::Llama { size: s, context } => format!(
+                "llama[l{} h{}/{} d{} ff{} ctx{context} vocab{}{}]",
+                s.layers,
+                s.heads,
+                s.kv_heads,
+                s.width,
+                s.ff,
+                self.classes,
+                if s.tie { " tied" } else { "" }
+            ),
         }
     }
 }
@@ -276,6 +330,7 @@ enum Net {
     Mlp(Vec<Linear>),
     Cnn { conv1: Conv, conv2: Conv, fc1: Linear, fc2: Linear },
     Gpt(Gpt),
+    Llama(Llama),
 }
 
 /// A same-padded, stride-1 convolution computed on the CPU as an im2col
@@ -453,10 +508,12 @@ impl Model {
                 vb,
                 device,
             )?),
+            Arch::Llama { size, context } => Net::Llama(Llama::new(*size, *context, config.classes, vb, device)?),
         };
         let layout = ParamLayout::from_varmap(&varmap)?;
         match &config.arch {
             Arch::Gpt { layers, .. } => crate::gpt::init(&varmap, &layout, *layers, seed, device)?,
+            Arch::Llama { size, .. } => crate::llama::init(&varmap, &layout, size.layers, seed, device)?,
             _ => init_params(&varmap, &layout, seed, device)?,
         }
         Ok(Self { config, varmap, layout, device: device.clone(), net, spare_grads: Default::default() })
@@ -467,6 +524,19 @@ impl Model {
     pub fn generate(&self, prompt: &[u8], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u8>> {
         match &self.net {
             Net::Gpt(g) => g.generate(prompt, tokens, temperature, seed),
+            Net::Llama(l) => {
+                if self.config.classes > 256 {
+                    return Err(ModelError::Invalid(format!(
+                        "a vocabulary of {} tokens is not bytes: generating text needs its tokenizer",
+                        self.config.classes
+                    )));
+                }
+                // Bytes are the tokens; an empty prompt starts from a newline.
+                let ids: Vec<u32> =
+                    if prompt.is_empty() { vec![b'\n' as u32] } else { prompt.iter().map(|&b| b as u32).collect() };
+                let out = l.generate(&ids, tokens, temperature, seed)?;
+                Ok(out.into_iter().map(|t| t as u8).collect())
+            }
             _ => Err(ModelError::Invalid(format!("{} is not a language model", self.config.describe()))),
         }
     }
@@ -493,6 +563,7 @@ impl Model {
             }
             // Windows in, logits at every position of the context out.
             Net::Gpt(g) => g.logits(&g.inputs_and_targets(images)?.0)?,
+            Net::Llama(l) => l.logits(&l.inputs_and_targets(images)?.0)?,
         })
     }
 
@@ -519,8 +590,17 @@ impl Model {
                     layout: &self.layout,
                 })
             }
-            Net::Gpt(_) => return None,
+            Net::Gpt(_) | Net::Llama(_) => return None,
         })
+    }
+
+    /// The Llama network; `None` for other architectures.
+    #[cfg(test)]
+    pub(crate) fn llama(&self) -> Option<&Llama> {
+        match &self.net {
+            Net::Llama(l) => Some(l),
+            _ => None,
+        }
     }
 
     /// Boxed, for callers that only want the trait.
@@ -588,7 +668,7 @@ impl TrainableModel for Model {
         if let Some(step) = self.cpu_step(images) {
             return step.gradients(images, labels, true, self.take_spare_grads());
         }
-        if matches!(self.net, Net::Gpt(_)) {
+        if matches!(self.net, Net::Gpt(_) | Net::Llama(_)) {
             return self.gradients(images, labels);
         }
         self.graph_gradients_factored(images, labels)
@@ -599,6 +679,12 @@ impl TrainableModel for Model {
             Net::Gpt(g) => {
                 let (inputs, targets) = g.inputs_and_targets(images)?;
                 let logits = g.logits(&inputs)?;
+                let (n, t, v) = logits.dims3()?;
+                Ok((logits.reshape((n * t, v))?, targets))
+            }
+            Net::Llama(l) => {
+                let (inputs, targets) = l.inputs_and_targets(images)?;
+                let logits = l.logits(&inputs)?;
                 let (n, t, v) = logits.dims3()?;
                 Ok((logits.reshape((n * t, v))?, targets))
             }
@@ -617,7 +703,7 @@ impl Model {
     /// another length, or for a model that computes its gradients through
     /// candle's graph (a GPT, another device), is dropped.
     pub fn recycle_gradients(&self, grads: Vec<f32>) {
-        let takes = self.device.is_cpu() && !matches!(self.net, Net::Gpt(_));
+        let takes = self.device.is_cpu() && !matches!(self.net, Net::Gpt(_) | Net::Llama(_));
         if takes && grads.len() == self.layout.total_len() {
             if let Ok(mut spare) = self.spare_grads.lock() {
                 *spare = Some(grads);

@@ -82,6 +82,7 @@ impl ModelFile {
 
     /// Read and validate a model file. With `expect`, the stored model
     /// config must equal it (a clear error names both otherwise).
+    /// ([`crate::hf::load_model`] also reads Hugging Face directories.)
     pub fn load(path: &Path, expect: Option<&ModelConfig>) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
         let (st, meta) = parse(path, &bytes)?;

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
-use shoal_models::{ArchKind, DatasetKind, DeviceKind, GptSize, ModelConfig, OptimizerConfig, OptimizerKind};
+use shoal_models::{
+    ArchKind, DatasetKind, DeviceKind, GptSize, LlamaSize, ModelConfig, OptimizerConfig, OptimizerKind,
+};
 use shoal_protocol::libp2p::Multiaddr;
 use shoal_protocol::{ProtocolConfig, RunId};
 
@@ -112,14 +114,18 @@ impl std::fmt::Display for Aggregators {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainingConfig {
-    /// `mlp`, `cnn` or `gpt` (a transformer language model; needs a
-    /// `text:PATH` data set).
+    /// `mlp`, `cnn`, `llama` or `gpt` (transformer language models; they
+    /// need a `text:PATH` data set).
     pub model: ArchKind,
     /// MLP hidden widths; none: `[256, 128]`.
     pub mlp_hidden: Option<Vec<usize>>,
     /// GPT size: `{ layers, heads, width }`; none: `GptSize::default()`
     /// (its context is the text data set's).
     pub gpt: Option<GptSize>,
+    /// Llama size (the `[training.llama]` table: `layers`, `heads`,
+    /// `kv_heads`, `width`, `ff`, `tie`, `rope_theta`, `norm_eps`); none:
+    /// `LlamaSize::default()` (its context is the text data set's).
+    pub llama: Option<LlamaSize>,
     /// `digits` (embedded), `fashion-mnist`, or `text:PATH` / `text@N:PATH`
     /// (a UTF-8 file, in windows of 64 or N bytes).
     pub dataset: DatasetKind,
@@ -156,6 +162,7 @@ impl Default for TrainingConfig {
             model: ArchKind::Mlp,
             mlp_hidden: None,
             gpt: None,
+            llama: None,
             dataset: DatasetKind::Digits,
             data_dir: None,
             batch_size: 32,
@@ -637,6 +644,10 @@ pub struct NodeConfig {
     /// safetensors file under the model's own layer names (see
     /// `docs/operations.md`).
     pub output: Option<PathBuf>,
+    /// A Llama: also write the trained model here as a Hugging Face
+    /// directory (`config.json`, `model.safetensors` ...) when the node
+    /// finishes or leaves.
+    pub output_hf: Option<PathBuf>,
 }
 
 /// Shard checkpoints (see `docs/operations.md`, "Checkpoints, model files
@@ -711,6 +722,7 @@ impl Default for NodeConfig {
             network: ProtocolConfig::default(),
             http: HttpConfig::default(),
             output: None,
+            output_hf: None,
             checkpoint: CheckpointConfig::default(),
         }
     }
@@ -854,6 +866,21 @@ impl NodeConfig {
         t.model.check_dataset(&t.dataset).map_err(|e| anyhow::anyhow!("training.model and training.dataset: {e}"))?;
         if let (ArchKind::Gpt, DatasetKind::Text { context, .. }) = (t.model, &t.dataset) {
             t.gpt.unwrap_or_default().validate(*context).map_err(|e| anyhow::anyhow!("training.gpt: {e}"))?;
+        }
+        if let (ArchKind::Llama, DatasetKind::Text { context, .. }) = (t.model, &t.dataset) {
+            t.llama.unwrap_or_default().validate(*context).map_err(|e| anyhow::anyhow!("training.llama: {e}"))?;
+        }
+        if t.gpt.is_some() && t.model != ArchKind::Gpt {
+            bail!("training.gpt sizes a gpt, but training.model is {}", t.model);
+        }
+        if self.output_hf.is_some() && t.model != ArchKind::Llama {
+            bail!(
+                "output_hf writes a Hugging Face LlamaForCausalLM: it needs training.model = \"llama\", not {}",
+                t.model
+            );
+        }
+        if t.llama.is_some() && t.model != ArchKind::Llama {
+            bail!("[training.llama] sizes a llama, but training.model is {}", t.model);
         }
         if t.threads == Some(0) {
             bail!("training.threads must be at least 1 (leave it out for the node's share of the host's cores)");
@@ -1114,8 +1141,12 @@ impl NodeConfig {
         if let (Some(hidden), shoal_models::Arch::Mlp { .. }) = (&self.training.mlp_hidden, &m.arch) {
             m.arch = shoal_models::Arch::Mlp { hidden: hidden.clone() };
         }
-        match self.training.gpt {
+        let m = match self.training.gpt {
             Some(size) => m.with_gpt_size(size),
+            None => m,
+        };
+        match self.training.llama {
+            Some(size) => m.with_llama_size(size),
             None => m,
         }
     }
@@ -1196,7 +1227,7 @@ fn has_key(table: &toml::Table, path: &str) -> bool {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunAgreement {
     pub run_id: String,
-    /// The model's shape (from `training.model`, `mlp_hidden`, `gpt` and
+    /// The model's shape (from `training.model`, `mlp_hidden`, `gpt`, `llama` and
     /// the data set's shape).
     pub model: ModelConfig,
     /// `training.dataset`, a text named by its file name only: peers may
@@ -1377,7 +1408,25 @@ mod tests {
         assert!(e.contains("training.gpt") && e.contains("multiple"), "{e}");
         c.training.model = ArchKind::Mlp;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("needs model gpt"), "{e}");
+        assert!(e.contains("needs a language model"), "{e}");
+        // A Llama on the same text, sized by its table; the table is
+        // checked, and refused with another model.
+        c.training.model = ArchKind::Llama;
+        c.training.gpt = None;
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        c.training.llama = Some(LlamaSize { kv_heads: 3, ..LlamaSize::default() });
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("training.llama") && e.contains("kv_heads"), "{e}");
+        c.training.llama = Some(LlamaSize::default());
+        c.training.model = ArchKind::Gpt;
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("[training.llama] sizes a llama"), "{e}");
+        c.training.llama = None;
+        c.output_hf = Some("hf".into());
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("output_hf") && e.contains("llama"), "{e}");
+        c.output_hf = None;
+        c.training.model = ArchKind::Mlp;
         // The TOML form.
         let toml_text = "run_id = \"r\"\n[training]\nmodel = \"gpt\"\ndataset = \"text@32:c.txt\"\ngpt = { layers = 2, heads = 4, width = 64 }\n";
         let parsed: Result<NodeConfig, _> = toml::from_str(toml_text);
@@ -1767,11 +1816,12 @@ mod tests {
         let section = docs.split_once("### The config file").map(|(_, r)| r).unwrap_or_default();
         let section = section.split("\n### ").next().unwrap_or_default();
         // The optional tables written out with their defaults.
-        let full = NodeConfig {
+        let mut full = NodeConfig {
             local_steps: Some(LocalStepsConfig::every(2)),
             gossip: Some(GossipConfig::default()),
             ..NodeConfig::default()
         };
+        full.training.llama = Some(LlamaSize::default());
         let full = toml::Table::try_from(&full)?;
         let number = |v: &toml::Value| v.as_float().or(v.as_integer().map(|i| i as f64));
         let (mut table, mut checked) = (String::new(), 0);
@@ -1789,7 +1839,8 @@ mod tests {
             if table == "network" || key.starts_with('[') {
                 continue; // described by its own section of protocol.md
             }
-            let at = if table.is_empty() { Some(&full) } else { full.get(&table).and_then(|t| t.as_table()) };
+            // A dotted table name (`training.llama`) is a table in a table.
+            let at = table.split('.').filter(|k| !k.is_empty()).try_fold(&full, |t, k| t.get(k)?.as_table());
             let value = at.and_then(|t| t.get(key));
             if *default == "none" {
                 assert!(value.is_none(), "[{table}] {key}: the docs say none, the code has {value:?}");

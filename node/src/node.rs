@@ -104,6 +104,17 @@ impl NodeReport {
         }
     }
 
+    /// Write this node's final model (a Llama) as a Hugging Face directory
+    /// at `dir`, off the async runtime's threads.
+    pub async fn write_hf(&self, config: &NodeConfig, dir: &std::path::Path) -> anyhow::Result<()> {
+        let file = self.model_file(config);
+        let at = dir.to_path_buf();
+        tokio::task::spawn_blocking(move || shoal_models::hf::write_dir(&file, &at))
+            .await
+            .context("model writer panicked")?
+            .with_context(|| format!("writing the Hugging Face directory {}", dir.display()))
+    }
+
     /// Write this node's final model to `path` (atomically), off the async
     /// runtime's threads.
     pub async fn write_model(&self, config: &NodeConfig, path: &std::path::Path) -> anyhow::Result<()> {
@@ -833,6 +844,12 @@ impl Node {
             match report.write_model(config, path).await {
                 Ok(()) => info!(%name, path = %path.display(), "model written"),
                 Err(e) => warn!(%name, error = %format!("{e:#}"), "the trained model was NOT written"),
+            }
+        }
+        if let Some(dir) = &config.output_hf {
+            match report.write_hf(config, dir).await {
+                Ok(()) => info!(%name, dir = %dir.display(), "Hugging Face model written"),
+                Err(e) => warn!(%name, error = %format!("{e:#}"), "the Hugging Face model was NOT written"),
             }
         }
         if ran.left {

@@ -92,22 +92,33 @@ pub struct TestnetRunArgs {
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// Model architecture: mlp, cnn, or gpt (a transformer language model
-    /// over bytes; needs a text data set).
+    /// Model architecture: mlp, cnn, llama or gpt (llama and gpt are
+    /// transformer language models; they need a text data set).
     #[arg(long, default_value = "mlp", value_parser = parse_arch)]
     pub model: ArchKind,
-    /// GPT: transformer blocks.
+    /// Llama and GPT: transformer blocks.
     #[arg(long, default_value_t = shoal_models::GptSize::default().layers)]
     pub layers: usize,
-    /// GPT: attention heads per block.
+    /// Llama and GPT: (query) attention heads per block.
     #[arg(long, default_value_t = shoal_models::GptSize::default().heads)]
     pub heads: usize,
-    /// GPT: embedding width (a multiple of --heads).
+    /// Llama: key/value heads per block, dividing --heads (default: 2 where
+    /// it divides --heads, else --heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Llama and GPT: embedding width (--heads times the head width; even
+    /// for a llama).
     #[arg(long, default_value_t = shoal_models::GptSize::default().width)]
     pub width: usize,
+    /// Llama: the SwiGLU MLP's hidden width.
+    #[arg(long, default_value_t = shoal_models::LlamaSize::default().ff)]
+    pub ff: usize,
+    /// Llama: an output head of its own instead of the token embedding.
+    #[arg(long)]
+    pub untied: bool,
     /// Data set: `digits` is built in; `fashion-mnist` needs `shoal data
     /// fetch fashion-mnist`; `text:PATH` is any UTF-8 file, read in windows
-    /// of 64 bytes (`text@N:PATH`: N bytes), for --model gpt.
+    /// of 64 bytes (`text@N:PATH`: N bytes), for --model llama or gpt.
     #[arg(long, default_value = "digits", value_parser = parse_dataset)]
     pub dataset: DatasetKind,
     /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
@@ -148,10 +159,22 @@ pub struct TrainArgs {
     /// optimizer, step 0. Its model must match --model and the data set.
     #[arg(long, conflicts_with = "resume")]
     pub init: Option<PathBuf>,
+    /// Start from a Hugging Face Llama directory (`config.json` and
+    /// `model.safetensors`, as `save_pretrained` writes them): its sizes
+    /// replace --layers, --heads, --kv-heads, --width and --ff; fresh
+    /// optimizer, step 0.
+    #[arg(long, conflicts_with_all = ["resume", "init"])]
+    pub init_hf: Option<PathBuf>,
     /// Write the trained model here at the end (safetensors, the model's own
     /// layer names; `shoal eval` and other software read it).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// --model llama: also write the trained model as a Hugging Face
+    /// directory (`config.json`, `model.safetensors`,
+    /// `generation_config.json`, and for bytes `tokenizer.json`) that
+    /// `LlamaForCausalLM.from_pretrained` loads.
+    #[arg(long)]
+    pub output_hf: Option<PathBuf>,
     /// Compute threads (default: every core).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: Option<usize>,
@@ -341,6 +364,9 @@ pub struct NodeArgs {
     /// Write the trained model here (safetensors) when the node finishes or leaves.
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// A Llama: also write the trained model as a Hugging Face directory.
+    #[arg(long)]
+    pub output_hf: Option<PathBuf>,
     /// Write shard checkpoints into this folder, and resume from it after a full stop.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
@@ -657,4 +683,22 @@ fn parse_optimizer(s: &str) -> Result<OptimizerKind, String> {
 
 fn parse_device(s: &str) -> Result<DeviceKind, String> {
     s.parse().map_err(|e: shoal_models::ModelError| e.to_string())
+}
+
+impl TrainArgs {
+    /// The Llama size the flags give.
+    pub fn llama_size(&self) -> shoal_models::LlamaSize {
+        let d = shoal_models::LlamaSize::default();
+        let kv_heads =
+            self.kv_heads.unwrap_or(if self.heads.is_multiple_of(d.kv_heads) { d.kv_heads } else { self.heads });
+        shoal_models::LlamaSize {
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads,
+            width: self.width,
+            ff: self.ff,
+            tie: !self.untied,
+            ..d
+        }
+    }
 }

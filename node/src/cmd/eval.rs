@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use shoal_models::{data, DatasetKind, Model, ModelFile, TrainableModel};
+use shoal_models::{data, DatasetKind, Model, TrainableModel};
 
 use crate::cmd::cli::EvalArgs;
 
@@ -26,7 +26,7 @@ pub struct EvalReport {
 
 /// Load a model file and evaluate it (the work behind `shoal eval`).
 pub fn evaluate(args: &EvalArgs) -> anyhow::Result<EvalReport> {
-    let file = ModelFile::load(&args.model, None)?;
+    let file = shoal_models::hf::load_model(&args.model, None)?;
     let dataset = match &args.dataset {
         Some(d) => d.clone(),
         None => file.meta.dataset.parse::<DatasetKind>().with_context(|| {
@@ -36,6 +36,11 @@ pub fn evaluate(args: &EvalArgs) -> anyhow::Result<EvalReport> {
     let split =
         data::load(&dataset, args.data_dir.as_deref()).with_context(|| format!("loading data set {dataset}"))?;
     let (shape, classes) = (split.test.shape, split.test.classes);
+    let mut file = file;
+    // A Llama reads the data's windows whatever context it was trained at.
+    if let Some(m) = shape.width.checked_sub(1).and_then(|c| file.model.with_context(c)) {
+        file.model = m;
+    }
     if (shape, classes) != (file.model.input, file.model.classes) {
         bail!(
             "{} holds model {}, which does not fit {dataset} ({}x{}x{} inputs, {} classes)",

@@ -1,14 +1,14 @@
 //! `shoal generate`: sample text from a trained GPT model file.
 
 use anyhow::{bail, Context};
-use shoal_models::{Model, ModelFile, TrainableModel};
+use shoal_models::{Model, TrainableModel};
 
 use crate::cmd::cli::GenerateArgs;
 
 /// The generated text (the prompt not included). Bytes that do not form
 /// UTF-8 are shown as U+FFFD.
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<String> {
-    let file = ModelFile::load(&args.model, None)?;
+    let file = shoal_models::hf::load_model(&args.model, None)?;
     if !file.model.is_language_model() {
         bail!(
             "{} holds {}, which is not a language model (train one with --model gpt --dataset text:PATH)",

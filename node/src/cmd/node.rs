@@ -133,6 +133,11 @@ pub const FLAGS: &[Flag] = &[
     Flag { flag: "--control", path: "http.control", apply: |a, c| c.http.control |= a.control },
     Flag { flag: "--output", path: "output", apply: |a, c| c.output = a.output.clone().or(c.output.take()) },
     Flag {
+        flag: "--output-hf",
+        path: "output_hf",
+        apply: |a, c| c.output_hf = a.output_hf.clone().or(c.output_hf.take()),
+    },
+    Flag {
         flag: "--checkpoint-dir",
         path: "checkpoint.dir",
         apply: |a, c| c.checkpoint.dir = a.checkpoint_dir.clone().or(c.checkpoint.dir.take()),

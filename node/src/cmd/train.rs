@@ -25,11 +25,32 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let device = args.device.open()?;
     let split = data::load(&args.dataset, args.data_dir.as_deref())
         .with_context(|| format!("loading data set {}", args.dataset))?;
-    let config = ModelConfig::for_dataset(args.model, &split.train).with_gpt_size(GptSize {
-        layers: args.layers,
-        heads: args.heads,
-        width: args.width,
-    });
+    let config = match &args.init_hf {
+        // The directory's sizes, at the data's context.
+        Some(dir) => {
+            let file = shoal_models::hf::read_dir(dir, split.train.shape.width.checked_sub(1))
+                .with_context(|| format!("--init-hf {}", dir.display()))?;
+            if args.model != shoal_models::ArchKind::Llama {
+                anyhow::bail!("--init-hf reads a Llama: pass --model llama");
+            }
+            file.model
+        }
+        None => ModelConfig::for_dataset(args.model, &split.train)
+            .with_gpt_size(GptSize { layers: args.layers, heads: args.heads, width: args.width })
+            .with_llama_size(args.llama_size()),
+    };
+    if config.classes != split.train.classes {
+        anyhow::bail!(
+            "{} has a vocabulary of {} tokens; {} has {}",
+            config.describe(),
+            config.classes,
+            args.dataset,
+            split.train.classes
+        );
+    }
+    if args.output_hf.is_some() {
+        shoal_models::hf::config_json(&config).context("--output-hf")?;
+    }
     config.validate().with_context(|| format!("--model {} on {}", args.model, args.dataset))?;
     let mut trainer = open_trainer(&args, &config, &device)?;
     println!(
@@ -52,7 +73,8 @@ fn open_trainer(args: &TrainArgs, config: &ModelConfig, device: &Device) -> anyh
         .lr
         .map(|lr| OptimizerConfig::new(args.optimizer, lr))
         .unwrap_or_else(|| OptimizerConfig::new(args.optimizer, OptimizerConfig::default_lr(args.optimizer)));
-    Ok(match (&args.resume, &args.init) {
+    let init = args.init.as_ref().or(args.init_hf.as_ref());
+    Ok(match (&args.resume, init) {
         (Some(path), _) => {
             let ckpt = Checkpoint::load(path, Some(config))?;
             // Keep the checkpoint's optimizer unless the user named a learning rate.
@@ -61,9 +83,9 @@ fn open_trainer(args: &TrainArgs, config: &ModelConfig, device: &Device) -> anyh
             LocalTrainer::resume(ckpt, opt, args.batch_size, device)?
         }
         (None, Some(path)) => {
-            let init = ModelFile::load(path, Some(config)).with_context(|| {
+            let init = shoal_models::hf::load_model(path, Some(config)).with_context(|| {
                 format!(
-                    "--init must hold a {} model for {} (the model and data set given)",
+                    "--init and --init-hf must hold a {} model for {} (the model and data set given)",
                     config.describe(),
                     args.dataset
                 )
@@ -174,6 +196,23 @@ fn finish(args: &TrainArgs, config: &ModelConfig, trainer: &LocalTrainer, split:
         };
         file.save(path).with_context(|| format!("writing the model to {}", path.display()))?;
         println!("model written to {}", path.display());
+    }
+    if let Some(dir) = &args.output_hf {
+        let file = ModelFile {
+            model: config.clone(),
+            params: trainer.params().to_vec(),
+            meta: ModelMeta {
+                run_id: "train".into(),
+                step: trainer.step(),
+                seed: args.seed,
+                dataset: args.dataset.to_string(),
+                accuracy: Some(eval.accuracy),
+                loss: Some(eval.loss),
+            },
+        };
+        shoal_models::hf::write_dir(&file, dir)
+            .with_context(|| format!("writing the Hugging Face directory {}", dir.display()))?;
+        println!("Hugging Face model written to {}", dir.display());
     }
     Ok(())
 }

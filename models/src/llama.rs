@@ -1,0 +1,432 @@
+//! A decoder-only transformer of the Llama architecture: token embeddings,
+//! `layers` blocks of RMS-normed grouped-query attention with rotary
+//! position embeddings and an RMS-normed SwiGLU MLP, a final RMS norm, and a
+//! head that is tied to the embedding or a matrix of its own. No biases.
+//!
+//! The variables carry Hugging Face's names and shapes
+//! (`model.layers.0.self_attn.q_proj.weight`, `[out, in]`), and the
+//! rotary embeddings use its "rotate half" layout, so a trained model is a
+//! `LlamaForCausalLM` as it is ([`crate::hf`] writes and reads such
+//! directories).
+//!
+//! Inputs are windows of `context + 1` tokens (see [`crate::data::text`]):
+//! the first `context` are read, and every position predicts the token after
+//! it. On the CPU, RMS norm, the rotary embeddings, SwiGLU and the causal
+//! softmax run as fused kernels of [`crate::kernels`]; other devices use
+//! candle's composed ops.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::error::{ModelError, Result};
+use crate::layout::ParamLayout;
+use crate::rng::DetRng;
+
+/// A float that compares and hashes by its bits, so that a model config
+/// holding one stays `Eq` (configs are compared between peers).
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Float(pub f64);
+
+impl PartialEq for Float {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_bits() == other.0.to_bits()
+    }
+}
+
+impl Eq for Float {}
+
+/// The size of a Llama, apart from its context (which the data fixes) and
+/// its vocabulary (the tokenizer's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LlamaSize {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Query heads per block.
+    pub heads: usize,
+    /// Key and value heads per block (grouped-query attention); divides
+    /// `heads`. Equal to `heads`: plain multi-head attention.
+    pub kv_heads: usize,
+    /// Embedding width: `heads` times an even head width.
+    pub width: usize,
+    /// The MLP's hidden width.
+    pub ff: usize,
+    /// The output head is the token embedding (`tie_word_embeddings`).
+    pub tie: bool,
+    /// The rotary embeddings' base (`rope_theta`).
+    pub rope_theta: Float,
+    /// RMS norm's epsilon (`rms_norm_eps`).
+    pub norm_eps: Float,
+}
+
+impl Default for LlamaSize {
+    /// 4 layers, 4 query and 2 key/value heads, width 128, MLP 352, a tied
+    /// head: about 0.8M parameters over bytes, which trains at a useful
+    /// speed on a CPU.
+    fn default() -> Self {
+        Self {
+            layers: 4,
+            heads: 4,
+            kv_heads: 2,
+            width: 128,
+            ff: 352,
+            tie: true,
+            rope_theta: Float(10_000.0),
+            norm_eps: Float(1e-5),
+        }
+    }
+}
+
+impl LlamaSize {
+    pub fn validate(&self, context: usize) -> Result<()> {
+        let bad = |m: String| Err(ModelError::Config(m));
+        if self.layers == 0 || self.heads == 0 || self.kv_heads == 0 || self.width == 0 || self.ff == 0 || context == 0
+        {
+            return bad(format!(
+                "Llama layers ({}), heads ({}), kv_heads ({}), width ({}), ff ({}) and context ({context}) must be positive",
+                self.layers, self.heads, self.kv_heads, self.width, self.ff
+            ));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(format!("Llama heads ({}) must be a multiple of kv_heads ({})", self.heads, self.kv_heads));
+        }
+        if !self.width.is_multiple_of(self.heads) || !(self.width / self.heads).is_multiple_of(2) {
+            return bad(format!(
+                "Llama width {} must be its {} heads times an even head width (rotary embeddings turn pairs)",
+                self.width, self.heads
+            ));
+        }
+        if !(self.rope_theta.0.is_finite() && self.rope_theta.0 > 1.0) {
+            return bad(format!("Llama rope_theta {} must be a finite number above 1", self.rope_theta.0));
+        }
+        if !(self.norm_eps.0.is_finite() && self.norm_eps.0 > 0.0 && self.norm_eps.0 < 1.0) {
+            return bad(format!("Llama norm_eps {} must be between 0 and 1", self.norm_eps.0));
+        }
+        Ok(())
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.width / self.heads.max(1)
+    }
+
+    /// Parameters of a model of this size over `vocab` tokens.
+    pub fn parameters(&self, vocab: usize) -> usize {
+        let (d, kv) = (self.width, self.kv_heads * self.head_dim());
+        let block = 2 * d + d * d * 2 + 2 * d * kv + 3 * d * self.ff;
+        vocab * d * if self.tie { 1 } else { 2 } + self.layers * block + d
+    }
+}
+
+struct Block {
+    attn_norm: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    mlp_norm: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+/// The network. Built by [`crate::Model`] for `Arch::Llama`.
+pub(crate) struct Llama {
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    /// `lm_head.weight`; `None`: tied to the embedding.
+    head: Option<Tensor>,
+    size: LlamaSize,
+    context: usize,
+    /// `[context, head_dim / 2]`: the rotary angles' cosines and sines.
+    cos: Tensor,
+    sin: Tensor,
+    /// `[context, context]`: 0 on and below the diagonal, a large negative
+    /// number above it (the devices without the fused causal softmax).
+    mask: Tensor,
+}
+
+/// `x [rows, in] @ w^T` for a weight `[out, in]`.
+fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(x.matmul(&w.t()?)?)
+}
+
+impl Llama {
+    pub(crate) fn new(size: LlamaSize, context: usize, vocab: usize, vb: VarBuilder, device: &Device) -> Result<Self> {
+        size.validate(context)?;
+        let (d, hd) = (size.width, size.head_dim());
+        let kv = size.kv_heads * hd;
+        let blocks = (0..size.layers)
+            .map(|i| {
+                let vb = vb.pp(format!("model.layers.{i}"));
+                Ok(Block {
+                    attn_norm: vb.get(d, "input_layernorm.weight")?,
+                    q: vb.get((d, d), "self_attn.q_proj.weight")?,
+                    k: vb.get((kv, d), "self_attn.k_proj.weight")?,
+                    v: vb.get((kv, d), "self_attn.v_proj.weight")?,
+                    o: vb.get((d, d), "self_attn.o_proj.weight")?,
+                    mlp_norm: vb.get(d, "post_attention_layernorm.weight")?,
+                    gate: vb.get((size.ff, d), "mlp.gate_proj.weight")?,
+                    up: vb.get((size.ff, d), "mlp.up_proj.weight")?,
+                    down: vb.get((d, size.ff), "mlp.down_proj.weight")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let half = hd / 2;
+        let angles: Vec<f32> = (0..context * half)
+            .map(|k| {
+                let (p, i) = (k / half, k % half);
+                (p as f64 * size.rope_theta.0.powf(-2.0 * i as f64 / hd as f64)) as f32
+            })
+            .collect();
+        // The tables in the variables' dtype: the composed ops of other
+        // dtypes and devices mix them with activations.
+        let angles = Tensor::from_vec(angles, (context, half), device)?.to_dtype(vb.dtype())?;
+        let mask: Vec<f32> =
+            (0..context * context).map(|i| if i % context > i / context { -1e9 } else { 0.0 }).collect();
+        Ok(Self {
+            embed: vb.get((vocab, d), "model.embed_tokens.weight")?,
+            blocks,
+            norm: vb.get(d, "model.norm.weight")?,
+            head: if size.tie { None } else { Some(vb.get((vocab, d), "lm_head.weight")?) },
+            size,
+            context,
+            cos: angles.cos()?,
+            sin: angles.sin()?,
+            mask: Tensor::from_vec(mask, (context, context), device)?.to_dtype(vb.dtype())?,
+        })
+    }
+
+    /// Logits `[n, t, vocab]` for tokens `[n, t]` (u32, `t <= context`).
+    ///
+    /// The residual stream is one matrix `[n * t, width]`, so that every
+    /// linear layer is one matrix product.
+    pub(crate) fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (n, t) = tokens.dims2()?;
+        if t == 0 || t > self.context {
+            return Err(ModelError::Invalid(format!("Llama input of {t} tokens; its context is {}", self.context)));
+        }
+        let s = &self.size;
+        let (d, hd, h, kvh) = (s.width, s.head_dim(), s.heads, s.kv_heads);
+        let eps = s.norm_eps.0 as f32;
+        let mut x = self.embed.index_select(&tokens.flatten_all()?, 0)?;
+        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let heads = |m: Tensor, count: usize| -> Result<Tensor> {
+            Ok(m.reshape((n, t, count, hd))?.transpose(1, 2)?.contiguous()?)
+        };
+        // Each key/value head serves `heads / kv_heads` query heads in a row.
+        let repeat = |m: Tensor| -> Result<Tensor> {
+            if kvh == h {
+                return Ok(m);
+            }
+            let m = m.unsqueeze(2)?.broadcast_as((n, kvh, h / kvh, t, hd))?.contiguous()?;
+            Ok(m.reshape((n, h, t, hd))?)
+        };
+        for b in &self.blocks {
+            let a = crate::kernels::rms_norm(&x, &b.attn_norm, eps)?;
+            let q = crate::kernels::rope(&heads(linear(&a, &b.q)?, h)?, &self.cos, &self.sin)?;
+            let k = repeat(crate::kernels::rope(&heads(linear(&a, &b.k)?, kvh)?, &self.cos, &self.sin)?)?;
+            let v = repeat(heads(linear(&a, &b.v)?, kvh)?)?;
+            let att = crate::kernels::causal_softmax(&q.matmul(&k.t()?)?, scale, &mask)?;
+            let y = att.matmul(&v)?.transpose(1, 2)?.reshape((n * t, d))?;
+            x = (x + linear(&y, &b.o)?)?;
+            let m = crate::kernels::rms_norm(&x, &b.mlp_norm, eps)?;
+            let m = crate::kernels::swiglu(&linear(&m, &b.gate)?, &linear(&m, &b.up)?)?;
+            x = (x + linear(&m, &b.down)?)?;
+        }
+        let x = crate::kernels::rms_norm(&x, &self.norm, eps)?;
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let vocab = head.dim(0)?;
+        Ok(linear(&x, head)?.reshape((n, t, vocab))?)
+    }
+
+    /// Split windows `[n, .., context + 1]` (f32 token values) into inputs
+    /// `[n, context]` and next-token targets `[n * context]`, both u32.
+    pub(crate) fn inputs_and_targets(&self, windows: &Tensor) -> Result<(Tensor, Tensor)> {
+        let tokens = windows.flatten_from(1)?.to_dtype(DType::U32)?;
+        let w = tokens.dim(1)?;
+        if w != self.context + 1 {
+            return Err(ModelError::Invalid(format!(
+                "Llama windows of {w} tokens; this model reads {} plus the next one",
+                self.context
+            )));
+        }
+        Ok((tokens.narrow(1, 0, self.context)?, tokens.narrow(1, 1, self.context)?.flatten_all()?))
+    }
+
+    /// Continue `prompt` by `tokens` tokens, sampling each from the softmax
+    /// of the last position's logits divided by `temperature` (0: the most
+    /// likely token). The same seed gives the same tokens on the same device.
+    pub(crate) fn generate(&self, prompt: &[u32], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u32>> {
+        if !(temperature >= 0.0 && temperature.is_finite()) {
+            return Err(ModelError::Invalid(format!("temperature {temperature} must be a finite number >= 0")));
+        }
+        let vocab = self.embed.dim(0)? as u32;
+        if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
+            return Err(ModelError::Invalid(format!("prompt token {bad} is outside the vocabulary of {vocab}")));
+        }
+        let mut rng = DetRng::derive(seed, "generate");
+        let mut out: Vec<u32> = prompt.to_vec();
+        for _ in 0..tokens {
+            let start = out.len().saturating_sub(self.context);
+            let ctx = out[start..].to_vec();
+            let t = ctx.len();
+            let input = Tensor::from_vec(ctx, (1, t), self.mask.device())?;
+            let logits = self.logits(&input)?.narrow(1, t - 1, 1)?.flatten_all()?.to_dtype(DType::F32)?;
+            out.push(crate::gpt::sample(&logits.to_vec1()?, temperature, &mut rng) as u32);
+        }
+        Ok(out.split_off(prompt.len()))
+    }
+}
+
+/// Init as Hugging Face's Llama: weights N(0, 0.02) (here uniform with
+/// that deviation), the residual projections (`o_proj`, `down_proj`) scaled
+/// by 1/sqrt(2 layers) as GPT-2 does, norm gains 1. Each tensor gets its
+/// own stream derived from (seed, name).
+pub(crate) fn init(varmap: &VarMap, layout: &ParamLayout, layers: usize, seed: u64, device: &Device) -> Result<()> {
+    let data = varmap.data().lock().map_err(|_| ModelError::Invalid("variable map lock poisoned".into()))?;
+    let bound = 0.02 * 3f32.sqrt();
+    let residual = 1.0 / ((2 * layers.max(1)) as f32).sqrt();
+    for entry in layout.entries() {
+        let name = entry.name.as_str();
+        let values: Vec<f32> = if name.ends_with("norm.weight") {
+            vec![1.0; entry.len]
+        } else {
+            let b = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                bound * residual
+            } else {
+                bound
+            };
+            let mut rng = DetRng::derive(seed, name);
+            (0..entry.len).map(|_| rng.uniform(-b, b)).collect()
+        };
+        let var = data.get(name).ok_or_else(|| ModelError::Invalid(format!("variable {name} vanished")))?;
+        var.set(&Tensor::from_vec(values, entry.shape.as_slice(), device)?)?;
+    }
+    Ok(())
+}
+
+/// The last position's logits, `[vocab]`, for a check against another
+/// implementation.
+#[cfg(test)]
+pub(crate) fn last_logits(model: &Llama, tokens: &[u32]) -> Result<Vec<f32>> {
+    let t = tokens.len();
+    let input = Tensor::from_vec(tokens.to_vec(), (1, t), model.mask.device())?;
+    Ok(model.logits(&input)?.narrow(1, t - 1, 1)?.flatten_all()?.to_vec1()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::ImageShape;
+    use crate::model::{Arch, Model, ModelConfig, TrainableModel};
+
+    fn tiny(tie: bool, kv_heads: usize, context: usize) -> ModelConfig {
+        let size = LlamaSize { layers: 2, heads: 4, kv_heads, width: 16, ff: 24, tie, ..LlamaSize::default() };
+        ModelConfig {
+            arch: Arch::Llama { size, context },
+            input: ImageShape { channels: 1, height: 1, width: context + 1 },
+            classes: 64,
+        }
+    }
+
+    /// Every parameter's analytic gradient (fused kernels and all) agrees
+    /// with a central finite difference of the loss: a wrong backward pass
+    /// anywhere (RMS norm, rotary embeddings, grouped-query attention,
+    /// SwiGLU, the tied or untied head) shows up here.
+    #[test]
+    fn gradients_match_finite_differences() -> crate::Result<()> {
+        let context = 6;
+        for (tie, kv) in [(true, 2), (false, 4), (true, 1)] {
+            let model = Model::new(tiny(tie, kv, context), 3, &Device::Cpu)?;
+            // Larger weights than the init, so that every path carries signal.
+            let mut rng = DetRng::new(5);
+            let params: Vec<f32> = model.parameters()?.iter().map(|p| p + rng.uniform(-0.3, 0.3)).collect();
+            model.set_parameters(&params)?;
+            let tokens: Vec<f32> = (0..3 * (context + 1)).map(|i| ((i * 37 + 11) % 64) as f32).collect();
+            let x = Tensor::from_vec(tokens, (3, 1, 1, context + 1), &Device::Cpu)?;
+            let y = Tensor::zeros(3, DType::U32, &Device::Cpu)?;
+            let analytic = model.gradients(&x, &y)?.grads;
+            let loss_at = |p: &[f32]| -> crate::Result<f64> {
+                model.set_parameters(p)?;
+                Ok(model.gradients(&x, &y)?.loss as f64)
+            };
+            let mut worst = 0f64;
+            for entry in model.layout().entries() {
+                for k in 0..3 {
+                    let i = entry.offset + (k * 7919) % entry.len;
+                    let h = 1e-2f32;
+                    let mut p = params.clone();
+                    p[i] += h;
+                    let up = loss_at(&p)?;
+                    p[i] -= 2.0 * h;
+                    let down = loss_at(&p)?;
+                    let numeric = (up - down) / (2.0 * h as f64);
+                    let err = (numeric - analytic[i] as f64).abs() / (numeric.abs() + analytic[i].abs() as f64 + 1e-2);
+                    worst = worst.max(err);
+                    assert!(
+                        err < 0.05,
+                        "tie {tie}, kv_heads {kv}: {}[{}]: analytic {} vs numeric {numeric}",
+                        entry.name,
+                        i - entry.offset,
+                        analytic[i]
+                    );
+                }
+            }
+            eprintln!("tie {tie}, kv_heads {kv}: worst relative gradient error {worst:.4}");
+        }
+        Ok(())
+    }
+
+    /// The fused CPU path and the composed ops the other devices take
+    /// (forced here by computing in f64) give the same logits.
+    #[test]
+    fn fused_and_composed_paths_agree() -> crate::Result<()> {
+        let config = tiny(false, 2, 8);
+        let model = Model::new(config.clone(), 9, &Device::Cpu)?;
+        let Some(net) = model.llama() else { panic!("not a llama") };
+        let tokens: Vec<u32> = (0..8).map(|i| (i * 13 + 5) % 64).collect();
+        let fused = last_logits(net, &tokens)?;
+        // The same weights as f64 tensors.
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F64, &Device::Cpu);
+        let Arch::Llama { size, context } = config.arch else { panic!("not a llama") };
+        let wide = Llama::new(size, context, config.classes, vb, &Device::Cpu)?;
+        {
+            let src = model.varmap().data().lock().map_err(|_| ModelError::Invalid("lock".into()))?;
+            let dst = varmap.data().lock().map_err(|_| ModelError::Invalid("lock".into()))?;
+            for (name, var) in src.iter() {
+                let Some(target) = dst.get(name) else { panic!("no {name} in the f64 model") };
+                target.set(&var.as_tensor().to_dtype(DType::F64)?)?;
+            }
+        }
+        let input = Tensor::from_vec(tokens.clone(), (1, 8), &Device::Cpu)?;
+        let composed: Vec<f32> =
+            wide.logits(&input)?.narrow(1, 7, 1)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        let diff = fused.iter().zip(&composed).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(diff < 1e-4, "fused and composed logits differ by {diff}");
+        Ok(())
+    }
+
+    #[test]
+    fn sizes_are_checked_and_counted() {
+        let ok = LlamaSize::default();
+        assert!(ok.validate(64).is_ok());
+        for (bad, what) in [
+            (LlamaSize { kv_heads: 3, ..ok }, "multiple of kv_heads"),
+            (LlamaSize { width: 100, heads: 4, ..ok }, "even head width"),
+            (LlamaSize { width: 12, heads: 4, kv_heads: 4, ..ok }, "even head width"),
+            (LlamaSize { layers: 0, ..ok }, "positive"),
+            (LlamaSize { rope_theta: Float(0.5), ..ok }, "rope_theta"),
+        ] {
+            let e = bad.validate(64).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(what), "{bad:?}: {e}");
+        }
+        let model = Model::new(tiny(false, 2, 8), 1, &Device::Cpu).ok();
+        let counted = model.map(|m| m.layout().total_len());
+        let Arch::Llama { size, .. } = tiny(false, 2, 8).arch else { panic!("not a llama") };
+        assert_eq!(counted, Some(size.parameters(64)));
+    }
+}

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""transformers' LlamaForCausalLM on the same work as `shoal train --model llama`.
+
+The work: a UTF-8 text file read as bytes (vocabulary 256); the last 10%
+held out for validation in back-to-back windows; training windows of
+context + 1 bytes at random offsets in the first 90%, 2 per `context`
+bytes, reshuffled each epoch (Shoal's text data set); the Llama of
+models/src/llama.rs, as transformers' own `LlamaForCausalLM` with the same
+config (RMS norm eps 1e-5, rope theta 10000, no biases, SiLU, tied head
+unless --untied); AdamW (betas 0.9/0.999, eps 1e-8, weight decay 1e-4 on
+every parameter, as Shoal's), `--steps` steps of `--batch-size` windows.
+
+Prints one JSON object on stdout: tokens_per_sec and samples_per_sec
+(training loop only, data already in memory, 3 untimed warm-up steps),
+the validation loss in bits per byte, steps. Without torch or transformers
+it prints {"skipped": "..."} and exits 0.
+
+  python3 scripts/torch_llama.py --text models/data/gpl-3.0.txt --threads 2
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--text", required=True)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--ff", type=int, default=352)
+    p.add_argument("--untied", action="store_true")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: every core)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    try:
+        import torch
+        import torch.nn.functional as F
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        print(json.dumps({"skipped": f"not installed: {e}"}))
+        return 0
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    dev = torch.device(args.device)
+
+    data = open(args.text, "rb").read()
+    data.decode("utf-8")
+    cut = round(len(data) * 0.9)
+    train, valid = data[:cut], data[cut:]
+    ctx, window = args.context, args.context + 1
+    g = torch.Generator().manual_seed(args.seed)
+    count = max(1, 2 * len(train) // ctx)
+    starts = torch.randint(0, len(train) - window + 1, (count,), generator=g)
+    train_t = torch.tensor(list(train), dtype=torch.long)
+    windows = torch.stack([train_t[s : s + window] for s in starts.tolist()]).to(dev)
+    valid_t = torch.tensor(list(valid), dtype=torch.long)
+    n_valid = len(valid) // window
+    valid_w = valid_t[: n_valid * window].view(n_valid, window).to(dev)
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=args.width, intermediate_size=args.ff, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=ctx,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=not args.untied,
+    )
+    model = LlamaForCausalLM(config).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4)
+
+    def loss_of(w):
+        logits = model(input_ids=w[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, 256), w[:, 1:].reshape(-1))
+
+    def batches():
+        while True:
+            for idx in torch.randperm(len(windows), generator=g).split(args.batch_size):
+                yield windows[idx.to(dev)]
+
+    it = batches()
+    model.train()
+    for _ in range(3):  # warm-up, not timed (Shoal's bench does the same)
+        loss_of(next(it)).backward()
+        opt.zero_grad(set_to_none=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    samples = 0
+    for _ in range(args.steps):
+        w = next(it)
+        loss = loss_of(w)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        samples += len(w)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - start
+    model.eval()
+    with torch.no_grad():
+        val = sum(loss_of(valid_w[i : i + 512]).item() * len(valid_w[i : i + 512]) for i in range(0, n_valid, 512))
+    bpb = val / n_valid / math.log(2)
+    print(json.dumps({
+        "samples_per_sec": samples / secs,
+        "tokens_per_sec": samples * ctx / secs,
+        "bits_per_byte": bpb,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
