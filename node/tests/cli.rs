@@ -100,6 +100,46 @@ fn train_output_is_read_back_by_eval_and_fine_tuned_with_init() {
 }
 
 #[test]
+fn a_llama_trains_writes_its_summary_and_a_hugging_face_directory_that_eval_reads() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (json, hf) = (dir.path().join("summary.json"), dir.path().join("hf"));
+    let text_file = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/data/gpl-3.0.txt");
+    let dataset = format!("text@32:{text_file}");
+    #[rustfmt::skip]
+    let o = shoal(&[
+        "train", "--model", "llama", "--layers", "1", "--heads", "2", "--width", "16", "--ff", "24", "--untied",
+        "--dataset", &dataset, "--steps", "30", "--eval-every", "15", "--batch-size", "8",
+        "--json", json.to_str().unwrap_or_default(), "--output-hf", hf.to_str().unwrap_or_default(),
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("llama[l1 h2/2 d16 ff24 ctx32 vocab256]"), "{out}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap_or_default()).unwrap_or_default();
+    assert_eq!(summary["steps"], 30, "{summary}");
+    let (sps, tps) = (summary["samples_per_sec"].as_f64(), summary["tokens_per_sec"].as_f64());
+    assert!(sps.is_some_and(|s| s > 0.0) && tps == sps.map(|s| s * 32.0), "{summary}");
+    let val = summary["val_loss"].as_f64().unwrap_or(f64::NAN);
+    let ppl = summary["perplexity"].as_f64().unwrap_or(f64::NAN);
+    assert!((ppl - val.exp()).abs() < 1e-3 * ppl && summary["train_loss"].as_f64().is_some(), "{summary}");
+    // The directory's config is a LlamaForCausalLM, and eval reads the
+    // directory back to the loss train printed.
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap_or_default()).unwrap_or_default();
+    assert_eq!(config["architectures"][0], "LlamaForCausalLM", "{config}");
+    assert_eq!(config["tie_word_embeddings"], false, "{config}");
+    let e = shoal(&["eval", "--json", "--model", hf.to_str().unwrap_or_default()]);
+    let (eout, eerr) = text(&e);
+    assert!(e.status.success(), "stdout: {eout}\nstderr: {eerr}");
+    let report: serde_json::Value = serde_json::from_str(&eout).unwrap_or_default();
+    assert_eq!(report["loss"].as_f64().map(|l| l as f32), Some(val as f32), "{report} against {summary}");
+    // Another model's flags with --output-hf are refused before training.
+    let wrong = shoal(&["train", "--model", "mlp", "--steps", "1", "--output-hf", hf.to_str().unwrap_or_default()]);
+    let (_, werr) = text(&wrong);
+    assert!(!wrong.status.success() && werr.contains("--output-hf") && werr.contains("llama"), "{werr}");
+}
+
+#[test]
 fn eval_refuses_missing_truncated_and_checkpoint_files_clearly() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let missing = shoal(&["eval", "--model", "/nonexistent/model.safetensors"]);

@@ -169,6 +169,12 @@ pub struct TrainArgs {
     /// layer names; `shoal eval` and other software read it).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Write the run's final figures here as one JSON object: `steps`,
+    /// `samples_per_sec`, `tokens_per_sec` (language models), `train_loss`
+    /// (the last round's), `val_loss`, `perplexity` (language models),
+    /// `bits_per_byte`, `accuracy`.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
     /// --model llama: also write the trained model as a Hugging Face
     /// directory (`config.json`, `model.safetensors`,
     /// `generation_config.json`, and for bytes `tokenizer.json`) that

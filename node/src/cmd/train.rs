@@ -62,8 +62,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         args.device,
         trainer.model().layout().total_len()
     );
-    train(&args, &mut trainer, &split)?;
-    finish(&args, &config, &trainer, &split)
+    let totals = train(&args, &mut trainer, &split)?;
+    finish(&args, &config, &trainer, &split, &totals)
 }
 
 /// The trainer to start from: the checkpoint of `--resume`, the model file
@@ -100,7 +100,8 @@ fn open_trainer(args: &TrainArgs, config: &ModelConfig, device: &Device) -> anyh
 /// Trains up to `--steps` (in rounds of `--eval-every` steps, cut at epoch
 /// ends) or `--epochs` (in whole epochs), with a progress bar per round,
 /// and evaluates (and checkpoints) at each round's end that is due.
-fn train(args: &TrainArgs, trainer: &mut LocalTrainer, split: &Split) -> anyhow::Result<()> {
+fn train(args: &TrainArgs, trainer: &mut LocalTrainer, split: &Split) -> anyhow::Result<Totals> {
+    let mut totals = Totals::default();
     let style = ProgressStyle::with_template(
         "epoch {prefix:>3} [{bar:30.cyan/blue}] {pos:>6}/{len:6} {per_sec:>12} loss {msg}",
     )
@@ -126,6 +127,9 @@ fn train(args: &TrainArgs, trainer: &mut LocalTrainer, split: &Split) -> anyhow:
         })?;
         bar.finish_and_clear();
         let secs = started.elapsed().as_secs_f64().max(1e-9);
+        totals.samples += stats.samples as u64;
+        totals.secs += secs;
+        totals.last_loss = Some(stats.mean_loss);
         let due = match args.steps {
             Some(_) => trainer.step().is_multiple_of(args.eval_every),
             None => trainer.step().is_multiple_of(bpe),
@@ -134,7 +138,41 @@ fn train(args: &TrainArgs, trainer: &mut LocalTrainer, split: &Split) -> anyhow:
             evaluate_round(args, trainer, split, epoch, &stats, secs)?;
         }
     }
-    Ok(())
+    Ok(totals)
+}
+
+/// What this run trained: samples and seconds of training (evaluations
+/// left out), and the mean loss of its last round.
+#[derive(Debug, Default)]
+struct Totals {
+    samples: u64,
+    secs: f64,
+    last_loss: Option<f32>,
+}
+
+/// What `shoal train --json PATH` writes: the run's final figures.
+#[derive(Debug, serde::Serialize)]
+pub struct TrainSummary {
+    pub model: String,
+    pub steps: u64,
+    /// Training samples (windows, for a language model) per second of
+    /// training, evaluations left out.
+    pub samples_per_sec: f64,
+    /// Language models: tokens predicted per second (`samples_per_sec`
+    /// times the context).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_sec: Option<f64>,
+    /// The mean training loss of the last round (since the last evaluation);
+    /// none for a resumed run that trained no step.
+    pub train_loss: Option<f32>,
+    /// The final loss on the test (validation) split.
+    pub val_loss: f32,
+    /// Language models: `exp(val_loss)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perplexity: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_byte: Option<f32>,
+    pub accuracy: f32,
 }
 
 /// At the end of a round: evaluates on the test set, prints the round's
@@ -175,9 +213,30 @@ fn evaluate_round(
 
 /// After training: the final evaluation, and the model file of `--output`.
 #[allow(clippy::print_stdout)] // The CLI's own output.
-fn finish(args: &TrainArgs, config: &ModelConfig, trainer: &LocalTrainer, split: &Split) -> anyhow::Result<()> {
+fn finish(
+    args: &TrainArgs,
+    config: &ModelConfig,
+    trainer: &LocalTrainer,
+    split: &Split,
+    totals: &Totals,
+) -> anyhow::Result<()> {
     let eval = trainer.evaluate(&split.test)?;
     println!("final test {} after {} steps", eval.headline(), trainer.step());
+    if let Some(path) = &args.json {
+        let samples_per_sec = totals.samples as f64 / totals.secs.max(1e-9);
+        let summary = TrainSummary {
+            model: config.describe(),
+            steps: trainer.step(),
+            samples_per_sec,
+            tokens_per_sec: config.context().map(|c| samples_per_sec * c as f64),
+            train_loss: totals.last_loss,
+            val_loss: eval.loss,
+            perplexity: config.is_language_model().then(|| f64::from(eval.loss).exp()),
+            bits_per_byte: eval.bits_per_byte,
+            accuracy: eval.accuracy,
+        };
+        crate::cmd::bench::write_json(Some(path), &serde_json::to_value(&summary)?)?;
+    }
     if let Some(path) = &args.checkpoint {
         println!("checkpoint saved to {}", path.display());
     }
