@@ -268,9 +268,8 @@ pub(crate) fn sample(logits: &[f32], temperature: f64, rng: &mut DetRng) -> usiz
 #[cfg(test)]
 mod tests {
     use crate::data::ImageShape;
-    use crate::model::{Arch, Model, ModelConfig, TrainableModel};
-    use crate::rng::DetRng;
-    use candle_core::{Device, Tensor};
+    use crate::model::{Arch, Model, ModelConfig};
+    use candle_core::Device;
 
     /// Every parameter's analytic gradient (fused kernels and all) agrees
     /// with a central finite difference of the loss, in f64 arithmetic of
@@ -284,42 +283,7 @@ mod tests {
             classes: 256,
         };
         let model = Model::new(config, 3, &Device::Cpu)?;
-        // Larger weights than GPT-2's init, so that every path carries signal.
-        let mut rng = DetRng::new(5);
-        let params: Vec<f32> = model.parameters()?.iter().map(|p| p + rng.uniform(-0.3, 0.3)).collect();
-        model.set_parameters(&params)?;
-        let tokens: Vec<f32> = (0..3 * (context + 1)).map(|i| ((i * 37 + 11) % 256) as f32).collect();
-        let x = Tensor::from_vec(tokens, (3, 1, 1, context + 1), &Device::Cpu)?;
-        let y = Tensor::zeros(3, candle_core::DType::U32, &Device::Cpu)?;
-        let analytic = model.gradients(&x, &y)?.grads;
-        let loss_at = |p: &[f32]| -> crate::Result<f64> {
-            model.set_parameters(p)?;
-            Ok(model.gradients(&x, &y)?.loss as f64)
-        };
-        let mut worst = 0f64;
-        for entry in model.layout().entries() {
-            // Three elements of every tensor.
-            for k in 0..3 {
-                let i = entry.offset + (k * 7919) % entry.len;
-                let h = 1e-2f32;
-                let mut p = params.clone();
-                p[i] += h;
-                let up = loss_at(&p)?;
-                p[i] -= 2.0 * h;
-                let down = loss_at(&p)?;
-                let numeric = (up - down) / (2.0 * h as f64);
-                let err = (numeric - analytic[i] as f64).abs() / (numeric.abs() + analytic[i].abs() as f64 + 1e-2);
-                worst = worst.max(err);
-                assert!(
-                    err < 0.05,
-                    "{}[{}]: analytic {} vs numeric {numeric}",
-                    entry.name,
-                    i - entry.offset,
-                    analytic[i]
-                );
-            }
-        }
-        eprintln!("worst relative gradient error {worst:.4}");
+        crate::model::testing::lm_gradients_match_finite_differences(&model, 256, context, "gpt")?;
         Ok(())
     }
 }

@@ -765,6 +765,27 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device, Var};
 
+    /// `a` (a fused kernel's output) equals `b` (the reference's) within
+    /// `fwd`, and the gradients of `sum(a * w)` and `sum(b * w)` with
+    /// respect to each of `vars` agree within `grad`.
+    fn same_values_and_gradients(
+        what: &str,
+        (a, b): (Tensor, Tensor),
+        w: &Tensor,
+        vars: &[(&str, &Tensor)],
+        (fwd, grad): (f32, f32),
+    ) -> Result<()> {
+        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < fwd, "{what} forward differs by {diff}");
+        let (ga, gb) = ((a * w)?.sum_all()?.backward()?, (b * w)?.sum_all()?.backward()?);
+        for (name, t) in vars {
+            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("{what}: no {name} gradient") };
+            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < grad, "{what} {name} gradient differs by {diff}");
+        }
+        Ok(())
+    }
+
     /// Forward values and input gradients equal candle's composed ops.
     #[test]
     fn fused_gelu_and_softmax_match_candle() -> Result<()> {
@@ -813,42 +834,40 @@ mod tests {
         // Layer norm: the gradients of the input, the gain and the bias.
         let gain = Var::from_tensor(&(Tensor::randn(1f32, 0.3, 33, &dev)?))?;
         let bias = Var::from_tensor(&(Tensor::randn(0f32, 0.3, 33, &dev)?))?;
-        let a = layer_norm(x.as_tensor(), gain.as_tensor(), bias.as_tensor(), 1e-5)?;
-        let b = candle_nn::ops::layer_norm_slow(x.as_tensor(), gain.as_tensor(), bias.as_tensor(), 1e-5)?;
-        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-4, "layer norm forward differs by {diff}");
-        let (ga, gb) = ((a * &w)?.sum_all()?.backward()?, (b * &w)?.sum_all()?.backward()?);
-        for (name, t) in [("input", x.as_tensor()), ("gain", gain.as_tensor()), ("bias", bias.as_tensor())] {
-            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("layer norm: no {name} gradient") };
-            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(diff < 1e-3, "layer norm {name} gradient differs by {diff}");
-        }
-        // RMS norm: the gradients of the input and the gain.
-        let a = rms_norm(x.as_tensor(), gain.as_tensor(), 1e-5)?;
-        let b = rms_norm(&x.as_tensor().to_dtype(DType::F64)?, &gain.as_tensor().to_dtype(DType::F64)?, 1e-5)?
-            .to_dtype(DType::F32)?;
-        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-4, "RMS norm forward differs by {diff}");
-        let (ga, gb) = ((a * &w)?.sum_all()?.backward()?, (b * &w)?.sum_all()?.backward()?);
-        for (name, t) in [("input", x.as_tensor()), ("gain", gain.as_tensor())] {
-            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("RMS norm: no {name} gradient") };
-            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(diff < 1e-3, "RMS norm {name} gradient differs by {diff}");
-        }
+        same_values_and_gradients(
+            "layer norm",
+            (
+                layer_norm(x.as_tensor(), gain.as_tensor(), bias.as_tensor(), 1e-5)?,
+                candle_nn::ops::layer_norm_slow(x.as_tensor(), gain.as_tensor(), bias.as_tensor(), 1e-5)?,
+            ),
+            &w,
+            &[("input", x.as_tensor()), ("gain", gain.as_tensor()), ("bias", bias.as_tensor())],
+            (1e-4, 1e-3),
+        )?;
+        // RMS norm: the gradients of the input and the gain (the f64 path
+        // is the composed one the other devices take).
+        let wide = |t: &Tensor| t.to_dtype(DType::F64);
+        same_values_and_gradients(
+            "RMS norm",
+            (
+                rms_norm(x.as_tensor(), gain.as_tensor(), 1e-5)?,
+                rms_norm(&wide(x.as_tensor())?, &wide(gain.as_tensor())?, 1e-5)?.to_dtype(DType::F32)?,
+            ),
+            &w,
+            &[("input", x.as_tensor()), ("gain", gain.as_tensor())],
+            (1e-4, 1e-3),
+        )?;
         // SwiGLU: the gradients of both inputs.
         let up = Var::from_tensor(&(Tensor::randn(0f32, 1.5, (6, 4, 33), &dev)?))?;
-        let a = swiglu(x.as_tensor(), up.as_tensor())?;
-        let b = (candle_nn::ops::silu(x.as_tensor())? * up.as_tensor())?;
-        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-5, "SwiGLU forward differs by {diff}");
-        let (ga, gb) = ((a * &w)?.sum_all()?.backward()?, (b * &w)?.sum_all()?.backward()?);
-        for (name, t) in [("gate", x.as_tensor()), ("up", up.as_tensor())] {
-            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("SwiGLU: no {name} gradient") };
-            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(diff < 1e-4, "SwiGLU {name} gradient differs by {diff}");
-        }
+        same_values_and_gradients(
+            "SwiGLU",
+            (swiglu(x.as_tensor(), up.as_tensor())?, (candle_nn::ops::silu(x.as_tensor())? * up.as_tensor())?),
+            &w,
+            &[("gate", x.as_tensor()), ("up", up.as_tensor())],
+            (1e-5, 1e-4),
+        )?;
         // Rotary embeddings: the fused rotation against the composed one
-        // (f64, the other devices' path), forward and backward.
+        // (f64), forward and backward.
         let (t, d) = (7, 8);
         let angles: Vec<f32> = (0..t * d / 2)
             .map(|k| (k / (d / 2)) as f32 * 10000f32.powf(-2.0 * (k % (d / 2)) as f32 / d as f32))
@@ -856,16 +875,16 @@ mod tests {
         let angles = Tensor::from_vec(angles, (t, d / 2), &dev)?;
         let (cos, sin) = (angles.cos()?, angles.sin()?);
         let q = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (2, 3, t, d), &dev)?))?;
-        let wq = Tensor::randn(0f32, 1.0, (2, 3, t, d), &dev)?;
-        let a = rope(q.as_tensor(), &cos, &sin)?;
-        let b = rope(&q.as_tensor().to_dtype(DType::F64)?, &cos.to_dtype(DType::F64)?, &sin.to_dtype(DType::F64)?)?
-            .to_dtype(DType::F32)?;
-        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-5, "rope forward differs by {diff}");
-        let (ga, gb) = ((a * &wq)?.sum_all()?.backward()?, (b * &wq)?.sum_all()?.backward()?);
-        let (Some(da), Some(db)) = (ga.get(q.as_tensor()), gb.get(q.as_tensor())) else { panic!("rope: no gradient") };
-        let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-5, "rope gradient differs by {diff}");
+        same_values_and_gradients(
+            "rope",
+            (
+                rope(q.as_tensor(), &cos, &sin)?,
+                rope(&wide(q.as_tensor())?, &wide(&cos)?, &wide(&sin)?)?.to_dtype(DType::F32)?,
+            ),
+            &Tensor::randn(0f32, 1.0, (2, 3, t, d), &dev)?,
+            &[("input", q.as_tensor())],
+            (1e-5, 1e-5),
+        )?;
         for (name, fused, reference) in cases {
             let (a, b) = (fused(x.as_tensor())?, reference(x.as_tensor())?);
             let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;

@@ -341,41 +341,8 @@ mod tests {
         let context = 6;
         for (tie, kv) in [(true, 2), (false, 4), (true, 1)] {
             let model = Model::new(tiny(tie, kv, context), 3, &Device::Cpu)?;
-            // Larger weights than the init, so that every path carries signal.
-            let mut rng = DetRng::new(5);
-            let params: Vec<f32> = model.parameters()?.iter().map(|p| p + rng.uniform(-0.3, 0.3)).collect();
-            model.set_parameters(&params)?;
-            let tokens: Vec<f32> = (0..3 * (context + 1)).map(|i| ((i * 37 + 11) % 64) as f32).collect();
-            let x = Tensor::from_vec(tokens, (3, 1, 1, context + 1), &Device::Cpu)?;
-            let y = Tensor::zeros(3, DType::U32, &Device::Cpu)?;
-            let analytic = model.gradients(&x, &y)?.grads;
-            let loss_at = |p: &[f32]| -> crate::Result<f64> {
-                model.set_parameters(p)?;
-                Ok(model.gradients(&x, &y)?.loss as f64)
-            };
-            let mut worst = 0f64;
-            for entry in model.layout().entries() {
-                for k in 0..3 {
-                    let i = entry.offset + (k * 7919) % entry.len;
-                    let h = 1e-2f32;
-                    let mut p = params.clone();
-                    p[i] += h;
-                    let up = loss_at(&p)?;
-                    p[i] -= 2.0 * h;
-                    let down = loss_at(&p)?;
-                    let numeric = (up - down) / (2.0 * h as f64);
-                    let err = (numeric - analytic[i] as f64).abs() / (numeric.abs() + analytic[i].abs() as f64 + 1e-2);
-                    worst = worst.max(err);
-                    assert!(
-                        err < 0.05,
-                        "tie {tie}, kv_heads {kv}: {}[{}]: analytic {} vs numeric {numeric}",
-                        entry.name,
-                        i - entry.offset,
-                        analytic[i]
-                    );
-                }
-            }
-            eprintln!("tie {tie}, kv_heads {kv}: worst relative gradient error {worst:.4}");
+            let what = format!("llama, tie {tie}, kv_heads {kv}");
+            crate::model::testing::lm_gradients_match_finite_differences(&model, 64, context, &what)?;
         }
         Ok(())
     }

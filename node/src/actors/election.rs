@@ -58,11 +58,25 @@ async fn run(
     let mut last_inputs = None;
     let mut explorer = cfg.explore.map(|(policy, start)| Explorer::new(policy, start));
     loop {
-        let inputs = {
+        let (inputs, over) = {
             let snap = view.borrow_and_update();
             let mine = me.borrow_and_update();
-            inputs_from_view(&snap.view, &mine, cfg.own, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms)
+            let inputs =
+                inputs_from_view(&snap.view, &mine, cfg.own, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms);
+            (inputs, mine.finished)
         };
+        // The run is over for this node (it said `finished`: every peer has
+        // its last step): the placement stays as it is. A peer that stops
+        // now has finished, not failed, and moving or restoring its shards
+        // would be work for nothing.
+        if over {
+            tokio::select! {
+                r = view.changed() => if r.is_err() { break },
+                r = me.changed() => if r.is_err() { break },
+                _ = out.closed() => break,
+            }
+            continue;
+        }
         let unchanged = last_inputs.as_ref() == Some(&inputs);
         let (members, service) = last_inputs.insert(inputs);
         match (!unchanged).then(|| elect(members, service, cfg.shards, cfg.policy)).flatten() {

@@ -102,7 +102,13 @@ impl MembershipActor {
                     let now = self.now_ms();
                     let dead = self.view.expire(now, timeout);
                     if !dead.is_empty() {
-                        warn!(?dead, "peers failed (no heartbeat within the failure timeout)");
+                        // Once this node said `finished`, a silent peer has
+                        // most likely finished too (docs/protocol.md §6.3).
+                        if self.self_state.borrow().finished {
+                            debug!(?dead, "peers went silent after the run");
+                        } else {
+                            warn!(?dead, "peers failed (no heartbeat within the failure timeout)");
+                        }
                     }
                     // A peer that died without a reset keeps its connections
                     // open: close them, so requests waiting on it fail now

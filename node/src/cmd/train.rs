@@ -240,36 +240,24 @@ fn finish(
     if let Some(path) = &args.checkpoint {
         println!("checkpoint saved to {}", path.display());
     }
+    let file = || ModelFile {
+        model: config.clone(),
+        params: trainer.params().to_vec(),
+        meta: ModelMeta {
+            run_id: "train".into(),
+            step: trainer.step(),
+            seed: args.seed,
+            dataset: args.dataset.to_string(),
+            accuracy: Some(eval.accuracy),
+            loss: Some(eval.loss),
+        },
+    };
     if let Some(path) = &args.output {
-        let file = ModelFile {
-            model: config.clone(),
-            params: trainer.params().to_vec(),
-            meta: ModelMeta {
-                run_id: "train".into(),
-                step: trainer.step(),
-                seed: args.seed,
-                dataset: args.dataset.to_string(),
-                accuracy: Some(eval.accuracy),
-                loss: Some(eval.loss),
-            },
-        };
-        file.save(path).with_context(|| format!("writing the model to {}", path.display()))?;
+        file().save(path).with_context(|| format!("writing the model to {}", path.display()))?;
         println!("model written to {}", path.display());
     }
     if let Some(dir) = &args.output_hf {
-        let file = ModelFile {
-            model: config.clone(),
-            params: trainer.params().to_vec(),
-            meta: ModelMeta {
-                run_id: "train".into(),
-                step: trainer.step(),
-                seed: args.seed,
-                dataset: args.dataset.to_string(),
-                accuracy: Some(eval.accuracy),
-                loss: Some(eval.loss),
-            },
-        };
-        shoal_models::hf::write_dir(&file, dir)
+        shoal_models::hf::write_dir(&file(), dir)
             .with_context(|| format!("writing the Hugging Face directory {}", dir.display()))?;
         println!("Hugging Face model written to {}", dir.display());
     }
