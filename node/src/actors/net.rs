@@ -20,7 +20,7 @@ use shoal_protocol::config::{is_circuit_addr, is_local_only};
 use shoal_protocol::libp2p::multiaddr::Protocol;
 use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use shoal_protocol::libp2p::swarm::SwarmEvent;
-use shoal_protocol::libp2p::{dcutr, gossipsub, identify, mdns, ping, relay, Multiaddr, PeerId, Swarm};
+use shoal_protocol::libp2p::{dcutr, gossipsub, identify, kad, mdns, ping, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
     frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, Encoding,
     ErrorCode, Exchanged, GossipMessage, Handoff, Heartbeat, Payload, ProtocolConfig, PullShard, PushPull, RunId,
@@ -365,6 +365,18 @@ impl NetworkActor {
                 message_id,
                 message,
             })) => self.gossip(propagation_source, message_id, message),
+            // A lookup this node asked for (a peer it could not dial): the
+            // addresses found go to the swarm, for the next dial.
+            SwarmEvent::Behaviour(ShoalBehaviourEvent::Kademlia(kad::Event::OutboundQueryProgressed {
+                result: kad::QueryResult::GetClosestPeers(Ok(found)),
+                ..
+            })) => {
+                for info in found.peers {
+                    for addr in info.addrs {
+                        self.swarm.add_peer_address(info.peer_id, addr);
+                    }
+                }
+            }
             SwarmEvent::Behaviour(ShoalBehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
                 // LAN discovery: remember the address and connect, so gossip reaches the peer.
                 for (peer, addr) in found {
@@ -433,6 +445,16 @@ impl NetworkActor {
                 }
             },
             request_response::Event::OutboundFailure { peer, request_id, error, .. } => {
+                // A peer this node knows by id (from gossip) but cannot
+                // dial: it may have reached the bootstrap peer after this
+                // node's one Kademlia bootstrap. Look it up, so that the
+                // caller's retry finds an address.
+                if matches!(error, request_response::OutboundFailure::DialFailure) && !self.failed.contains(&peer) {
+                    if let Some(kad) = self.swarm.behaviour_mut().kademlia.as_mut() {
+                        debug!(%peer, "no address to dial: asking Kademlia for it");
+                        kad.get_closest_peers(peer);
+                    }
+                }
                 if let Some(reply) = self.outbound.remove(&request_id) {
                     let _ = reply.send(Err(NetError::Request { peer, reason: error.to_string() }));
                 }
