@@ -365,18 +365,10 @@ impl NetworkActor {
                 message_id,
                 message,
             })) => self.gossip(propagation_source, message_id, message),
-            // A lookup this node asked for (a peer it could not dial): the
-            // addresses found go to the swarm, for the next dial.
             SwarmEvent::Behaviour(ShoalBehaviourEvent::Kademlia(kad::Event::OutboundQueryProgressed {
                 result: kad::QueryResult::GetClosestPeers(Ok(found)),
                 ..
-            })) => {
-                for info in found.peers {
-                    for addr in info.addrs {
-                        self.swarm.add_peer_address(info.peer_id, addr);
-                    }
-                }
-            }
+            })) => self.found_by_kademlia(found.peers),
             SwarmEvent::Behaviour(ShoalBehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
                 // LAN discovery: remember the address and connect, so gossip reaches the peer.
                 for (peer, addr) in found {
@@ -425,6 +417,17 @@ impl NetworkActor {
                 }
             }
             _ => {}
+        }
+    }
+
+    /// The peers a Kademlia lookup found (one this node asked for when it
+    /// could not dial a peer): their addresses go to the swarm, for the
+    /// next dial.
+    fn found_by_kademlia(&mut self, peers: Vec<kad::PeerInfo>) {
+        for info in peers {
+            for addr in info.addrs {
+                self.swarm.add_peer_address(info.peer_id, addr);
+            }
         }
     }
 
