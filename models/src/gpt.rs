@@ -178,16 +178,22 @@ impl Gpt {
     /// Split windows `[n, .., context + 1]` (f32 token values) into inputs
     /// `[n, context]` and next-token targets `[n * context]`, both u32.
     pub(crate) fn inputs_and_targets(&self, windows: &Tensor) -> Result<(Tensor, Tensor)> {
-        let tokens = windows.flatten_from(1)?.to_dtype(DType::U32)?;
-        let w = tokens.dim(1)?;
-        if w != self.context + 1 {
-            return Err(ModelError::Invalid(format!(
-                "GPT windows of {w} tokens; this model reads {} plus the next one",
-                self.context
-            )));
-        }
-        Ok((tokens.narrow(1, 0, self.context)?, tokens.narrow(1, 1, self.context)?.flatten_all()?))
+        split_windows(windows, self.context, "GPT")
     }
+}
+
+/// Windows `[n, .., context + 1]` (f32 token values) as inputs
+/// `[n, context]` and next-token targets `[n * context]`, both u32: what
+/// every language model (`what`, for the error) reads.
+pub(crate) fn split_windows(windows: &Tensor, context: usize, what: &str) -> Result<(Tensor, Tensor)> {
+    let tokens = windows.flatten_from(1)?.to_dtype(DType::U32)?;
+    let w = tokens.dim(1)?;
+    if w != context + 1 {
+        return Err(ModelError::Invalid(format!(
+            "{what} windows of {w} tokens; this model reads {context} plus the next one"
+        )));
+    }
+    Ok((tokens.narrow(1, 0, context)?, tokens.narrow(1, 1, context)?.flatten_all()?))
 }
 
 /// GPT-2's init: weights N(0, 0.02) (here uniform with that deviation), the

@@ -245,15 +245,7 @@ impl Llama {
     /// Split windows `[n, .., context + 1]` (f32 token values) into inputs
     /// `[n, context]` and next-token targets `[n * context]`, both u32.
     pub(crate) fn inputs_and_targets(&self, windows: &Tensor) -> Result<(Tensor, Tensor)> {
-        let tokens = windows.flatten_from(1)?.to_dtype(DType::U32)?;
-        let w = tokens.dim(1)?;
-        if w != self.context + 1 {
-            return Err(ModelError::Invalid(format!(
-                "Llama windows of {w} tokens; this model reads {} plus the next one",
-                self.context
-            )));
-        }
-        Ok((tokens.narrow(1, 0, self.context)?, tokens.narrow(1, 1, self.context)?.flatten_all()?))
+        crate::gpt::split_windows(windows, self.context, "Llama")
     }
 
     /// Continue `prompt` by `tokens` tokens, sampling each from the softmax

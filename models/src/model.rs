@@ -676,21 +676,20 @@ impl TrainableModel for Model {
 
     fn logits_and_targets(&self, images: &Tensor, labels: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
         match &self.net {
-            Net::Gpt(g) => {
-                let (inputs, targets) = g.inputs_and_targets(images)?;
-                let logits = g.logits(&inputs)?;
-                let (n, t, v) = logits.dims3()?;
-                Ok((logits.reshape((n * t, v))?, targets))
-            }
-            Net::Llama(l) => {
-                let (inputs, targets) = l.inputs_and_targets(images)?;
-                let logits = l.logits(&inputs)?;
-                let (n, t, v) = logits.dims3()?;
-                Ok((logits.reshape((n * t, v))?, targets))
-            }
+            Net::Gpt(g) => flat_logits(g.inputs_and_targets(images)?, |x| g.logits(x)),
+            Net::Llama(l) => flat_logits(l.inputs_and_targets(images)?, |x| l.logits(x)),
             _ => Ok((self.forward(images, train)?, labels.clone())),
         }
     }
+}
+
+/// A language model's logits at every position `[n * t, vocab]`, with the
+/// targets of `split` (inputs, next tokens).
+fn flat_logits(split: (Tensor, Tensor), logits: impl Fn(&Tensor) -> Result<Tensor>) -> Result<(Tensor, Tensor)> {
+    let (inputs, targets) = split;
+    let out = logits(&inputs)?;
+    let (n, t, v) = out.dims3()?;
+    Ok((out.reshape((n * t, v))?, targets))
 }
 
 impl Model {
