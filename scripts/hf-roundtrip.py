@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
-"""The round trip of a Llama through Hugging Face `transformers` and Shoal.
+"""The round trip of a Llama through Hugging Face `transformers` and Shoal,
+over bytes and over a BPE tokenizer that Shoal trained.
 
+For each vocabulary:
 1. `transformers` writes a small LlamaForCausalLM with random weights
-   (`save_pretrained`, safetensors, float32).
+   (`save_pretrained`, safetensors, float32); for the BPE, the
+   `tokenizer.json` of `shoal data train-tokenizer` goes beside it.
 2. `shoal eval` on it must equal `transformers`' loss on the same text
-   (Shoal's validation windows: the last 10% of the file, back to back,
-   `context + 1` bytes each) within 0.5%.
+   within 0.5%. Both read the whole text in consecutive windows of
+   `context + 1` tokens (the BPE's ids from the `tokenizers` library,
+   with the end-of-text token after the text, as Shoal cuts a document).
 3. Shoal fine-tunes it (`shoal train --init-hf ... --output-hf ...`).
 4. `transformers` loads the result and gets the loss `shoal eval` printed,
-   within 0.5%; the tokenizer Shoal wrote encodes text as its bytes.
+   within 0.5%; `AutoTokenizer` loads the tokenizer Shoal wrote and
+   encodes text as Shoal does.
 
 Usage: hf-roundtrip.py SHOAL_BINARY TEXT_FILE WORK_DIR [--json PATH]
 Exits 0 when every check holds; prints each figure.
@@ -19,23 +24,22 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 CONTEXT = 64
+BPE_VOCAB = 512
 
 
-def windows(text: bytes, context: int) -> torch.Tensor:
-    cut = round(len(text) * 0.9)
-    valid = text[cut:]
+def windows(ids: list, context: int) -> torch.Tensor:
     w = context + 1
-    n = len(valid) // w
-    return torch.tensor([list(valid[i * w:(i + 1) * w]) for i in range(n)], dtype=torch.long)
+    n = len(ids) // w
+    return torch.tensor([ids[i * w:(i + 1) * w] for i in range(n)], dtype=torch.long)
 
 
-def hf_loss(model_dir: Path, text: bytes) -> float:
+def hf_loss(model_dir: Path, ids: list) -> float:
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     model.eval()
-    data = windows(text, CONTEXT)
+    data = windows(ids, CONTEXT)
     total, count = 0.0, 0
     with torch.no_grad():
         for batch in data.split(64):
@@ -57,13 +61,10 @@ def shoal_eval(shoal: str, model_dir: Path, text_file: str) -> float:
     return json.loads(out.strip().splitlines()[-1])["loss"]
 
 
-def main() -> int:
-    shoal, text_file, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    json_path = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
-    text = Path(text_file).read_bytes()
-    torch.manual_seed(7)
+def random_llama(vocab: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
     )
@@ -74,9 +75,15 @@ def main() -> int:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
-    source = work / "from-transformers"
-    model.save_pretrained(source, safe_serialization=True)
+    return model
+
+
+def main() -> int:
+    shoal, text_file, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    json_path = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+    text = Path(text_file).read_bytes()
     failures = []
+    figures = {}
 
     def check(name: str, a: float, b: float) -> None:
         rel = abs(a - b) / abs(b)
@@ -85,42 +92,68 @@ def main() -> int:
         if not ok:
             failures.append(name)
 
-    theirs = hf_loss(source, text)
-    ours = shoal_eval(shoal, source, text_file)
-    check("loss of the model transformers wrote", ours, theirs)
-
-    tuned = work / "fine-tuned"
-    subprocess.run(
-        [shoal, "train", "--model", "llama", "--init-hf", str(source), "--dataset", f"text:{text_file}",
-         "--steps", "40", "--eval-every", "40", "--batch-size", "16", "--lr", "1e-3", "--output-hf", str(tuned)],
-        check=True, stdout=subprocess.DEVNULL,
-    )
-    after_ours = shoal_eval(shoal, tuned, text_file)
-    after_theirs = hf_loss(tuned, text)
-    check("loss of the model shoal fine-tuned", after_ours, after_theirs)
-    if not after_theirs < theirs:
-        print(f"fine-tuning did not lower the loss: {theirs:.4f} -> {after_theirs:.4f} FAILED")
-        failures.append("fine-tuning")
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tuned)
-    sample = text[:300].decode("utf-8")
-    ids = tok(sample)["input_ids"]
-    if ids != list(sample.encode("utf-8")):
-        print("the tokenizer Shoal wrote does not encode text as its bytes FAILED")
-        failures.append("tokenizer")
-    elif tok.decode(ids) != sample:
-        print("the tokenizer Shoal wrote does not decode its bytes back to the text FAILED")
-        failures.append("tokenizer")
-    else:
-        print("tokenizer.json: encodes 300 bytes of text as their bytes and decodes them back ok")
-    if json_path:
-        Path(json_path).write_text(json.dumps({
+    def round_trip(label: str, vocab: int, ids: list, tokenizer: Path | None) -> None:
+        source = work / f"{label}-from-transformers"
+        random_llama(vocab, 7).save_pretrained(source, safe_serialization=True)
+        extra = []
+        if tokenizer is not None:
+            (source / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+            extra = ["--tokenizer", str(tokenizer)]
+        theirs = hf_loss(source, ids)
+        ours = shoal_eval(shoal, source, text_file)
+        check(f"{label}: loss of the model transformers wrote", ours, theirs)
+        tuned = work / f"{label}-fine-tuned"
+        subprocess.run(
+            [shoal, "train", "--model", "llama", "--init-hf", str(source), "--dataset", f"text:{text_file}",
+             "--steps", "40", "--eval-every", "40", "--batch-size", "16", "--lr", "1e-3",
+             "--output-hf", str(tuned), *extra],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+        after_ours = shoal_eval(shoal, tuned, text_file)
+        after_theirs = hf_loss(tuned, ids)
+        check(f"{label}: loss of the model shoal fine-tuned", after_ours, after_theirs)
+        if not after_theirs < theirs:
+            print(f"{label}: fine-tuning did not lower the loss: {theirs:.4f} -> {after_theirs:.4f} FAILED")
+            failures.append(f"{label}: fine-tuning")
+        figures[label] = {
             "transformers_loss": theirs, "shoal_loss": ours,
             "fine_tuned_transformers_loss": after_theirs, "fine_tuned_shoal_loss": after_ours,
-            "failures": failures,
-        }))
+            "tokens": len(ids),
+        }
+        # The tokenizer Shoal wrote loads in transformers and cuts text as
+        # Shoal does.
+        tok = AutoTokenizer.from_pretrained(tuned)
+        whole = text.decode("utf-8")
+        got = tok(whole)["input_ids"]
+        want = ids if tokenizer is None else ids[:-1]  # the text's ids, without the end of text
+        if got != want:
+            print(f"{label}: the tokenizer Shoal wrote does not encode text as Shoal does FAILED")
+            failures.append(f"{label}: tokenizer")
+        elif tok.decode(got, clean_up_tokenization_spaces=False) != whole:
+            print(f"{label}: the tokenizer Shoal wrote does not decode back to the text FAILED")
+            failures.append(f"{label}: tokenizer")
+        else:
+            print(f"{label}: AutoTokenizer reads the tokenizer.json Shoal wrote, encodes the text as Shoal does and decodes it back ok")
+
+    round_trip("bytes", 256, list(text), None)
+
+    # A BPE that Shoal trained, read by the tokenizers library.
+    from tokenizers import Tokenizer
+
+    bpe = work / "tokenizer.json"
+    subprocess.run([shoal, "data", "train-tokenizer", "--vocab", str(BPE_VOCAB), "--output", str(bpe), text_file],
+                   check=True, stdout=subprocess.DEVNULL)
+    tk = Tokenizer.from_file(str(bpe))
+    eos = tk.token_to_id("<|endoftext|>")
+    ids = tk.encode(text.decode("utf-8")).ids + [eos]
+    if tk.get_vocab_size() != BPE_VOCAB or eos is None:
+        print(f"the trained tokenizer has {tk.get_vocab_size()} tokens and end of text {eos} FAILED")
+        failures.append("bpe: tokenizer")
+    print(f"bpe: {len(text)} bytes are {len(ids)} tokens ({len(text) / len(ids):.2f} bytes per token)")
+    round_trip("bpe", BPE_VOCAB, ids, bpe)
+
+    if json_path:
+        Path(json_path).write_text(json.dumps({**figures, "failures": failures}))
     return 1 if failures else 0
 
 

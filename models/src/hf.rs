@@ -11,9 +11,10 @@
 //!   has no `lm_head.weight`), with the metadata `format = pt` that
 //!   `transformers` asks for and Shoal's own model-file metadata;
 //! - `generation_config.json`;
-//! - `tokenizer.json`, for a byte vocabulary (256 tokens): a byte-level
-//!   BPE without merges whose token `i` is byte `i`, so the
-//!   `tokenizers` library encodes text exactly as Shoal's `text:PATH` does.
+//! - `tokenizer.json`: the tokenizer the model was trained with, or for a
+//!   byte vocabulary (256 tokens) a byte-level BPE without merges whose
+//!   token `i` is byte `i`, so the `tokenizers` library encodes text
+//!   exactly as Shoal's `text:PATH` does without a tokenizer.
 //!
 //! [`read_dir`] reads such a directory, or one `transformers` wrote: f32,
 //! bf16 or f16 weights in one `model.safetensors`, a Llama config without
@@ -30,9 +31,12 @@ use crate::error::{ModelError, Result};
 use crate::llama::{Float, LlamaSize};
 use crate::model::{Arch, ModelConfig};
 use crate::modelfile::{ModelFile, ModelMeta, MODEL_FORMAT};
+use crate::tokenizer::Tokenizer;
 
 /// The weights file's name in a Hugging Face directory.
 pub const WEIGHTS: &str = "model.safetensors";
+/// The tokenizer file's name in a Hugging Face directory.
+pub const TOKENIZER: &str = "tokenizer.json";
 
 /// `config.json` for a Llama config; an error for other architectures.
 pub fn config_json(model: &ModelConfig) -> Result<Value> {
@@ -125,8 +129,24 @@ fn write_json(path: &Path, value: &Value) -> Result<()> {
 
 /// Write `file` (a Llama) as a Hugging Face model directory at `dir`
 /// (created if missing; the four files replaced atomically one by one).
-pub fn write_dir(file: &ModelFile, dir: &Path) -> Result<()> {
-    let config = config_json(&file.model)?;
+/// The `tokenizer.json` is `tokenizer`'s, which must have the model's
+/// vocabulary, or without one the byte tokenizer for a byte model; its
+/// end-of-text token goes into the configs as `eos_token_id`.
+pub fn write_dir(file: &ModelFile, dir: &Path, tokenizer: Option<&Tokenizer>) -> Result<()> {
+    let mut config = config_json(&file.model)?;
+    if let Some(t) = tokenizer.filter(|t| t.vocab_size() != file.model.classes) {
+        return Err(ModelError::Config(format!(
+            "the tokenizer has {} tokens, but the model's vocabulary is {}",
+            t.vocab_size(),
+            file.model.classes
+        )));
+    }
+    let eos = tokenizer.and_then(Tokenizer::eos);
+    let mut generation = json!({"do_sample": true, "temperature": 0.8, "top_k": 0});
+    if let Some(eos) = eos {
+        config["eos_token_id"] = json!(eos);
+        generation["eos_token_id"] = json!(eos);
+    }
     let layout = crate::checkpoint::layout_for(&file.model)?;
     if file.params.len() != layout.total_len() {
         return Err(ModelError::FlatLength { expected: layout.total_len(), got: file.params.len() });
@@ -149,9 +169,11 @@ pub fn write_dir(file: &ModelFile, dir: &Path) -> Result<()> {
     }
     save_f32(&dir.join(WEIGHTS), &blobs, meta)?;
     write_json(&dir.join("config.json"), &config)?;
-    write_json(&dir.join("generation_config.json"), &json!({"do_sample": true, "temperature": 0.8, "top_k": 0}))?;
-    if file.model.classes == 256 {
-        write_json(&dir.join("tokenizer.json"), &byte_tokenizer_json())?;
+    write_json(&dir.join("generation_config.json"), &generation)?;
+    match tokenizer {
+        Some(t) => t.save(&dir.join(TOKENIZER))?,
+        None if file.model.classes == 256 => write_json(&dir.join(TOKENIZER), &byte_tokenizer_json())?,
+        None => {}
     }
     Ok(())
 }
@@ -170,6 +192,37 @@ pub fn load_model(path: &Path, expect: Option<&ModelConfig>) -> Result<ModelFile
         }
         _ => Ok(file),
     }
+}
+
+/// The tokenizer of a model over tokens, read from `path` (a model file
+/// or directory): `given` when there is one; else the directory's
+/// `tokenizer.json`; else the tokenizer of the token directory the model was
+/// trained on. A byte model (256 tokens) needs none and gets `None`.
+pub fn tokenizer_for(path: &Path, file: &ModelFile, given: Option<&Path>) -> Result<Option<Tokenizer>> {
+    let vocab = file.model.classes;
+    let tokenizer = match given {
+        Some(p) => Tokenizer::from_file(p)?,
+        None if vocab == 256 => return Ok(None),
+        None if is_hf_dir(path) && path.join(TOKENIZER).is_file() => Tokenizer::from_file(&path.join(TOKENIZER))?,
+        None => match file.meta.dataset.parse::<crate::data::DatasetKind>() {
+            Ok(crate::data::DatasetKind::Tokens { dir, .. }) => {
+                Tokenizer::from_file(&dir.join(crate::data::tokens::TOKENIZER_FILE))?
+            }
+            _ => {
+                return Err(ckpt_err(
+                    path,
+                    format!("its vocabulary of {vocab} tokens is not bytes: pass the tokenizer it was trained with (--tokenizer)"),
+                ))
+            }
+        },
+    };
+    if tokenizer.vocab_size() != vocab {
+        return Err(ckpt_err(
+            path,
+            format!("its vocabulary is {vocab} tokens, but the tokenizer has {}", tokenizer.vocab_size()),
+        ));
+    }
+    Ok(Some(tokenizer))
 }
 
 /// Whether `path` is a Hugging Face model directory (it holds a
@@ -331,7 +384,7 @@ mod tests {
                 meta: ModelMeta { run_id: "t".into(), step: 3, ..ModelMeta::default() },
             };
             let at = dir.path().join(format!("tie-{tie}"));
-            write_dir(&file, &at)?;
+            write_dir(&file, &at, None)?;
             assert!(is_hf_dir(&at));
             let back = read_dir(&at, None)?;
             assert_eq!(back.model, file.model);

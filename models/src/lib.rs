@@ -18,8 +18,11 @@
 //!   layers' own names, for people and other software.
 //! - [`shardfile`]: shard checkpoints that owners write while a cluster
 //!   trains, for resuming after a full stop.
-//! - [`data`]: embedded UCI digits, Fashion-MNIST IDX files, UTF-8 text as byte windows, splits,
+//! - [`data`]: embedded UCI digits, Fashion-MNIST IDX files, UTF-8 text as
+//!   byte or token windows, token directories read by position, splits,
 //!   partitions and seeded batching.
+//! - [`tokenizer`]: Hugging Face `tokenizer.json` files, and a byte-level
+//!   BPE trained from local text.
 //! - [`train`]: the single-node training loop.
 //!
 //! Nothing here talks to the network, and nothing here panics on bad input.
@@ -29,6 +32,7 @@ mod cpu_step;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod files;
 pub mod gpt;
 pub mod grads;
 pub mod hf;
@@ -41,6 +45,7 @@ pub mod optim;
 pub mod resident;
 pub mod rng;
 pub mod shardfile;
+pub mod tokenizer;
 pub mod train;
 
 pub use checkpoint::Checkpoint;

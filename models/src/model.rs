@@ -307,10 +307,11 @@ pub trait TrainableModel: Send {
     fn evaluate(&self, data: &Dataset, batch_size: usize) -> Result<Evaluation> {
         let mut loss_sum = 0.0f64;
         let mut correct = 0usize;
-        let all: Vec<usize> = (0..data.len()).collect();
         let mut predictions = 0usize;
-        for chunk in all.chunks(batch_size.max(1)) {
-            let (x, y) = data.batch(chunk, self.device())?;
+        let bs = batch_size.max(1);
+        for start in (0..data.len()).step_by(bs) {
+            let chunk: Vec<usize> = (start..(start + bs).min(data.len())).collect();
+            let (x, y) = data.batch(&chunk, self.device())?;
             let (logits, y) = self.logits_and_targets(&x, &y, false)?;
             let m = y.dim(0)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()?;
@@ -321,7 +322,12 @@ pub trait TrainableModel: Send {
         }
         let n = predictions.max(1);
         let loss = (loss_sum / n as f64) as f32;
-        let bits_per_byte = self.config().is_language_model().then(|| loss / std::f32::consts::LN_2);
+        // Nats per token to bits per byte of text: a figure that compares
+        // across tokenizers.
+        let bits_per_byte = self
+            .config()
+            .is_language_model()
+            .then(|| loss / std::f32::consts::LN_2 / data.bytes_per_token().max(f64::MIN_POSITIVE) as f32);
         Ok(Evaluation { loss, accuracy: correct as f32 / n as f32, samples: data.len(), bits_per_byte })
     }
 }
@@ -521,6 +527,20 @@ impl Model {
 
     /// Continue `prompt` by `tokens` bytes sampled at `temperature` (see
     /// [`crate::gpt`]); an error for models that are not language models.
+    /// Continue `prompt` (token ids of a tokenizer with the model's
+    /// vocabulary) by `tokens` sampled ids; a Llama only (a GPT reads bytes).
+    pub fn generate_tokens(&self, prompt: &[u32], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u32>> {
+        match &self.net {
+            Net::Llama(l) => {
+                if prompt.is_empty() {
+                    return Err(ModelError::Invalid("generating needs at least one prompt token".into()));
+                }
+                l.generate(prompt, tokens, temperature, seed)
+            }
+            _ => Err(ModelError::Invalid(format!("{} does not generate from a tokenizer's ids", self.config.describe()))),
+        }
+    }
+
     pub fn generate(&self, prompt: &[u8], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u8>> {
         match &self.net {
             Net::Gpt(g) => g.generate(prompt, tokens, temperature, seed),

@@ -237,15 +237,19 @@ impl LocalTrainer {
     ) -> Result<EpochStats> {
         let bpe = self.batches_per_epoch(data);
         let epoch = self.step / bpe;
-        let batches = data.epoch_batches(self.batch_size, self.seed, epoch)?;
+        // The order is computed, not listed, for a set too large to list.
+        let order = data.epoch_order(self.seed, epoch)?;
+        let batches = order.batches(self.batch_size);
         let first = (self.step % bpe) as usize;
+        let last = batches.min(first.saturating_add(steps.min(usize::MAX as u64) as usize));
         let (mut loss_sum, mut samples, mut taken) = (0.0f64, 0usize, 0usize);
-        for (i, idx) in batches.iter().enumerate().skip(first).take(steps.min(usize::MAX as u64) as usize) {
-            let loss = self.step_once(data, idx)?;
+        for i in first..last {
+            let idx = order.batch(i, self.batch_size);
+            let loss = self.step_once(data, &idx)?;
             loss_sum += loss as f64 * idx.len() as f64;
             samples += idx.len();
             taken += 1;
-            on_batch(BatchProgress { epoch, batch: i, batches: batches.len(), samples: idx.len(), loss });
+            on_batch(BatchProgress { epoch, batch: i, batches, samples: idx.len(), loss });
         }
         self.sync()?;
         Ok(EpochStats { epoch, mean_loss: (loss_sum / samples.max(1) as f64) as f32, samples, steps: taken })

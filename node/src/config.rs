@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+use shoal_models::data::TokenIndex;
+use shoal_models::tokenizer::Tokenizer;
 use shoal_models::{
     ArchKind, DatasetKind, DeviceKind, GptSize, LlamaSize, ModelConfig, OptimizerConfig, OptimizerKind,
 };
@@ -126,11 +128,16 @@ pub struct TrainingConfig {
     /// `kv_heads`, `width`, `ff`, `tie`, `rope_theta`, `norm_eps`); none:
     /// `LlamaSize::default()` (its context is the text data set's).
     pub llama: Option<LlamaSize>,
-    /// `digits` (embedded), `fashion-mnist`, or `text:PATH` / `text@N:PATH`
-    /// (a UTF-8 file, in windows of 64 or N bytes).
+    /// `digits` (embedded), `fashion-mnist`, `text:PATH` / `text@N:PATH`
+    /// (a UTF-8 file, in windows of 64 or N bytes or tokens), or
+    /// `tokens:DIR` / `tokens@N:DIR` (a token directory from `shoal data
+    /// tokenize`).
     pub dataset: DatasetKind,
     /// Where to look for Fashion-MNIST; none: ./data, then /usr/share/datasets.
     pub data_dir: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json` that cuts a `text:PATH` into tokens;
+    /// none: bytes. A token directory brings its own.
+    pub tokenizer: Option<PathBuf>,
     /// Samples per step on this node (nodes may differ).
     pub batch_size: usize,
     /// `sgd` (momentum 0.9, Nesterov) or `adamw`.
@@ -165,6 +172,7 @@ impl Default for TrainingConfig {
             llama: None,
             dataset: DatasetKind::Digits,
             data_dir: None,
+            tokenizer: None,
             batch_size: 32,
             optimizer: OptimizerKind::Sgd,
             lr: None,
@@ -864,11 +872,14 @@ impl NodeConfig {
         }
         t.optimizer_config().validate()?;
         t.model.check_dataset(&t.dataset).map_err(|e| anyhow::anyhow!("training.model and training.dataset: {e}"))?;
-        if let (ArchKind::Gpt, DatasetKind::Text { context, .. }) = (t.model, &t.dataset) {
-            t.gpt.unwrap_or_default().validate(*context).map_err(|e| anyhow::anyhow!("training.gpt: {e}"))?;
+        if let (ArchKind::Gpt, Some(context)) = (t.model, t.dataset.context()) {
+            t.gpt.unwrap_or_default().validate(context).map_err(|e| anyhow::anyhow!("training.gpt: {e}"))?;
         }
-        if let (ArchKind::Llama, DatasetKind::Text { context, .. }) = (t.model, &t.dataset) {
-            t.llama.unwrap_or_default().validate(*context).map_err(|e| anyhow::anyhow!("training.llama: {e}"))?;
+        if let (ArchKind::Llama, Some(context)) = (t.model, t.dataset.context()) {
+            t.llama.unwrap_or_default().validate(context).map_err(|e| anyhow::anyhow!("training.llama: {e}"))?;
+        }
+        if t.tokenizer.is_some() && !t.dataset.is_language() {
+            bail!("training.tokenizer cuts text into tokens, but training.dataset is {}", t.dataset);
         }
         if t.gpt.is_some() && t.model != ArchKind::Gpt {
             bail!("training.gpt sizes a gpt, but training.model is {}", t.model);
@@ -1230,8 +1241,9 @@ pub struct RunAgreement {
     /// The model's shape (from `training.model`, `mlp_hidden`, `gpt`, `llama` and
     /// the data set's shape).
     pub model: ModelConfig,
-    /// `training.dataset`, a text named by its file name only: peers may
-    /// keep it in different folders.
+    /// `training.dataset` and `training.tokenizer`: a text by its file
+    /// name and its tokenizer's hash, a token directory by its content hash
+    /// (peers may keep them in different folders).
     pub dataset: String,
     pub seed: u64,
     pub steps: u64,
@@ -1270,7 +1282,7 @@ impl RunAgreement {
         Self {
             run_id: config.run_id.clone(),
             model: model.clone(),
-            dataset: agreed_dataset(&t.dataset),
+            dataset: agreed_dataset(t),
             seed: t.seed,
             steps: t.steps,
             optimizer: t.optimizer_config(),
@@ -1303,12 +1315,28 @@ impl RunAgreement {
     }
 }
 
-/// A data set as peers compare it: a text by its window and file name.
-fn agreed_dataset(dataset: &DatasetKind) -> String {
-    match dataset {
+/// A data set as peers compare it: a text by its window, its file name and
+/// its tokenizer's hash; a token directory by its window and content hash
+/// (peers may keep either in different folders).
+fn agreed_dataset(t: &TrainingConfig) -> String {
+    let name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    match &t.dataset {
         DatasetKind::Text { path, context } => {
-            format!("text@{context}:{}", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default())
+            let text = format!("text@{context}:{}", name(path));
+            match &t.tokenizer {
+                // A tokenizer that cannot be read stops the node when it
+                // loads the data; until then it stands by its name.
+                Some(p) => match Tokenizer::from_file(p) {
+                    Ok(tk) => format!("{text} tokenizer {:016x}", tk.hash()),
+                    Err(_) => format!("{text} tokenizer {}", name(p)),
+                },
+                None => text,
+            }
         }
+        DatasetKind::Tokens { dir, context } => match TokenIndex::read(dir) {
+            Ok(index) => format!("tokens@{context}:{}", index.content_hash),
+            Err(_) => format!("tokens@{context}:{}", name(dir)),
+        },
         other => other.to_string(),
     }
 }
@@ -1614,6 +1642,26 @@ mod tests {
         assert_eq!(here, hash(&|c| c.training.dataset = text("text@32:/srv/b/corpus.txt"))?);
         assert_ne!(here, hash(&|c| c.training.dataset = text("text@64:/home/a/corpus.txt"))?);
         assert_ne!(here, hash(&|c| c.training.dataset = text("text@32:/home/a/other.txt"))?);
+        // A token directory is named by its content, wherever it is; a text
+        // cut by a tokenizer by that tokenizer's hash.
+        let dir = tempfile::tempdir()?;
+        let corpus = dir.path().join("corpus.txt");
+        std::fs::write(&corpus, shoal_models::data::SAMPLE_TEXT)?;
+        let tk = Tokenizer::train_bpe(std::slice::from_ref(&corpus), 300)?;
+        let tk_path = dir.path().join("tokenizer.json");
+        tk.save(&tk_path)?;
+        let (a, b, c) = (dir.path().join("a"), dir.path().join("b"), dir.path().join("c"));
+        shoal_models::data::tokenize_files(&tk, std::slice::from_ref(&corpus), &a, |_, _, _| ())?;
+        shoal_models::data::tokenize_files(&tk, std::slice::from_ref(&corpus), &b, |_, _, _| ())?;
+        shoal_models::data::tokenize_files(&tk, &[corpus.clone(), corpus.clone()], &c, |_, _, _| ())?;
+        let tokens = |d: &Path| hash(&|c| c.training.dataset = DatasetKind::Tokens { dir: d.into(), context: 32 });
+        assert_eq!(tokens(&a)?, tokens(&b)?);
+        assert_ne!(tokens(&a)?, tokens(&c)?);
+        let with_tokenizer = hash(&|c| {
+            c.training.dataset = text("text@32:/home/a/corpus.txt");
+            c.training.tokenizer = Some(tk_path.clone());
+        })?;
+        assert_ne!(here, with_tokenizer);
         // The norm check agreed is the factor in force: BSP's default of 50
         // written out is the same agreement.
         assert_eq!(hash(&|_| {})?, hash(&|c| c.aggregation.norm_check = Some(50.0))?);

@@ -31,6 +31,8 @@ fn main() -> ExitCode {
         Command::Eval(args) => cmd::eval::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Data { command: DataCommand::Fetch(args) } => cmd::data::fetch(args),
+        Command::Data { command: DataCommand::TrainTokenizer(args) } => cmd::tokenize::train_tokenizer(args),
+        Command::Data { command: DataCommand::Tokenize(args) } => cmd::tokenize::tokenize(args),
         Command::Bench { command: BenchCommand::Train(args) } => cmd::bench::train(args),
         Command::Bench { command: BenchCommand::Wire(args) } => cmd::bench::wire(args),
         Command::Bench { command: BenchCommand::Cluster(args) } => cmd::bench::cluster(args),

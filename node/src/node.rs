@@ -109,7 +109,11 @@ impl NodeReport {
     pub async fn write_hf(&self, config: &NodeConfig, dir: &std::path::Path) -> anyhow::Result<()> {
         let file = self.model_file(config);
         let at = dir.to_path_buf();
-        tokio::task::spawn_blocking(move || shoal_models::hf::write_dir(&file, &at))
+        let (kind, tokenizer) = (config.training.dataset.clone(), config.training.tokenizer.clone());
+        tokio::task::spawn_blocking(move || {
+            let tokenizer = shoal_models::data::dataset_tokenizer(&kind, tokenizer.as_deref())?;
+            shoal_models::hf::write_dir(&file, &at, tokenizer.as_ref())
+        })
             .await
             .context("model writer panicked")?
             .with_context(|| format!("writing the Hugging Face directory {}", dir.display()))
@@ -421,8 +425,11 @@ async fn open_trainer(config: &NodeConfig, name: &str) -> anyhow::Result<Trainin
     let t = &config.training;
     let device = t.device.open()?;
     let data = {
-        let (kind, dir) = (t.dataset.clone(), t.data_dir.clone());
-        tokio::task::spawn_blocking(move || data::open(&kind, dir.as_deref()))
+        let (kind, dir, tokenizer) = (t.dataset.clone(), t.data_dir.clone(), t.tokenizer.clone());
+        tokio::task::spawn_blocking(move || {
+            let tokenizer = data::dataset_tokenizer(&kind, tokenizer.as_deref())?;
+            data::open_with(&kind, dir.as_deref(), tokenizer.as_ref())
+        })
             .await
             .context("data loader panicked")?
             .with_context(|| format!("loading data set {}", t.dataset))?

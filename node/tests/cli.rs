@@ -110,6 +110,7 @@ fn a_llama_trains_writes_its_summary_and_a_hugging_face_directory_that_eval_read
         "train", "--model", "llama", "--layers", "1", "--heads", "2", "--width", "16", "--ff", "24", "--untied",
         "--dataset", &dataset, "--steps", "30", "--eval-every", "15", "--batch-size", "8",
         "--json", json.to_str().unwrap_or_default(), "--output-hf", hf.to_str().unwrap_or_default(),
+        "--output", dir.path().join("model.safetensors").to_str().unwrap_or_default(),
     ]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
@@ -130,15 +131,99 @@ fn a_llama_trains_writes_its_summary_and_a_hugging_face_directory_that_eval_read
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap_or_default()).unwrap_or_default();
     assert_eq!(config["architectures"][0], "LlamaForCausalLM", "{config}");
     assert_eq!(config["tie_word_embeddings"], false, "{config}");
-    let e = shoal(&["eval", "--json", "--model", hf.to_str().unwrap_or_default()]);
-    let (eout, eerr) = text(&e);
-    assert!(e.status.success(), "stdout: {eout}\nstderr: {eerr}");
-    let report: serde_json::Value = serde_json::from_str(&eout).unwrap_or_default();
-    assert_eq!(report["loss"].as_f64().map(|l| l as f32), Some(val as f32), "{report} against {summary}");
+    // eval reads the whole text in consecutive windows of 33 bytes, the
+    // directory to the loss of the model file written beside it.
+    let eval = |model: &std::path::Path| {
+        let e = shoal(&["eval", "--json", "--model", model.to_str().unwrap_or_default()]);
+        let (eout, eerr) = text(&e);
+        assert!(e.status.success(), "stdout: {eout}\nstderr: {eerr}");
+        serde_json::from_str::<serde_json::Value>(&eout).unwrap_or_default()
+    };
+    let (from_hf, from_file) = (eval(&hf), eval(&dir.path().join("model.safetensors")));
+    assert_eq!(from_hf["loss"], from_file["loss"], "{from_hf} against {from_file}");
+    let windows = std::fs::metadata(text_file).map(|m| m.len()).unwrap_or_default() / 33;
+    assert_eq!((from_hf["samples"].as_u64(), from_hf["tokens"].as_u64()), (Some(windows), Some(windows * 32)), "{from_hf}");
+    let loss = from_hf["loss"].as_f64().unwrap_or(f64::NAN);
+    assert!((from_hf["perplexity"].as_f64().unwrap_or(0.0) - loss.exp()).abs() < 1e-3 * loss.exp(), "{from_hf}");
     // Another model's flags with --output-hf are refused before training.
     let wrong = shoal(&["train", "--model", "mlp", "--steps", "1", "--output-hf", hf.to_str().unwrap_or_default()]);
     let (_, werr) = text(&wrong);
     assert!(!wrong.status.success() && werr.contains("--output-hf") && werr.contains("llama"), "{werr}");
+}
+
+fn read_json(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_default()).unwrap_or_default()
+}
+
+#[test]
+fn a_trained_tokenizer_and_its_token_directory_train_a_llama_that_carries_them_to_hugging_face() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = |name: &str| dir.path().join(name).to_str().unwrap_or_default().to_string();
+    let text_file = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/data/gpl-3.0.txt");
+    let text_len = std::fs::metadata(text_file).map(|m| m.len()).unwrap_or_default();
+    let run = |args: &[&str]| {
+        let o = shoal(args);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{args:?}\nstdout: {out}\nstderr: {err}");
+        out
+    };
+    let out = run(&["data", "train-tokenizer", "--vocab", "512", "--output", &path("tokenizer.json"), text_file]);
+    assert!(out.contains("512 tokens"), "{out}");
+    let out = run(&["data", "tokenize", "--tokenizer", &path("tokenizer.json"), "--output", &path("tokens"), text_file, text_file]);
+    assert!(out.contains("2 document(s)"), "{out}");
+    let index = read_json(&dir.path().join("tokens/index.json"));
+    assert_eq!((index["width"].as_str(), index["vocab_size"].as_u64(), index["documents"].as_u64()), (Some("u16"), Some(512), Some(2)), "{index}");
+    let tokens = index["tokens"].as_u64().unwrap_or_default();
+    assert!(tokens > 0 && tokens < 2 * text_len * 3 / 4, "{tokens} tokens for twice {text_len} bytes: the BPE did not merge");
+    assert_eq!(index["text_bytes"].as_u64(), Some(2 * text_len), "{index}");
+    // A tokenizer that wrote other ids is refused by name.
+    let again = shoal(&["data", "tokenize", "--tokenizer", &path("tokenizer.json"), "--output", &path("tokens"), text_file]);
+    assert!(!again.status.success() && text(&again).1.contains("already holds"), "{}", text(&again).1);
+
+    let dataset = format!("tokens@32:{}", path("tokens"));
+    #[rustfmt::skip]
+    let out = run(&[
+        "train", "--model", "llama", "--layers", "1", "--heads", "2", "--width", "16", "--ff", "24",
+        "--dataset", &dataset, "--steps", "20", "--eval-every", "20", "--batch-size", "8",
+        "--json", &path("summary.json"), "--output-hf", &path("hf"),
+    ]);
+    assert!(out.contains("vocab512"), "{out}");
+    let summary = read_json(&dir.path().join("summary.json"));
+    let val = summary["val_loss"].as_f64().unwrap_or(f64::NAN);
+    // Bits per byte counts the bytes each token stands for.
+    let bytes_per_token = (2 * text_len) as f64 / tokens as f64;
+    let bpb = summary["bits_per_byte"].as_f64().unwrap_or(f64::NAN);
+    assert!((bpb - val / std::f64::consts::LN_2 / bytes_per_token).abs() < 1e-4, "{summary}");
+    // The directory carries the tokenizer and its end-of-text token.
+    let (theirs, ours) = (read_json(&dir.path().join("hf/tokenizer.json")), read_json(&dir.path().join("tokenizer.json")));
+    assert_eq!(theirs, ours);
+    let config = read_json(&dir.path().join("hf/config.json"));
+    assert_eq!(config["vocab_size"], 512, "{config}");
+    assert!(config["eos_token_id"].as_u64().is_some(), "{config}");
+
+    // eval takes the tokenizer from the directory and reads the whole text.
+    let e = run(&["eval", "--json", "--model", &path("hf"), "--dataset", &format!("text@32:{text_file}")]);
+    let report: serde_json::Value = serde_json::from_str(&e).unwrap_or_default();
+    let windows = report["samples"].as_u64().unwrap_or_default();
+    assert_eq!(windows, (tokens / 2) / 33, "{report}: one copy of the text and its end-of-text token, in windows of 33");
+    assert_eq!(report["tokens"].as_u64(), Some(windows * 32), "{report}");
+    // ... and the token directory whole, two copies.
+    let e = run(&["eval", "--json", "--model", &path("hf"), "--dataset", &dataset]);
+    let report: serde_json::Value = serde_json::from_str(&e).unwrap_or_default();
+    assert_eq!(report["samples"].as_u64(), Some(tokens / 33), "{report}");
+
+    // generate decodes tokens into text after the prompt.
+    let g = run(&["generate", "--model", &path("hf"), "--prompt", "The GNU", "--tokens", "12", "--temperature", "0"]);
+    assert!(g.starts_with("The GNU") && g.trim_end().len() > "The GNU".len(), "{g}");
+    // A text cut by the same tokenizer trains the same vocabulary.
+    #[rustfmt::skip]
+    let out = run(&[
+        "train", "--model", "llama", "--layers", "1", "--heads", "2", "--width", "16", "--ff", "24",
+        "--dataset", &format!("text@32:{text_file}"), "--tokenizer", &path("tokenizer.json"), "--steps", "2",
+    ]);
+    assert!(out.contains("vocab512"), "{out}");
+    let wrong = shoal(&["train", "--dataset", "digits", "--tokenizer", &path("tokenizer.json"), "--steps", "1"]);
+    assert!(!wrong.status.success() && text(&wrong).1.contains("--tokenizer"), "{}", text(&wrong).1);
 }
 
 #[test]
@@ -564,4 +649,67 @@ fn bench_exchange_moves_the_bytes_an_all_reduce_would() {
         assert!(rate.is_finite() && rate > 0.0, "{c}");
     }
     assert!(out.contains("x raw TCP"), "{out}");
+}
+
+/// Writes `bytes` of English-looking text: lines of words drawn from the
+/// GPL's vocabulary by a fixed generator, so that a 10 MiB text is the first
+/// 10 MiB of the 1 GiB one.
+fn write_generated_text(path: &std::path::Path, bytes: u64) -> std::io::Result<()> {
+    use std::io::Write;
+    let source = include_str!("../../models/data/gpl-3.0.txt");
+    let words: Vec<&str> = source.split_whitespace().collect();
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
+    let (mut state, mut written, mut line) = (0x9E37_79B9_7F4A_7C15u64, 0u64, String::new());
+    while written < bytes {
+        // xorshift64*: a fixed stream of word choices.
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        let word = words[(state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as usize % words.len()];
+        line.push_str(word);
+        if line.len() > 72 {
+            line.push('\n');
+            out.write_all(line.as_bytes())?;
+            written += line.len() as u64;
+            line.clear();
+        } else {
+            line.push(' ');
+        }
+    }
+    out.flush()
+}
+
+#[test]
+#[ignore = "writes and tokenizes a 1 GiB text (about 2 GiB of disk, a few minutes): .ci/run runs it"]
+fn a_token_directory_of_a_gigabyte_trains_in_the_memory_of_ten_megabytes() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = |name: &str| dir.path().join(name).to_str().unwrap_or_default().to_string();
+    let run = |args: &[&str]| {
+        let started = std::time::Instant::now();
+        let o = shoal(args);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{args:?}\nstdout: {out}\nstderr: {err}");
+        eprintln!("{:?} in {:.1} s: {}", &args[..2], started.elapsed().as_secs_f64(), out.trim());
+    };
+    let text_file = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/data/gpl-3.0.txt");
+    run(&["data", "train-tokenizer", "--vocab", "1024", "--output", &path("tokenizer.json"), text_file]);
+    let mut peaks = Vec::new();
+    for (name, bytes) in [("small", 10u64 << 20), ("large", 1u64 << 30)] {
+        write_generated_text(&dir.path().join(format!("{name}.txt")), bytes).unwrap_or_else(|e| panic!("{e}"));
+        let tokens = path(&format!("{name}-tokens"));
+        run(&["data", "tokenize", "--tokenizer", &path("tokenizer.json"), "--output", &tokens, &path(&format!("{name}.txt"))]);
+        std::fs::remove_file(dir.path().join(format!("{name}.txt"))).unwrap_or_else(|e| panic!("{e}"));
+        let json = path(&format!("{name}.json"));
+        #[rustfmt::skip]
+        run(&[
+            "train", "--model", "llama", "--layers", "1", "--heads", "2", "--width", "32", "--ff", "64",
+            "--dataset", &format!("tokens@64:{tokens}"), "--steps", "40", "--eval-every", "40",
+            "--batch-size", "16", "--threads", "2", "--json", &json,
+        ]);
+        let summary = read_json(std::path::Path::new(&json));
+        let peak = summary["peak_rss_bytes"].as_u64().unwrap_or_else(|| panic!("no peak_rss_bytes in {summary}"));
+        eprintln!("{name}: {bytes} bytes of text, peak RSS {:.1} MiB, {summary}", peak as f64 / 1048576.0);
+        peaks.push(peak);
+    }
+    assert!(peaks[1] <= 2 * peaks[0], "peak RSS {} MiB on 1 GiB of text against {} MiB on 10 MiB", peaks[1] >> 20, peaks[0] >> 20);
 }

@@ -85,7 +85,7 @@ fn a_small_llama_learns_more_than_letter_frequencies() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_llama_nodes_over_tcp_in_pull_bsp_end_within_0_02_nats_of_one_node() -> anyhow::Result<()> {
-    const STEPS: u64 = 300;
+    const STEPS: u64 = 150;
     const BATCH: usize = 8;
     let reports = run_cluster(&ClusterSpec::new(4, llama_config("llama-4", STEPS, BATCH))).await?;
     // One node on the same samples: at each step, the concatenation (in
@@ -118,7 +118,7 @@ async fn four_llama_nodes_over_tcp_in_pull_bsp_end_within_0_02_nats_of_one_node(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_llama_nodes_with_local_steps_train_and_end_on_one_model() -> anyhow::Result<()> {
-    const STEPS: u64 = 200;
+    const STEPS: u64 = 100;
     const H: u64 = 10;
     let mut base = llama_config("llama-diloco", STEPS, 8);
     base.training.lr = Some(3e-3);
@@ -165,7 +165,7 @@ fn a_hugging_face_directory_evaluates_like_the_model_it_was_written_from() -> an
         },
     };
     let hf = dir.path().join("hf");
-    shoal_models::hf::write_dir(&file, &hf)?;
+    shoal_models::hf::write_dir(&file, &hf, None)?;
     for name in ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json"] {
         assert!(hf.join(name).is_file(), "no {name}");
     }
@@ -173,12 +173,20 @@ fn a_hugging_face_directory_evaluates_like_the_model_it_was_written_from() -> an
         model: hf.clone(),
         dataset: None,
         data_dir: None,
+        tokenizer: None,
         device: shoal_models::DeviceKind::Cpu,
         json: true,
     };
     let report = shoal_node::cmd::eval::evaluate(&args)?;
-    eprintln!("trained: loss {:.6}; its Hugging Face directory through shoal eval: {:.6}", eval.loss, report.loss);
-    assert_eq!(report.loss, eval.loss, "the directory holds other weights");
+    // shoal eval reads the whole text in consecutive windows.
+    let context = sample_text().context().unwrap_or_default();
+    let whole = data::load_whole(&sample_text(), None, context)?;
+    let expected = t.evaluate(&whole)?;
+    eprintln!("trained: loss {:.6} on the whole text; its Hugging Face directory through shoal eval: {:.6}", expected.loss, report.loss);
+    assert_eq!(report.loss, expected.loss, "the directory holds other weights");
+    assert_eq!((report.samples, report.tokens), (whole.len(), Some(whole.len() * context)));
+    let text_len = shoal_models::data::SAMPLE_TEXT.len();
+    assert_eq!(whole.len(), text_len / (context + 1), "consecutive windows of context + 1 bytes");
     assert_eq!(report.step, t.step());
     // At another context (a Llama has no position table): still a valid,
     // trained model, evaluated on windows of 32.

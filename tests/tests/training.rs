@@ -92,12 +92,12 @@ fn fashion_mnist_one_epoch_mlp_reaches_82_percent() -> anyhow::Result<()> {
     // and labels as those rows of the whole set, and the same test split.
     let mut opened = data::open(&DatasetKind::FashionMnist, None)?;
     assert_eq!(opened.train_len, 60_000);
-    assert_eq!((opened.test.raw == split.test.raw, opened.test.labels == split.test.labels), (true, true));
+    assert_eq!((opened.test.raw_bytes() == split.test.raw_bytes(), opened.test.labels == split.test.labels), (true, true));
     let rows = shoal_models::Partition::Rank { rank: 1, world: 4 }.indices(60_000)?;
     let part = opened.take_train(&rows)?;
     let expected = split.train.select(&rows)?;
     assert_eq!(part.len(), 15_000);
-    assert!(part.raw == expected.raw && part.labels == expected.labels, "the partition read from the files differs");
+    assert!(part.raw_bytes() == expected.raw_bytes() && part.labels == expected.labels, "the partition read from the files differs");
     assert!(opened.take_train(&rows).is_err(), "the training samples are taken once");
     let mut t = trainer_for(&split, OptimizerKind::Adamw, 42)?;
     let stats = t.run_epoch(&split.train, |_| {})?;

@@ -5,7 +5,7 @@ use std::io::Read;
 
 use flate2::read::GzDecoder;
 
-use super::{Dataset, ImageShape, Split};
+use super::{Dataset, ImageShape, Samples, Split};
 use crate::error::{ModelError, Result};
 
 /// The gzipped CSV, exactly as shipped by scikit-learn 1.9.1.
@@ -70,7 +70,7 @@ pub fn parse_digits_csv_gz(gz: &[u8]) -> Result<Dataset> {
         name: "digits".into(),
         shape: ImageShape { channels: 1, height: 8, width: 8 },
         classes: 10,
-        raw,
+        samples: Samples::Bytes(raw),
         divisor: 16.0,
         labels,
     })

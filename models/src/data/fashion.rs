@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use super::idx::{idx_file_dims, read_idx_file_rows};
-use super::{Dataset, ImageShape, Split};
+use super::{Dataset, ImageShape, Samples, Split};
 use crate::error::{ModelError, Result};
 
 /// Where Debian's package puts the files.
@@ -122,7 +122,7 @@ pub fn load_pair(dir: &Path, images: &str, labels: &str, rows: Option<&[usize]>)
         name: "fashion-mnist".into(),
         shape: ImageShape { channels: 1, height: imgs.dims[1], width: imgs.dims[2] },
         classes: 10,
-        raw: imgs.data,
+        samples: Samples::Bytes(imgs.data),
         divisor: 255.0,
         labels: labs.data,
     };

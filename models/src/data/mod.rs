@@ -5,6 +5,7 @@ mod digits;
 mod fashion;
 pub mod idx;
 pub mod text;
+pub mod tokens;
 
 use std::fmt;
 use std::str::FromStr;
@@ -16,13 +17,16 @@ pub use fashion::{
     fashion_mnist_dir, load_fashion_mnist, open_fashion_mnist, FASHION_MNIST_FILES, SYSTEM_FASHION_MNIST_DIR,
 };
 pub use text::{load_text, text_split, unigram_entropy, BYTE_VOCAB, DEFAULT_CONTEXT, SAMPLE_TEXT};
+pub use tokens::{load_text_tokens, load_tokens, tokenize_files, TokenIndex};
 
 use crate::error::{ModelError, Result};
 use crate::rng::{stable_hash64, DetRng};
+use crate::tokenizer::Tokenizer;
 
 /// Which data set to train on. Written and parsed as `digits`,
-/// `fashion-mnist`, `text:PATH` (windows of 64 bytes plus the next one) or
-/// `text@N:PATH` (windows of N bytes).
+/// `fashion-mnist`, `text:PATH` (windows of 64 bytes or tokens plus the next
+/// one), `text@N:PATH` (windows of N), `tokens:DIR` or `tokens@N:DIR` (a
+/// token directory that `shoal data tokenize` wrote).
 #[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum DatasetKind {
@@ -31,18 +35,37 @@ pub enum DatasetKind {
     Digits,
     /// Fashion-MNIST, 28x28, from Debian's `dataset-fashion-mnist`.
     FashionMnist,
-    /// A UTF-8 text file, byte by byte, for language models.
+    /// A UTF-8 text file, for language models: byte by byte, or tokenized
+    /// on load when a tokenizer is given.
     Text { path: std::path::PathBuf, context: usize },
+    /// A token directory (`shoal data tokenize`), read by position.
+    Tokens { dir: std::path::PathBuf, context: usize },
 }
 
 impl DatasetKind {
-    /// The context length of a text data set; `None` for images.
+    /// The context length of a text or token data set; `None` for images.
     pub fn context(&self) -> Option<usize> {
         match self {
-            DatasetKind::Text { context, .. } => Some(*context),
+            DatasetKind::Text { context, .. } | DatasetKind::Tokens { context, .. } => Some(*context),
             _ => None,
         }
     }
+
+    /// Whether this is a language data set (text or tokens).
+    pub fn is_language(&self) -> bool {
+        self.context().is_some()
+    }
+}
+
+/// `PREFIX:PATH` or `PREFIX@N:PATH` (N > 0): the context and the path.
+fn with_context<'a>(s: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
+    let (ctx, path) = s.strip_prefix(prefix)?.split_once(':')?;
+    let context = match ctx.strip_prefix('@') {
+        Some(n) => n.parse::<usize>().ok().filter(|&n| n > 0)?,
+        None if ctx.is_empty() => text::DEFAULT_CONTEXT,
+        None => return None,
+    };
+    (!path.is_empty()).then_some((context, path))
 }
 
 impl FromStr for DatasetKind {
@@ -51,22 +74,14 @@ impl FromStr for DatasetKind {
         match s {
             "digits" => Ok(DatasetKind::Digits),
             "fashion-mnist" | "fashion_mnist" | "fashion" => Ok(DatasetKind::FashionMnist),
-            other => {
-                let text = other.strip_prefix("text").and_then(|rest| {
-                    let (ctx, path) = rest.split_once(':')?;
-                    let context = match ctx.strip_prefix('@') {
-                        Some(n) => n.parse::<usize>().ok().filter(|&n| n > 0)?,
-                        None if ctx.is_empty() => text::DEFAULT_CONTEXT,
-                        None => return None,
-                    };
-                    (!path.is_empty()).then(|| DatasetKind::Text { path: path.into(), context })
-                });
-                text.ok_or_else(|| {
+            other => with_context(other, "text")
+                .map(|(context, path)| DatasetKind::Text { path: path.into(), context })
+                .or_else(|| with_context(other, "tokens").map(|(context, dir)| DatasetKind::Tokens { dir: dir.into(), context }))
+                .ok_or_else(|| {
                     ModelError::Invalid(format!(
-                        "unknown dataset `{other}`: expected digits, fashion-mnist, text:PATH or text@CONTEXT:PATH"
+                        "unknown dataset `{other}`: expected digits, fashion-mnist, text:PATH, text@CONTEXT:PATH, tokens:DIR or tokens@CONTEXT:DIR"
                     ))
-                })
-            }
+                }),
         }
     }
 }
@@ -80,6 +95,10 @@ impl fmt::Display for DatasetKind {
                 write!(f, "text:{}", path.display())
             }
             DatasetKind::Text { path, context } => write!(f, "text@{context}:{}", path.display()),
+            DatasetKind::Tokens { dir, context } if *context == text::DEFAULT_CONTEXT => {
+                write!(f, "tokens:{}", dir.display())
+            }
+            DatasetKind::Tokens { dir, context } => write!(f, "tokens@{context}:{}", dir.display()),
         }
     }
 }
@@ -115,20 +134,31 @@ impl ImageShape {
     }
 }
 
-/// An in-memory labelled image set. Values are kept as the bytes the files
-/// hold (a quarter of the memory of f32: Fashion-MNIST's training set is 47
-/// MB rather than 188 MB) and turned into f32 only for a batch.
+/// A labelled set of samples: images, or windows of a text. Image values
+/// are kept as the bytes the files hold (a quarter of the memory of f32:
+/// Fashion-MNIST's training set is 47 MB rather than 188 MB), and token
+/// windows as their positions in a token stream; both are turned into f32
+/// only for a batch.
 #[derive(Clone)]
 pub struct Dataset {
     pub name: String,
     pub shape: ImageShape,
+    /// Classes of an image set; the vocabulary of a language set.
     pub classes: usize,
-    /// `len() * shape.len()` raw values, row-major per image.
-    pub raw: Vec<u8>,
+    pub(crate) samples: Samples,
     /// What a raw value is divided by to give the model's input: 255 for
-    /// Fashion-MNIST (pixels in [0, 1]), 16 for digits, 1 for text bytes.
+    /// Fashion-MNIST (pixels in [0, 1]), 16 for digits, 1 for text.
     pub divisor: f32,
     pub labels: Vec<u8>,
+}
+
+/// Where a data set's input values are.
+#[derive(Debug, Clone)]
+pub(crate) enum Samples {
+    /// `len() * shape.len()` raw values, row-major per sample.
+    Bytes(Vec<u8>),
+    /// Windows of `shape.len()` tokens of a token stream.
+    Tokens(tokens::TokenWindows),
 }
 
 impl fmt::Debug for Dataset {
@@ -151,43 +181,96 @@ pub struct Split {
 
 impl Dataset {
     pub fn len(&self) -> usize {
-        self.labels.len()
+        match &self.samples {
+            Samples::Bytes(_) => self.labels.len(),
+            Samples::Tokens(w) => w.len(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
+        self.len() == 0
     }
 
-    /// Input value `k` of sample `i` as the model sees it.
-    pub fn value(&self, i: usize, k: usize) -> f32 {
-        self.raw[i * self.shape.len() + k] as f32 / self.divisor
+    /// The label of sample `i` (token windows have none: 0).
+    fn label(&self, i: usize) -> u8 {
+        self.labels.get(i).copied().unwrap_or(0)
     }
 
-    /// Bytes the samples take in memory.
+    /// A data set of in-memory samples: `labels.len() * shape.len()` raw
+    /// values, row-major per sample.
+    pub fn from_bytes(
+        name: String,
+        shape: ImageShape,
+        classes: usize,
+        raw: Vec<u8>,
+        divisor: f32,
+        labels: Vec<u8>,
+    ) -> Result<Dataset> {
+        if raw.len() != labels.len() * shape.len() {
+            return Err(ModelError::Invalid(format!(
+                "{name}: {} values for {} samples of {}",
+                raw.len(),
+                labels.len(),
+                shape.len()
+            )));
+        }
+        Ok(Dataset { name, shape, classes, samples: Samples::Bytes(raw), divisor, labels })
+    }
+
+    /// The raw values of an in-memory set (images, byte windows); `None`
+    /// for token windows, which are read from their stream for each batch.
+    pub fn raw_bytes(&self) -> Option<&[u8]> {
+        match &self.samples {
+            Samples::Bytes(raw) => Some(raw),
+            Samples::Tokens(_) => None,
+        }
+    }
+
+    /// Bytes of text per token: 1 for byte windows (and images), the
+    /// tokenizer's compression for token windows.
+    pub fn bytes_per_token(&self) -> f64 {
+        match &self.samples {
+            Samples::Bytes(_) => 1.0,
+            Samples::Tokens(w) => w.bytes_per_token,
+        }
+    }
+
+    /// Bytes the samples take in memory (for token windows, their positions:
+    /// the tokens stay in their files).
     pub fn memory_bytes(&self) -> usize {
-        self.raw.len() + self.labels.len()
+        let samples = match &self.samples {
+            Samples::Bytes(raw) => raw.len(),
+            Samples::Tokens(w) => w.ids.as_ref().map_or(0, |ids| ids.len() * std::mem::size_of::<u32>()),
+        };
+        samples + self.labels.len()
     }
 
     /// A new dataset holding the given samples, in the given order.
     pub fn select(&self, indices: &[usize]) -> Result<Dataset> {
         let d = self.shape.len();
-        let mut raw = Vec::with_capacity(indices.len() * d);
-        let mut labels = Vec::with_capacity(indices.len());
-        for &i in indices {
-            let label = *self.labels.get(i).ok_or_else(|| {
-                ModelError::Invalid(format!("sample index {i} out of range ({} samples)", self.len()))
-            })?;
-            raw.extend_from_slice(&self.raw[i * d..(i + 1) * d]);
-            labels.push(label);
+        if let Some(&bad) = indices.iter().find(|&&i| i >= self.len()) {
+            return Err(ModelError::Invalid(format!("sample index {bad} out of range ({} samples)", self.len())));
         }
-        Ok(Dataset {
-            name: self.name.clone(),
-            shape: self.shape,
-            classes: self.classes,
-            raw,
-            divisor: self.divisor,
-            labels,
-        })
+        let samples = match &self.samples {
+            Samples::Bytes(raw) => {
+                Samples::Bytes(indices.iter().flat_map(|&i| &raw[i * d..(i + 1) * d]).copied().collect())
+            }
+            Samples::Tokens(w) => {
+                Samples::Tokens(tokens::TokenWindows {
+                    source: std::sync::Arc::clone(&w.source),
+                    first: w.first,
+                    stride: w.stride,
+                    count: indices.len(),
+                    ids: Some(indices.iter().map(|&i| w.id(i)).collect()),
+                    bytes_per_token: w.bytes_per_token,
+                })
+            }
+        };
+        let labels = match &self.samples {
+            Samples::Bytes(_) => indices.iter().map(|&i| self.labels[i]).collect(),
+            Samples::Tokens(_) => Vec::new(),
+        };
+        Ok(Dataset { name: self.name.clone(), shape: self.shape, classes: self.classes, samples, divisor: self.divisor, labels })
     }
 
     /// This worker's slice of the data, chosen deterministically so that the
@@ -198,16 +281,24 @@ impl Dataset {
     }
 
     /// A batch as tensors: images `[n, c, h, w]` (f32) and labels `[n]` (u32).
+    /// A token window's values are its token ids.
     pub fn batch(&self, indices: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
         let d = self.shape.len();
-        let mut images = Vec::with_capacity(indices.len() * d);
+        let mut images = vec![0f32; indices.len() * d];
         let mut labels = Vec::with_capacity(indices.len());
-        for &i in indices {
+        for (&i, out) in indices.iter().zip(images.chunks_exact_mut(d)) {
             if i >= self.len() {
                 return Err(ModelError::Invalid(format!("sample index {i} out of range ({} samples)", self.len())));
             }
-            images.extend(self.raw[i * d..(i + 1) * d].iter().map(|&v| v as f32 / self.divisor));
-            labels.push(self.labels[i] as u32);
+            match &self.samples {
+                Samples::Bytes(raw) => {
+                    for (o, &v) in out.iter_mut().zip(&raw[i * d..(i + 1) * d]) {
+                        *o = v as f32 / self.divisor;
+                    }
+                }
+                Samples::Tokens(w) => w.source.read(w.start(i), out)?,
+            }
+            labels.push(self.label(i) as u32);
         }
         let n = indices.len();
         let s = self.shape;
@@ -219,8 +310,26 @@ impl Dataset {
     /// Seeded per-epoch batch order: the same `(seed, epoch)` always gives the
     /// same batches. The last, short batch is kept so no sample is skipped.
     pub fn epoch_batches(&self, batch_size: usize, seed: u64, epoch: u64) -> Result<Vec<Vec<usize>>> {
-        let all: Vec<usize> = (0..self.len()).collect();
-        shuffled_batches(&all, batch_size, seed, epoch)
+        let order = self.epoch_order(seed, epoch)?;
+        order.check_batch_size(batch_size)?;
+        Ok((0..order.batches(batch_size)).map(|b| order.batch(b, batch_size)).collect())
+    }
+
+    /// The seeded order of an epoch's samples, without listing it for token
+    /// windows: a data set larger than memory has more windows than are
+    /// worth holding. Images and byte windows get [`shuffled_batches`]'s
+    /// order.
+    pub fn epoch_order(&self, seed: u64, epoch: u64) -> Result<EpochOrder> {
+        let n = self.len();
+        match &self.samples {
+            Samples::Tokens(_) => Ok(EpochOrder::permuted(n, epoch_key(seed, epoch))),
+            Samples::Bytes(_) => {
+                let n32 = u32::try_from(n).map_err(|_| ModelError::Invalid(format!("{n} samples are too many to list")))?;
+                let mut order: Vec<u32> = (0..n32).collect();
+                DetRng::derive(epoch_key(seed, epoch), "epoch-shuffle").shuffle(&mut order);
+                Ok(EpochOrder { n, order: Order::Listed(order) })
+            }
+        }
     }
 
     /// Stratification-free seeded split into `(train, test)` with
@@ -244,8 +353,87 @@ pub fn shuffled_batches(items: &[usize], batch_size: usize, seed: u64, epoch: u6
         return Err(ModelError::Invalid("batch size must be at least 1".into()));
     }
     let mut order = items.to_vec();
-    DetRng::derive(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15), "epoch-shuffle").shuffle(&mut order);
+    DetRng::derive(epoch_key(seed, epoch), "epoch-shuffle").shuffle(&mut order);
     Ok(order.chunks(batch_size).map(|c| c.to_vec()).collect())
+}
+
+fn epoch_key(seed: u64, epoch: u64) -> u64 {
+    seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// The order in which an epoch visits a data set's samples: a listed
+/// shuffle, or for token windows a seeded permutation computed index by
+/// index (a Feistel network over the next power of four, walking the
+/// cycle until it lands inside the set), which holds no list at all.
+#[derive(Debug, Clone)]
+pub struct EpochOrder {
+    n: usize,
+    order: Order,
+}
+
+#[derive(Debug, Clone)]
+enum Order {
+    Listed(Vec<u32>),
+    Permuted { half: u32, keys: [u64; 4] },
+}
+
+impl EpochOrder {
+    fn permuted(n: usize, key: u64) -> Self {
+        let bits = usize::BITS - n.saturating_sub(1).leading_zeros();
+        let half = bits.div_ceil(2).max(1);
+        let mut rng = DetRng::derive(key, "epoch-permutation");
+        let keys = [rng.next_u64(), rng.next_u64(), rng.next_u64(), rng.next_u64()];
+        EpochOrder { n, order: Order::Permuted { half, keys } }
+    }
+
+    /// Samples in the epoch.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// The sample visited `k`-th (`k < len()`).
+    pub fn get(&self, k: usize) -> usize {
+        match &self.order {
+            Order::Listed(order) => order[k] as usize,
+            Order::Permuted { half, keys } => {
+                let mask = (1u64 << half) - 1;
+                let mut x = k as u64;
+                loop {
+                    let (mut l, mut r) = (x >> half, x & mask);
+                    for key in keys {
+                        let f = crate::rng::StableHasher::new().update(&(r ^ key).to_le_bytes()).finish() & mask;
+                        (l, r) = (r, l ^ f);
+                    }
+                    x = (l << half) | r;
+                    if x < self.n as u64 {
+                        return x as usize;
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_batch_size(&self, batch_size: usize) -> Result<()> {
+        if batch_size == 0 {
+            return Err(ModelError::Invalid("batch size must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    /// Batches of `batch_size` in the epoch (the last may be short).
+    pub fn batches(&self, batch_size: usize) -> usize {
+        self.n.div_ceil(batch_size.max(1))
+    }
+
+    /// The samples of batch `b`.
+    pub fn batch(&self, b: usize, batch_size: usize) -> Vec<usize> {
+        let bs = batch_size.max(1);
+        (b * bs..((b + 1) * bs).min(self.n)).map(|k| self.get(k)).collect()
+    }
 }
 
 /// How a data set is cut across workers.
@@ -338,13 +526,22 @@ impl OpenedData {
 
 /// Open a data set for a node: see [`OpenedData`].
 pub fn open(kind: &DatasetKind, data_dir: Option<&std::path::Path>) -> Result<OpenedData> {
+    open_with(kind, data_dir, None)
+}
+
+/// [`open`], a text tokenized by `tokenizer` when given.
+pub fn open_with(
+    kind: &DatasetKind,
+    data_dir: Option<&std::path::Path>,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<OpenedData> {
     match kind {
         DatasetKind::FashionMnist => {
             let (dir, test, train_len) = fashion::open_fashion_mnist(data_dir)?;
             Ok(OpenedData { test, train_len, train: TrainSource::FashionFiles(dir) })
         }
         _ => {
-            let Split { train, test } = load(kind, data_dir)?;
+            let Split { train, test } = load_with(kind, data_dir, tokenizer)?;
             Ok(OpenedData { test, train_len: train.len(), train: TrainSource::InMemory(train) })
         }
     }
@@ -352,12 +549,58 @@ pub fn open(kind: &DatasetKind, data_dir: Option<&std::path::Path>) -> Result<Op
 
 /// Load a dataset's train/test split. `data_dir` overrides where
 /// Fashion-MNIST is looked for; digits are embedded and ignore it, and a
-/// text names its own file.
+/// text or token directory names its own place.
 pub fn load(kind: &DatasetKind, data_dir: Option<&std::path::Path>) -> Result<Split> {
+    load_with(kind, data_dir, None)
+}
+
+/// [`load`], a text tokenized by `tokenizer` when given (byte by byte
+/// otherwise). A token directory carries its own tokenizer; one given must
+/// be the same.
+pub fn load_with(
+    kind: &DatasetKind,
+    data_dir: Option<&std::path::Path>,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<Split> {
+    match (kind, tokenizer) {
+        (DatasetKind::Digits, _) => load_digits(),
+        (DatasetKind::FashionMnist, _) => load_fashion_mnist(data_dir),
+        (DatasetKind::Text { path, context }, None) => load_text(path, *context),
+        (DatasetKind::Text { path, context }, Some(t)) => load_text_tokens(path, t, *context),
+        (DatasetKind::Tokens { dir, context }, t) => {
+            if let Some(t) = t {
+                let index = TokenIndex::read(dir)?;
+                if index.tokenizer_hash != format!("{:016x}", t.hash()) {
+                    return Err(ModelError::Invalid(format!(
+                        "tokens:{} was written by another tokenizer than the one given; leave the tokenizer out to use the directory's own",
+                        dir.display()
+                    )));
+                }
+            }
+            load_tokens(dir, *context)
+        }
+    }
+}
+
+/// A language data set whole, for `shoal eval`: consecutive,
+/// non-overlapping windows of `context + 1` tokens (or bytes) from its
+/// first token, a last partial window dropped. The model reads the first
+/// `context` of each and predicts the `context` that follow.
+pub fn load_whole(kind: &DatasetKind, tokenizer: Option<&Tokenizer>, context: usize) -> Result<Dataset> {
     match kind {
-        DatasetKind::Digits => load_digits(),
-        DatasetKind::FashionMnist => load_fashion_mnist(data_dir),
-        DatasetKind::Text { path, context } => load_text(path, *context),
+        DatasetKind::Text { path, .. } => tokens::whole_text(path, tokenizer, context),
+        DatasetKind::Tokens { dir, .. } => tokens::whole_tokens(dir, context),
+        other => Err(ModelError::Invalid(format!("{other} is not a text or a token directory"))),
+    }
+}
+
+/// The tokenizer of a language data set: the one given, else a token
+/// directory's own; `None` for bytes and images.
+pub fn dataset_tokenizer(kind: &DatasetKind, given: Option<&std::path::Path>) -> Result<Option<Tokenizer>> {
+    match (kind, given) {
+        (_, Some(path)) => Tokenizer::from_file(path).map(Some),
+        (DatasetKind::Tokens { dir, .. }, None) => Tokenizer::from_file(&dir.join(tokens::TOKENIZER_FILE)).map(Some),
+        _ => Ok(None),
     }
 }
 
@@ -370,7 +613,7 @@ mod tests {
             name: "toy".into(),
             shape: ImageShape { channels: 1, height: 1, width: 2 },
             classes: 10,
-            raw: (0..n * 2).map(|v| (v % 256) as u8).collect(),
+            samples: Samples::Bytes((0..n * 2).map(|v| (v % 256) as u8).collect()),
             divisor: 1.0,
             labels: (0..n).map(|v| (v % 10) as u8).collect(),
         }
@@ -381,18 +624,18 @@ mod tests {
         let mut opened = open(&DatasetKind::Digits, None)?;
         let all = load_digits()?;
         assert_eq!(opened.train_len, all.train.len());
-        assert_eq!(opened.test.raw, all.test.raw);
+        assert_eq!(opened.test.raw_bytes(), all.test.raw_bytes());
         let rows = Partition::Rank { rank: 2, world: 3 }.indices(opened.train_len)?;
         let part = opened.take_train(&rows)?;
         let expected = all.train.select(&rows)?;
-        assert_eq!((part.raw, part.labels), (expected.raw, expected.labels));
+        assert_eq!((part.raw_bytes(), &part.labels), (expected.raw_bytes(), &expected.labels));
         let e = opened.take_train(&rows).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("already taken"), "{e}");
         let mut opened = open(&DatasetKind::Digits, None)?;
         assert!(opened.take_train(&[3, 2]).is_err(), "rows must ascend");
         assert!(opened.take_train(&[opened.train_len]).is_err(), "rows must exist");
         let every: Vec<usize> = (0..opened.train_len).collect();
-        assert_eq!(opened.take_train(&every)?.raw, all.train.raw);
+        assert_eq!(opened.take_train(&every)?.raw_bytes(), all.train.raw_bytes());
         Ok(())
     }
 
@@ -440,13 +683,41 @@ mod tests {
     }
 
     #[test]
+    fn a_computed_epoch_order_is_a_seeded_permutation() {
+        for n in [1usize, 2, 3, 17, 1000, 4097] {
+            let a = EpochOrder::permuted(n, 5);
+            let mut seen: Vec<usize> = (0..n).map(|k| a.get(k)).collect();
+            let first = seen.clone();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>(), "n = {n}: not a permutation");
+            let again: Vec<usize> = (0..n).map(|k| EpochOrder::permuted(n, 5).get(k)).collect();
+            assert_eq!(again, first, "n = {n}: the same key gives the same order");
+            if n >= 17 {
+                let other: Vec<usize> = (0..n).map(|k| EpochOrder::permuted(n, 6).get(k)).collect();
+                assert_ne!(other, first, "n = {n}: another epoch, another order");
+                assert_ne!(first, (0..n).collect::<Vec<_>>(), "n = {n}: shuffled");
+            }
+        }
+        let o = EpochOrder::permuted(10, 1);
+        assert_eq!((o.batches(4), o.batch(2, 4).len()), (3, 2));
+    }
+
+    #[test]
+    fn listed_epoch_batches_keep_the_worker_shuffle() {
+        let d = toy(103);
+        let all: Vec<usize> = (0..103).collect();
+        assert_eq!(d.epoch_batches(10, 5, 3).ok(), shuffled_batches(&all, 10, 5, 3).ok());
+    }
+
+    #[test]
     fn dataset_names_round_trip() {
-        for s in ["digits", "fashion-mnist", "text:/tmp/a.txt", "text@128:rel/b:c.txt"] {
+        for s in ["digits", "fashion-mnist", "text:/tmp/a.txt", "text@128:rel/b:c.txt", "tokens:/d", "tokens@256:d"] {
             let k: Result<DatasetKind> = s.parse();
             assert_eq!(k.as_ref().map(|k| k.to_string()).ok().as_deref(), Some(s));
         }
         assert_eq!("text@16:x".parse::<DatasetKind>().ok(), Some(DatasetKind::Text { path: "x".into(), context: 16 }));
-        for bad in ["text", "text:", "text@0:x", "text@x:y", "textfoo:x", "mnist"] {
+        assert_eq!("tokens@8:d".parse::<DatasetKind>().ok(), Some(DatasetKind::Tokens { dir: "d".into(), context: 8 }));
+        for bad in ["text", "text:", "text@0:x", "text@x:y", "textfoo:x", "mnist", "tokens:", "tokens@0:d"] {
             assert!(bad.parse::<DatasetKind>().is_err(), "{bad} parsed");
         }
     }

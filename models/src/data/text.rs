@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use super::{Dataset, ImageShape, Split};
+use super::{Dataset, ImageShape, Samples, Split};
 use crate::error::{ModelError, Result};
 use crate::rng::DetRng;
 
@@ -100,7 +100,7 @@ fn windows(bytes: &[u8], starts: &[usize], window: usize, name: String) -> Datas
         name,
         shape: ImageShape { channels: 1, height: 1, width: window },
         classes: BYTE_VOCAB,
-        raw,
+        samples: Samples::Bytes(raw),
         divisor: 1.0,
         labels: vec![0; starts.len()],
     }
@@ -130,15 +130,16 @@ mod tests {
         assert_eq!(split.train.len(), 2 * 900 / 8);
         assert_eq!(split.test.len(), 100 / 9);
         // Every window is a run of the alphabet: consecutive bytes differ by 1 mod 26.
-        for w in split.train.raw.chunks(9).chain(split.test.raw.chunks(9)) {
+        let (train, test) = (split.train.raw_bytes().unwrap_or_default(), split.test.raw_bytes().unwrap_or_default());
+        for w in train.chunks(9).chain(test.chunks(9)) {
             for pair in w.windows(2) {
                 assert_eq!((pair[1] as i32 - pair[0] as i32).rem_euclid(26), 1);
             }
         }
         // The validation windows are the last 100 bytes, back to back.
-        assert_eq!(split.test.value(0, 0), text[900] as f32);
+        assert_eq!(test[0], text[900]);
         // The same text gives the same windows.
-        assert_eq!(text_split(&text, 8, "abc")?.train.raw, split.train.raw);
+        assert_eq!(text_split(&text, 8, "abc")?.train.raw_bytes(), Some(train));
         Ok(())
     }
 

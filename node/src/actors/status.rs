@@ -232,7 +232,7 @@ impl StatusActor {
         }
     }
 
-    /// An evaluation: the latest accuracy and bits per byte, and the
+    /// An evaluation: the latest accuracy, bits per byte and perplexity, and the
     /// accuracy's history (the first 1000) by step and seconds since the
     /// first step.
     fn on_evaluated(&mut self, e: shoal_models::Evaluation) {
@@ -240,6 +240,7 @@ impl StatusActor {
         let a = e.accuracy;
         s.last_accuracy = Some(a);
         s.last_bits_per_byte = e.bits_per_byte;
+        s.last_perplexity = e.bits_per_byte.map(|_| f64::from(e.loss).exp());
         let secs = self.started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
         if s.accuracy_history.len() < 1000 {
             s.accuracy_history.push((s.step, secs, a));

@@ -118,12 +118,18 @@ pub struct TrainArgs {
     pub untied: bool,
     /// Data set: `digits` is built in; `fashion-mnist` needs `shoal data
     /// fetch fashion-mnist`; `text:PATH` is any UTF-8 file, read in windows
-    /// of 64 bytes (`text@N:PATH`: N bytes), for --model llama or gpt.
+    /// of 64 bytes or tokens (`text@N:PATH`: N); `tokens:DIR` (or
+    /// `tokens@N:DIR`) is a token directory from `shoal data tokenize`.
+    /// Text and tokens are for --model llama or gpt.
     #[arg(long, default_value = "digits", value_parser = parse_dataset)]
     pub dataset: DatasetKind,
     /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json` to cut a `text:PATH` with (default:
+    /// bytes). A token directory brings its own.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Total epochs to train (a resumed run continues up to this count).
     #[arg(long, default_value_t = 10)]
     pub epochs: u64,
@@ -172,13 +178,14 @@ pub struct TrainArgs {
     /// Write the run's final figures here as one JSON object: `steps`,
     /// `samples_per_sec`, `tokens_per_sec` (language models), `train_loss`
     /// (the last round's), `val_loss`, `perplexity` (language models),
-    /// `bits_per_byte`, `accuracy`.
+    /// `bits_per_byte`, `accuracy`, `peak_rss_bytes`.
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// --model llama: also write the trained model as a Hugging Face
     /// directory (`config.json`, `model.safetensors`,
-    /// `generation_config.json`, and for bytes `tokenizer.json`) that
-    /// `LlamaForCausalLM.from_pretrained` loads.
+    /// `generation_config.json`, and `tokenizer.json`: the data's tokenizer,
+    /// or for bytes a byte-level one) that `LlamaForCausalLM.from_pretrained`
+    /// and `AutoTokenizer` load.
     #[arg(long)]
     pub output_hf: Option<PathBuf>,
     /// Compute threads (default: every core).
@@ -189,15 +196,20 @@ pub struct TrainArgs {
 /// `shoal generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// The model file of a GPT (from `--output` of train, node, demo or testnet run).
+    /// The model file of a Llama or GPT (from `--output` of train, node,
+    /// demo or testnet run), or a Hugging Face Llama directory.
     #[arg(long)]
     pub model: PathBuf,
     /// The text to continue.
     #[arg(long, default_value = "")]
     pub prompt: String,
-    /// How many bytes to generate.
+    /// How many tokens (bytes, for a byte model) to generate.
     #[arg(long, default_value_t = 200)]
     pub tokens: usize,
+    /// The `tokenizer.json` of a model over tokens (default: the one in the
+    /// model's Hugging Face directory, or its token directory's).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Sampling temperature; 0 always takes the most likely byte.
     #[arg(long, default_value_t = 0.8)]
     pub temperature: f64,
@@ -216,10 +228,15 @@ pub struct EvalArgs {
     #[arg(long)]
     pub model: PathBuf,
     /// Data set to evaluate on (default: the one the model was trained on).
+    /// A text or token directory is evaluated whole, in consecutive windows.
     #[arg(long, value_parser = parse_dataset)]
     pub dataset: Option<DatasetKind>,
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// The `tokenizer.json` that cuts a `text:PATH` for a model over tokens
+    /// (default: the one in the model's Hugging Face directory).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Compute device.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: DeviceKind,
@@ -272,6 +289,9 @@ pub struct NodeArgs {
     pub dataset: Option<DatasetKind>,
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json` for a `text:PATH` data set.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     #[arg(long)]
     pub batch_size: Option<usize>,
     #[arg(long, value_parser = parse_optimizer)]
@@ -442,6 +462,41 @@ pub struct DemoArgs {
 pub enum DataCommand {
     /// Make a data set available locally and verify it.
     Fetch(FetchArgs),
+    /// Train a byte-level BPE tokenizer on local text files and write it as
+    /// a Hugging Face `tokenizer.json` (for a cluster that cannot download
+    /// one from a hub).
+    TrainTokenizer(TrainTokenizerArgs),
+    /// Tokenize UTF-8 text files into a token directory for `--dataset
+    /// tokens:DIR`: shards of u16 (or u32) token ids and an index with the
+    /// counts and a content hash.
+    Tokenize(TokenizeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TrainTokenizerArgs {
+    /// Tokens in the vocabulary, the 256 byte symbols and `<|endoftext|>`
+    /// included.
+    #[arg(long, default_value_t = 8192)]
+    pub vocab: usize,
+    /// Where to write the `tokenizer.json`.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// UTF-8 text files to learn the merges from.
+    #[arg(required = true)]
+    pub files: Vec<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct TokenizeArgs {
+    /// The `tokenizer.json` to cut the text with (copied into the directory).
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// The token directory to write (it must not hold a token set already).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// UTF-8 text files, one document each, in this order.
+    #[arg(required = true)]
+    pub files: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

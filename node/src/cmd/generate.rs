@@ -1,4 +1,5 @@
-//! `shoal generate`: sample text from a trained GPT model file.
+//! `shoal generate`: sample text from a trained language model: bytes, or
+//! tokens decoded by the model's tokenizer.
 
 use anyhow::{bail, Context};
 use shoal_models::{Model, TrainableModel};
@@ -16,13 +17,22 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<String> {
             file.model.describe()
         );
     }
+    let tokenizer = shoal_models::hf::tokenizer_for(&args.model, &file, args.tokenizer.as_deref())?;
     let device = args.device.open()?;
     let model = Model::new(file.model.clone(), file.meta.seed, &device)?;
     model.set_parameters(&file.params)?;
-    let bytes = model
-        .generate(args.prompt.as_bytes(), args.tokens, args.temperature, args.seed)
-        .with_context(|| format!("sampling from {}", args.model.display()))?;
-    Ok(String::from_utf8_lossy(&bytes).into_owned())
+    let sampling = || format!("sampling from {}", args.model.display());
+    let Some(tokenizer) = tokenizer else {
+        let bytes = model.generate(args.prompt.as_bytes(), args.tokens, args.temperature, args.seed).with_context(sampling)?;
+        return Ok(String::from_utf8_lossy(&bytes).into_owned());
+    };
+    // An empty prompt starts from the end-of-text token, as a new document.
+    let mut prompt = tokenizer.encode(&args.prompt)?;
+    if prompt.is_empty() {
+        prompt.extend(tokenizer.eos().or_else(|| tokenizer.encode("\n").ok()?.first().copied()));
+    }
+    let ids = model.generate_tokens(&prompt, args.tokens, args.temperature, args.seed).with_context(sampling)?;
+    Ok(tokenizer.decode(&ids)?)
 }
 
 #[allow(clippy::print_stdout)] // The CLI's own output.

@@ -11,4 +11,5 @@ pub mod eval;
 pub mod generate;
 pub mod node;
 pub mod testnet;
+pub mod tokenize;
 pub mod train;

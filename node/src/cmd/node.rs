@@ -83,6 +83,11 @@ pub const FLAGS: &[Flag] = &[
         path: "training.data_dir",
         apply: |a, c| c.training.data_dir = a.data_dir.clone().or(c.training.data_dir.take()),
     },
+    Flag {
+        flag: "--tokenizer",
+        path: "training.tokenizer",
+        apply: |a, c| c.training.tokenizer = a.tokenizer.clone().or(c.training.tokenizer.take()),
+    },
     plain!("--batch-size", "training.batch_size", training.batch_size = batch_size),
     plain!("--optimizer", "training.optimizer", training.optimizer = optimizer),
     Flag { flag: "--lr", path: "training.lr", apply: |a, c| c.training.lr = a.lr.or(c.training.lr) },

@@ -5,6 +5,7 @@ use std::time::Instant;
 use anyhow::Context;
 use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
+use shoal_models::tokenizer::Tokenizer;
 use shoal_models::{
     data, Checkpoint, EpochStats, GptSize, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig, Split,
 };
@@ -23,7 +24,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     args.model.check_dataset(&args.dataset)?;
     let threads = crate::ops::threads::configure_process(crate::ops::threads::resolve(args.threads, 1));
     let device = args.device.open()?;
-    let split = data::load(&args.dataset, args.data_dir.as_deref())
+    if args.tokenizer.is_some() && !args.dataset.is_language() {
+        anyhow::bail!("--tokenizer cuts text into tokens, but --dataset {} is not a text", args.dataset);
+    }
+    let tokenizer = data::dataset_tokenizer(&args.dataset, args.tokenizer.as_deref())?;
+    let split = data::load_with(&args.dataset, args.data_dir.as_deref(), tokenizer.as_ref())
         .with_context(|| format!("loading data set {}", args.dataset))?;
     let config = match &args.init_hf {
         // The directory's sizes, at the data's context.
@@ -63,7 +68,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         trainer.model().layout().total_len()
     );
     let totals = train(&args, &mut trainer, &split)?;
-    finish(&args, &config, &trainer, &split, &totals)
+    finish(&args, &config, &trainer, &split, &totals, tokenizer.as_ref())
 }
 
 /// The trainer to start from: the checkpoint of `--resume`, the model file
@@ -173,6 +178,9 @@ pub struct TrainSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bits_per_byte: Option<f32>,
     pub accuracy: f32,
+    /// The most resident memory the process held (Linux's `VmHWM`; none
+    /// elsewhere).
+    pub peak_rss_bytes: Option<u64>,
 }
 
 /// At the end of a round: evaluates on the test set, prints the round's
@@ -219,6 +227,7 @@ fn finish(
     trainer: &LocalTrainer,
     split: &Split,
     totals: &Totals,
+    tokenizer: Option<&Tokenizer>,
 ) -> anyhow::Result<()> {
     let eval = trainer.evaluate(&split.test)?;
     println!("final test {} after {} steps", eval.headline(), trainer.step());
@@ -234,6 +243,7 @@ fn finish(
             perplexity: config.is_language_model().then(|| f64::from(eval.loss).exp()),
             bits_per_byte: eval.bits_per_byte,
             accuracy: eval.accuracy,
+            peak_rss_bytes: crate::ops::memory::current().map(|m| m.peak_rss_bytes),
         };
         crate::cmd::bench::write_json(Some(path), &serde_json::to_value(&summary)?)?;
     }
@@ -257,7 +267,7 @@ fn finish(
         println!("model written to {}", path.display());
     }
     if let Some(dir) = &args.output_hf {
-        shoal_models::hf::write_dir(&file(), dir)
+        shoal_models::hf::write_dir(&file(), dir, tokenizer)
             .with_context(|| format!("writing the Hugging Face directory {}", dir.display()))?;
         println!("Hugging Face model written to {}", dir.display());
     }

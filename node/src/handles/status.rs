@@ -41,6 +41,10 @@ pub struct StatusSnapshot {
     /// Language models: the last validation loss in bits per byte.
     #[serde(default)]
     pub last_bits_per_byte: Option<f32>,
+    /// Language models: the last validation perplexity (`exp` of the mean
+    /// loss per token).
+    #[serde(default)]
+    pub last_perplexity: Option<f64>,
     pub bytes_out: u64,
     pub bytes_in: u64,
     /// Bytes of the exchanges with remote owners that were timed for the

@@ -412,7 +412,7 @@ async function tick(){
   document.getElementById('me').innerHTML=
    row('role',s.role)+row('owned shards',s.owned_shards.join(', ')||'-')+
    row('model version',s.model_version)+row('samples/s',fmt(s.samples_per_sec,1))+
-   row('loss',fmt(s.last_loss,4))+row('test accuracy',s.last_accuracy==null?'-':(100*s.last_accuracy).toFixed(2)+'%')+(s.last_bits_per_byte==null?'':row('bits/byte',s.last_bits_per_byte.toFixed(3)))+
+   row('loss',fmt(s.last_loss,4))+row('test accuracy',s.last_accuracy==null?'-':(100*s.last_accuracy).toFixed(2)+'%')+(s.last_bits_per_byte==null?'':row('bits/byte',s.last_bits_per_byte.toFixed(3)))+(s.last_perplexity==null?'':row('perplexity',s.last_perplexity.toFixed(2)))+
    row('push / pull latency (ms)',fmt(s.push_latency_ms,2)+' / '+fmt(s.pull_latency_ms,2))+
    row('bytes out / in',s.bytes_out+' / '+s.bytes_in)+
    row('handoffs out / in',s.handoffs_out+' / '+s.handoffs_in)+

@@ -114,6 +114,9 @@ pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
     if let Some(bpb) = s.last_bits_per_byte {
         m.gauge("test_bits_per_byte", "Language models: last validation loss in bits per byte.", f64::from(bpb));
     }
+    if let Some(ppl) = s.last_perplexity {
+        m.gauge("test_perplexity", "Language models: last validation perplexity (exp of the loss per token).", ppl);
+    }
     m.counter("bytes_out_total", "Tensor payload bytes sent.", s.bytes_out);
     m.counter("bytes_in_total", "Tensor payload bytes received.", s.bytes_in);
     m.gauge("push_latency_seconds", "Push latency, moving average.", ms_to_seconds(s.push_latency_ms));
