@@ -308,7 +308,10 @@ pub trait TrainableModel: Send {
         let mut loss_sum = 0.0f64;
         let mut correct = 0usize;
         let mut predictions = 0usize;
-        let bs = batch_size.max(1);
+        // A language model's logits are windows x context x vocabulary:
+        // at most about 4M values (16 MB) a batch, whatever was asked.
+        let per_sample = self.config().context().unwrap_or(1) * self.config().classes;
+        let bs = batch_size.min((EVAL_LOGITS / per_sample.max(1)).max(1)).max(1);
         for start in (0..data.len()).step_by(bs) {
             let chunk: Vec<usize> = (start..(start + bs).min(data.len())).collect();
             let (x, y) = data.batch(&chunk, self.device())?;
@@ -331,6 +334,9 @@ pub trait TrainableModel: Send {
         Ok(Evaluation { loss, accuracy: correct as f32 / n as f32, samples: data.len(), bits_per_byte })
     }
 }
+
+/// The most logits an evaluation batch holds (see [`TrainableModel::evaluate`]).
+const EVAL_LOGITS: usize = 1 << 22;
 
 enum Net {
     Mlp(Vec<Linear>),
