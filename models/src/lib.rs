@@ -59,4 +59,4 @@ pub use model::{Arch, ArchKind, Evaluation, GradOutput, LayerFactors, Model, Mod
 pub use modelfile::{ModelFile, ModelMeta, MODEL_FORMAT};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind, OptimizerState};
 pub use shardfile::{Scan, ShardCheckpoint, ShardDir, ShardOf, SHARD_FORMAT};
-pub use train::{BatchProgress, EpochStats, LocalTrainer};
+pub use train::{BatchProgress, EpochStats, LocalTrainer, LrAt, StepOptions};

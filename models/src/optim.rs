@@ -85,6 +85,18 @@ impl OptimizerConfig {
         }
     }
 
+    /// The same optimizer with another weight decay (decoupled for AdamW,
+    /// L2 for SGD).
+    #[must_use]
+    pub fn with_weight_decay(mut self, decay: f64) -> Self {
+        match &mut self {
+            OptimizerConfig::Sgd { weight_decay, .. } | OptimizerConfig::Adamw { weight_decay, .. } => {
+                *weight_decay = decay
+            }
+        }
+        self
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ModelError::Optimizer(m));
         let lr = self.lr();

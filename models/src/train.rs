@@ -30,6 +30,15 @@ pub struct EpochStats {
     pub steps: usize,
 }
 
+/// A finite loss, or the error that says to lower the learning rate.
+fn check(loss: f32, step: u64) -> Result<()> {
+    if loss.is_finite() {
+        Ok(())
+    } else {
+        Err(ModelError::Invalid(format!("loss became {loss} at step {step}; lower the learning rate")))
+    }
+}
+
 /// A model, its optimizer and its position in the data.
 ///
 /// On the CPU each step flattens the gradients, runs the flat optimizer and
@@ -46,6 +55,39 @@ pub struct LocalTrainer {
     seed: u64,
     batch_size: usize,
     resident: Option<ResidentOptimizer>,
+    steps: StepOptions,
+}
+
+/// The learning rate at a step, from the step's number.
+pub type LrAt = std::sync::Arc<dyn Fn(u64) -> f64 + Send + Sync>;
+
+/// What a step does beyond the optimizer's own update.
+#[derive(Clone, Default)]
+pub struct StepOptions {
+    /// The learning rate of each step (warm-up, decay); none: the
+    /// optimizer's, unchanged.
+    pub lr_at: Option<LrAt>,
+    /// Scale the gradient down to this global L2 norm when it is larger.
+    pub clip_grad: Option<f64>,
+    /// Micro-batches per step, their gradients averaged (gradient
+    /// accumulation: a batch's memory is a micro-batch's); 0 and 1: none.
+    pub accumulate: usize,
+}
+
+impl std::fmt::Debug for StepOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepOptions")
+            .field("scheduled", &self.lr_at.is_some())
+            .field("clip_grad", &self.clip_grad)
+            .field("accumulate", &self.accumulate)
+            .finish()
+    }
+}
+
+impl StepOptions {
+    fn plain(&self) -> bool {
+        self.clip_grad.is_none() && self.accumulate <= 1
+    }
 }
 
 impl std::fmt::Debug for LocalTrainer {
@@ -125,7 +167,7 @@ impl LocalTrainer {
             return Err(ModelError::Invalid("batch size must be at least 1".into()));
         }
         let on_device = !model.device().is_cpu();
-        let t = Self { model, optimizer, params, step, seed, batch_size, resident: None };
+        let t = Self { model, optimizer, params, step, seed, batch_size, resident: None, steps: StepOptions::default() };
         if on_device {
             t.keep_on_device()
         } else {
@@ -175,6 +217,22 @@ impl LocalTrainer {
         self.step / self.batches_per_epoch(data)
     }
 
+    /// Set what each following step does beyond the optimizer's update.
+    /// Clipping and accumulation run on the CPU's flat gradients: a model
+    /// on another device refuses them.
+    pub fn set_step_options(&mut self, steps: StepOptions) -> Result<()> {
+        if let Some(c) = steps.clip_grad.filter(|c| !(*c > 0.0 && c.is_finite())) {
+            return Err(ModelError::Invalid(format!("gradient clipping at norm {c}: it must be a number above 0")));
+        }
+        if self.resident.is_some() && !steps.plain() {
+            return Err(ModelError::Invalid(
+                "gradient clipping and accumulation run on the CPU only for now; train on --device cpu".into(),
+            ));
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
     /// Set the learning rate of the following steps (a schedule).
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
         self.optimizer.set_lr(lr)?;
@@ -192,14 +250,13 @@ impl LocalTrainer {
     }
 
     fn step_once(&mut self, data: &Dataset, indices: &[usize]) -> Result<f32> {
+        if let Some(lr_at) = self.steps.lr_at.clone() {
+            self.set_lr(lr_at(self.step))?;
+        }
+        if !self.steps.plain() {
+            return self.step_accumulated(data, indices);
+        }
         let (x, y) = data.batch(indices, self.model.device())?;
-        let check = |loss: f32, step: u64| {
-            if loss.is_finite() {
-                Ok(())
-            } else {
-                Err(ModelError::Invalid(format!("loss became {loss} at step {step}; lower the learning rate")))
-            }
-        };
         let loss = match &mut self.resident {
             Some(r) => {
                 let (loss, grads) = self.model.backward(&x, &y)?;
@@ -217,6 +274,43 @@ impl LocalTrainer {
         };
         self.step += 1;
         Ok(loss)
+    }
+
+    /// A step in micro-batches (the batch cut into `accumulate` runs of
+    /// nearly equal size), their gradients averaged by samples, the result
+    /// clipped to `clip_grad`, then one optimizer update.
+    fn step_accumulated(&mut self, data: &Dataset, indices: &[usize]) -> Result<f32> {
+        let parts = self.steps.accumulate.clamp(1, indices.len().max(1));
+        let mut sum = vec![0f32; self.params.len()];
+        let (mut loss_sum, mut samples) = (0f64, 0usize);
+        for k in 0..parts {
+            let part = &indices[k * indices.len() / parts..(k + 1) * indices.len() / parts];
+            if part.is_empty() {
+                continue;
+            }
+            let (x, y) = data.batch(part, self.model.device())?;
+            let out = self.model.gradients(&x, &y)?;
+            check(out.loss, self.step)?;
+            let w = part.len() as f32;
+            for (s, g) in sum.iter_mut().zip(&out.grads) {
+                *s += w * g;
+            }
+            loss_sum += f64::from(out.loss) * part.len() as f64;
+            samples += part.len();
+        }
+        let scale = 1.0 / samples.max(1) as f32;
+        sum.iter_mut().for_each(|g| *g *= scale);
+        if let Some(max) = self.steps.clip_grad {
+            let norm = sum.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>().sqrt();
+            if norm > max {
+                let k = (max / norm) as f32;
+                sum.iter_mut().for_each(|g| *g *= k);
+            }
+        }
+        self.optimizer.step(&mut self.params, &sum)?;
+        self.model.set_parameters(&self.params)?;
+        self.step += 1;
+        Ok((loss_sum / samples.max(1) as f64) as f32)
     }
 
     /// Finish the current epoch (from wherever a resume left it).

@@ -203,7 +203,7 @@ impl TrainingConfig {
 
     /// The learning-rate schedule of the run.
     pub fn lr_schedule(&self) -> LrSchedule {
-        LrSchedule { base: self.optimizer_config().lr(), decay: self.lr_decay, steps: self.steps }
+        LrSchedule { base: self.optimizer_config().lr(), decay: self.lr_decay, steps: self.steps, warmup: 0 }
     }
 }
 
@@ -840,7 +840,7 @@ impl NodeConfig {
     /// with local steps the outer rate, constant.
     pub fn owner_schedule(&self) -> LrSchedule {
         match self.local_steps {
-            Some(l) => LrSchedule { base: l.outer_lr, decay: LrDecay::None, steps: self.training.steps },
+            Some(l) => LrSchedule { base: l.outer_lr, decay: LrDecay::None, steps: self.training.steps, warmup: 0 },
             None => self.training.lr_schedule(),
         }
     }

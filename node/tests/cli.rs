@@ -215,13 +215,18 @@ fn a_trained_tokenizer_and_its_token_directory_train_a_llama_that_carries_them_t
     // generate decodes tokens into text after the prompt.
     let g = run(&["generate", "--model", &path("hf"), "--prompt", "The GNU", "--tokens", "12", "--temperature", "0"]);
     assert!(g.starts_with("The GNU") && g.trim_end().len() > "The GNU".len(), "{g}");
-    // A text cut by the same tokenizer trains the same vocabulary.
+    // A text cut by the same tokenizer trains the same vocabulary, here
+    // with an LM trainer's step options.
     #[rustfmt::skip]
     let out = run(&[
         "train", "--model", "llama", "--layers", "1", "--heads", "2", "--width", "16", "--ff", "24",
-        "--dataset", &format!("text@32:{text_file}"), "--tokenizer", &path("tokenizer.json"), "--steps", "2",
+        "--dataset", &format!("text@32:{text_file}"), "--tokenizer", &path("tokenizer.json"), "--steps", "6",
+        "--warmup-steps", "2", "--lr-decay", "cosine", "--clip-grad", "1.0", "--accumulate", "2",
+        "--weight-decay", "0.01",
     ]);
-    assert!(out.contains("vocab512"), "{out}");
+    assert!(out.contains("vocab512") && out.contains("after 6 steps"), "{out}");
+    let bad = shoal(&["train", "--steps", "1", "--clip-grad=-1"]);
+    assert!(!bad.status.success() && text(&bad).1.contains("--clip-grad"), "{}", text(&bad).1);
     let wrong = shoal(&["train", "--dataset", "digits", "--tokenizer", &path("tokenizer.json"), "--steps", "1"]);
     assert!(!wrong.status.success() && text(&wrong).1.contains("--tokenizer"), "{}", text(&wrong).1);
 }

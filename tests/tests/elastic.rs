@@ -380,8 +380,19 @@ async fn an_idle_aggregator_is_removed_and_its_shards_move_without_loss() -> any
         .map(|r| status(r).map(|s| s.exploration.iter().filter(|e| e.action == "keep" && e.to < e.from).count()))
         .sum::<anyhow::Result<usize>>()?;
     assert!(kept_removals >= 1, "every removal was reverted");
-    let last_k = reports.iter().map(|r| status(r).map(|s| s.aggregators)).collect::<anyhow::Result<Vec<_>>>()?;
-    assert!(last_k.iter().all(|&k| k < 4), "aggregators at the end: {last_k:?}");
+    // Where each node's exploration last settled (its last keep or revert):
+    // below the 4 it started from. The count at the very end may be a new
+    // try that the run ended in the middle of (one run tried 2 -> 4 at step
+    // 224 of 240 and ended on 4).
+    let settled = reports
+        .iter()
+        .map(|r| {
+            status(r).map(|s| {
+                s.exploration.iter().rev().find(|e| e.action == "keep" || e.action == "revert").map_or(4, |e| e.to)
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    assert!(settled.iter().all(|&k| k < 4), "aggregators where each node's exploration last settled: {settled:?}");
     eprintln!("removed: {removed:?}");
     Ok(())
 }

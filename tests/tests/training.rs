@@ -165,3 +165,50 @@ fn the_device_resident_optimizer_steps_like_the_flat_one() -> anyhow::Result<()>
     }
     Ok(())
 }
+
+/// Plain SGD (no momentum, no decay): a step moves the parameters by
+/// exactly the learning rate times the gradient it used.
+fn plain_sgd(split: &shoal_models::Split, lr: f64) -> anyhow::Result<LocalTrainer> {
+    let config = ModelConfig::for_dataset(ArchKind::Mlp, &split.train);
+    let opt = OptimizerConfig::Sgd { lr, momentum: 0.0, nesterov: false, weight_decay: 0.0 };
+    Ok(LocalTrainer::new(config, opt, 5, 32, &Device::Cpu)?)
+}
+
+fn step_norm(before: &[f32], after: &[f32]) -> f64 {
+    before.iter().zip(after).map(|(a, b)| f64::from(a - b).powi(2)).sum::<f64>().sqrt()
+}
+
+#[test]
+fn accumulation_clipping_and_warm_up_shape_each_step_as_asked() -> anyhow::Result<()> {
+    let split = data::load(&DatasetKind::Digits, None)?;
+    let batch: Vec<usize> = (0..32).map(|i| i * 7).collect();
+    // One batch in 4 micro-batches is the same step as the whole batch (up
+    // to the order of the float sums).
+    let mut whole = plain_sgd(&split, 0.1)?;
+    let mut parts = plain_sgd(&split, 0.1)?;
+    parts.set_step_options(shoal_models::StepOptions { accumulate: 4, ..Default::default() })?;
+    let (lw, lp) = (whole.train_batch(&split.train, &batch)?, parts.train_batch(&split.train, &batch)?);
+    let d = rel_diff(parts.params(), whole.params());
+    assert!(d < 1e-5 && (lw - lp).abs() < 1e-5, "accumulated step differs by {d:.2e} (losses {lw} and {lp})");
+    // Clipped to a norm of 0.01: the step of plain SGD at rate 0.1 is 0.001 long.
+    let mut clipped = plain_sgd(&split, 0.1)?;
+    let before = clipped.params().to_vec();
+    clipped.set_step_options(shoal_models::StepOptions { clip_grad: Some(0.01), ..Default::default() })?;
+    clipped.train_batch(&split.train, &batch)?;
+    let unclipped = step_norm(&before, whole.params());
+    let n = step_norm(&before, clipped.params());
+    assert!(unclipped > 0.002 && (n - 0.001).abs() < 1e-5, "step {n} (unclipped {unclipped})");
+    assert!(clipped.set_step_options(shoal_models::StepOptions { clip_grad: Some(0.0), ..Default::default() }).is_err());
+    // A schedule's rate for step 0 (a quarter of the rate here) makes a
+    // step a quarter as long.
+    let mut warm = plain_sgd(&split, 0.1)?;
+    let lr_at: shoal_models::LrAt = std::sync::Arc::new(|step| 0.1 * (step + 1) as f64 / 4.0);
+    warm.set_step_options(shoal_models::StepOptions { lr_at: Some(lr_at), ..Default::default() })?;
+    warm.train_batch(&split.train, &batch)?;
+    let ratio = step_norm(&before, warm.params()) / unclipped;
+    assert!((ratio - 0.25).abs() < 1e-4, "the first warm-up step is {ratio} of a full one");
+    // Clipping and accumulation refuse the device-resident optimizer.
+    let mut resident = plain_sgd(&split, 0.1)?.keep_on_device()?;
+    assert!(resident.set_step_options(shoal_models::StepOptions { accumulate: 2, ..Default::default() }).is_err());
+    Ok(())
+}

@@ -1109,7 +1109,7 @@ mod tests {
                 run: RunId::new("t").expect("valid run id"),
                 policy: SyncPolicy::Bsp,
                 optimizer: optimizer(),
-                schedule: LrSchedule { base: 0.1, decay: LrDecay::None, steps: 100 },
+                schedule: LrSchedule { base: 0.1, decay: LrDecay::None, steps: 100, warmup: 0 },
                 robust: Robust::default(),
                 backup_workers: 0,
                 ranges: std::iter::once(0..SHARD_LEN).collect(),

@@ -149,6 +149,24 @@ pub struct TrainArgs {
     /// Optimizer: adamw, or sgd (momentum 0.9, Nesterov).
     #[arg(long, default_value = "adamw", value_parser = parse_optimizer)]
     pub optimizer: OptimizerKind,
+    /// Weight decay (decoupled for adamw; default: 1e-4 for adamw, 0 for sgd).
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Steps of linear learning-rate warm-up (from lr/N up to lr).
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// Learning-rate decay after the warm-up: none, or cosine (to lr/100 at
+    /// the last step).
+    #[arg(long, default_value = "none")]
+    pub lr_decay: crate::config::LrDecay,
+    /// Scale each step's gradient down to this global L2 norm when it is
+    /// larger.
+    #[arg(long)]
+    pub clip_grad: Option<f64>,
+    /// Micro-batches per step, their gradients averaged: a step of
+    /// --batch-size samples holds the memory of --batch-size / N.
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub accumulate: usize,
     /// Seed for weight init and data order.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,

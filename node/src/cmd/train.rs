@@ -6,6 +6,9 @@ use anyhow::Context;
 use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
 use shoal_models::tokenizer::Tokenizer;
+use shoal_models::StepOptions;
+
+use crate::policy::schedule::LrSchedule;
 use shoal_models::{
     data, Checkpoint, EpochStats, GptSize, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig, Split,
 };
@@ -57,7 +60,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         shoal_models::hf::config_json(&config).context("--output-hf")?;
     }
     config.validate().with_context(|| format!("--model {} on {}", args.model, args.dataset))?;
-    let mut trainer = open_trainer(&args, &config, &device)?;
+    let per_epoch = split.train.len().div_ceil(args.batch_size).max(1) as u64;
+    let mut trainer = open_trainer(&args, &config, &device, per_epoch)?;
     println!(
         "training {} on {} ({} train / {} test samples) on {}, {} parameters, {threads} compute threads",
         config.describe(),
@@ -72,14 +76,24 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
 }
 
 /// The trainer to start from: the checkpoint of `--resume`, the model file
-/// of `--init`, or a fresh model.
-fn open_trainer(args: &TrainArgs, config: &ModelConfig, device: &Device) -> anyhow::Result<LocalTrainer> {
-    let opt_cfg = args
+/// of `--init`, or a fresh model; with the schedule, clipping and
+/// accumulation of its steps.
+fn open_trainer(
+    args: &TrainArgs,
+    config: &ModelConfig,
+    device: &Device,
+    per_epoch: u64,
+) -> anyhow::Result<LocalTrainer> {
+    let mut opt_cfg = args
         .lr
         .map(|lr| OptimizerConfig::new(args.optimizer, lr))
         .unwrap_or_else(|| OptimizerConfig::new(args.optimizer, OptimizerConfig::default_lr(args.optimizer)));
+    if let Some(wd) = args.weight_decay {
+        opt_cfg = opt_cfg.with_weight_decay(wd);
+    }
+    opt_cfg.validate().context("--lr and --weight-decay")?;
     let init = args.init.as_ref().or(args.init_hf.as_ref());
-    Ok(match (&args.resume, init) {
+    let mut trainer = match (&args.resume, init) {
         (Some(path), _) => {
             let ckpt = Checkpoint::load(path, Some(config))?;
             // Keep the checkpoint's optimizer unless the user named a learning rate.
@@ -99,7 +113,24 @@ fn open_trainer(args: &TrainArgs, config: &ModelConfig, device: &Device) -> anyh
             LocalTrainer::from_params(config.clone(), init.params, opt_cfg, args.seed, args.batch_size, device)?
         }
         (None, None) => LocalTrainer::new(config.clone(), opt_cfg, args.seed, args.batch_size, device)?,
-    })
+    };
+    let schedule = LrSchedule {
+        base: trainer.optimizer().config().lr(),
+        decay: args.lr_decay,
+        steps: total_steps(args, per_epoch),
+        warmup: args.warmup_steps,
+    };
+    let lr_at: Option<shoal_models::LrAt> =
+        schedule.varies().then(|| std::sync::Arc::new(move |step| schedule.lr_at(step)) as shoal_models::LrAt);
+    trainer
+        .set_step_options(StepOptions { lr_at, clip_grad: args.clip_grad, accumulate: args.accumulate })
+        .context("--clip-grad and --accumulate")?;
+    Ok(trainer)
+}
+
+/// The steps the run takes: `--steps`, or `--epochs` of `per_epoch` steps.
+fn total_steps(args: &TrainArgs, per_epoch: u64) -> u64 {
+    args.steps.unwrap_or(args.epochs.saturating_mul(per_epoch))
 }
 
 /// Trains up to `--steps` (in rounds of `--eval-every` steps, cut at epoch
@@ -113,7 +144,7 @@ fn train(args: &TrainArgs, trainer: &mut LocalTrainer, split: &Split) -> anyhow:
     .context("progress bar template")?
     .progress_chars("=> ");
     let bpe = trainer.batches_per_epoch(&split.train);
-    let total = args.steps.unwrap_or(args.epochs.saturating_mul(bpe));
+    let total = total_steps(args, bpe);
     while trainer.step() < total {
         let epoch = trainer.epoch(&split.train);
         let in_epoch = trainer.step() % bpe;

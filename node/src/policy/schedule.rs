@@ -51,23 +51,30 @@ impl std::fmt::Display for LrDecay {
     }
 }
 
-/// A run's schedule: the base rate, how it decays, and over how many steps.
+/// A run's schedule: the base rate, a linear warm-up, how it decays, and
+/// over how many steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LrSchedule {
     pub base: f64,
     pub decay: LrDecay,
     pub steps: u64,
+    /// Steps of linear warm-up, from `base / warmup` up to `base`; the decay
+    /// runs over the steps after it.
+    pub warmup: u64,
 }
 
 impl LrSchedule {
     /// The rate at `step`.
     pub fn lr_at(&self, step: u64) -> f64 {
-        self.decay.lr_at(self.base, step, self.steps)
+        if step < self.warmup {
+            return self.base * (step + 1) as f64 / self.warmup as f64;
+        }
+        self.decay.lr_at(self.base, step - self.warmup, self.steps.saturating_sub(self.warmup))
     }
 
     /// Whether the rate ever changes (a constant schedule need not be applied).
     pub fn varies(&self) -> bool {
-        self.decay != LrDecay::None
+        self.decay != LrDecay::None || self.warmup > 0
     }
 }
 
@@ -77,7 +84,7 @@ mod tests {
 
     #[test]
     fn cosine_goes_from_the_base_rate_to_a_hundredth() {
-        let s = LrSchedule { base: 0.2, decay: LrDecay::Cosine, steps: 100 };
+        let s = LrSchedule { base: 0.2, decay: LrDecay::Cosine, steps: 100, warmup: 0 };
         assert!((s.lr_at(0) - 0.2).abs() < 1e-12);
         assert!((s.lr_at(50) - (0.002 + 0.5 * 0.198)).abs() < 1e-12, "half way: the mean of both ends");
         assert!((s.lr_at(100) - 0.002).abs() < 1e-12);
@@ -87,5 +94,18 @@ mod tests {
         assert!(!c.varies() && c.lr_at(77) == 0.2);
         assert_eq!("cosine".parse::<LrDecay>().map(|d| d.to_string()), Ok("cosine".to_string()));
         assert!("linear".parse::<LrDecay>().is_err());
+    }
+
+    #[test]
+    fn warm_up_climbs_linearly_then_the_decay_runs_over_the_rest() {
+        let s = LrSchedule { base: 0.1, decay: LrDecay::Cosine, steps: 110, warmup: 10 };
+        assert!(s.varies());
+        assert!((s.lr_at(0) - 0.01).abs() < 1e-12 && (s.lr_at(4) - 0.05).abs() < 1e-12);
+        assert!((s.lr_at(9) - 0.1).abs() < 1e-12, "the last warm-up step reaches the base rate");
+        assert!((s.lr_at(10) - 0.1).abs() < 1e-12, "the decay starts at the base rate");
+        assert!((s.lr_at(60) - (0.001 + 0.5 * 0.099)).abs() < 1e-12, "half way through the decay");
+        assert!((s.lr_at(110) - 0.001).abs() < 1e-12);
+        let flat = LrSchedule { decay: LrDecay::None, ..s };
+        assert!(flat.varies() && flat.lr_at(5) < flat.lr_at(50) && flat.lr_at(50) == 0.1);
     }
 }

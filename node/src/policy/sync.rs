@@ -1038,7 +1038,7 @@ mod tests {
         use crate::policy::schedule::{LrDecay, LrSchedule};
         // Plain SGD, lr from the schedule: each step moves the parameter by
         // exactly the scheduled rate times the mean gradient (1.0).
-        let schedule = LrSchedule { base: 1.0, decay: LrDecay::Cosine, steps: 4 };
+        let schedule = LrSchedule { base: 1.0, decay: LrDecay::Cosine, steps: 4, warmup: 0 };
         let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b"]).with_schedule(schedule);
         let mut expected = 0.0f64;
         for round in 0..4u64 {
