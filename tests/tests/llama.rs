@@ -1,9 +1,10 @@
 //! The Llama (`--model llama`) on real text (the GNU GPL v3 that
-//! `models/data` ships), over bytes: it learns more than letter
-//! frequencies, 4 nodes over TCP in pull BSP end within 0.02 nats of one
-//! node on the same samples, 4 nodes with local steps (DiLoCo) train and
-//! end on one model, and a Hugging Face directory written from a trained
-//! model evaluates to the same loss through `shoal eval`.
+//! `models/data` ships): over bytes it learns more than letter frequencies;
+//! on the text cut by a BPE trained here, 4 nodes over TCP in pull BSP end
+//! within 0.02 nats of one node on the same samples; 4 nodes with local
+//! steps (DiLoCo) train and end on one model; and a Hugging Face directory
+//! written from a trained model evaluates to the same loss through
+//! `shoal eval`.
 
 use std::path::PathBuf;
 
@@ -87,10 +88,20 @@ fn a_small_llama_learns_more_than_letter_frequencies() -> anyhow::Result<()> {
 async fn four_llama_nodes_over_tcp_in_pull_bsp_end_within_0_02_nats_of_one_node() -> anyhow::Result<()> {
     const STEPS: u64 = 150;
     const BATCH: usize = 8;
-    let reports = run_cluster(&ClusterSpec::new(4, llama_config("llama-4", STEPS, BATCH))).await?;
+    // A tokenized text: a BPE of 512 tokens, learned from the text itself.
+    let dir = tempfile::tempdir()?;
+    let text = dir.path().join("gpl-3.0.txt");
+    std::fs::write(&text, SAMPLE_TEXT)?;
+    let bpe = shoal_models::tokenizer::Tokenizer::train_bpe(std::slice::from_ref(&text), 512)?;
+    let bpe_path = dir.path().join("tokenizer.json");
+    bpe.save(&bpe_path)?;
+    let mut config = llama_config("llama-4", STEPS, BATCH);
+    config.training.tokenizer = Some(bpe_path);
+    let reports = run_cluster(&ClusterSpec::new(4, config)).await?;
     // One node on the same samples: at each step, the concatenation (in
     // roster order) of the 4 workers' batches.
-    let split = data::load(&sample_text(), None)?;
+    let split = data::load_with(&sample_text(), None, Some(&bpe))?;
+    assert_eq!(split.train.classes, 512);
     let mut one = trainer(&split, 4 * BATCH)?;
     let roster = &reports[0].roster;
     for step in 0..STEPS {
@@ -112,7 +123,8 @@ async fn four_llama_nodes_over_tcp_in_pull_bsp_end_within_0_02_nats_of_one_node(
         assert_eq!(r.model.describe(), one.model().config().describe());
     }
     // Both learned: the comparison is not between two untrained models.
-    assert!(single.loss < untrained.loss - 2.0, "one node went from {} only to {}", untrained.loss, single.loss);
+    // (Per token of a 512-token BPE: 6.25 nats untrained, 4.31 after 150 steps.)
+    assert!(single.loss < untrained.loss - 1.5, "one node went from {} only to {}", untrained.loss, single.loss);
     Ok(())
 }
 
