@@ -39,4 +39,3 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -
     }
     Ok(())
 }
-

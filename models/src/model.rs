@@ -543,7 +543,9 @@ impl Model {
                 }
                 l.generate(prompt, tokens, temperature, seed)
             }
-            _ => Err(ModelError::Invalid(format!("{} does not generate from a tokenizer's ids", self.config.describe()))),
+            _ => {
+                Err(ModelError::Invalid(format!("{} does not generate from a tokenizer's ids", self.config.describe())))
+            }
         }
     }
 

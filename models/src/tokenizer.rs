@@ -57,7 +57,9 @@ impl Tokenizer {
         let t = Tokenizer { inner, json };
         let vocab = t.vocab_size();
         if vocab == 0 || vocab > MAX_VOCAB {
-            return Err(ModelError::Invalid(format!("the tokenizer has {vocab} tokens; 1 to {MAX_VOCAB} are supported")));
+            return Err(ModelError::Invalid(format!(
+                "the tokenizer has {vocab} tokens; 1 to {MAX_VOCAB} are supported"
+            )));
         }
         Ok(t)
     }
@@ -156,7 +158,8 @@ impl Tokenizer {
     pub fn save(&self, path: &Path) -> Result<()> {
         let value: serde_json::Value =
             serde_json::from_str(&self.json).map_err(|e| ModelError::Invalid(format!("tokenizer JSON: {e}")))?;
-        let text = serde_json::to_string_pretty(&value).map_err(|e| ModelError::Invalid(format!("tokenizer JSON: {e}")))?;
+        let text =
+            serde_json::to_string_pretty(&value).map_err(|e| ModelError::Invalid(format!("tokenizer JSON: {e}")))?;
         crate::files::write_atomic(path, format!("{text}\n").as_bytes())
     }
 }
@@ -180,7 +183,12 @@ mod tests {
         assert!(eos.is_some(), "a trained BPE has {END_OF_TEXT}");
         let text = "The GNU General Public License is a free, copyleft license. Ünïcödé ✓\n";
         let ids = t.encode(text)?;
-        assert!(ids.len() < text.len() / 2, "{} tokens for {} bytes: the merges did not compress", ids.len(), text.len());
+        assert!(
+            ids.len() < text.len() / 2,
+            "{} tokens for {} bytes: the merges did not compress",
+            ids.len(),
+            text.len()
+        );
         assert_eq!(t.decode(&ids)?, text);
         // Every id is inside the vocabulary, and bytes the text never held still encode.
         assert!(ids.iter().all(|&i| (i as usize) < t.vocab_size()));
@@ -200,7 +208,10 @@ mod tests {
         let f = sample_file(dir.path());
         let e = Tokenizer::train_bpe(&[f.clone()], 100).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("257"), "{e}");
-        let e = Tokenizer::train_bpe(&[dir.path().join("missing.txt")], 500).err().map(|e| e.to_string()).unwrap_or_default();
+        let e = Tokenizer::train_bpe(&[dir.path().join("missing.txt")], 500)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(e.contains("missing.txt"), "{e}");
         let bad = dir.path().join("tokenizer.json");
         let _ = std::fs::write(&bad, "{\"model\": 3}");

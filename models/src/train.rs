@@ -167,7 +167,8 @@ impl LocalTrainer {
             return Err(ModelError::Invalid("batch size must be at least 1".into()));
         }
         let on_device = !model.device().is_cpu();
-        let t = Self { model, optimizer, params, step, seed, batch_size, resident: None, steps: StepOptions::default() };
+        let t =
+            Self { model, optimizer, params, step, seed, batch_size, resident: None, steps: StepOptions::default() };
         if on_device {
             t.keep_on_device()
         } else {

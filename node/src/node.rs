@@ -114,9 +114,9 @@ impl NodeReport {
             let tokenizer = shoal_models::data::dataset_tokenizer(&kind, tokenizer.as_deref())?;
             shoal_models::hf::write_dir(&file, &at, tokenizer.as_ref())
         })
-            .await
-            .context("model writer panicked")?
-            .with_context(|| format!("writing the Hugging Face directory {}", dir.display()))
+        .await
+        .context("model writer panicked")?
+        .with_context(|| format!("writing the Hugging Face directory {}", dir.display()))
     }
 
     /// Write this node's final model to `path` (atomically), off the async
@@ -430,9 +430,9 @@ async fn open_trainer(config: &NodeConfig, name: &str) -> anyhow::Result<Trainin
             let tokenizer = data::dataset_tokenizer(&kind, tokenizer.as_deref())?;
             data::open_with(&kind, dir.as_deref(), tokenizer.as_ref())
         })
-            .await
-            .context("data loader panicked")?
-            .with_context(|| format!("loading data set {}", t.dataset))?
+        .await
+        .context("data loader panicked")?
+        .with_context(|| format!("loading data set {}", t.dataset))?
     };
     let model = config.model_config(&data.test);
     let train_len = data.train_len;

@@ -142,7 +142,11 @@ fn a_llama_trains_writes_its_summary_and_a_hugging_face_directory_that_eval_read
     let (from_hf, from_file) = (eval(&hf), eval(&dir.path().join("model.safetensors")));
     assert_eq!(from_hf["loss"], from_file["loss"], "{from_hf} against {from_file}");
     let windows = std::fs::metadata(text_file).map(|m| m.len()).unwrap_or_default() / 33;
-    assert_eq!((from_hf["samples"].as_u64(), from_hf["tokens"].as_u64()), (Some(windows), Some(windows * 32)), "{from_hf}");
+    assert_eq!(
+        (from_hf["samples"].as_u64(), from_hf["tokens"].as_u64()),
+        (Some(windows), Some(windows * 32)),
+        "{from_hf}"
+    );
     let loss = from_hf["loss"].as_f64().unwrap_or(f64::NAN);
     assert!((from_hf["perplexity"].as_f64().unwrap_or(0.0) - loss.exp()).abs() < 1e-3 * loss.exp(), "{from_hf}");
     // Another model's flags with --output-hf are refused before training.
@@ -169,15 +173,32 @@ fn a_trained_tokenizer_and_its_token_directory_train_a_llama_that_carries_them_t
     };
     let out = run(&["data", "train-tokenizer", "--vocab", "512", "--output", &path("tokenizer.json"), text_file]);
     assert!(out.contains("512 tokens"), "{out}");
-    let out = run(&["data", "tokenize", "--tokenizer", &path("tokenizer.json"), "--output", &path("tokens"), text_file, text_file]);
+    let out = run(&[
+        "data",
+        "tokenize",
+        "--tokenizer",
+        &path("tokenizer.json"),
+        "--output",
+        &path("tokens"),
+        text_file,
+        text_file,
+    ]);
     assert!(out.contains("2 document(s)"), "{out}");
     let index = read_json(&dir.path().join("tokens/index.json"));
-    assert_eq!((index["width"].as_str(), index["vocab_size"].as_u64(), index["documents"].as_u64()), (Some("u16"), Some(512), Some(2)), "{index}");
+    assert_eq!(
+        (index["width"].as_str(), index["vocab_size"].as_u64(), index["documents"].as_u64()),
+        (Some("u16"), Some(512), Some(2)),
+        "{index}"
+    );
     let tokens = index["tokens"].as_u64().unwrap_or_default();
-    assert!(tokens > 0 && tokens < 2 * text_len * 3 / 4, "{tokens} tokens for twice {text_len} bytes: the BPE did not merge");
+    assert!(
+        tokens > 0 && tokens < 2 * text_len * 3 / 4,
+        "{tokens} tokens for twice {text_len} bytes: the BPE did not merge"
+    );
     assert_eq!(index["text_bytes"].as_u64(), Some(2 * text_len), "{index}");
     // A tokenizer that wrote other ids is refused by name.
-    let again = shoal(&["data", "tokenize", "--tokenizer", &path("tokenizer.json"), "--output", &path("tokens"), text_file]);
+    let again =
+        shoal(&["data", "tokenize", "--tokenizer", &path("tokenizer.json"), "--output", &path("tokens"), text_file]);
     assert!(!again.status.success() && text(&again).1.contains("already holds"), "{}", text(&again).1);
 
     let dataset = format!("tokens@32:{}", path("tokens"));
@@ -195,7 +216,8 @@ fn a_trained_tokenizer_and_its_token_directory_train_a_llama_that_carries_them_t
     let bpb = summary["bits_per_byte"].as_f64().unwrap_or(f64::NAN);
     assert!((bpb - val / std::f64::consts::LN_2 / bytes_per_token).abs() < 1e-4, "{summary}");
     // The directory carries the tokenizer and its end-of-text token.
-    let (theirs, ours) = (read_json(&dir.path().join("hf/tokenizer.json")), read_json(&dir.path().join("tokenizer.json")));
+    let (theirs, ours) =
+        (read_json(&dir.path().join("hf/tokenizer.json")), read_json(&dir.path().join("tokenizer.json")));
     assert_eq!(theirs, ours);
     let config = read_json(&dir.path().join("hf/config.json"));
     assert_eq!(config["vocab_size"], 512, "{config}");
@@ -205,7 +227,11 @@ fn a_trained_tokenizer_and_its_token_directory_train_a_llama_that_carries_them_t
     let e = run(&["eval", "--json", "--model", &path("hf"), "--dataset", &format!("text@32:{text_file}")]);
     let report: serde_json::Value = serde_json::from_str(&e).unwrap_or_default();
     let windows = report["samples"].as_u64().unwrap_or_default();
-    assert_eq!(windows, (tokens / 2) / 33, "{report}: one copy of the text and its end-of-text token, in windows of 33");
+    assert_eq!(
+        windows,
+        (tokens / 2) / 33,
+        "{report}: one copy of the text and its end-of-text token, in windows of 33"
+    );
     assert_eq!(report["tokens"].as_u64(), Some(windows * 32), "{report}");
     // ... and the token directory whole, two copies.
     let e = run(&["eval", "--json", "--model", &path("hf"), "--dataset", &dataset]);
@@ -688,10 +714,15 @@ fn write_generated_text(path: &std::path::Path, bytes: u64) -> std::io::Result<(
 /// `shoal data tokenize` wrote), as if a text of `copies` times the small
 /// one had been tokenized: the ids are the same, so there is no need to
 /// spend minutes cutting a gigabyte of text to test how training reads it.
-fn repeat_token_directory(small: &std::path::Path, large: &std::path::Path, copies: u64) -> shoal_models::data::TokenIndex {
+fn repeat_token_directory(
+    small: &std::path::Path,
+    large: &std::path::Path,
+    copies: u64,
+) -> shoal_models::data::TokenIndex {
     use shoal_models::data::tokens::{TokenIndex, TokenWriter};
     let index = TokenIndex::read(small).unwrap_or_else(|e| panic!("{e}"));
-    let tokenizer = shoal_models::tokenizer::Tokenizer::from_file(&small.join("tokenizer.json")).unwrap_or_else(|e| panic!("{e}"));
+    let tokenizer =
+        shoal_models::tokenizer::Tokenizer::from_file(&small.join("tokenizer.json")).unwrap_or_else(|e| panic!("{e}"));
     let bytes = std::fs::read(small.join(&index.shards[0].file)).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(index.shards.len(), 1, "the small set is one shard");
     let ids: Vec<u32> = bytes.chunks_exact(2).map(|b| u32::from(u16::from_le_bytes([b[0], b[1]]))).collect();
@@ -717,7 +748,15 @@ fn a_token_directory_of_a_gigabyte_trains_in_the_memory_of_ten_megabytes() {
     let text_file = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/data/gpl-3.0.txt");
     run(&["data", "train-tokenizer", "--vocab", "1024", "--output", &path("tokenizer.json"), text_file]);
     write_generated_text(&dir.path().join("small.txt"), 10 << 20).unwrap_or_else(|e| panic!("{e}"));
-    run(&["data", "tokenize", "--tokenizer", &path("tokenizer.json"), "--output", &path("small-tokens"), &path("small.txt")]);
+    run(&[
+        "data",
+        "tokenize",
+        "--tokenizer",
+        &path("tokenizer.json"),
+        "--output",
+        &path("small-tokens"),
+        &path("small.txt"),
+    ]);
     let large = repeat_token_directory(&dir.path().join("small-tokens"), &dir.path().join("large-tokens"), 103);
     assert!(large.text_bytes >= 1 << 30, "{} bytes of text", large.text_bytes);
     let mut peaks = Vec::new();
@@ -740,5 +779,10 @@ fn a_token_directory_of_a_gigabyte_trains_in_the_memory_of_ten_megabytes() {
         peaks[1] as f64 / 1048576.0,
         large.text_bytes as f64 / (1u64 << 30) as f64
     );
-    assert!(peaks[1] <= 2 * peaks[0], "peak RSS {} MiB on 1 GiB of text against {} MiB on 10 MiB", peaks[1] >> 20, peaks[0] >> 20);
+    assert!(
+        peaks[1] <= 2 * peaks[0],
+        "peak RSS {} MiB on 1 GiB of text against {} MiB on 10 MiB",
+        peaks[1] >> 20,
+        peaks[0] >> 20
+    );
 }

@@ -57,7 +57,9 @@ fn a_llama_goes_through_transformers_and_back_with_the_same_loss() {
     for vocab in ["bytes", "bpe"] {
         let f = &figures[vocab];
         for (a, b) in [("transformers_loss", "shoal_loss"), ("fine_tuned_transformers_loss", "fine_tuned_shoal_loss")] {
-            let (Some(theirs), Some(ours)) = (f[a].as_f64(), f[b].as_f64()) else { panic!("no {vocab} losses in {figures}") };
+            let (Some(theirs), Some(ours)) = (f[a].as_f64(), f[b].as_f64()) else {
+                panic!("no {vocab} losses in {figures}")
+            };
             assert!((theirs - ours).abs() <= 0.005 * theirs, "{vocab}: {b} {ours} against {a} {theirs}");
         }
     }

@@ -194,7 +194,10 @@ fn a_hugging_face_directory_evaluates_like_the_model_it_was_written_from() -> an
     let context = sample_text().context().unwrap_or_default();
     let whole = data::load_whole(&sample_text(), None, context)?;
     let expected = t.evaluate(&whole)?;
-    eprintln!("trained: loss {:.6} on the whole text; its Hugging Face directory through shoal eval: {:.6}", expected.loss, report.loss);
+    eprintln!(
+        "trained: loss {:.6} on the whole text; its Hugging Face directory through shoal eval: {:.6}",
+        expected.loss, report.loss
+    );
     assert_eq!(report.loss, expected.loss, "the directory holds other weights");
     assert_eq!((report.samples, report.tokens), (whole.len(), Some(whole.len() * context)));
     let text_len = shoal_models::data::SAMPLE_TEXT.len();

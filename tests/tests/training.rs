@@ -92,12 +92,18 @@ fn fashion_mnist_one_epoch_mlp_reaches_82_percent() -> anyhow::Result<()> {
     // and labels as those rows of the whole set, and the same test split.
     let mut opened = data::open(&DatasetKind::FashionMnist, None)?;
     assert_eq!(opened.train_len, 60_000);
-    assert_eq!((opened.test.raw_bytes() == split.test.raw_bytes(), opened.test.labels == split.test.labels), (true, true));
+    assert_eq!(
+        (opened.test.raw_bytes() == split.test.raw_bytes(), opened.test.labels == split.test.labels),
+        (true, true)
+    );
     let rows = shoal_models::Partition::Rank { rank: 1, world: 4 }.indices(60_000)?;
     let part = opened.take_train(&rows)?;
     let expected = split.train.select(&rows)?;
     assert_eq!(part.len(), 15_000);
-    assert!(part.raw_bytes() == expected.raw_bytes() && part.labels == expected.labels, "the partition read from the files differs");
+    assert!(
+        part.raw_bytes() == expected.raw_bytes() && part.labels == expected.labels,
+        "the partition read from the files differs"
+    );
     assert!(opened.take_train(&rows).is_err(), "the training samples are taken once");
     let mut t = trainer_for(&split, OptimizerKind::Adamw, 42)?;
     let stats = t.run_epoch(&split.train, |_| {})?;
@@ -198,7 +204,9 @@ fn accumulation_clipping_and_warm_up_shape_each_step_as_asked() -> anyhow::Resul
     let unclipped = step_norm(&before, whole.params());
     let n = step_norm(&before, clipped.params());
     assert!(unclipped > 0.002 && (n - 0.001).abs() < 1e-5, "step {n} (unclipped {unclipped})");
-    assert!(clipped.set_step_options(shoal_models::StepOptions { clip_grad: Some(0.0), ..Default::default() }).is_err());
+    assert!(clipped
+        .set_step_options(shoal_models::StepOptions { clip_grad: Some(0.0), ..Default::default() })
+        .is_err());
     // A schedule's rate for step 0 (a quarter of the rate here) makes a
     // step a quarter as long.
     let mut warm = plain_sgd(&split, 0.1)?;

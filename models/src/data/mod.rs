@@ -255,22 +255,27 @@ impl Dataset {
             Samples::Bytes(raw) => {
                 Samples::Bytes(indices.iter().flat_map(|&i| &raw[i * d..(i + 1) * d]).copied().collect())
             }
-            Samples::Tokens(w) => {
-                Samples::Tokens(tokens::TokenWindows {
-                    source: std::sync::Arc::clone(&w.source),
-                    first: w.first,
-                    stride: w.stride,
-                    count: indices.len(),
-                    ids: Some(indices.iter().map(|&i| w.id(i)).collect()),
-                    bytes_per_token: w.bytes_per_token,
-                })
-            }
+            Samples::Tokens(w) => Samples::Tokens(tokens::TokenWindows {
+                source: std::sync::Arc::clone(&w.source),
+                first: w.first,
+                stride: w.stride,
+                count: indices.len(),
+                ids: Some(indices.iter().map(|&i| w.id(i)).collect()),
+                bytes_per_token: w.bytes_per_token,
+            }),
         };
         let labels = match &self.samples {
             Samples::Bytes(_) => indices.iter().map(|&i| self.labels[i]).collect(),
             Samples::Tokens(_) => Vec::new(),
         };
-        Ok(Dataset { name: self.name.clone(), shape: self.shape, classes: self.classes, samples, divisor: self.divisor, labels })
+        Ok(Dataset {
+            name: self.name.clone(),
+            shape: self.shape,
+            classes: self.classes,
+            samples,
+            divisor: self.divisor,
+            labels,
+        })
     }
 
     /// This worker's slice of the data, chosen deterministically so that the
@@ -324,7 +329,8 @@ impl Dataset {
         match &self.samples {
             Samples::Tokens(_) => Ok(EpochOrder::permuted(n, epoch_key(seed, epoch))),
             Samples::Bytes(_) => {
-                let n32 = u32::try_from(n).map_err(|_| ModelError::Invalid(format!("{n} samples are too many to list")))?;
+                let n32 =
+                    u32::try_from(n).map_err(|_| ModelError::Invalid(format!("{n} samples are too many to list")))?;
                 let mut order: Vec<u32> = (0..n32).collect();
                 DetRng::derive(epoch_key(seed, epoch), "epoch-shuffle").shuffle(&mut order);
                 Ok(EpochOrder { n, order: Order::Listed(order) })

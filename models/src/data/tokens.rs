@@ -195,7 +195,10 @@ impl TokenWriter {
             let mut bytes = Vec::with_capacity(now.len() * self.width.bytes());
             for &id in now {
                 if id as usize >= self.vocab {
-                    return Err(ModelError::Invalid(format!("token id {id} is outside the vocabulary of {}", self.vocab)));
+                    return Err(ModelError::Invalid(format!(
+                        "token id {id} is outside the vocabulary of {}",
+                        self.vocab
+                    )));
                 }
                 match self.width {
                     TokenWidth::U16 => bytes.extend_from_slice(&(id as u16).to_le_bytes()),
@@ -268,7 +271,8 @@ impl TokenWriter {
             content_hash: format!("{:016x}", self.hasher.finish()),
             shards: self.shards,
         };
-        let text = serde_json::to_string_pretty(&index).map_err(|e| ModelError::Invalid(format!("token index: {e}")))?;
+        let text =
+            serde_json::to_string_pretty(&index).map_err(|e| ModelError::Invalid(format!("token index: {e}")))?;
         crate::files::write_atomic(&self.dir.join(INDEX_FILE), format!("{text}\n").as_bytes())?;
         Ok(index)
     }
@@ -571,7 +575,11 @@ fn read_small_text(path: &Path) -> Result<Vec<u8>> {
     }
     let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
     std::str::from_utf8(&bytes).map_err(|e| {
-        ModelError::Invalid(format!("text file {} is not UTF-8 (first bad byte at offset {})", path.display(), e.valid_up_to()))
+        ModelError::Invalid(format!(
+            "text file {} is not UTF-8 (first bad byte at offset {})",
+            path.display(),
+            e.valid_up_to()
+        ))
     })?;
     Ok(bytes)
 }

@@ -108,10 +108,8 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             },
             r.loss,
             match (r.bits_per_byte, r.perplexity) {
-                (Some(bpb), Some(ppl)) => format!(
-                    "perplexity {ppl:.3}, bits/byte {bpb:.3}, next-token accuracy {:.2}%",
-                    r.accuracy * 100.0
-                ),
+                (Some(bpb), Some(ppl)) =>
+                    format!("perplexity {ppl:.3}, bits/byte {bpb:.3}, next-token accuracy {:.2}%", r.accuracy * 100.0),
                 _ => format!("accuracy {:.2}%", r.accuracy * 100.0),
             }
         );

@@ -23,7 +23,8 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<String> {
     model.set_parameters(&file.params)?;
     let sampling = || format!("sampling from {}", args.model.display());
     let Some(tokenizer) = tokenizer else {
-        let bytes = model.generate(args.prompt.as_bytes(), args.tokens, args.temperature, args.seed).with_context(sampling)?;
+        let bytes =
+            model.generate(args.prompt.as_bytes(), args.tokens, args.temperature, args.seed).with_context(sampling)?;
         return Ok(String::from_utf8_lossy(&bytes).into_owned());
     };
     // An empty prompt starts from the end-of-text token, as a new document.
