@@ -206,7 +206,7 @@ mod tests {
         let dir = tempfile::tempdir().ok();
         let Some(dir) = dir else { return };
         let f = sample_file(dir.path());
-        let e = Tokenizer::train_bpe(&[f.clone()], 100).err().map(|e| e.to_string()).unwrap_or_default();
+        let e = Tokenizer::train_bpe(std::slice::from_ref(&f), 100).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("257"), "{e}");
         let e = Tokenizer::train_bpe(&[dir.path().join("missing.txt")], 500)
             .err()

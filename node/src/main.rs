@@ -25,7 +25,7 @@ fn main() -> ExitCode {
         tracing::warn!("{why}; running on glibc's allocator defaults (slower: see docs/operations.md)");
     }
     let result = match cli.command {
-        Command::Train(args) => cmd::train::run(args),
+        Command::Train(args) => cmd::train::run(*args),
         Command::Node(args) => cmd::node::run(*args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::Eval(args) => cmd::eval::run(args),

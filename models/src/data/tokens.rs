@@ -622,7 +622,7 @@ mod tests {
         let dir = tempfile::tempdir().map_err(|e| ModelError::io("tempdir", e))?;
         let text = dir.path().join("sample.txt");
         std::fs::write(&text, super::super::SAMPLE_TEXT).map_err(|e| ModelError::io(&text, e))?;
-        let t = Tokenizer::train_bpe(&[text.clone()], 600)?;
+        let t = Tokenizer::train_bpe(std::slice::from_ref(&text), 600)?;
         Ok((dir, t, text))
     }
 
@@ -649,7 +649,7 @@ mod tests {
         // The same content in another folder has the same hash; a change changes it.
         let again = tokenize_files(&t, &[text.clone(), text.clone()], &dir.path().join("copy"), |_, _, _| ())?;
         assert_eq!(again.content_hash, index.content_hash);
-        let once = tokenize_files(&t, &[text.clone()], &dir.path().join("once"), |_, _, _| ())?;
+        let once = tokenize_files(&t, std::slice::from_ref(&text), &dir.path().join("once"), |_, _, _| ())?;
         assert_ne!(once.content_hash, index.content_hash);
 
         // Windows from the files equal windows of the text tokenized in memory.
@@ -677,7 +677,7 @@ mod tests {
     fn a_damaged_directory_is_an_error_that_names_the_file() -> Result<()> {
         let (dir, t, text) = tokenizer()?;
         let out = dir.path().join("tokens");
-        tokenize_files(&t, &[text.clone()], &out, |_, _, _| ())?;
+        tokenize_files(&t, std::slice::from_ref(&text), &out, |_, _, _| ())?;
         let e = tokenize_files(&t, &[text], &out, |_, _, _| ()).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("already holds"), "{e}");
         let shard = out.join(shard_name(0));

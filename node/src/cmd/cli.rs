@@ -26,7 +26,7 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model on this machine alone.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Run one node of a cluster (the deployment form). See `docs/operations.md`.
     Node(Box<NodeArgs>),
     /// Start a 4-node cluster in this process on loopback TCP and train on the embedded digits.
