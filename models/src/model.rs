@@ -531,8 +531,6 @@ impl Model {
         Ok(Self { config, varmap, layout, device: device.clone(), net, spare_grads: Default::default() })
     }
 
-    /// Continue `prompt` by `tokens` bytes sampled at `temperature` (see
-    /// [`crate::gpt`]); an error for models that are not language models.
     /// Continue `prompt` (token ids of a tokenizer with the model's
     /// vocabulary) by `tokens` sampled ids; a Llama only (a GPT reads bytes).
     pub fn generate_tokens(&self, prompt: &[u32], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u32>> {
@@ -549,6 +547,8 @@ impl Model {
         }
     }
 
+    /// Continue `prompt` by `tokens` bytes sampled at `temperature` (see
+    /// [`crate::gpt`]); an error for models that are not language models.
     pub fn generate(&self, prompt: &[u8], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u8>> {
         match &self.net {
             Net::Gpt(g) => g.generate(prompt, tokens, temperature, seed),

@@ -29,8 +29,8 @@ pub const MIN_BPE_VOCAB: usize = 257;
 /// A tokenizer read from (or trained into) Hugging Face's `tokenizer.json`.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    /// The file's JSON, compact, as it is written back to a model directory.
-    json: String,
+    /// [`Self::hash`], computed once.
+    hash: u64,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -52,9 +52,13 @@ impl Tokenizer {
 
     /// Parse the text of a `tokenizer.json`.
     pub fn from_json(text: &str) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_str(text).map_err(|e| tk_err("not a tokenizer.json", e))?;
+        Self::new(tokenizers::Tokenizer::from_str(text).map_err(|e| tk_err("not a tokenizer.json", e))?)
+    }
+
+    /// Check a tokenizer's vocabulary and hash its compact JSON.
+    fn new(inner: tokenizers::Tokenizer) -> Result<Self> {
         let json = inner.to_string(false).map_err(|e| tk_err("cannot write the tokenizer back", e))?;
-        let t = Tokenizer { inner, json };
+        let t = Tokenizer { inner, hash: stable_hash64(json.as_bytes()) };
         let vocab = t.vocab_size();
         if vocab == 0 || vocab > MAX_VOCAB {
             return Err(ModelError::Invalid(format!(
@@ -107,9 +111,7 @@ impl Tokenizer {
         .map_err(|e| tk_err("building the tokenizer", e))?;
         let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
         tk.train_from_files(&mut trainer, names).map_err(|e| tk_err("training the tokenizer", e))?;
-        let inner: tokenizers::Tokenizer = tk.into();
-        let json = inner.to_string(false).map_err(|e| tk_err("cannot write the tokenizer", e))?;
-        Self::from_json(&json)
+        Self::new(tk.into())
     }
 
     /// Tokens in the vocabulary, added (special) tokens included: the size
@@ -143,23 +145,15 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| tk_err("decoding", e))
     }
 
-    /// The `tokenizer.json` text.
-    pub fn json(&self) -> &str {
-        &self.json
-    }
-
     /// A hash of the tokenizer's JSON: two tokenizers with equal hashes cut
     /// text alike.
     pub fn hash(&self) -> u64 {
-        stable_hash64(self.json.as_bytes())
+        self.hash
     }
 
     /// Write the tokenizer as a `tokenizer.json`.
     pub fn save(&self, path: &Path) -> Result<()> {
-        let value: serde_json::Value =
-            serde_json::from_str(&self.json).map_err(|e| ModelError::Invalid(format!("tokenizer JSON: {e}")))?;
-        let text =
-            serde_json::to_string_pretty(&value).map_err(|e| ModelError::Invalid(format!("tokenizer JSON: {e}")))?;
+        let text = self.inner.to_string(true).map_err(|e| tk_err("cannot write the tokenizer", e))?;
         crate::files::write_atomic(path, format!("{text}\n").as_bytes())
     }
 }

@@ -196,27 +196,6 @@ impl Dataset {
         self.labels.get(i).copied().unwrap_or(0)
     }
 
-    /// A data set of in-memory samples: `labels.len() * shape.len()` raw
-    /// values, row-major per sample.
-    pub fn from_bytes(
-        name: String,
-        shape: ImageShape,
-        classes: usize,
-        raw: Vec<u8>,
-        divisor: f32,
-        labels: Vec<u8>,
-    ) -> Result<Dataset> {
-        if raw.len() != labels.len() * shape.len() {
-            return Err(ModelError::Invalid(format!(
-                "{name}: {} values for {} samples of {}",
-                raw.len(),
-                labels.len(),
-                shape.len()
-            )));
-        }
-        Ok(Dataset { name, shape, classes, samples: Samples::Bytes(raw), divisor, labels })
-    }
-
     /// The raw values of an in-memory set (images, byte windows); `None`
     /// for token windows, which are read from their stream for each batch.
     pub fn raw_bytes(&self) -> Option<&[u8]> {
@@ -240,7 +219,7 @@ impl Dataset {
     pub fn memory_bytes(&self) -> usize {
         let samples = match &self.samples {
             Samples::Bytes(raw) => raw.len(),
-            Samples::Tokens(w) => w.ids.as_ref().map_or(0, |ids| ids.len() * std::mem::size_of::<u32>()),
+            Samples::Tokens(w) => w.listed_bytes(),
         };
         samples + self.labels.len()
     }
@@ -251,22 +230,12 @@ impl Dataset {
         if let Some(&bad) = indices.iter().find(|&&i| i >= self.len()) {
             return Err(ModelError::Invalid(format!("sample index {bad} out of range ({} samples)", self.len())));
         }
-        let samples = match &self.samples {
-            Samples::Bytes(raw) => {
-                Samples::Bytes(indices.iter().flat_map(|&i| &raw[i * d..(i + 1) * d]).copied().collect())
-            }
-            Samples::Tokens(w) => Samples::Tokens(tokens::TokenWindows {
-                source: std::sync::Arc::clone(&w.source),
-                first: w.first,
-                stride: w.stride,
-                count: indices.len(),
-                ids: Some(indices.iter().map(|&i| w.id(i)).collect()),
-                bytes_per_token: w.bytes_per_token,
-            }),
-        };
-        let labels = match &self.samples {
-            Samples::Bytes(_) => indices.iter().map(|&i| self.labels[i]).collect(),
-            Samples::Tokens(_) => Vec::new(),
+        let (samples, labels) = match &self.samples {
+            Samples::Bytes(raw) => (
+                Samples::Bytes(indices.iter().flat_map(|&i| &raw[i * d..(i + 1) * d]).copied().collect()),
+                indices.iter().map(|&i| self.labels[i]).collect(),
+            ),
+            Samples::Tokens(w) => (Samples::Tokens(w.select(indices)), Vec::new()),
         };
         Ok(Dataset {
             name: self.name.clone(),
@@ -315,8 +284,10 @@ impl Dataset {
     /// Seeded per-epoch batch order: the same `(seed, epoch)` always gives the
     /// same batches. The last, short batch is kept so no sample is skipped.
     pub fn epoch_batches(&self, batch_size: usize, seed: u64, epoch: u64) -> Result<Vec<Vec<usize>>> {
+        if batch_size == 0 {
+            return Err(ModelError::Invalid("batch size must be at least 1".into()));
+        }
         let order = self.epoch_order(seed, epoch)?;
-        order.check_batch_size(batch_size)?;
         Ok((0..order.batches(batch_size)).map(|b| order.batch(b, batch_size)).collect())
     }
 
@@ -421,13 +392,6 @@ impl EpochOrder {
                 }
             }
         }
-    }
-
-    fn check_batch_size(&self, batch_size: usize) -> Result<()> {
-        if batch_size == 0 {
-            return Err(ModelError::Invalid("batch size must be at least 1".into()));
-        }
-        Ok(())
     }
 
     /// Batches of `batch_size` in the epoch (the last may be short).
@@ -561,8 +525,8 @@ pub fn load(kind: &DatasetKind, data_dir: Option<&std::path::Path>) -> Result<Sp
 }
 
 /// [`load`], a text tokenized by `tokenizer` when given (byte by byte
-/// otherwise). A token directory carries its own tokenizer; one given must
-/// be the same.
+/// otherwise). A token directory's ids are cut already: it takes no
+/// tokenizer (see [`dataset_tokenizer`]).
 pub fn load_with(
     kind: &DatasetKind,
     data_dir: Option<&std::path::Path>,
@@ -573,18 +537,7 @@ pub fn load_with(
         (DatasetKind::FashionMnist, _) => load_fashion_mnist(data_dir),
         (DatasetKind::Text { path, context }, None) => load_text(path, *context),
         (DatasetKind::Text { path, context }, Some(t)) => load_text_tokens(path, t, *context),
-        (DatasetKind::Tokens { dir, context }, t) => {
-            if let Some(t) = t {
-                let index = TokenIndex::read(dir)?;
-                if index.tokenizer_hash != format!("{:016x}", t.hash()) {
-                    return Err(ModelError::Invalid(format!(
-                        "tokens:{} was written by another tokenizer than the one given; leave the tokenizer out to use the directory's own",
-                        dir.display()
-                    )));
-                }
-            }
-            load_tokens(dir, *context)
-        }
+        (DatasetKind::Tokens { dir, context }, _) => load_tokens(dir, *context),
     }
 }
 
@@ -601,9 +554,21 @@ pub fn load_whole(kind: &DatasetKind, tokenizer: Option<&Tokenizer>, context: us
 }
 
 /// The tokenizer of a language data set: the one given, else a token
-/// directory's own; `None` for bytes and images.
+/// directory's own; `None` for bytes and images. One given with a token
+/// directory must be the one that wrote it.
 pub fn dataset_tokenizer(kind: &DatasetKind, given: Option<&std::path::Path>) -> Result<Option<Tokenizer>> {
     match (kind, given) {
+        (DatasetKind::Tokens { dir, .. }, Some(path)) => {
+            let t = Tokenizer::from_file(path)?;
+            if TokenIndex::read(dir)?.tokenizer_hash != format!("{:016x}", t.hash()) {
+                return Err(ModelError::Invalid(format!(
+                    "tokens:{} was written by another tokenizer than {}; leave the tokenizer out to use the directory's own",
+                    dir.display(),
+                    path.display()
+                )));
+            }
+            Ok(Some(t))
+        }
         (_, Some(path)) => Tokenizer::from_file(path).map(Some),
         (DatasetKind::Tokens { dir, .. }, None) => Tokenizer::from_file(&dir.join(tokens::TOKENIZER_FILE)).map(Some),
         _ => Ok(None),

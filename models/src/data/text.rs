@@ -42,11 +42,17 @@ pub static SAMPLE_TEXT: &str = include_str!("../../data/gpl-3.0.txt");
 /// Load a UTF-8 text file as train and validation windows of `context + 1`
 /// bytes.
 pub fn load_text(path: &Path, context: usize) -> Result<Split> {
+    text_split(&read_text(path)?, context, &path.display().to_string())
+}
+
+/// The bytes of a UTF-8 text file of at most [`MAX_TEXT_BYTES`] (a text
+/// read whole into memory, as bytes or to be tokenized).
+pub(crate) fn read_text(path: &Path) -> Result<Vec<u8>> {
     let meta =
         std::fs::metadata(path).map_err(|e| ModelError::Invalid(format!("text file {}: {e}", path.display())))?;
     if meta.len() > MAX_TEXT_BYTES {
         return Err(ModelError::Invalid(format!(
-            "text file {} has {} bytes; at most {} are supported (its windows are held in memory)",
+            "text file {} has {} bytes; at most {} are held in memory: cut a larger text into a token directory (`shoal data tokenize`) and use tokens:DIR",
             path.display(),
             meta.len(),
             MAX_TEXT_BYTES
@@ -60,7 +66,7 @@ pub fn load_text(path: &Path, context: usize) -> Result<Split> {
             e.valid_up_to()
         )));
     }
-    text_split(&bytes, context, &path.display().to_string())
+    Ok(bytes)
 }
 
 /// Cut `bytes` into train windows (random offsets in the first 90%) and
@@ -91,7 +97,7 @@ pub fn text_split(bytes: &[u8], context: usize, name: &str) -> Result<Split> {
     })
 }
 
-fn windows(bytes: &[u8], starts: &[usize], window: usize, name: String) -> Dataset {
+pub(crate) fn windows(bytes: &[u8], starts: &[usize], window: usize, name: String) -> Dataset {
     let mut raw = Vec::with_capacity(starts.len() * window);
     for &s in starts {
         raw.extend_from_slice(&bytes[s..s + window]);

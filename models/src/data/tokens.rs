@@ -283,14 +283,15 @@ fn shard_name(k: usize) -> String {
 }
 
 /// Tokenize the UTF-8 text read from `reader` in pieces of about a MiB cut
-/// at line ends, handing each piece's ids to `sink`; returns the bytes read.
+/// at line ends, handing each piece's ids to `sink` with the bytes read so
+/// far; returns the bytes read.
 /// The same text gives the same ids whether it comes from a file being
 /// written to a token directory or from a `text:PATH` read in memory.
 pub fn tokenize_pieces(
     tokenizer: &Tokenizer,
     reader: impl std::io::Read,
     name: &str,
-    mut sink: impl FnMut(Vec<u32>) -> Result<()>,
+    mut sink: impl FnMut(Vec<u32>, u64) -> Result<()>,
 ) -> Result<u64> {
     let mut reader = BufReader::with_capacity(1 << 20, reader);
     let mut piece = String::with_capacity(PIECE_BYTES + 4096);
@@ -310,7 +311,7 @@ pub fn tokenize_pieces(
         // The pieces are encoded in parallel and handed on in order.
         if (n == 0 && !pieces.is_empty()) || pieces.len() == PIECES_AT_ONCE {
             for ids in tokenizer.encode_batch(std::mem::take(&mut pieces))? {
-                sink(ids)?;
+                sink(ids, total)?;
             }
         }
         if n == 0 {
@@ -335,9 +336,9 @@ pub fn tokenize_files(
     for f in files {
         let file = File::open(f).map_err(|e| ModelError::io(f, e))?;
         let name = f.display().to_string();
-        bytes += tokenize_pieces(tokenizer, file, &name, |ids| {
+        bytes += tokenize_pieces(tokenizer, file, &name, |ids, in_file| {
             writer.push(&ids)?;
-            progress(f, bytes, writer.tokens);
+            progress(f, bytes + in_file, writer.tokens);
             Ok(())
         })?;
         writer.end_document()?;
@@ -436,24 +437,32 @@ pub(crate) struct TokenWindows {
     pub(crate) source: Arc<TokenSource>,
     pub(crate) first: u64,
     pub(crate) stride: u64,
-    /// Windows in the set.
-    pub(crate) count: usize,
-    /// Which windows of the stretch, in order, when a partition keeps some;
-    /// `None`: all `count` of them, unlisted.
-    pub(crate) ids: Option<Vec<u32>>,
+    pub(crate) ids: WindowIds,
     /// Bytes of text per token of the stream, for bits per byte.
     pub(crate) bytes_per_token: f64,
 }
 
+/// Which windows of a stretch a set holds, in order.
+#[derive(Debug, Clone)]
+pub(crate) enum WindowIds {
+    /// All of the first N, unlisted.
+    All(usize),
+    /// Those a partition kept.
+    Listed(Vec<u32>),
+}
+
 impl TokenWindows {
     pub(crate) fn len(&self) -> usize {
-        self.count
+        match &self.ids {
+            WindowIds::All(n) => *n,
+            WindowIds::Listed(ids) => ids.len(),
+        }
     }
 
-    pub(crate) fn id(&self, i: usize) -> u32 {
+    fn id(&self, i: usize) -> u32 {
         match &self.ids {
-            Some(ids) => ids[i],
-            None => i as u32,
+            WindowIds::All(_) => i as u32,
+            WindowIds::Listed(ids) => ids[i],
         }
     }
 
@@ -461,8 +470,27 @@ impl TokenWindows {
         self.first + self.id(i) as u64 * self.stride
     }
 
+    /// Bytes the listed window numbers take (none when unlisted).
+    pub(crate) fn listed_bytes(&self) -> usize {
+        match &self.ids {
+            WindowIds::All(_) => 0,
+            WindowIds::Listed(ids) => ids.len() * std::mem::size_of::<u32>(),
+        }
+    }
+
+    /// The windows `indices` (each below [`Self::len`]), in that order.
+    pub(crate) fn select(&self, indices: &[usize]) -> Self {
+        TokenWindows {
+            source: Arc::clone(&self.source),
+            first: self.first,
+            stride: self.stride,
+            ids: WindowIds::Listed(indices.iter().map(|&i| self.id(i)).collect()),
+            bytes_per_token: self.bytes_per_token,
+        }
+    }
+
     fn all(source: Arc<TokenSource>, first: u64, stride: u64, count: u64, bytes_per_token: f64) -> Self {
-        TokenWindows { source, first, stride, count: count as usize, ids: None, bytes_per_token }
+        TokenWindows { source, first, stride, ids: WindowIds::All(count as usize), bytes_per_token }
     }
 }
 
@@ -518,14 +546,7 @@ pub(crate) fn whole_windows(
     name: &str,
 ) -> Result<Dataset> {
     let window = context as u64 + 1;
-    let n = source.len() / window;
-    if context == 0 || n == 0 || n > u32::MAX as u64 {
-        return Err(ModelError::Invalid(format!(
-            "{name} has {} tokens: that is not 1 to {} windows of {window}",
-            source.len(),
-            u32::MAX
-        )));
-    }
+    let n = whole_count(source.len(), context, name)?;
     let bytes_per_token = text_bytes as f64 / source.len().max(1) as f64;
     Ok(Dataset {
         name: format!("{name} (whole)"),
@@ -535,6 +556,20 @@ pub(crate) fn whole_windows(
         divisor: 1.0,
         labels: Vec::new(),
     })
+}
+
+/// How many whole windows of `context + 1` tokens `len` tokens hold: an
+/// error unless 1 to 2^32 - 1.
+fn whole_count(len: u64, context: usize, name: &str) -> Result<u64> {
+    let window = context as u64 + 1;
+    let n = len / window;
+    if context == 0 || n == 0 || n > u32::MAX as u64 {
+        return Err(ModelError::Invalid(format!(
+            "{name} has {len} tokens: that is not 1 to {} windows of {window}",
+            u32::MAX
+        )));
+    }
+    Ok(n)
 }
 
 /// A token directory whole: see [`whole_windows`].
@@ -547,49 +582,27 @@ pub fn whole_tokens(dir: &Path, context: usize) -> Result<Dataset> {
 /// A text file whole, as bytes or cut by `tokenizer`: see [`whole_windows`].
 pub fn whole_text(path: &Path, tokenizer: Option<&Tokenizer>, context: usize) -> Result<Dataset> {
     let name = path.display().to_string();
-    let (ids, bytes, vocab) = match tokenizer {
+    match tokenizer {
         Some(t) => {
             let (ids, bytes) = read_text_tokens(path, t)?;
-            (ids, bytes, t.vocab_size())
+            whole_windows(TokenSource::Memory(ids), t.vocab_size(), context, bytes, &name)
         }
+        // Bytes stay bytes: the windows of a byte text, back to back.
         None => {
-            let bytes = read_small_text(path)?;
-            let len = bytes.len() as u64;
-            (bytes.into_iter().map(u32::from).collect(), len, super::BYTE_VOCAB)
+            let bytes = super::text::read_text(path)?;
+            let n = whole_count(bytes.len() as u64, context, &name)? as usize;
+            let starts: Vec<usize> = (0..n).map(|i| i * (context + 1)).collect();
+            Ok(super::text::windows(&bytes, &starts, context + 1, format!("{name} (whole)")))
         }
-    };
-    whole_windows(TokenSource::Memory(ids), vocab, context, bytes, &name)
-}
-
-/// A text file no larger than [`super::text::MAX_TEXT_BYTES`], checked to
-/// be UTF-8.
-fn read_small_text(path: &Path) -> Result<Vec<u8>> {
-    let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
-    if meta.len() > super::text::MAX_TEXT_BYTES {
-        return Err(ModelError::Invalid(format!(
-            "text file {} has {} bytes; tokenize a text over {} bytes into a token directory (`shoal data tokenize`) and use tokens:DIR",
-            path.display(),
-            meta.len(),
-            super::text::MAX_TEXT_BYTES
-        )));
     }
-    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
-    std::str::from_utf8(&bytes).map_err(|e| {
-        ModelError::Invalid(format!(
-            "text file {} is not UTF-8 (first bad byte at offset {})",
-            path.display(),
-            e.valid_up_to()
-        ))
-    })?;
-    Ok(bytes)
 }
 
 /// A text file's token ids (with the end-of-document token after it, as a
 /// token directory holds it) and its size in bytes.
 fn read_text_tokens(path: &Path, tokenizer: &Tokenizer) -> Result<(Vec<u32>, u64)> {
-    let bytes = read_small_text(path)?;
+    let bytes = super::text::read_text(path)?;
     let mut ids = Vec::new();
-    let n = tokenize_pieces(tokenizer, bytes.as_slice(), &path.display().to_string(), |piece| {
+    let n = tokenize_pieces(tokenizer, bytes.as_slice(), &path.display().to_string(), |piece, _| {
         ids.extend(piece);
         Ok(())
     })?;
@@ -678,11 +691,24 @@ mod tests {
         let (dir, t, text) = tokenizer()?;
         let out = dir.path().join("tokens");
         tokenize_files(&t, std::slice::from_ref(&text), &out, |_, _, _| ())?;
-        let e = tokenize_files(&t, &[text], &out, |_, _, _| ()).err().map(|e| e.to_string()).unwrap_or_default();
+        let e = tokenize_files(&t, std::slice::from_ref(&text), &out, |_, _, _| ())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(e.contains("already holds"), "{e}");
         let shard = out.join(shard_name(0));
         let bytes = std::fs::read(&shard).map_err(|e| ModelError::io(&shard, e))?;
         std::fs::write(&shard, &bytes[..bytes.len() - 2]).map_err(|e| ModelError::io(&shard, e))?;
+        // The directory's own tokenizer is taken for it; another one is refused.
+        let own = out.join(TOKENIZER_FILE);
+        let kind = super::super::DatasetKind::Tokens { dir: out.clone(), context: 16 };
+        let found = super::super::dataset_tokenizer(&kind, None)?.map(|t| t.hash());
+        assert_eq!(found, Some(t.hash()));
+        assert_eq!(super::super::dataset_tokenizer(&kind, Some(&own))?.map(|t| t.hash()), Some(t.hash()));
+        let other = dir.path().join("other.json");
+        Tokenizer::train_bpe(std::slice::from_ref(&text), 300)?.save(&other)?;
+        let e = super::super::dataset_tokenizer(&kind, Some(&other)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("another tokenizer"), "{e}");
         let e = load_tokens(&out, 16).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("tokens-00000.bin") && e.contains("bytes"), "{e}");
         let e = load_tokens(&dir.path().join("nothing"), 16).err().map(|e| e.to_string()).unwrap_or_default();

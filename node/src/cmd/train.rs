@@ -10,7 +10,8 @@ use shoal_models::StepOptions;
 
 use crate::policy::schedule::LrSchedule;
 use shoal_models::{
-    data, Checkpoint, EpochStats, GptSize, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig, Split,
+    data, Checkpoint, Dataset, EpochStats, GptSize, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig,
+    Split,
 };
 use tracing::{debug, info};
 
@@ -60,8 +61,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         shoal_models::hf::config_json(&config).context("--output-hf")?;
     }
     config.validate().with_context(|| format!("--model {} on {}", args.model, args.dataset))?;
-    let per_epoch = split.train.len().div_ceil(args.batch_size).max(1) as u64;
-    let mut trainer = open_trainer(&args, &config, &device, per_epoch)?;
+    let mut trainer = open_trainer(&args, &config, &device, &split.train)?;
     println!(
         "training {} on {} ({} train / {} test samples) on {}, {} parameters, {threads} compute threads",
         config.describe(),
@@ -82,7 +82,7 @@ fn open_trainer(
     args: &TrainArgs,
     config: &ModelConfig,
     device: &Device,
-    per_epoch: u64,
+    train: &Dataset,
 ) -> anyhow::Result<LocalTrainer> {
     let mut opt_cfg = args
         .lr
@@ -117,7 +117,7 @@ fn open_trainer(
     let schedule = LrSchedule {
         base: trainer.optimizer().config().lr(),
         decay: args.lr_decay,
-        steps: total_steps(args, per_epoch),
+        steps: total_steps(args, trainer.batches_per_epoch(train)),
         warmup: args.warmup_steps,
     };
     let lr_at: Option<shoal_models::LrAt> =
