@@ -13,9 +13,7 @@ use shoal_models::{
 };
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
-use shoal_protocol::{
-    build_swarm_with, Capabilities, Device, Heartbeat, ProtocolConfig, Role, RunId, ValidationContext,
-};
+use shoal_protocol::{build_swarm_with, Capabilities, Device, ProtocolConfig, Role, RunId, ValidationContext};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -33,7 +31,7 @@ use crate::handles::aggregator::{AggregatorHandle, ShardStats};
 use crate::handles::election::ElectionHandle;
 use crate::handles::handoff::ShardState;
 use crate::handles::leave::LeaveSwitch;
-use crate::handles::membership::MembershipHandle;
+use crate::handles::membership::{Heard, MembershipHandle};
 use crate::handles::net::{ModelSnapshot, NetworkHandle, Routes};
 use crate::handles::status::{RoleView, StatusEvent, StatusHandle, StatusSnapshot};
 use crate::handles::trainer::TrainerHandle;
@@ -77,6 +75,10 @@ pub struct NodeReport {
     pub peer_capabilities: BTreeMap<PeerId, Capabilities>,
     /// The model the run trains (its config rebuilds the layer shapes).
     pub model: ModelConfig,
+    /// It stopped once every live peer had said `finished` or had
+    /// disconnected (docs/protocol.md §6.3); false when it waited out the
+    /// failure timeout for one, or left before the end.
+    pub peers_finished: bool,
 }
 
 impl NodeReport {
@@ -343,8 +345,8 @@ struct Network {
     /// The `[network]` table under this run's id.
     proto: ProtocolConfig,
     faults: Arc<crate::ops::faults::Faults>,
-    /// Validated heartbeats, for membership.
-    heartbeats: mpsc::Receiver<Heartbeat>,
+    /// Validated heartbeats and closed connections, for membership.
+    heard: mpsc::Receiver<Heard>,
     routes: watch::Sender<Routes>,
     snapshot: watch::Sender<ModelSnapshot>,
 }
@@ -368,14 +370,14 @@ async fn build(config: NodeConfig, keypair: Keypair, tasks: &NodeTasks) -> anyho
     let name = config.name.clone().unwrap_or_else(|| short(&me));
     let training = open_trainer(&config, &name).await?;
     let agreed = RunAgreement::of(&config, &training.model).hash()?;
-    let Network { net, proto, faults, heartbeats, routes, snapshot } =
+    let Network { net, proto, faults, heard, routes, snapshot } =
         spawn_network(&config, &run, &training, keypair, tasks)?;
     let status = status::spawn(name.clone(), me.to_string(), config.training.steps, c.channel_capacity, tasks);
     let disk = open_checkpoints(&config, &training.model, training.plan.len() as u32, &status, &name).await?;
     let incarnation =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let id = Identity { run, me, incarnation };
-    let membership = spawn_membership(&config, &id, agreed, disk.as_ref(), &net, heartbeats, tasks);
+    let membership = spawn_membership(&config, &id, agreed, disk.as_ref(), &net, heard, tasks);
     let listen = connect(c, &proto, &net).await?;
     let (placement, election) = ElectionHandle::channel();
     let aggregator = aggregator::spawn(
@@ -467,7 +469,7 @@ fn spawn_network(
     let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
         .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
     let faults = Arc::new(config.faults.faults().map_err(|e| anyhow::anyhow!("faults.{e}"))?);
-    let (hb_tx, heartbeats) = mpsc::channel(c.channel_capacity);
+    let (heard_tx, heard) = mpsc::channel(c.channel_capacity);
     let (routes, routes_rx) = watch::channel(Routes { aggregator: None, epoch: 0 });
     let (snapshot, snap_rx) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(training.initial.clone()) });
     let net = net::spawn(
@@ -476,7 +478,7 @@ fn spawn_network(
             config: proto.clone(),
             ctx,
             shard_ranges: plan.shards().iter().map(|s| s.range()).collect(),
-            heartbeats: hb_tx,
+            heard: heard_tx,
             routes: routes_rx,
             snapshot: snap_rx,
             capacity: c.channel_capacity,
@@ -497,7 +499,7 @@ fn spawn_network(
              network.admission.allowlist (docs/operations.md#admission-control says how to close it)"
         );
     }
-    Ok(Network { net, proto, faults, heartbeats, routes, snapshot })
+    Ok(Network { net, proto, faults, heard, routes, snapshot })
 }
 
 /// Spawn the membership actor: it gossips this node's heartbeat (with the
@@ -509,7 +511,7 @@ fn spawn_membership(
     agreed: u64,
     disk: Option<&Disk>,
     net: &NetworkHandle,
-    heartbeats: mpsc::Receiver<Heartbeat>,
+    heard: mpsc::Receiver<Heard>,
     tasks: &NodeTasks,
 ) -> MembershipHandle {
     let c = &config.cluster;
@@ -534,7 +536,7 @@ fn spawn_membership(
             checkpoints: disk.map(|d| d.offers.clone()).unwrap_or_default(),
         },
         net.clone(),
-        heartbeats,
+        heard,
         tasks,
     );
     // Gossip the configured number of aggregators from the first heartbeat on.
@@ -665,7 +667,10 @@ impl Node {
             &self.config.run_id,
             c.failure_timeout_ms,
             Duration::from_millis(c.heartbeat_ms),
-            c.shards,
+            // Gossip mode has no owners: a joiner has none to wait for
+            // (it once waited a whole failure timeout for them, and a
+            // short run finished meanwhile).
+            if c.mode == crate::config::Mode::Gossip { 0 } else { c.shards },
         )
         .await?;
         match begin {
@@ -842,6 +847,7 @@ impl Node {
             suspected_by: BTreeMap::new(),
             peer_capabilities: BTreeMap::new(),
             model: self.model.clone(),
+            peers_finished: false,
         };
         // Written before lingering: a node stopped while it waits for its peers
         // keeps its model.
@@ -880,17 +886,17 @@ impl Node {
             peer_capabilities: view.peers.iter().map(|(id, p)| (*id, p.heartbeat.capabilities.clone())).collect(),
             ..report
         };
-        if !ran.left {
-            self.say_finished().await;
-        }
-        Ok(report)
+        let peers_finished = !ran.left && self.say_finished().await;
+        Ok(NodeReport { peers_finished, ..report })
     }
 
     /// The second half of lingering (docs/protocol.md, §6.3): say
     /// `finished` and serve until every live peer says it too. A peer says
     /// it once it has seen this node's last step, so this node does not
     /// stop while its last heartbeat may still be on its way.
-    async fn say_finished(&self) {
+    /// Returns whether every peer did (rather than the failure timeout
+    /// passing).
+    async fn say_finished(&self) -> bool {
         let (config, worker) = (&self.config, &self.worker);
         worker.membership.set_self(|s| {
             s.finished = true;
@@ -898,9 +904,11 @@ impl Node {
         });
         let timeout = config.cluster.failure_timeout_ms;
         let limit = Duration::from_millis(timeout);
-        if !worker.membership.wait_until_peers_finish(worker.me, timeout, limit).await {
+        let all = worker.membership.wait_until_peers_finish(worker.me, timeout, limit).await;
+        if !all {
             debug!(node = %self.name, "stopped: not every peer said it had finished within the failure timeout");
         }
+        all
     }
 }
 
@@ -1025,7 +1033,9 @@ async fn leave_run(
 }
 
 /// Wait (on view changes, not a timer) until the roster is agreed, or
-/// until it is clear that the run started without this node.
+/// until it is clear that the run started without this node. A joiner
+/// first waits (at most a failure timeout) until owners of all
+/// `owned_shards` are heard; 0 when the run has no owners.
 async fn wait_for_start(
     membership: &MembershipHandle,
     min_peers: usize,
@@ -1033,7 +1043,7 @@ async fn wait_for_start(
     run: &str,
     failure_timeout_ms: u64,
     heartbeat: Duration,
-    shards: u32,
+    owned_shards: u32,
 ) -> anyhow::Result<Start> {
     let mut rx = membership.subscribe();
     let deadline = Instant::now() + timeout;
@@ -1055,9 +1065,9 @@ async fn wait_for_start(
             let jp = loop {
                 let snap = rx.borrow_and_update().clone();
                 let jp = join_point(&snap.view, snap.now_ms, failure_timeout_ms);
-                let covered = jp
-                    .as_ref()
-                    .is_some_and(|jp| owners_cover(&snap.view, snap.now_ms, failure_timeout_ms, jp.epoch, shards));
+                let covered = jp.as_ref().is_some_and(|jp| {
+                    owners_cover(&snap.view, snap.now_ms, failure_timeout_ms, jp.epoch, owned_shards)
+                });
                 // Past `cover_by` (or with membership gone) nothing changed
                 // since this snapshot: its join point is the current one.
                 if covered || !tokio::time::timeout_at(cover_by, rx.changed()).await.is_ok_and(|r| r.is_ok()) {

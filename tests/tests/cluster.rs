@@ -260,3 +260,42 @@ async fn gossip_mode_converges_and_nodes_agree() -> anyhow::Result<()> {
     assert!(first as f64 >= 10.0 * last, "distance shrank only from {first:e} to {last:e}");
     Ok(())
 }
+
+/// A node that arrives after a gossip run started joins it at once. Gossip
+/// mode has no shard owners, and a joiner once waited a whole failure
+/// timeout for them to be heard (CI saw a late roster member do so and
+/// find the run over): the long failure timeout here would outlast the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_node_joins_a_gossip_run_without_waiting_for_owners() -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
+    const RUN: u64 = 300;
+    let mut base = digits_config("gossip-join", RUN, SyncPolicy::Bsp, OptimizerKind::Sgd, 0.1);
+    base.cluster.mode = shoal_node::config::Mode::Gossip;
+    base.gossip = Some(shoal_node::config::GossipConfig { every: 5 });
+    base.training.lr_decay = shoal_node::config::LrDecay::Cosine;
+    base.cluster.failure_timeout_ms = 120_000;
+    let spec = ClusterSpec::new(3, base);
+    let mut cluster = shoal_node::cluster::Cluster::start(&spec).await?;
+    let mut progress = cluster.nodes[0].progress.clone();
+    tokio::time::timeout(std::time::Duration::from_secs(300), progress.wait_for(|s| s.step >= 30))
+        .await
+        .map_err(|_| anyhow::anyhow!("node0 never reached step 30"))??;
+    let joiner = cluster.add_via(&spec, 3, &[0]).await?;
+    let joiner_id = cluster.nodes[joiner].peer_id;
+    let reports = shoal_tests::wait_all(cluster).await?;
+    let j = reports.iter().find(|r| r.peer_id == joiner_id).ok_or_else(|| anyhow::anyhow!("no joiner report"))?;
+    let js = shoal_tests::status(j)?;
+    let at = js.joined_at_step.ok_or_else(|| anyhow::anyhow!("the joiner did not record a join"))?;
+    eprintln!("gossip joiner: joined at step {at} from {} donors, accuracy {:.4}", js.join_donors, j.accuracy);
+    assert!((30..RUN).contains(&at), "joined at step {at}");
+    assert_eq!(j.steps, RUN, "the joiner trains to the end");
+    assert!(js.gossip_first_distance.is_some(), "the joiner never gossiped");
+    for r in &reports {
+        assert!(r.accuracy >= 0.93, "{}: accuracy {:.4} below 93%", r.name, r.accuracy);
+        // The last node to finish stops at once, and its `finished` can go
+        // down with its connections: the others take the closed connection
+        // for it instead of waiting out the two-minute failure timeout.
+        assert!(r.peers_finished, "{} waited out the failure timeout for a peer at the end", r.name);
+    }
+    Ok(())
+}

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use crate::handles::membership::{MembershipHandle, ViewSnapshot};
+use crate::handles::membership::{Heard, MembershipHandle, ViewSnapshot};
 use crate::handles::net::NetworkHandle;
 use crate::policy::view::{RosterStatus, SelfState, View};
 
@@ -33,11 +33,12 @@ pub struct MembershipConfig {
 
 /// Start the actor. It stops when every handle has been dropped or the
 /// network actor has gone.
-/// `inbound` carries validated heartbeats from the network actor.
+/// `inbound` carries validated heartbeats and closed connections from the
+/// network actor.
 pub fn spawn(
     cfg: MembershipConfig,
     net: NetworkHandle,
-    inbound: mpsc::Receiver<Heartbeat>,
+    inbound: mpsc::Receiver<Heard>,
     tasks: &crate::ops::tasks::NodeTasks,
 ) -> MembershipHandle {
     let initial_self = SelfState {
@@ -79,7 +80,7 @@ struct MembershipActor {
     cfg: MembershipConfig,
     net: NetworkHandle,
     view: View,
-    inbound: mpsc::Receiver<Heartbeat>,
+    inbound: mpsc::Receiver<Heard>,
     self_state: watch::Receiver<SelfState>,
     out: watch::Sender<ViewSnapshot>,
     started: Instant,
@@ -135,10 +136,21 @@ impl MembershipActor {
                         }
                     }
                 }
-                hb = self.inbound.recv() => match hb {
-                    Some(hb) => {
+                heard = self.inbound.recv() => match heard {
+                    Some(Heard::Heartbeat(hb)) => {
                         let now = self.now_ms();
-                        if self.view.observe(hb, now) {
+                        if self.view.observe(*hb, now) {
+                            self.emit();
+                        }
+                    }
+                    // After the run (docs/protocol.md §6.3): the last node
+                    // to finish stops once it has heard everyone's
+                    // `finished`, and its own may go down with its
+                    // connections. Its peers would wait a failure timeout
+                    // for it; the closed connection says it has stopped.
+                    Some(Heard::Disconnected(peer)) => {
+                        if self.self_state.borrow().finished && self.view.forget(&peer) {
+                            debug!(%peer, "peer disconnected after the run: not waiting for it");
                             self.emit();
                         }
                     }

@@ -23,9 +23,8 @@ use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{dcutr, gossipsub, identify, kad, mdns, ping, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
     frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, Encoding,
-    ErrorCode, Exchanged, GossipMessage, Handoff, Heartbeat, Payload, ProtocolConfig, PullShard, PushPull, RunId,
-    ShardRequest, ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent, StateSync, ValidationContext,
-    WireError,
+    ErrorCode, Exchanged, GossipMessage, Handoff, Payload, ProtocolConfig, PullShard, PushPull, RunId, ShardRequest,
+    ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent, StateSync, ValidationContext, WireError,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
@@ -34,6 +33,7 @@ use shoal_models::OptimizerConfig;
 
 use crate::handles::aggregator::{HandoffReply, PullReply, PushReply};
 use crate::handles::handoff::from_wire;
+use crate::handles::membership::Heard;
 use crate::handles::net::{ModelSnapshot, NetCommand, NetError, NetworkHandle, Routes};
 use crate::ops::faults::hold;
 use crate::policy::health::PathLatency;
@@ -45,7 +45,8 @@ pub struct NetworkParts {
     pub ctx: ValidationContext,
     /// Element range of each shard in the flat model.
     pub shard_ranges: Vec<std::ops::Range<usize>>,
-    pub heartbeats: mpsc::Sender<Heartbeat>,
+    /// Validated heartbeats and closed connections, for membership.
+    pub heard: mpsc::Sender<Heard>,
     pub routes: watch::Receiver<Routes>,
     pub snapshot: watch::Receiver<ModelSnapshot>,
     pub capacity: usize,
@@ -319,6 +320,19 @@ impl NetworkActor {
         }
     }
 
+    /// The last connection to `peer` closed: its path measurements go, and
+    /// membership hears of it (after the run, it means the peer stopped).
+    fn disconnected(&mut self, peer: PeerId) {
+        if let Ok(mut paths) = self.paths.lock() {
+            paths.forget(&peer);
+        }
+        // Rare, unlike heartbeats; if membership is behind, the failure
+        // timeout stands in for it.
+        if self.parts.heard.try_send(Heard::Disconnected(peer)).is_err() {
+            debug!(%peer, "membership is behind: a closed connection not passed on");
+        }
+    }
+
     fn event(&mut self, event: SwarmEvent<ShoalBehaviourEvent>) {
         match event {
             SwarmEvent::NewListenAddr { address, .. } => {
@@ -349,11 +363,7 @@ impl NetworkActor {
                     let _ = reply.send(Err(NetError::Dial { addr, reason: error.to_string() }));
                 }
             }
-            SwarmEvent::ConnectionClosed { peer_id, num_established: 0, .. } => {
-                if let Ok(mut paths) = self.paths.lock() {
-                    paths.forget(&peer_id);
-                }
-            }
+            SwarmEvent::ConnectionClosed { peer_id, num_established: 0, .. } => self.disconnected(peer_id),
             SwarmEvent::Behaviour(ShoalBehaviourEvent::Ping(ping::Event { peer, result: Ok(rtt), .. })) => {
                 if let Ok(mut paths) = self.paths.lock() {
                     paths.record(peer, rtt.as_secs_f64() * 1e6);
@@ -720,7 +730,7 @@ impl NetworkActor {
                 self.failed.remove(&hb.peer);
                 self.route_through_relays(hb.peer);
                 // Heartbeats are periodic: if membership is behind, drop this one.
-                let _ = self.parts.heartbeats.try_send(hb);
+                let _ = self.parts.heard.try_send(Heard::Heartbeat(Box::new(hb)));
             }
             Ok(_) => self.swarm.behaviour_mut().report_gossip(&id, &source, true),
             Err(e) => {
@@ -1218,7 +1228,7 @@ mod tests {
         run: &RunId,
         faults: Arc<crate::ops::faults::Faults>,
     ) -> NetworkHandle {
-        let (heartbeats, _hb) = mpsc::channel(4);
+        let (heard, _hb) = mpsc::channel(4);
         let (_routes_tx, routes) = watch::channel(Routes { aggregator: None, epoch: 0 });
         let (_snap_tx, snapshot) = watch::channel(ModelSnapshot { version: 0, params: Arc::new(Vec::new()) });
         let ctx = ValidationContext::new(run.clone(), 1, cfg.limits.clone(), &cfg.timeouts);
@@ -1228,7 +1238,7 @@ mod tests {
                 config: cfg,
                 ctx,
                 shard_ranges: std::iter::once(0..1).collect(),
-                heartbeats,
+                heard,
                 routes,
                 snapshot,
                 capacity: 16,

@@ -11,6 +11,17 @@ use tokio::sync::watch;
 
 use crate::policy::view::{RosterStatus, SelfState, View};
 
+/// What the network actor tells membership.
+#[derive(Debug, Clone)]
+pub enum Heard {
+    /// A validated heartbeat.
+    Heartbeat(Box<Heartbeat>),
+    /// The last connection to this peer closed. Once this node has said
+    /// `finished`, the peer has stopped: it is not waited for (its own
+    /// `finished` may have been lost with its connections).
+    Disconnected(PeerId),
+}
+
 /// What the rest of the node sees.
 #[derive(Debug, Clone)]
 pub struct ViewSnapshot {

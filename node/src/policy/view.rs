@@ -174,6 +174,11 @@ impl View {
         self.peers.values().filter(|p| now_ms.saturating_sub(p.last_seen_ms) <= timeout_ms).collect()
     }
 
+    /// Drop one peer (it stopped); whether it was in the view.
+    pub fn forget(&mut self, peer: &PeerId) -> bool {
+        self.peers.remove(peer).is_some()
+    }
+
     /// Drop peers silent for longer than `timeout_ms`; returns them.
     pub fn expire(&mut self, now_ms: u64, timeout_ms: u64) -> Vec<PeerId> {
         let dead: Vec<PeerId> = self
