@@ -106,7 +106,10 @@ fn a_finished_node_leaves_no_task_and_frees_its_ports() -> anyhow::Result<()> {
         let (code, body) = http(ports[1], "GET", "/metrics").await?;
         assert_eq!(code, 200, "{body}");
         assert_eq!(http(ports[1], "POST", "/status").await?, (405, "use GET\n".into()));
-        assert_eq!(http(ports[1], "GET", "/nope").await?, (404, "not found: try /, /status or /metrics\n".into()));
+        assert_eq!(
+            http(ports[1], "GET", "/nope").await?,
+            (404, "not found: try /, /status, /history or /metrics\n".into())
+        );
         assert_eq!(
             http(ports[1], "POST", "/control/fault?serve_delay_ms=abc").await?,
             (400, "serve_delay_ms `abc` is not a whole number: invalid digit found in string\n".into())
@@ -132,6 +135,43 @@ fn a_node_that_leaves_early_leaves_no_task_and_frees_its_ports() -> anyhow::Resu
         let report = join(node).await?;
         assert!(report.left && report.steps < 10_000, "left at step {}", report.steps);
         assert_gone(before, &ports)
+    })
+}
+
+/// `GET /history` of a running node: its points grow as it trains, in
+/// step order, and its events hold the role it took at the start.
+#[test]
+fn the_history_grows_while_a_node_trains() -> anyhow::Result<()> {
+    in_own_runtime(async {
+        let mut node = start(one_node("history", 10_000)?, Keypair::generate_ed25519()).await?;
+        let ports = ports(&node)?;
+        let read = |body: String| -> anyhow::Result<serde_json::Value> { Ok(serde_json::from_str(&body)?) };
+        let steps = |doc: &serde_json::Value| -> Vec<u64> {
+            doc["points"].as_array().map(|p| p.iter().filter_map(|p| p["step"].as_u64()).collect()).unwrap_or_default()
+        };
+        until_step(&mut node, 20).await?;
+        let (code, body) = http(ports[1], "GET", "/history").await?;
+        assert_eq!(code, 200, "{body}");
+        let first = read(body)?;
+        until_step(&mut node, 80).await?;
+        let (code, body) = http(ports[1], "GET", "/history").await?;
+        assert_eq!(code, 200, "{body}");
+        let second = read(body)?;
+        node.leave();
+        join(node).await?;
+        let (a, b) = (steps(&first), steps(&second));
+        eprintln!("history: {} points to step {:?}, then {} to step {:?}", a.len(), a.last(), b.len(), b.last());
+        assert!(a.len() >= 15, "{} points after 20 steps", a.len());
+        assert!(b.len() > a.len() && b.last() > a.last(), "the history did not grow: {a:?} then {b:?}");
+        assert!(b.windows(2).all(|w| w[0] < w[1]), "points out of step order: {b:?}");
+        let point = &second["points"][0];
+        for key in ["t", "step", "loss", "samples_per_sec", "bytes_out", "bytes_in", "owned_shards", "role"] {
+            assert!(point.get(key).is_some(), "a point has no `{key}`: {point}");
+        }
+        let kinds: Vec<&str> =
+            second["events"].as_array().into_iter().flatten().filter_map(|e| e["kind"].as_str()).collect();
+        assert!(kinds.iter().any(|k| ["role", "promoted"].contains(k)), "no role event: {}", second["events"]);
+        Ok(())
     })
 }
 

@@ -10,6 +10,11 @@ use crate::handles::status::{
     ExploreRecord, RoleChange, RoleView, StatusCommand, StatusEvent, StatusHandle, StatusSnapshot,
 };
 use crate::policy::explore::Decision;
+use crate::policy::history::{Event, History, Point};
+
+/// Points `GET /history` keeps (thinned evenly as the run grows), and events.
+pub const HISTORY_POINTS: usize = 2000;
+pub const HISTORY_EVENTS: usize = 1000;
 
 /// Start the status actor. It stops when every handle has been dropped.
 pub fn spawn(
@@ -30,6 +35,7 @@ pub fn spawn(
             pushes: BTreeMap::new(),
             rejected: BTreeMap::new(),
             suspects: BTreeSet::new(),
+            history: History::new(HISTORY_POINTS, HISTORY_EVENTS),
         }
         .run(),
     );
@@ -44,6 +50,7 @@ struct StatusActor {
     pushes: BTreeMap<PeerId, u64>,
     rejected: BTreeMap<PeerId, u64>,
     suspects: BTreeSet<PeerId>,
+    history: History,
 }
 
 fn ema(old: Option<f64>, new: f64) -> Option<f64> {
@@ -63,6 +70,9 @@ impl StatusActor {
                     self.snap.peak_rss_bytes = memory.map(|m| m.peak_rss_bytes);
                     let _ = reply.send(self.snap.clone());
                 }
+                StatusCommand::History(reply) => {
+                    let _ = reply.send(self.history.clone());
+                }
                 StatusCommand::Event(e) => self.apply(e),
             }
         }
@@ -74,8 +84,14 @@ impl StatusActor {
         let s = &mut self.snap;
         match e {
             StatusEvent::Role { role, owned } => self.on_role(role, owned),
-            StatusEvent::HandoffOut => s.handoffs_out += 1,
-            StatusEvent::HandoffIn => s.handoffs_in += 1,
+            StatusEvent::HandoffOut => {
+                s.handoffs_out += 1;
+                self.mark("shard_out", "a shard handed to its new owner".into());
+            }
+            StatusEvent::HandoffIn => {
+                s.handoffs_in += 1;
+                self.mark("shard_in", "a shard taken over from its old owner".into());
+            }
             StatusEvent::Restored { from_replica: true } => s.restored_from_replica += 1,
             StatusEvent::Restored { from_replica: false } => s.restored_from_worker_copy += 1,
             StatusEvent::VersionRegression(v) => s.max_version_regression = s.max_version_regression.max(v),
@@ -86,16 +102,29 @@ impl StatusActor {
                 s.joined_at_step = Some(step);
                 s.join_donors = donors;
                 s.step = step;
+                self.mark("joined", format!("joined at step {step}, the model from {donors} peers"));
             }
-            StatusEvent::Left { step } => s.left_at_step = Some(step),
-            StatusEvent::RoundForced => s.rounds_forced += 1,
+            StatusEvent::Left { step } => {
+                s.left_at_step = Some(step);
+                self.mark("left", format!("left after step {step}"));
+            }
+            StatusEvent::RoundForced => {
+                s.rounds_forced += 1;
+                self.mark("forced_round", "a BSP round closed at its timeout".into());
+            }
             StatusEvent::CheckpointWritten { shard, version, secs } => self.on_checkpoint_written(shard, version, secs),
             StatusEvent::CheckpointFailed => s.checkpoint_failures += 1,
             StatusEvent::Resumed { step } => {
                 s.resumed_at_step = Some(step);
                 s.step = step;
+                self.mark("resumed", format!("resumed from checkpoints at step {step}"));
             }
-            StatusEvent::Aggregators(k) => s.aggregators = k,
+            StatusEvent::Aggregators(k) => {
+                if s.aggregators != k {
+                    s.aggregators = k;
+                    self.mark("aggregators", format!("{k} aggregators"));
+                }
+            }
             StatusEvent::Compression { push, pull } => {
                 s.compress_push = push;
                 s.compress_pull = pull;
@@ -146,7 +175,8 @@ impl StatusActor {
     /// 1000 changes) when either differs.
     fn on_role(&mut self, role: RoleView, owned: Vec<u32>) {
         let s = &mut self.snap;
-        if (s.role != role || s.owned_shards != owned) && s.role_changes.len() < 1000 {
+        let changed = s.role != role || s.owned_shards != owned;
+        if changed && s.role_changes.len() < 1000 {
             s.role_changes.push(RoleChange {
                 secs: self.born.elapsed().as_secs_f64(),
                 step: s.step,
@@ -154,8 +184,24 @@ impl StatusActor {
                 owned: owned.clone(),
             });
         }
+        let kind = match (s.role, role) {
+            (RoleView::Aggregator, RoleView::Worker) => "demoted",
+            (RoleView::Worker, RoleView::Aggregator) => "promoted",
+            (from, to) if from == to => "shards",
+            _ => "role",
+        };
         s.role = role;
         s.owned_shards = owned;
+        if changed {
+            let detail = format!("{} {:?}", role_name(role), s.owned_shards);
+            self.mark(kind, detail);
+        }
+    }
+
+    /// An event for `/history`, at the current step.
+    fn mark(&mut self, kind: &'static str, detail: String) {
+        let (t, step) = (self.born.elapsed().as_secs_f64(), self.snap.step);
+        self.history.event(Event { t, step, kind, detail });
     }
 
     /// A contribution from `peer` rejected; `suspect`: the peer is now
@@ -230,6 +276,19 @@ impl StatusActor {
         if secs > 0.0 {
             s.samples_per_sec = s.samples as f64 / secs;
         }
+        self.history.record(Point {
+            t: self.born.elapsed().as_secs_f64(),
+            step,
+            loss,
+            accuracy: s.last_accuracy,
+            bits_per_byte: s.last_bits_per_byte,
+            perplexity: s.last_perplexity,
+            samples_per_sec: s.samples_per_sec,
+            bytes_out: s.bytes_out,
+            bytes_in: s.bytes_in,
+            owned_shards: s.owned_shards.clone(),
+            role: role_name(s.role),
+        });
     }
 
     /// An evaluation: the latest accuracy, bits per byte and perplexity, and the
@@ -246,4 +305,9 @@ impl StatusActor {
             s.accuracy_history.push((s.step, secs, a));
         }
     }
+}
+
+/// A role as `/status` writes it (`worker`, `aggregator`, ...).
+fn role_name(role: RoleView) -> String {
+    serde_json::to_value(role).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
 }

@@ -9,6 +9,8 @@ use serde::Serialize;
 use shoal_protocol::libp2p::PeerId;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::policy::history::History;
+
 /// A node's role as shown to people.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -280,6 +282,7 @@ pub enum StatusEvent {
 pub(crate) enum StatusCommand {
     Event(StatusEvent),
     Snapshot(oneshot::Sender<StatusSnapshot>),
+    History(oneshot::Sender<History>),
 }
 
 /// Cloneable handle to the status actor.
@@ -301,6 +304,13 @@ impl StatusHandle {
     pub async fn snapshot(&self) -> Option<StatusSnapshot> {
         let (tx, rx) = oneshot::channel();
         self.sender.send(StatusCommand::Snapshot(tx)).await.ok()?;
+        rx.await.ok()
+    }
+
+    /// The time series and events since the node started (`GET /history`).
+    pub async fn history(&self) -> Option<History> {
+        let (tx, rx) = oneshot::channel();
+        self.sender.send(StatusCommand::History(tx)).await.ok()?;
         rx.await.ok()
     }
 }

@@ -143,6 +143,7 @@ fn router(state: HttpState) -> Router {
         .route("/", get(page).fallback(use_get))
         .route("/status", get(status).fallback(use_get))
         .route("/metrics", get(metrics).fallback(use_get))
+        .route("/history", get(history).fallback(use_get))
         .route("/control/", post(control).fallback(not_found))
         .route("/control/{*action}", post(control).fallback(not_found))
         .fallback(not_found)
@@ -196,12 +197,32 @@ async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
     }
 }
 
+/// The `/history` document: this node, its points and its events.
+#[derive(Debug, Clone, Serialize)]
+pub struct HistoryDoc {
+    pub name: String,
+    pub peer_id: String,
+    #[serde(flatten)]
+    pub history: crate::policy::history::History,
+}
+
+async fn history(State(state): State<Arc<HttpState>>) -> Response {
+    let (Some(history), Some(s)) = (state.status.history().await, state.status.snapshot().await) else {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "status actor stopped\n");
+    };
+    let doc = HistoryDoc { name: s.name, peer_id: s.peer_id, history };
+    match serde_json::to_vec(&doc) {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("encoding history: {e}\n")),
+    }
+}
+
 async fn use_get() -> Response {
     text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n")
 }
 
 async fn not_found() -> Response {
-    text(StatusCode::NOT_FOUND, "not found: try /, /status or /metrics\n")
+    text(StatusCode::NOT_FOUND, "not found: try /, /status, /history or /metrics\n")
 }
 
 /// `POST /control/...`: 403 while the endpoint is off, 400 with the

@@ -9,6 +9,7 @@ pub mod exchange;
 pub mod explore;
 pub mod fit;
 pub mod health;
+pub mod history;
 pub mod placement;
 pub mod resume;
 pub mod robust;
