@@ -574,8 +574,8 @@ impl FaultsConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Profile {
-    /// A small board: no shard ownership and bounded buffers
-    /// ([`EDGE_PROFILE`]).
+    /// A small board: no shard ownership, bounded frames and queues.
+    // What it sets: `EDGE_PROFILE`.
     Edge,
 }
 

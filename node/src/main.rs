@@ -2,16 +2,14 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
-
 use shoal_node::cmd;
-use shoal_node::cmd::cli::{BenchCommand, Cli, Command, DataCommand, TestnetCommand};
+use shoal_node::cmd::cli::{BenchCommand, Command, DataCommand, TestnetCommand};
 use shoal_node::ops::{allocator, logging};
 
 fn main() -> ExitCode {
     // First, before anything has started: on success this does not return.
     let reexec_failed = allocator::reexec_tuned();
-    let cli = Cli::parse();
+    let cli = cmd::parse();
     let default_level = if matches!(cli.command, Command::Demo(_) | Command::Bench { .. } | Command::Testnet { .. }) {
         "warn"
     } else {

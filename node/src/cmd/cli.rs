@@ -249,6 +249,7 @@ pub struct EvalArgs {
     /// A text or token directory is evaluated whole, in consecutive windows.
     #[arg(long, value_parser = parse_dataset)]
     pub dataset: Option<DatasetKind>,
+    /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// The `tokenizer.json` that cuts a `text:PATH` for a model over tokens
@@ -277,10 +278,10 @@ pub struct NodeArgs {
     /// Run name; nodes of different runs ignore each other.
     #[arg(long)]
     pub run_id: Option<String>,
-    /// Node name for logs and status.
+    /// Node name for logs and status (default: the last 6 characters of the peer id).
     #[arg(long)]
     pub name: Option<String>,
-    /// Identity file (32-byte ed25519 secret; created if missing).
+    /// Identity file (32-byte ed25519 secret; created if missing; default: a fresh identity per start).
     #[arg(long)]
     pub identity: Option<PathBuf>,
     /// Listen multiaddr, repeatable: /ip4/0.0.0.0/tcp/7000 (TCP+noise+yamux) or /ip4/0.0.0.0/udp/7000/quic-v1 (QUIC).
@@ -301,29 +302,37 @@ pub struct NodeArgs {
     /// Serve as a circuit relay (v2) for peers that cannot reach each other.
     #[arg(long)]
     pub relay_server: bool,
+    /// The model: mlp, cnn, llama or gpt (the last two on a text or token data set).
     #[arg(long, value_parser = parse_arch)]
     pub model: Option<ArchKind>,
+    /// The data set: digits (built in), fashion-mnist, text:PATH, text@N:PATH, tokens:DIR or tokens@N:DIR.
     #[arg(long, value_parser = parse_dataset)]
     pub dataset: Option<DatasetKind>,
+    /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// A Hugging Face `tokenizer.json` for a `text:PATH` data set.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Samples per step on this node (nodes may differ: aggregation weights by samples).
     #[arg(long)]
     pub batch_size: Option<usize>,
+    /// sgd (momentum 0.9, Nesterov) or adamw.
     #[arg(long, value_parser = parse_optimizer)]
     pub optimizer: Option<OptimizerKind>,
+    /// Learning rate (default: 0.05 with sgd, 2e-3 with adamw).
     #[arg(long)]
     pub lr: Option<f64>,
     /// Learning-rate decay: none, or cosine (to lr/100 over the steps).
     #[arg(long)]
     pub lr_decay: Option<crate::config::LrDecay>,
+    /// Seed of the weight init and the data order.
     #[arg(long)]
     pub seed: Option<u64>,
     /// Training steps this worker takes.
     #[arg(long)]
     pub steps: Option<u64>,
+    /// cpu, cuda[:N] or metal[:N] (the last two need a build with that feature).
     #[arg(long, value_parser = parse_device)]
     pub device: Option<DeviceKind>,
     /// pull (shard owners) or gossip.
@@ -341,10 +350,13 @@ pub struct NodeArgs {
     /// Whether this node may own shards.
     #[arg(long)]
     pub can_aggregate: Option<bool>,
+    /// How often this node gossips its heartbeat, in ms.
     #[arg(long)]
     pub heartbeat_ms: Option<u64>,
+    /// A peer silent this long (ms) has failed: its shards move.
     #[arg(long)]
     pub failure_timeout_ms: Option<u64>,
+    /// How long (ms) to wait for the roster of --min-peers nodes before giving up.
     #[arg(long)]
     pub start_timeout_ms: Option<u64>,
     /// Elastic roles: demote slow owners and move their shards (true/false).
@@ -386,7 +398,7 @@ pub struct NodeArgs {
     /// How owners combine a BSP round: mean, trimmed_mean:F, median or centered_clip:TAU.
     #[arg(long)]
     pub aggregation: Option<crate::policy::robust::Aggregation>,
-    /// Owners reject gradients over this many times the median norm (0: off).
+    /// Owners reject gradients over this many times the median norm (0: off; default: 50 under BSP, off otherwise).
     #[arg(long)]
     pub norm_check: Option<f32>,
     /// Fault injection: push bad gradients: none, scale:F, sign_flip or random.
@@ -399,7 +411,7 @@ pub struct NodeArgs {
     #[arg(long)]
     pub compress_pull: Option<crate::policy::compress::PullCompression>,
     /// Serve the status page, /status and /metrics on host:port, or `off`
-    /// (default 127.0.0.1:0: loopback, a free port).
+    /// (default: 127.0.0.1:0, loopback on a free port).
     #[arg(long)]
     pub http: Option<String>,
     /// Serve POST /control/... on the HTTP endpoint (testnets only).
@@ -435,10 +447,13 @@ pub struct DemoArgs {
     /// pull (shard owners) or gossip.
     #[arg(long, default_value = "pull")]
     pub mode: crate::config::Mode,
+    /// The model: mlp, cnn, llama or gpt (the last two on a text or token data set).
     #[arg(long, default_value = "mlp", value_parser = parse_arch)]
     pub model: ArchKind,
+    /// The data set: digits (built in), fashion-mnist, text:PATH, text@N:PATH, tokens:DIR or tokens@N:DIR.
     #[arg(long, default_value = "digits", value_parser = parse_dataset)]
     pub dataset: DatasetKind,
+    /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// Samples per step on each node.
@@ -534,6 +549,7 @@ pub enum FetchMethod {
 
 #[derive(Debug, Args)]
 pub struct FetchArgs {
+    /// The data set to install.
     #[arg(value_enum)]
     pub dataset: FetchableDataset,
     /// How to get it.
@@ -611,6 +627,7 @@ pub struct BenchCommArgs {
     /// `sfb`); f32 bsp, the baseline, always runs. Default: all.
     #[arg(long, value_delimiter = ',')]
     pub cases: Vec<String>,
+    /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// Also write the numbers as JSON to this file.
@@ -700,6 +717,7 @@ pub struct BenchClusterArgs {
     /// Skip the aggregation-bound case.
     #[arg(long)]
     pub skip_big: bool,
+    /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// Also write the numbers as JSON to this file.

@@ -1,7 +1,11 @@
 //! `shoal node`: one node of a real deployment.
 
+use std::net::IpAddr;
+
 use crate::cmd::cli::NodeArgs;
 use anyhow::Context;
+use shoal_protocol::libp2p::multiaddr::Protocol;
+use shoal_protocol::libp2p::Multiaddr;
 
 use crate::config::{LocalStepsConfig, NodeConfig};
 use crate::node::{load_identity, start};
@@ -149,6 +153,106 @@ pub const FLAGS: &[Flag] = &[
     },
 ];
 
+/// `shoal node`'s arguments with each flag's default in its help, read from
+/// `NodeConfig::default()` at the key the flag sets (see [`FLAGS`]), so the
+/// help cannot drift from the code. A switch (off unless given) and a help
+/// line that already names its default are left as they are.
+pub fn with_defaults(mut node: clap::Command) -> clap::Command {
+    let defaults = toml::Table::try_from(NodeConfig::default()).unwrap_or_default();
+    for f in FLAGS {
+        let long = f.flag.trim_start_matches("--");
+        let Some(arg) = node.get_arguments().find(|a| a.get_long() == Some(long)) else {
+            continue;
+        };
+        let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+        if !arg.get_action().takes_values() || help.contains("default") {
+            continue;
+        }
+        let id = arg.get_id().clone();
+        let shown = default_at(&defaults, f.path);
+        node = node.mut_arg(id, |a| {
+            let long_help = a.get_long_help().map(ToString::to_string);
+            let a = a.help(format!("{help} [default: {shown}]"));
+            match long_help {
+                Some(l) => a.long_help(format!("{l}\n\n[default: {shown}]")),
+                None => a,
+            }
+        });
+    }
+    node
+}
+
+/// The value at a dotted key of a config written as TOML, as a person
+/// writes it on the command line (`none` where the key is unset).
+fn default_at(table: &toml::Table, path: &str) -> String {
+    let mut at: Option<&toml::Value> = None;
+    let mut current = Some(table);
+    for part in path.split('.') {
+        at = current.and_then(|t| t.get(part));
+        current = at.and_then(toml::Value::as_table);
+    }
+    fn show(v: &toml::Value) -> String {
+        match v {
+            toml::Value::String(s) => s.clone(),
+            toml::Value::Array(items) if items.is_empty() => "none".into(),
+            toml::Value::Array(items) => items.iter().map(show).collect::<Vec<_>>().join(", "),
+            other => other.to_string(),
+        }
+    }
+    at.map(show).unwrap_or_else(|| "none".into())
+}
+
+/// The addresses other machines can bootstrap from. A listener on an
+/// unspecified address (`/ip4/0.0.0.0/tcp/7000`) serves every interface,
+/// and libp2p reports them one at a time: each reported address of such a
+/// listener stands for the same transport and port on every interface
+/// (loopback and IPv6 link-local left out). A listener bound to one address
+/// is shared as reported, unless it is loopback.
+fn to_share(reported: &[Multiaddr], configured: &[Multiaddr], interfaces: &[IpAddr]) -> Vec<Multiaddr> {
+    fn split(a: &Multiaddr) -> Option<(IpAddr, Vec<Protocol<'static>>)> {
+        let mut it = a.iter();
+        let ip = match it.next()? {
+            Protocol::Ip4(ip) => IpAddr::V4(ip),
+            Protocol::Ip6(ip) => IpAddr::V6(ip),
+            _ => return None,
+        };
+        Some((ip, it.map(|p| p.acquire()).collect()))
+    }
+    // The transport: TCP or UDP (QUIC), whatever the port.
+    fn kind(rest: &[Protocol<'static>]) -> Option<std::mem::Discriminant<Protocol<'static>>> {
+        rest.first().map(std::mem::discriminant)
+    }
+    let reachable = |ip: &IpAddr| match ip {
+        IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_unspecified(),
+        IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unspecified() && (v6.segments()[0] & 0xffc0) != 0xfe80,
+    };
+    let mut out: Vec<Multiaddr> = Vec::new();
+    for (ip, rest) in reported.iter().filter_map(split) {
+        let wildcard = configured
+            .iter()
+            .filter_map(split)
+            .any(|(c, crest)| c.is_unspecified() && c.is_ipv4() == ip.is_ipv4() && kind(&crest) == kind(&rest));
+        let ips: Vec<IpAddr> = if wildcard {
+            interfaces.iter().copied().filter(|i| i.is_ipv4() == ip.is_ipv4()).collect()
+        } else {
+            vec![ip]
+        };
+        for i in ips.into_iter().filter(reachable) {
+            let mut a = Multiaddr::empty().with(match i {
+                IpAddr::V4(v4) => Protocol::Ip4(v4),
+                IpAddr::V6(v6) => Protocol::Ip6(v6),
+            });
+            for p in &rest {
+                a.push(p.clone());
+            }
+            if !out.contains(&a) {
+                out.push(a);
+            }
+        }
+    }
+    out
+}
+
 /// The file (or the defaults) under its profile, then every flag given on
 /// top (see [`FLAGS`]), checked.
 pub fn resolve(args: &NodeArgs) -> anyhow::Result<NodeConfig> {
@@ -176,6 +280,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let open: Vec<String> = config.network.open_listeners().iter().map(ToString::to_string).collect();
+    let config_listen = config.network.listen.clone();
     let keypair = load_identity(config.identity.as_deref())?;
     // This process is one node: it gets `training.threads`, or every core.
     let threads = crate::ops::threads::resolve(config.training.threads, 1);
@@ -186,6 +291,13 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         say!("peer id {}", node.peer_id);
         for a in &node.listen {
             say!("listening on {a}");
+        }
+        // A listener on 0.0.0.0 may have reported only 127.0.0.1 so far:
+        // name the addresses another machine can dial.
+        let interfaces: Vec<std::net::IpAddr> =
+            if_addrs::get_if_addrs().unwrap_or_default().iter().map(if_addrs::Interface::ip).collect();
+        for a in to_share(&node.listen, &config_listen, &interfaces) {
+            say!("other machines bootstrap from {a}");
         }
         if let Some(h) = node.http {
             say!("status on http://{h}/");
@@ -272,6 +384,42 @@ mod tests {
             Command::Node(args) => Ok(*args),
             _ => anyhow::bail!("not the node command"),
         }
+    }
+
+    #[test]
+    fn a_wildcard_listener_is_shared_on_every_interface_and_loopback_never() -> anyhow::Result<()> {
+        let id = "/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN";
+        let reported: Vec<Multiaddr> = vec![
+            format!("/ip4/127.0.0.1/tcp/7000{id}").parse()?,
+            format!("/ip4/127.0.0.1/udp/7001/quic-v1{id}").parse()?,
+        ];
+        let ifaces: Vec<IpAddr> =
+            vec!["127.0.0.1".parse()?, "10.0.0.5".parse()?, "192.168.1.9".parse()?, "fe80::1".parse()?];
+        // Both listeners on 0.0.0.0: every interface, for each transport.
+        let any: Vec<Multiaddr> = vec!["/ip4/0.0.0.0/tcp/7000".parse()?, "/ip4/0.0.0.0/udp/7001/quic-v1".parse()?];
+        let shown: Vec<String> = to_share(&reported, &any, &ifaces).iter().map(ToString::to_string).collect();
+        assert_eq!(
+            shown,
+            [
+                format!("/ip4/10.0.0.5/tcp/7000{id}"),
+                format!("/ip4/192.168.1.9/tcp/7000{id}"),
+                format!("/ip4/10.0.0.5/udp/7001/quic-v1{id}"),
+                format!("/ip4/192.168.1.9/udp/7001/quic-v1{id}"),
+            ]
+        );
+        // TCP on loopback only: nothing to share for it, and QUIC (still
+        // on 0.0.0.0) is shared.
+        let tcp_local: Vec<Multiaddr> =
+            vec!["/ip4/127.0.0.1/tcp/7000".parse()?, "/ip4/0.0.0.0/udp/7001/quic-v1".parse()?];
+        let shown: Vec<String> = to_share(&reported, &tcp_local, &ifaces).iter().map(ToString::to_string).collect();
+        assert_eq!(
+            shown,
+            [format!("/ip4/10.0.0.5/udp/7001/quic-v1{id}"), format!("/ip4/192.168.1.9/udp/7001/quic-v1{id}")]
+        );
+        // A listener bound to one address is shared as it is.
+        let one: Vec<Multiaddr> = vec![format!("/ip4/10.0.0.5/tcp/7000{id}").parse()?];
+        assert_eq!(to_share(&one, &["/ip4/10.0.0.5/tcp/7000".parse()?], &ifaces), one);
+        Ok(())
     }
 
     #[test]
