@@ -175,6 +175,117 @@ fn the_history_grows_while_a_node_trains() -> anyhow::Result<()> {
     })
 }
 
+/// Chromium for the page test: `SHOAL_CHROMIUM`, or `chromium`,
+/// `chromium-browser` or `google-chrome` on the PATH.
+fn chromium() -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("SHOAL_CHROMIUM") {
+        return Some(p.into());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .flat_map(|d| ["chromium", "chromium-browser", "google-chrome"].map(|b| d.join(b)))
+        .find(|p| p.is_file())
+}
+
+/// Run headless Chromium on the page at `url` with `args` (bounded by
+/// [`BOUND`]); returns its stdout. Its profile goes in `profile`.
+async fn headless(
+    bin: &std::path::Path,
+    profile: &std::path::Path,
+    url: &str,
+    args: &[&str],
+) -> anyhow::Result<String> {
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run"])
+        .args(["--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(["--window-size=1200,1400", "--virtual-time-budget=5000"])
+        .args(args)
+        .arg(url)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = cmd.spawn().with_context(|| format!("starting {}", bin.display()))?;
+    let pid = child.id();
+    match tokio::time::timeout(BOUND, tokio::task::spawn_blocking(move || child.wait_with_output())).await {
+        Ok(out) => {
+            let out = out??;
+            anyhow::ensure!(out.status.success(), "chromium: {}", String::from_utf8_lossy(&out.stderr));
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        }
+        Err(_) => {
+            let _ = std::process::Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            anyhow::bail!("chromium did not finish within {BOUND:?}")
+        }
+    }
+}
+
+/// The `d` of the loss chart's line in a dumped page.
+fn loss_line(dom: &str) -> Option<String> {
+    let chart = dom.split_once("id=\"chart-loss\"")?.1.split("</svg>").next()?;
+    let d = chart.split_once("class=\"line\" d=\"")?.1.split('"').next()?;
+    Some(d.to_string())
+}
+
+/// The status page in headless Chromium: its charts are drawn from
+/// `/history`, they change as the node trains, and the screenshot is not
+/// blank. Skips without Chromium unless `SHOAL_REQUIRE_CHROMIUM=1` (CI).
+#[test]
+fn the_status_page_draws_its_charts_in_headless_chromium() -> anyhow::Result<()> {
+    let Some(bin) = chromium() else {
+        anyhow::ensure!(
+            std::env::var_os("SHOAL_REQUIRE_CHROMIUM").is_none(),
+            "SHOAL_REQUIRE_CHROMIUM is set and no chromium was found"
+        );
+        eprintln!("skipped: no chromium (apt-get install chromium, or set SHOAL_CHROMIUM)");
+        return Ok(());
+    };
+    in_own_runtime(async {
+        let dir = tempfile::tempdir()?;
+        let mut node = start(one_node("page", 100_000)?, Keypair::generate_ed25519()).await?;
+        let url = format!("http://{}/", ports(&node)?[1]);
+        until_step(&mut node, 20).await?;
+        let first = headless(&bin, dir.path(), &url, &["--dump-dom"]).await?;
+        until_step(&mut node, 200).await?;
+        let second = headless(&bin, dir.path(), &url, &["--dump-dom"]).await?;
+        let shot = dir.path().join("page.png");
+        headless(&bin, dir.path(), &url, &[&format!("--screenshot={}", shot.display())]).await?;
+        node.leave();
+        join(node).await?;
+        for id in ["chart-loss", "chart-throughput", "chart-bytes", "chart-shards"] {
+            assert!(second.contains(&format!("id=\"{id}\"")), "no {id} in the page");
+        }
+        let (a, b) = (loss_line(&first), loss_line(&second));
+        eprintln!(
+            "page: loss line of {} then {} characters",
+            a.as_ref().map_or(0, String::len),
+            b.as_ref().map_or(0, String::len)
+        );
+        let (a, b) = (a.context("the first load drew no loss line")?, b.context("the second load drew no loss line")?);
+        assert!(a.starts_with('M') && a.contains('L'), "not a line: {a}");
+        assert_ne!(a, b, "the loss chart did not change between two loads");
+        assert!(second.contains("class=\"owned\""), "the shard timeline is empty (a lone node owns every shard)");
+        // The screenshot: a page with charts, not a blank one.
+        let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&shot)?));
+        let mut reader = decoder.read_info()?;
+        let mut buf = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut buf)?;
+        let px = info.color_type.samples();
+        let pixels: Vec<&[u8]> = buf[..info.buffer_size()].chunks(px).collect();
+        let ink = pixels.iter().filter(|p| p.iter().take(3).any(|&c| c < 200)).count();
+        let colours: std::collections::BTreeSet<[u8; 3]> = pixels.iter().map(|p| [p[0], p[1], p[2]]).collect();
+        eprintln!(
+            "page: {}x{}, {ink} of {} pixels inked, {} colours",
+            info.width,
+            info.height,
+            pixels.len(),
+            colours.len()
+        );
+        assert!(ink * 100 > pixels.len(), "the screenshot is nearly blank: {ink} of {} pixels inked", pixels.len());
+        assert!(colours.len() >= 8, "the screenshot has {} colours", colours.len());
+        Ok(())
+    })
+}
+
 #[test]
 fn a_killed_node_leaves_no_task_and_frees_its_ports() -> anyhow::Result<()> {
     in_own_runtime(async {

@@ -283,6 +283,7 @@ impl StatusActor {
             accuracy: s.last_accuracy,
             bits_per_byte: s.last_bits_per_byte,
             perplexity: s.last_perplexity,
+            samples: s.samples,
             samples_per_sec: s.samples_per_sec,
             bytes_out: s.bytes_out,
             bytes_in: s.bytes_in,

@@ -407,51 +407,9 @@ async fn status_doc(state: &HttpState) -> Option<StatusDoc> {
     })
 }
 
-/// The status page: plain HTML and a little JavaScript, no external assets.
-const PAGE: &str = r#"<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>shoal node</title>
-<style>
-body{font:14px system-ui,sans-serif;margin:2em;color:#222}
-h1{font-size:1.3em}table{border-collapse:collapse;margin:1em 0}
-td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
-th{background:#f3f3f3}.err{color:#b00}progress{width:20em}
-</style></head><body>
-<h1>shoal node <span id="name"></span></h1>
-<p><progress id="bar" max="1" value="0"></progress> <span id="steps"></span></p>
-<table id="me"></table>
-<h2>Peers</h2><table id="peers"></table>
-<p id="err" class="err"></p>
-<script>
-function row(k,v){return '<tr><th>'+k+'</th><td>'+v+'</td></tr>'}
-function fmt(x,d){return x==null?'-':(typeof x=='number'?x.toFixed(d):x)}
-async function tick(){
- try{
-  const s=await (await fetch('/status',{cache:'no-store'})).json();
-  document.getElementById('name').textContent=s.name+' ('+s.peer_id.slice(-6)+')';
-  document.getElementById('bar').max=s.total_steps;document.getElementById('bar').value=s.step;
-  document.getElementById('steps').textContent='step '+s.step+' / '+s.total_steps;
-  document.getElementById('me').innerHTML=
-   row('role',s.role)+row('owned shards',s.owned_shards.join(', ')||'-')+
-   row('model version',s.model_version)+row('samples/s',fmt(s.samples_per_sec,1))+
-   row('loss',fmt(s.last_loss,4))+row('test accuracy',s.last_accuracy==null?'-':(100*s.last_accuracy).toFixed(2)+'%')+(s.last_bits_per_byte==null?'':row('bits/byte',s.last_bits_per_byte.toFixed(3)))+(s.last_perplexity==null?'':row('perplexity',s.last_perplexity.toFixed(2)))+
-   row('push / pull latency (ms)',fmt(s.push_latency_ms,2)+' / '+fmt(s.pull_latency_ms,2))+
-   row('bytes out / in',s.bytes_out+' / '+s.bytes_in)+
-   row('handoffs out / in',s.handoffs_out+' / '+s.handoffs_in)+
-   row('aggregators in the placement',s.aggregators)+
-   row('faults','serve delay '+s.serve_delay_ms+' ms, slowdown '+s.slowdown+'x')+
-   row('memory (now / peak)',s.rss_bytes==null?'-':(s.rss_bytes/1048576).toFixed(1)+' / '+(s.peak_rss_bytes/1048576).toFixed(1)+' MiB')+
-   row('compression (push / pull)',(s.compress_push||'-')+' / '+(s.compress_pull||'-')+', residuals '+s.residual_bytes+' B')+
-   row('suspects (named by)',Object.entries(s.suspected_by).map(([p,by])=>p.slice(-6)+' ('+by.map(b=>b.slice(-6)).join(', ')+')').join('<br>')||'-')+
-   row('listen',s.listen.join('<br>'));
-  document.getElementById('peers').innerHTML='<tr><th>peer</th><th>role</th><th>step</th><th>shards</th><th>last seen</th></tr>'+
-   s.peers.map(p=>'<tr><td>'+p.peer_id.slice(-6)+'</td><td>'+p.role+'</td><td>'+p.step+'</td><td>'+
-   (p.owned_shards.join(', ')||'-')+'</td><td>'+p.last_seen_ms_ago+' ms ago</td></tr>').join('');
-  document.getElementById('err').textContent='';
- }catch(e){document.getElementById('err').textContent='node unreachable: '+e}
-}
-tick();setInterval(tick,1000);
-</script></body></html>
-"#;
+/// The status page: plain HTML, inline SVG charts and a little JavaScript,
+/// built into the binary (no external assets, no network at run time).
+const PAGE: &str = include_str!("page.html");
 
 #[cfg(test)]
 mod tests {

@@ -22,6 +22,9 @@ pub struct Point {
     pub accuracy: Option<f32>,
     pub bits_per_byte: Option<f32>,
     pub perplexity: Option<f64>,
+    /// Samples trained since the start (the throughput between two points
+    /// is their difference over the time between them).
+    pub samples: u64,
     /// Samples per second since the first step.
     pub samples_per_sec: f64,
     /// Bytes sent and received since the start.
@@ -125,6 +128,7 @@ mod tests {
             accuracy: None,
             bits_per_byte: None,
             perplexity: None,
+            samples: 0,
             samples_per_sec: 0.0,
             bytes_out: 0,
             bytes_in: 0,
