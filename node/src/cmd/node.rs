@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use crate::cmd::cli::NodeArgs;
 use anyhow::Context;
 use shoal_protocol::libp2p::multiaddr::Protocol;
-use shoal_protocol::libp2p::Multiaddr;
+use shoal_protocol::libp2p::{Multiaddr, PeerId};
 
 use crate::config::{LocalStepsConfig, NodeConfig};
 use crate::node::{load_identity, start};
@@ -207,8 +207,9 @@ fn default_at(table: &toml::Table, path: &str) -> String {
 /// and libp2p reports them one at a time: each reported address of such a
 /// listener stands for the same transport and port on every interface
 /// (loopback and IPv6 link-local left out). A listener bound to one address
-/// is shared as reported, unless it is loopback.
-fn to_share(reported: &[Multiaddr], configured: &[Multiaddr], interfaces: &[IpAddr]) -> Vec<Multiaddr> {
+/// is shared as reported, unless it is loopback. A wildcard listener with
+/// a fixed port is shared even before libp2p reports it (as `/p2p/me`).
+fn to_share(reported: &[Multiaddr], configured: &[Multiaddr], interfaces: &[IpAddr], me: PeerId) -> Vec<Multiaddr> {
     fn split(a: &Multiaddr) -> Option<(IpAddr, Vec<Protocol<'static>>)> {
         let mut it = a.iter();
         let ip = match it.next()? {
@@ -226,8 +227,15 @@ fn to_share(reported: &[Multiaddr], configured: &[Multiaddr], interfaces: &[IpAd
         IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_unspecified(),
         IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unspecified() && (v6.segments()[0] & 0xffc0) != 0xfe80,
     };
+    let fixed = configured.iter().filter_map(split).filter(|(ip, rest)| {
+        ip.is_unspecified() && matches!(rest.first(), Some(Protocol::Tcp(p) | Protocol::Udp(p)) if *p != 0)
+    });
+    let fixed = fixed.map(|(ip, mut rest)| {
+        rest.push(Protocol::P2p(me));
+        (ip, rest)
+    });
     let mut out: Vec<Multiaddr> = Vec::new();
-    for (ip, rest) in reported.iter().filter_map(split) {
+    for (ip, rest) in reported.iter().filter_map(split).chain(fixed) {
         let wildcard = configured
             .iter()
             .filter_map(split)
@@ -296,7 +304,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         // name the addresses another machine can dial.
         let interfaces: Vec<std::net::IpAddr> =
             if_addrs::get_if_addrs().unwrap_or_default().iter().map(if_addrs::Interface::ip).collect();
-        for a in to_share(&node.listen, &config_listen, &interfaces) {
+        for a in to_share(&node.listen, &config_listen, &interfaces, node.peer_id) {
             say!("other machines bootstrap from {a}");
         }
         if let Some(h) = node.http {
@@ -397,7 +405,8 @@ mod tests {
             vec!["127.0.0.1".parse()?, "10.0.0.5".parse()?, "192.168.1.9".parse()?, "fe80::1".parse()?];
         // Both listeners on 0.0.0.0: every interface, for each transport.
         let any: Vec<Multiaddr> = vec!["/ip4/0.0.0.0/tcp/7000".parse()?, "/ip4/0.0.0.0/udp/7001/quic-v1".parse()?];
-        let shown: Vec<String> = to_share(&reported, &any, &ifaces).iter().map(ToString::to_string).collect();
+        let me: PeerId = id.trim_start_matches("/p2p/").parse()?;
+        let shown: Vec<String> = to_share(&reported, &any, &ifaces, me).iter().map(ToString::to_string).collect();
         assert_eq!(
             shown,
             [
@@ -411,14 +420,22 @@ mod tests {
         // on 0.0.0.0) is shared.
         let tcp_local: Vec<Multiaddr> =
             vec!["/ip4/127.0.0.1/tcp/7000".parse()?, "/ip4/0.0.0.0/udp/7001/quic-v1".parse()?];
-        let shown: Vec<String> = to_share(&reported, &tcp_local, &ifaces).iter().map(ToString::to_string).collect();
+        let shown: Vec<String> = to_share(&reported, &tcp_local, &ifaces, me).iter().map(ToString::to_string).collect();
         assert_eq!(
             shown,
             [format!("/ip4/10.0.0.5/udp/7001/quic-v1{id}"), format!("/ip4/192.168.1.9/udp/7001/quic-v1{id}")]
         );
         // A listener bound to one address is shared as it is.
         let one: Vec<Multiaddr> = vec![format!("/ip4/10.0.0.5/tcp/7000{id}").parse()?];
-        assert_eq!(to_share(&one, &["/ip4/10.0.0.5/tcp/7000".parse()?], &ifaces), one);
+        assert_eq!(to_share(&one, &["/ip4/10.0.0.5/tcp/7000".parse()?], &ifaces, me), one);
+        // QUIC on a fixed port not reported yet (libp2p answered with the
+        // first address it had): shared all the same.
+        let shown: Vec<String> = to_share(&reported[..1], &any, &ifaces, me).iter().map(ToString::to_string).collect();
+        assert_eq!(shown.len(), 4, "{shown:?}");
+        assert!(shown.contains(&format!("/ip4/10.0.0.5/udp/7001/quic-v1{id}")), "{shown:?}");
+        // A free port (0) is known only once reported.
+        let free: Vec<Multiaddr> = vec!["/ip4/0.0.0.0/udp/0/quic-v1".parse()?];
+        assert!(to_share(&[], &free, &ifaces, me).is_empty());
         Ok(())
     }
 
