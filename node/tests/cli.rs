@@ -320,6 +320,8 @@ fn bad_flags_are_rejected_before_work() {
         &["bench", "exchange", "--mb", "0"],
         &["bench", "exchange", "--cases", "f32,fp8"],
         &["bench", "exchange", "--nodes", "1"],
+        &["demo", "--straggler", "--mode", "gossip"],
+        &["demo", "--straggler", "--nodes", "1"],
     ] {
         let o = shoal(args);
         let (_, err) = text(&o);
@@ -327,6 +329,34 @@ fn bad_flags_are_rejected_before_work() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
         assert!(!err.trim().is_empty(), "{args:?} gave no message");
     }
+}
+
+/// `shoal demo --straggler`: an owner that starts answering late is
+/// demoted, ends the run owning nothing, and its shards all have other
+/// owners; the summary says so.
+#[test]
+fn the_straggler_demo_demotes_the_slow_owner_and_says_what_happened() {
+    let o = shoal(&["demo", "--straggler", "--steps", "600"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    eprintln!("{out}");
+    let line = out.lines().find(|l| l.starts_with("straggler: ")).unwrap_or_default();
+    let name = line.trim_start_matches("straggler: ").split(',').next().unwrap_or_default().to_string();
+    assert!(!name.is_empty() && line.contains("answers 25 ms late"), "no straggler line: {out}");
+    assert!(out.contains("  demoted at step "), "the slow owner was not demoted: {out}");
+    assert!(out.contains("cluster samples/s: before "), "{out}");
+    let end = out.lines().find(|l| l.starts_with(&format!("{name}: "))).unwrap_or_default();
+    assert!(end.contains("owned shards []"), "the straggler still owns shards at the end: {end}");
+    let mut owned: Vec<u32> = out
+        .lines()
+        .filter(|l| l.starts_with("node") && l.contains("owned shards ["))
+        .flat_map(|l| {
+            let list = l.split("owned shards [").nth(1).and_then(|r| r.split(']').next()).unwrap_or_default();
+            list.split(", ").filter_map(|x| x.trim().parse().ok()).collect::<Vec<u32>>()
+        })
+        .collect();
+    owned.sort_unstable();
+    assert_eq!(owned, (0..8).collect::<Vec<u32>>(), "every shard owned once at the end: {out}");
 }
 
 /// A `shoal node` child process on loopback with mDNS off and short timeouts.

@@ -489,6 +489,13 @@ pub struct DemoArgs {
     /// Local steps between pushes of a pseudo-gradient (DiLoCo; 1: none).
     #[arg(long, default_value_t = 1)]
     pub local_steps: u64,
+    /// A third of the way in, one shard owner starts answering every push
+    /// and pull this many ms late (25 when given alone); at the end, who
+    /// was demoted, when, how long its shards took to move, and the
+    /// cluster's speed before, during and after (pull mode, elastic roles;
+    /// 0: no straggler).
+    #[arg(long, num_args = 0..=1, default_value_t = 0, default_missing_value = "25")]
+    pub straggler: u64,
 }
 
 #[derive(Debug, Subcommand)]
