@@ -199,3 +199,14 @@ fn optional_training_key(k: &str) -> bool {
     .contains(&k)
         || k.starts_with("training.llama.")
 }
+
+#[test]
+fn the_slow_links_recipe_is_a_valid_config() -> anyhow::Result<()> {
+    let section = OPERATIONS.split_once("### Slow links: one recipe").map(|(_, r)| r).unwrap_or_default();
+    let toml = section.split_once("```toml\n").and_then(|(_, r)| r.split_once("```")).map(|(t, _)| t);
+    let toml = toml.ok_or_else(|| anyhow::anyhow!("docs/operations.md: no TOML under `Slow links: one recipe`"))?;
+    let c = NodeConfig::from_toml(toml, None)?;
+    c.validate()?;
+    assert_eq!(c.local_steps.map(|l| l.steps), Some(20));
+    Ok(())
+}
