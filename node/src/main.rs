@@ -10,7 +10,10 @@ fn main() -> ExitCode {
     // First, before anything has started: on success this does not return.
     let reexec_failed = allocator::reexec_tuned();
     let cli = cmd::parse();
-    let default_level = if matches!(cli.command, Command::Demo(_) | Command::Bench { .. } | Command::Testnet { .. }) {
+    let default_level = if matches!(
+        cli.command,
+        Command::Demo(_) | Command::Bench { .. } | Command::Testnet { .. } | Command::Top(_)
+    ) {
         "warn"
     } else {
         "info"
@@ -39,6 +42,7 @@ fn main() -> ExitCode {
         Command::Bench { command: BenchCommand::Checkpoint(args) } => cmd::bench_checkpoint::run(args),
         Command::Bench { command: BenchCommand::Comm(args) } => cmd::bench_comm::run(args),
         Command::Bench { command: BenchCommand::Exchange(args) } => cmd::bench_exchange::run(args),
+        Command::Top(args) => cmd::top::run(args),
         Command::Testnet { command: TestnetCommand::Run(args) } => cmd::testnet::run(args),
         Command::Testnet { command: TestnetCommand::Check { scenario } } => cmd::testnet::check(&scenario),
     };

@@ -359,6 +359,77 @@ fn the_straggler_demo_demotes_the_slow_owner_and_says_what_happened() {
     assert_eq!(owned, (0..8).collect::<Vec<u32>>(), "every shard owned once at the end: {out}");
 }
 
+/// The text of a tmux session's pane.
+fn capture(session: &str) -> String {
+    let o = Command::new("tmux").args(["capture-pane", "-p", "-t", session]).output();
+    o.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default()
+}
+
+/// Wait (at most 60 s, reading the pane every 200 ms) until the pane shows
+/// what `done` looks for; returns the last capture.
+fn pane_until(session: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let text = capture(session);
+        if done(&text) || std::time::Instant::now() > deadline {
+            return text;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+/// `shoal top` in a real terminal (tmux), through one node of a 2-node
+/// cluster: a row per node, `s` re-sorts, the arrow keys select, `q`
+/// quits. Skips without tmux unless `SHOAL_REQUIRE_TMUX=1` (CI).
+#[test]
+fn shoal_top_shows_every_node_in_a_terminal_and_answers_its_keys() {
+    if Command::new("tmux").arg("-V").output().is_err() {
+        assert!(std::env::var_os("SHOAL_REQUIRE_TMUX").is_none(), "SHOAL_REQUIRE_TMUX is set and tmux is missing");
+        eprintln!("skipped: no tmux");
+        return;
+    }
+    let common = ["--min-peers", "2", "--run-id", "top", "--steps", "100000", "--http", "127.0.0.1:0"];
+    let (mut a, mut lines, addr) = spawn_listening(&mut node_cmd(&common));
+    let http = lines
+        .find_map(|l| l.strip_prefix("status on http://").map(|r| r.trim_end_matches('/').to_string()))
+        .unwrap_or_else(|| panic!("node A printed no status address"));
+    let mut b = node_cmd(&common)
+        .args(["--bootstrap", &addr])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start node B: {e}"));
+    let session = format!("shoal-top-{}", std::process::id());
+    let top = format!("{} top --node {http} --interval-ms 200", env!("CARGO_BIN_EXE_shoal"));
+    let started =
+        Command::new("tmux").args(["new-session", "-d", "-s", &session, "-x", "120", "-y", "30", &top]).status();
+    assert!(started.is_ok_and(|s| s.success()), "tmux did not start");
+    let keys = |k: &str| {
+        let _ = Command::new("tmux").args(["send-keys", "-t", &session, k]).status();
+    };
+    // Both nodes, once B is in A's view and training.
+    let two = pane_until(&session, |t| t.contains("2 nodes through"));
+    keys("s");
+    let sorted = pane_until(&session, |t| t.contains("s sort: role"));
+    keys("Down");
+    let selected = pane_until(&session, |t| t.contains("│peer 12D3KooW"));
+    keys("q");
+    let ended = pane_until(&session, |t| t.is_empty());
+    let alive = Command::new("tmux").args(["has-session", "-t", &session]).status().is_ok_and(|s| s.success());
+    let _ = Command::new("tmux").args(["kill-session", "-t", &session]).status();
+    let _ = a.kill();
+    let _ = b.kill();
+    let _ = (a.wait(), b.wait());
+    eprintln!("{two}\n{selected}");
+    assert!(two.contains("2 nodes through"), "not both nodes: {two}");
+    for column in ["role", "shards", "step", "samples/s", "loss", "link"] {
+        assert!(two.contains(column), "no `{column}` column: {two}");
+    }
+    assert!(two.contains('*'), "the node asked is not marked: {two}");
+    assert!(sorted.contains("s sort: role"), "`s` did not change the sort: {sorted}");
+    assert!(selected.contains("│peer 12D3KooW"), "the arrow key selected nothing: {selected}");
+    assert!(ended.is_empty() && !alive, "`q` did not end shoal top: {ended}");
+}
+
 /// A `shoal node` child process on loopback with mDNS off and short timeouts.
 fn node_cmd(extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_shoal"));

@@ -45,6 +45,9 @@ pub enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
+    /// A terminal view of the cluster through one node's HTTP endpoint:
+    /// one row per node, keys to sort and select (works over SSH).
+    Top(TopArgs),
     /// Local testnets with scripted faults. See `docs/operations.md`.
     Testnet {
         #[command(subcommand)]
@@ -496,6 +499,17 @@ pub struct DemoArgs {
     /// 0: no straggler).
     #[arg(long, num_args = 0..=1, default_value_t = 0, default_missing_value = "25")]
     pub straggler: u64,
+}
+
+/// `shoal top`.
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// The HTTP address of any node of the cluster (`status on http://HOST:PORT/` in its output).
+    #[arg(long)]
+    pub node: String,
+    /// How often to read it, in ms.
+    #[arg(long, default_value_t = 1000)]
+    pub interval_ms: u64,
 }
 
 #[derive(Debug, Subcommand)]

@@ -12,6 +12,7 @@ pub mod generate;
 pub mod node;
 pub mod testnet;
 pub mod tokenize;
+pub mod top;
 pub mod train;
 
 use clap::{CommandFactory, FromArgMatches};

@@ -85,6 +85,10 @@ pub struct PeerDoc {
     pub step: u64,
     pub owned_shards: Vec<u32>,
     pub last_seen_ms_ago: u64,
+    /// Its measured rates, as its heartbeat gossips them: samples/s of
+    /// compute, and bytes/s of its exchanges.
+    pub compute_samples_per_sec: f64,
+    pub net_bytes_per_sec: f64,
 }
 
 /// The `/status` document.
@@ -388,6 +392,8 @@ async fn status_doc(state: &HttpState) -> Option<StatusDoc> {
             step: p.heartbeat.step,
             owned_shards: p.heartbeat.owned_shards.clone(),
             last_seen_ms_ago: snap.now_ms.saturating_sub(p.last_seen_ms),
+            compute_samples_per_sec: f64::from(p.heartbeat.capabilities.compute_samples_per_sec),
+            net_bytes_per_sec: f64::from(p.heartbeat.capabilities.net_bytes_per_sec),
         })
         .collect();
     let mine: Vec<PeerId> = status.suspects.iter().filter_map(|s| s.parse().ok()).collect();
