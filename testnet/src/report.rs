@@ -278,69 +278,174 @@ fn font() -> bool {
     })
 }
 
-/// Accuracy (top) and loss (bottom) over time per node; faults as red
-/// vertical lines, role changes as blue ticks at the top of each panel.
+/// Height of each panel of `plot.png`, in pixels.
+const PANEL: u32 = 360;
+
+/// `plot.png`, panels from the top: test accuracy, training loss and
+/// steps/s per node over time; which nodes owned shards when; resident
+/// memory (process backend). Faults are red vertical lines labelled with
+/// their action, role changes blue ticks at the top of the first three.
 fn plot(s: &Summary, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
     let text = font();
-    let height = if s.resources.is_empty() { 800 } else { 1100 };
-    let root = BitMapBackend::new(path, (1200, height)).into_drawing_area();
+    let panels = if s.resources.is_empty() { 4 } else { 5 };
+    let root = BitMapBackend::new(path, (1200, PANEL * panels)).into_drawing_area();
     root.fill(&WHITE)?;
-    let (charts, memory) = root.split_vertically(800);
-    let (top, bottom) = charts.split_vertically(400);
+    let areas = root.split_evenly((panels as usize, 1));
     let nodes = by_node(&s.samples);
     let t_max = s.samples.iter().map(|x| x.secs).fold(1.0f64, f64::max);
     let loss_max = s.samples.iter().filter_map(|x| x.loss).fold(0.1f64, f64::max);
-    let panels: [(&DrawingArea<BitMapBackend, plotters::coord::Shift>, &str, f64, bool); 2] =
-        [(&top, "test accuracy (%)", 100.0, true), (&bottom, "training loss", loss_max * 1.05, false)];
-    for (area, label, y_max, is_acc) in panels {
-        let mut b = ChartBuilder::on(area);
-        b.margin(10);
-        if text {
-            b.caption(format!("{} — {}", s.scenario, label), ("sans-serif", 20))
-                .x_label_area_size(30)
-                .y_label_area_size(50);
-        }
-        let mut chart = b.build_cartesian_2d(0.0..t_max, 0.0..y_max)?;
-        if text {
-            chart.configure_mesh().x_desc("seconds").y_desc(label).draw()?;
-        }
-        for (i, (name, pts)) in nodes.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            let series: Vec<(f64, f64)> = pts
-                .iter()
-                .filter_map(
-                    |p| if is_acc { p.accuracy.map(|a| (p.secs, a * 100.0)) } else { p.loss.map(|l| (p.secs, l)) },
-                )
+    // Steps per second of each node between its consecutive samples.
+    let rates: BTreeMap<&str, Vec<(f64, f64)>> = nodes
+        .iter()
+        .map(|(name, pts)| {
+            let r = pts
+                .windows(2)
+                .filter(|w| w[1].secs > w[0].secs && w[1].step >= w[0].step)
+                .map(|w| (w[1].secs, (w[1].step - w[0].step) as f64 / (w[1].secs - w[0].secs)))
                 .collect();
-            let drawn = chart.draw_series(LineSeries::new(series, color.stroke_width(2)))?;
-            if text {
-                drawn.label(*name).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-            }
-        }
-        for f in &s.faults {
-            chart.draw_series(LineSeries::new(vec![(f.secs, 0.0), (f.secs, y_max)], RED.stroke_width(2)))?;
-        }
-        for r in &s.role_changes {
-            chart.draw_series(LineSeries::new(vec![(r.secs, y_max * 0.95), (r.secs, y_max)], BLUE.stroke_width(1)))?;
-        }
-        if text {
-            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
-        }
+            (*name, r)
+        })
+        .collect();
+    let rate_max = rates.values().flatten().map(|p| p.1).fold(1.0f64, f64::max) * 1.05;
+    let series: [(&str, f64, Box<Reading>); 2] = [
+        ("test accuracy (%)", 100.0, Box::new(|_, p| p.accuracy.map(|a| a * 100.0))),
+        ("training loss", loss_max * 1.05, Box::new(|_, p| p.loss)),
+    ];
+    for (i, (label, y_max, value)) in series.iter().enumerate() {
+        let lines: Vec<(&str, Vec<(f64, f64)>)> = nodes
+            .iter()
+            .map(|(name, pts)| (*name, pts.iter().filter_map(|p| value(name, p).map(|v| (p.secs, v))).collect()))
+            .collect();
+        line_panel(s, &areas[i], label, t_max, *y_max, &lines, text)?;
     }
+    let lines: Vec<(&str, Vec<(f64, f64)>)> = rates.into_iter().collect();
+    line_panel(s, &areas[2], "steps/s per node", t_max, rate_max, &lines, text)?;
+    plot_ownership(s, &areas[3], t_max, text)?;
     if !s.resources.is_empty() {
-        plot_memory(s, &memory, t_max, text)?;
+        plot_memory(s, &areas[4], t_max, text)?;
     }
     root.present()?;
     Ok(())
 }
 
-/// Each node's resident memory (MiB) over time, with the faults.
-fn plot_memory(
+type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
+
+/// What a line panel reads from a node's sample.
+type Reading = dyn Fn(&str, &Sample) -> Option<f64>;
+
+/// One panel of lines per node over time, with the faults and role changes.
+fn line_panel(
     s: &Summary,
-    area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
+    area: &Area<'_>,
+    label: &str,
     t_max: f64,
+    y_max: f64,
+    lines: &[(&str, Vec<(f64, f64)>)],
     text: bool,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    let mut b = ChartBuilder::on(area);
+    b.margin(10);
+    if text {
+        b.caption(format!("{} — {}", s.scenario, label), ("sans-serif", 20))
+            .x_label_area_size(30)
+            .y_label_area_size(50);
+    }
+    let mut chart = b.build_cartesian_2d(0.0..t_max, 0.0..y_max)?;
+    if text {
+        chart.configure_mesh().x_desc("seconds").y_desc(label).draw()?;
+    }
+    for (i, (name, pts)) in lines.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let drawn = chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?;
+        if text {
+            drawn.label(*name).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
+    }
+    draw_faults(s, &mut chart, y_max, text)?;
+    for r in &s.role_changes {
+        chart.draw_series(LineSeries::new(vec![(r.secs, y_max * 0.95), (r.secs, y_max)], BLUE.stroke_width(1)))?;
+    }
+    if text {
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    }
+    Ok(())
+}
+
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// The faults as red lines, each labelled with its action (the first 28
+/// characters), the labels stepped down so that neighbours do not overlap.
+fn draw_faults(
+    s: &Summary,
+    chart: &mut Chart<'_, '_>,
+    y_max: f64,
+    text: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    for (i, f) in s.faults.iter().enumerate() {
+        chart.draw_series(LineSeries::new(vec![(f.secs, 0.0), (f.secs, y_max)], RED.stroke_width(2)))?;
+        if text {
+            let label: String = f.action.chars().take(28).collect();
+            let y = y_max * (0.9 - 0.08 * (i % 4) as f64);
+            let style = ("sans-serif", 13).into_font().color(&RED);
+            chart.draw_series(std::iter::once(Text::new(label, (f.secs, y), style)))?;
+        }
+    }
+    Ok(())
+}
+
+/// One row per node: a bar for each stretch of time it owned shards (from
+/// the role changes the launcher saw), labelled with how many.
+fn plot_ownership(s: &Summary, area: &Area<'_>, t_max: f64, text: bool) -> Result<(), Box<dyn std::error::Error>> {
+    let mut names: Vec<&str> = s.samples.iter().map(|x| x.node.as_str()).collect();
+    names.extend(s.role_changes.iter().map(|r| r.node.as_str()));
+    names.sort_unstable();
+    names.dedup();
+    let rows = names.len().max(1) as f64;
+    let mut b = ChartBuilder::on(area);
+    b.margin(10);
+    if text {
+        b.caption(format!("{} — shards owned, by node", s.scenario), ("sans-serif", 20))
+            .x_label_area_size(30)
+            .y_label_area_size(50);
+    }
+    let mut chart = b.build_cartesian_2d(0.0..t_max, 0.0..rows)?;
+    if text {
+        chart.configure_mesh().x_desc("seconds").y_labels(0).disable_y_mesh().draw()?;
+    }
+    for (row, name) in names.iter().enumerate() {
+        let changes: Vec<&RoleRecord> = s.role_changes.iter().filter(|r| r.node == *name).collect();
+        let y = rows - 1.0 - row as f64;
+        if text {
+            let style = ("sans-serif", 13).into_font().color(&BLACK);
+            chart.draw_series(std::iter::once(Text::new(name.to_string(), (0.0, y + 0.55), style)))?;
+        }
+        for (k, r) in changes.iter().enumerate() {
+            if r.owned.is_empty() {
+                continue;
+            }
+            let to = changes.get(k + 1).map_or(t_max, |n| n.secs);
+            let color = Palette99::pick(row).to_rgba();
+            chart.draw_series(std::iter::once(Rectangle::new([(r.secs, y + 0.15), (to, y + 0.85)], color.filled())))?;
+            if text {
+                let style = ("sans-serif", 12).into_font().color(&BLACK);
+                chart.draw_series(std::iter::once(Text::new(
+                    format!("{}", r.owned.len()),
+                    (r.secs, y + 0.8),
+                    style,
+                )))?;
+            }
+        }
+    }
+    draw_faults(s, &mut chart, rows, false)?;
+    Ok(())
+}
+
+/// Each node's resident memory (MiB) over time, with the faults.
+fn plot_memory(s: &Summary, area: &Area<'_>, t_max: f64, text: bool) -> Result<(), Box<dyn std::error::Error>> {
     const MIB: f64 = 1024.0 * 1024.0;
     let y_max = s.resources.iter().map(|r| r.rss_bytes as f64 / MIB).fold(1.0f64, f64::max) * 1.1;
     let mut b = ChartBuilder::on(area);
@@ -361,9 +466,7 @@ fn plot_memory(
     for (i, (_, pts)) in nodes.into_iter().enumerate() {
         chart.draw_series(LineSeries::new(pts, Palette99::pick(i).to_rgba().stroke_width(2)))?;
     }
-    for f in &s.faults {
-        chart.draw_series(LineSeries::new(vec![(f.secs, 0.0), (f.secs, y_max)], RED.stroke_width(2)))?;
-    }
+    draw_faults(s, &mut chart, y_max, false)?;
     Ok(())
 }
 
@@ -422,11 +525,21 @@ mod tests {
                 open_fds: 30,
             })
             .collect();
+        let roles = vec![
+            RoleRecord { secs: 1.0, node: "a".into(), role: "aggregator".into(), owned: vec![0, 1] },
+            RoleRecord { secs: 1.0, node: "b".into(), role: "aggregator".into(), owned: vec![2, 3] },
+            RoleRecord { secs: 6.0, node: "b".into(), role: "worker".into(), owned: vec![] },
+            RoleRecord { secs: 6.0, node: "a".into(), role: "aggregator".into(), owned: vec![0, 1, 2, 3] },
+        ];
         let summary =
-            Summary::build(&sc, Some(1.0), 20.0, false, vec![], vec![], vec![fault], samples).with_resources(resources);
+            Summary::build(&sc, Some(1.0), 20.0, false, vec![], roles, vec![fault], samples).with_resources(resources);
         summary.write(dir.path())?;
         let png = std::fs::read(dir.path().join("plot.png"))?;
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        // IHDR: width and height, big-endian, at bytes 16 and 20: five
+        // panels (accuracy, loss, steps/s, ownership, memory).
+        let height = u32::from_be_bytes([png[20], png[21], png[22], png[23]]);
+        assert_eq!(height, 5 * PANEL);
         let json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join("summary.json"))?)?;
         assert!(json["faults"][0]["steps_per_sec_before"].as_f64().is_some());
         assert_eq!(json["resources"][3]["rss_bytes"].as_u64(), Some(43 << 20));

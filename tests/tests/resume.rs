@@ -16,6 +16,12 @@ use shoal_tests::{digits_config, rel_diff, run_cluster};
 
 const STEPS: u64 = 300;
 const EVERY: u64 = 25;
+/// How far back a resume may start from the furthest step reached: one
+/// interval, plus one more for a checkpoint still being written when every
+/// node was killed. A digits step takes milliseconds, and under a loaded CI
+/// machine the write of step 150 had not landed when the nodes, at 160 and
+/// 161, were killed: both resume tests resumed at 125 (2026-11-28).
+const LAG: u64 = 2 * EVERY;
 
 fn spec(run: &str, dir: Option<&Path>) -> ClusterSpec {
     spec_with(run, dir, 4, 8, SyncPolicy::Bsp)
@@ -52,7 +58,7 @@ async fn first_life_killed(spec: &ClusterSpec) -> anyhow::Result<u64> {
     Ok(reached)
 }
 
-/// Every node resumed at the same checkpointed round, at most one interval
+/// Every node resumed at the same checkpointed round, at most [`LAG`]
 /// back, with every shard's optimizer state, trained only the steps left,
 /// and finished at the last step. Returns the resume step.
 fn assert_resumed(reports: &[NodeReport], reached: u64) -> anyhow::Result<u64> {
@@ -67,7 +73,7 @@ fn assert_resumed(reports: &[NodeReport], reached: u64) -> anyhow::Result<u64> {
             r.accuracy * 100.0,
             s.checkpoints_written
         );
-        assert!(reached - from <= EVERY, "{}: resumed at {from}, {reached} was reached", r.name);
+        assert!(reached - from <= LAG, "{}: resumed at {from}, {reached} was reached", r.name);
         assert_eq!(from % EVERY, 0, "BSP resumes at a checkpointed round");
         assert_eq!(r.steps, STEPS, "{}: the run ends at its last step", r.name);
         // Only the steps left were trained (batches of 32; an epoch's last is smaller).
@@ -154,7 +160,7 @@ async fn two_nodes_owning_many_shards_each_resume_under_ssp() -> anyhow::Result<
         let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
         let from = s.resumed_at_step.ok_or_else(|| anyhow::anyhow!("{} did not resume", r.name))?;
         eprintln!("{}: resumed at step {from} ({reached} reached), accuracy {:.2}%", r.name, r.accuracy * 100.0);
-        assert!(from > 0 && from <= reached && reached - from <= EVERY, "{}: resumed at {from}", r.name);
+        assert!(from > 0 && from <= reached && reached - from <= LAG, "{}: resumed at {from}", r.name);
         assert_eq!(r.steps, STEPS);
         assert_eq!(s.checkpoint_failures, 0);
         // SSP's final accuracy varies with push order: 93-96% in ten runs
