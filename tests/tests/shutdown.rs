@@ -198,6 +198,15 @@ async fn headless(
     let mut cmd = std::process::Command::new(bin);
     cmd.args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run"])
         .args(["--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        // A container's /dev/shm may be 64 MiB: Chromium then crashes without this.
+        .arg("--disable-dev-shm-usage")
+        // Nothing leaves the machine: every host name but loopback fails to
+        // resolve (the page is on 127.0.0.1 and loads nothing else).
+        .args([
+            "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+            "--no-pings",
+            "--disable-domain-reliability",
+        ])
         .arg(format!("--user-data-dir={}", profile.display()))
         .args(["--window-size=1200,1400", "--virtual-time-budget=5000"])
         .args(args)
