@@ -1382,6 +1382,24 @@ fn canonical_json(value: &serde_json::Value, out: &mut Vec<u8>) {
     }
 }
 
+/// The defaults with every optional table and key written out (local
+/// steps, gossip, the norm check, admission, the Llama's size), so that
+/// its TOML names every key the config has (tests of the docs and of moved
+/// keys).
+#[cfg(test)]
+pub(crate) fn with_every_table() -> NodeConfig {
+    let mut full = NodeConfig {
+        local_steps: Some(LocalStepsConfig::every(4)),
+        gossip: Some(GossipConfig::default()),
+        ..NodeConfig::default()
+    };
+    full.aggregation.norm_check = Some(50.0);
+    full.network.admission.psk = Some("0".repeat(64));
+    full.network.admission.allowlist = Some(Vec::new());
+    full.training.llama = Some(LlamaSize::default());
+    full
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1771,13 +1789,7 @@ mod tests {
     #[test]
     fn every_new_place_of_a_moved_key_exists_and_no_old_place_does() -> anyhow::Result<()> {
         // The new paths, in the full config: optional tables written out.
-        let mut full = NodeConfig {
-            local_steps: Some(LocalStepsConfig::every(4)),
-            gossip: Some(GossipConfig::default()),
-            ..NodeConfig::default()
-        };
-        full.aggregation.norm_check = Some(50.0);
-        let full = toml::Table::try_from(&full)?;
+        let full = toml::Table::try_from(with_every_table())?;
         for (old, new) in MOVED_KEYS {
             assert!(has_key(&full, new), "{new} (the new place of {old}) is not a key of the config");
             assert!(!has_key(&full, old), "{old} moved but is still a key of the config");

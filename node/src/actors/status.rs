@@ -193,7 +193,7 @@ impl StatusActor {
         s.role = role;
         s.owned_shards = owned;
         if changed {
-            let detail = format!("{} {:?}", role_name(role), s.owned_shards);
+            let detail = format!("{} {:?}", role.name(), s.owned_shards);
             self.mark(kind, detail);
         }
     }
@@ -276,8 +276,9 @@ impl StatusActor {
         if secs > 0.0 {
             s.samples_per_sec = s.samples as f64 / secs;
         }
-        self.history.record(Point {
-            t: self.born.elapsed().as_secs_f64(),
+        let born = self.born;
+        self.history.record(|| Point {
+            t: born.elapsed().as_secs_f64(),
             step,
             loss,
             accuracy: s.last_accuracy,
@@ -288,7 +289,7 @@ impl StatusActor {
             bytes_out: s.bytes_out,
             bytes_in: s.bytes_in,
             owned_shards: s.owned_shards.clone(),
-            role: role_name(s.role),
+            role: s.role.name(),
         });
     }
 
@@ -306,9 +307,4 @@ impl StatusActor {
             s.accuracy_history.push((s.step, secs, a));
         }
     }
-}
-
-/// A role as `/status` writes it (`worker`, `aggregator`, ...).
-fn role_name(role: RoleView) -> String {
-    serde_json::to_value(role).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
 }

@@ -60,9 +60,9 @@ pub fn rows(status: &Value) -> Vec<Row> {
         let id = text(&p["peer_id"]);
         let rate = p["net_bytes_per_sec"].as_f64().filter(|r| *r > 0.0);
         out.push(Row {
-            // Peers are named as the node's own name defaults: the last 6
-            // characters of the peer id.
-            name: id.chars().rev().take(6).collect::<Vec<_>>().into_iter().rev().collect(),
+            // Peers are named as logs name them (the node's own name
+            // defaults to the same).
+            name: id.parse().map(|p| crate::ops::logging::short(&p)).unwrap_or_else(|_| id.clone()),
             peer_id: id,
             role: text(&p["role"]),
             shards: shards(&p["owned_shards"]).unwrap_or_default(),
@@ -254,7 +254,7 @@ mod tests {
             "name": "node0", "peer_id": "12D3KooWAAAAAAnode00", "role": "aggregator", "owned_shards": [0, 1],
             "step": 40, "samples_per_sec": 900.0, "last_loss": 0.5, "link_bytes": 2e6, "link_secs": 2.0,
             "peers": [
-                {"peer_id": "12D3KooWBBBBBBpeer01", "role": "worker", "step": 42, "owned_shards": [],
+                {"peer_id": "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", "role": "worker", "step": 42, "owned_shards": [],
                  "last_seen_ms_ago": 120, "compute_samples_per_sec": 1500.0, "net_bytes_per_sec": 0.0},
                 {"peer_id": "12D3KooWCCCCCCpeer02", "role": "aggregator", "step": 39, "owned_shards": [2],
                  "last_seen_ms_ago": 80, "compute_samples_per_sec": 300.0, "net_bytes_per_sec": 5e5}
@@ -263,7 +263,7 @@ mod tests {
         let mut r = rows(&status);
         assert_eq!(r.len(), 3);
         assert!(r[0].asked && r[0].loss == Some(0.5) && r[0].link_bytes_per_sec == Some(1e6));
-        assert_eq!((r[1].name.as_str(), r[1].link_bytes_per_sec), ("peer01", None));
+        assert_eq!((r[1].name.as_str(), r[1].link_bytes_per_sec), ("x6nXTN", None));
         assert_eq!(r[2].shards, [2]);
         sort(&mut r, SortKey::Speed, true);
         assert_eq!(r.iter().map(|x| x.step).collect::<Vec<_>>(), [42, 40, 39]);

@@ -26,6 +26,20 @@ pub enum RoleView {
     Done,
 }
 
+impl RoleView {
+    /// The role as `/status` writes it (its serde name).
+    pub fn name(self) -> &'static str {
+        match self {
+            RoleView::Starting => "starting",
+            RoleView::Worker => "worker",
+            RoleView::Aggregator => "aggregator",
+            RoleView::Joining => "joining",
+            RoleView::Leaving => "leaving",
+            RoleView::Done => "done",
+        }
+    }
+}
+
 /// A point-in-time copy of the counters.
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct StatusSnapshot {
@@ -312,5 +326,21 @@ impl StatusHandle {
         let (tx, rx) = oneshot::channel();
         self.sender.send(StatusCommand::History(tx)).await.ok()?;
         rx.await.ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RoleView;
+
+    #[test]
+    fn a_role_name_is_its_serde_name() {
+        use RoleView::*;
+        for r in [Starting, Worker, Aggregator, Joining, Leaving, Done] {
+            assert_eq!(
+                serde_json::to_value(r).ok().and_then(|v| v.as_str().map(str::to_string)).as_deref(),
+                Some(r.name())
+            );
+        }
     }
 }

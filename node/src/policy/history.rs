@@ -32,7 +32,7 @@ pub struct Point {
     pub bytes_in: u64,
     pub owned_shards: Vec<u32>,
     /// `worker`, `aggregator`, `joining`, ... as in `/status`.
-    pub role: String,
+    pub role: &'static str,
 }
 
 /// Something that happened, with when.
@@ -80,9 +80,10 @@ impl History {
         }
     }
 
-    /// A step finished: kept if it falls on the stride. When the ring is
-    /// full, every other point goes and the stride doubles.
-    pub fn record(&mut self, point: Point) {
+    /// A step finished: kept if it falls on the stride (only then is
+    /// `point` called). When the ring is full, every other point goes and
+    /// the stride doubles.
+    pub fn record(&mut self, point: impl FnOnce() -> Point) {
         let n = self.offered;
         self.offered += 1;
         if !n.is_multiple_of(self.stride) {
@@ -101,7 +102,7 @@ impl History {
                 return;
             }
         }
-        self.points.push(point);
+        self.points.push(point());
     }
 
     /// Something happened. Past `max_events`, the first half is kept (how
@@ -133,7 +134,7 @@ mod tests {
             bytes_out: 0,
             bytes_in: 0,
             owned_shards: Vec::new(),
-            role: "worker".into(),
+            role: "worker",
         }
     }
 
@@ -141,7 +142,7 @@ mod tests {
     fn a_long_run_is_thinned_evenly_from_its_first_step_to_near_its_last() {
         let mut h = History::new(100, 10);
         for step in 0..10_000 {
-            h.record(point(step));
+            h.record(|| point(step));
             assert!(h.points.len() <= 100, "{} points at step {step}", h.points.len());
         }
         // 10 000 steps into at most 100 points: a stride of 128.
@@ -157,7 +158,7 @@ mod tests {
     fn a_short_run_keeps_every_step() {
         let mut h = History::new(100, 10);
         for step in 0..100 {
-            h.record(point(step));
+            h.record(|| point(step));
         }
         assert_eq!(h.points.len(), 100);
         assert_eq!(h.stride, 1);
