@@ -7,7 +7,7 @@ use shoal_protocol::libp2p::PeerId;
 use tokio::sync::mpsc;
 
 use crate::handles::status::{
-    ExploreRecord, RoleChange, RoleView, StatusCommand, StatusEvent, StatusHandle, StatusSnapshot,
+    ExploreRecord, HistoryDoc, RoleChange, RoleView, StatusCommand, StatusEvent, StatusHandle, StatusSnapshot,
 };
 use crate::policy::explore::Decision;
 use crate::policy::history::{Event, History, Point};
@@ -71,7 +71,8 @@ impl StatusActor {
                     let _ = reply.send(self.snap.clone());
                 }
                 StatusCommand::History(reply) => {
-                    let _ = reply.send(self.history.clone());
+                    let (name, peer_id) = (self.snap.name.clone(), self.snap.peer_id.clone());
+                    let _ = reply.send(HistoryDoc { name, peer_id, history: self.history.clone() });
                 }
                 StatusCommand::Event(e) => self.apply(e),
             }

@@ -40,6 +40,15 @@ impl RoleView {
     }
 }
 
+/// The `/history` document: this node, its points and its events.
+#[derive(Debug, Clone, Serialize)]
+pub struct HistoryDoc {
+    pub name: String,
+    pub peer_id: String,
+    #[serde(flatten)]
+    pub history: History,
+}
+
 /// A point-in-time copy of the counters.
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct StatusSnapshot {
@@ -296,7 +305,7 @@ pub enum StatusEvent {
 pub(crate) enum StatusCommand {
     Event(StatusEvent),
     Snapshot(oneshot::Sender<StatusSnapshot>),
-    History(oneshot::Sender<History>),
+    History(oneshot::Sender<HistoryDoc>),
 }
 
 /// Cloneable handle to the status actor.
@@ -322,7 +331,7 @@ impl StatusHandle {
     }
 
     /// The time series and events since the node started (`GET /history`).
-    pub async fn history(&self) -> Option<History> {
+    pub async fn history(&self) -> Option<HistoryDoc> {
         let (tx, rx) = oneshot::channel();
         self.sender.send(StatusCommand::History(tx)).await.ok()?;
         rx.await.ok()

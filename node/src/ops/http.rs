@@ -201,20 +201,10 @@ async fn metrics(State(state): State<Arc<HttpState>>) -> Response {
     }
 }
 
-/// The `/history` document: this node, its points and its events.
-#[derive(Debug, Clone, Serialize)]
-pub struct HistoryDoc {
-    pub name: String,
-    pub peer_id: String,
-    #[serde(flatten)]
-    pub history: crate::policy::history::History,
-}
-
 async fn history(State(state): State<Arc<HttpState>>) -> Response {
-    let (Some(history), Some(s)) = (state.status.history().await, state.status.snapshot().await) else {
+    let Some(doc) = state.status.history().await else {
         return text(StatusCode::SERVICE_UNAVAILABLE, "status actor stopped\n");
     };
-    let doc = HistoryDoc { name: s.name, peer_id: s.peer_id, history };
     match serde_json::to_vec(&doc) {
         Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
         Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("encoding history: {e}\n")),
