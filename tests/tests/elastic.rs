@@ -26,8 +26,29 @@ async fn slowed_aggregator_is_demoted_its_shards_move_and_accuracy_reaches_93_pe
     spec.overrides[3].fault_delay_ms = Some(25);
     let cluster = Cluster::start(&spec).await?;
     let slow = cluster.nodes[3].peer_id;
+    // node0's `/history` as it trains: the last one read before its status
+    // actor stopped.
+    let watch = cluster.nodes[0].status.clone();
+    let history = tokio::spawn(async move {
+        let mut last = None;
+        while let Some(doc) = watch.history().await {
+            last = Some(doc);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        last
+    });
     let reports = wait_all(cluster).await?;
     let shards = spec.base.cluster.shards as usize;
+    // The ownership timeline node0 kept shows node3's shards moving: node3
+    // owned some at first and none in the last placement.
+    let doc = history.await?.ok_or_else(|| anyhow::anyhow!("node0 never answered /history"))?;
+    let slow_index = doc.history.peers.iter().position(|p| *p == slow.to_string()).map(|i| i as u32);
+    let owns = |o: &shoal_node::policy::history::Ownership| slow_index.is_some_and(|i| o.owners.contains(&i));
+    let marks = &doc.history.ownership;
+    eprintln!("node0's ownership timeline: {} placements, peers {:?}", marks.len(), doc.history.peers);
+    assert!(marks.iter().all(|o| o.owners.len() == shards), "a placement without every shard: {marks:?}");
+    assert!(marks.iter().any(owns), "node3 owns nothing in node0's timeline: {marks:?}");
+    assert!(marks.last().is_some_and(|o| !owns(o)), "node3 still owns shards in node0's last placement: {marks:?}");
     let mut handed_in = 0;
     for r in &reports {
         let s = status(r)?;

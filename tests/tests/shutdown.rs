@@ -171,6 +171,15 @@ fn the_history_grows_while_a_node_trains() -> anyhow::Result<()> {
         let kinds: Vec<&str> =
             second["events"].as_array().into_iter().flatten().filter_map(|e| e["kind"].as_str()).collect();
         assert!(kinds.iter().any(|k| ["role", "promoted"].contains(k)), "no role event: {}", second["events"]);
+        // The ownership timeline: a lone node owns every shard, from its
+        // first placement on, and names itself.
+        let me = second["peer_id"].as_str().context("no peer_id")?;
+        assert_eq!(second["peers"], serde_json::json!([me]), "the timeline's peers: {}", second["peers"]);
+        let marks = second["ownership"].as_array().context("no ownership timeline")?;
+        assert_eq!(marks.len(), 1, "a lone node's owners never change: {marks:?}");
+        let owners = marks[0]["owners"].as_array().context("no owners")?;
+        assert_eq!(owners.len(), 8, "one owner per shard: {owners:?}");
+        assert!(owners.iter().all(|o| o == 0), "every shard is this node's: {owners:?}");
         Ok(())
     })
 }
@@ -272,7 +281,11 @@ fn the_status_page_draws_its_charts_in_headless_chromium() -> anyhow::Result<()>
         let (a, b) = (a.context("the first load drew no loss line")?, b.context("the second load drew no loss line")?);
         assert!(a.starts_with('M') && a.contains('L'), "not a line: {a}");
         assert_ne!(a, b, "the loss chart did not change between two loads");
-        assert!(second.contains("class=\"owned\""), "the shard timeline is empty (a lone node owns every shard)");
+        assert!(
+            second.contains("class=\"owned mine\""),
+            "the shard timeline has no bar of this node's (a lone node owns every shard)"
+        );
+        assert!(second.contains("(this node)"), "the shard timeline's legend does not name this node");
         // The screenshot: a page with charts, not a blank one.
         let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&shot)?));
         let mut reader = decoder.read_info()?;

@@ -126,6 +126,10 @@ impl StatusActor {
                     self.mark("aggregators", format!("{k} aggregators"));
                 }
             }
+            StatusEvent::Owners(owners) => {
+                let owners: Vec<String> = owners.iter().map(ToString::to_string).collect();
+                self.history.owners(self.born.elapsed().as_secs_f64(), s.step, &owners);
+            }
             StatusEvent::Compression { push, pull } => {
                 s.compress_push = push;
                 s.compress_pull = pull;

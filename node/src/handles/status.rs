@@ -262,6 +262,8 @@ pub enum StatusEvent {
     },
     RoundForced,
     Aggregators(usize),
+    /// A placement whose owners changed: `owners[shard]`.
+    Owners(Vec<PeerId>),
     Explore {
         step: u64,
         decision: crate::policy::explore::Decision,

@@ -1,7 +1,8 @@
 //! A node's time series for `GET /history`, pure: a bounded ring of points
 //! that thins itself as it fills, so that it spans the whole run at an even
-//! spacing, and a bounded list of events (role changes, shard moves, joins,
-//! leaves, forced rounds).
+//! spacing, a bounded list of events (role changes, shard moves, joins,
+//! leaves, forced rounds), and a bounded list of the placements this node
+//! computed: which peer owned each shard from when, across the cluster.
 //!
 //! Thinning: the series keeps one step in every `stride`. When it holds
 //! `capacity` points it drops every other one and doubles `stride`, so a run
@@ -47,7 +48,16 @@ pub struct Event {
     pub detail: String,
 }
 
-/// The ring and the event list.
+/// Who owned each shard from `t` on, as this node's placement said.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Ownership {
+    pub t: f64,
+    pub step: u64,
+    /// `owners[shard]`: an index into [`History::peers`].
+    pub owners: Vec<u32>,
+}
+
+/// The ring, the event list and the ownership timeline.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct History {
     /// Most points kept.
@@ -61,6 +71,14 @@ pub struct History {
     pub max_events: usize,
     /// Events dropped to stay within `max_events`.
     pub events_dropped: u64,
+    /// Every placement whose owners differ from the one before, kept like
+    /// the events (the first half of `max_events`, then the latest).
+    pub ownership: Vec<Ownership>,
+    /// The peers named by `ownership`, in the order they first owned a
+    /// shard.
+    pub peers: Vec<String>,
+    /// Placements dropped to stay within `max_events`.
+    pub ownership_dropped: u64,
     /// Steps offered to `record` (kept or not).
     #[serde(skip)]
     offered: u64,
@@ -76,6 +94,9 @@ impl History {
             events: Vec::new(),
             max_events: max_events.max(2),
             events_dropped: 0,
+            ownership: Vec::new(),
+            peers: Vec::new(),
+            ownership_dropped: 0,
             offered: 0,
         }
     }
@@ -108,13 +129,42 @@ impl History {
     /// Something happened. Past `max_events`, the first half is kept (how
     /// the run began) and the oldest of the rest go.
     pub fn event(&mut self, event: Event) {
-        if self.events.len() >= self.max_events {
-            let keep = self.max_events / 2;
-            self.events.remove(keep);
-            self.events_dropped += 1;
-        }
-        self.events.push(event);
+        self.events_dropped += bounded_push(&mut self.events, event, self.max_events);
     }
+
+    /// A placement with `owners[shard]`: kept when they differ from the
+    /// last one kept (an epoch that moved nothing is not a change).
+    pub fn owners(&mut self, t: f64, step: u64, owners: &[String]) {
+        let indices: Vec<u32> = owners.iter().map(|o| self.peer_index(o)).collect();
+        if self.ownership.last().is_some_and(|last| last.owners == indices) {
+            return;
+        }
+        let mark = Ownership { t, step, owners: indices };
+        self.ownership_dropped += bounded_push(&mut self.ownership, mark, self.max_events);
+    }
+
+    fn peer_index(&mut self, peer: &str) -> u32 {
+        match self.peers.iter().position(|p| p == peer) {
+            Some(i) => i as u32,
+            None => {
+                self.peers.push(peer.to_owned());
+                (self.peers.len() - 1) as u32
+            }
+        }
+    }
+}
+
+/// Pushes `item`; when `list` holds `max` already, the oldest after the
+/// first half goes first. Returns how many were dropped (0 or 1).
+fn bounded_push<T>(list: &mut Vec<T>, item: T, max: usize) -> u64 {
+    let dropped = if list.len() >= max {
+        list.remove(max / 2);
+        1
+    } else {
+        0
+    };
+    list.push(item);
+    dropped
 }
 
 #[cfg(test)]
@@ -173,5 +223,26 @@ mod tests {
         let steps: Vec<u64> = h.events.iter().map(|e| e.step).collect();
         assert_eq!(steps, [0, 1, 8, 9]);
         assert_eq!(h.events_dropped, 6);
+    }
+
+    #[test]
+    fn ownership_keeps_each_change_once_with_its_peers_named_once() {
+        let mut h = History::new(10, 4);
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        h.owners(0.0, 0, &names(&["a", "b", "a"]));
+        h.owners(1.0, 5, &names(&["a", "b", "a"])); // a new epoch, nothing moved
+        h.owners(2.0, 9, &names(&["c", "b", "c"]));
+        assert_eq!(h.peers, ["a", "b", "c"]);
+        let marks: Vec<(u64, Vec<u32>)> = h.ownership.iter().map(|o| (o.step, o.owners.clone())).collect();
+        assert_eq!(marks, [(0, vec![0, 1, 0]), (9, vec![2, 1, 2])]);
+        // Bounded like the events: the first half, then the latest.
+        for step in 10..20 {
+            let who = if step % 2 == 0 { "a" } else { "b" };
+            h.owners(step as f64, step, &names(&[who, who, who]));
+        }
+        let steps: Vec<u64> = h.ownership.iter().map(|o| o.step).collect();
+        assert_eq!(steps, [0, 9, 18, 19]);
+        assert_eq!(h.ownership_dropped, 8);
+        assert_eq!(h.peers, ["a", "b", "c"], "a peer is named once however often it owns");
     }
 }
