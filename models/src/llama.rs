@@ -204,14 +204,41 @@ impl Llama {
     /// linear layer is one matrix product.
     pub(crate) fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
         let (n, t) = tokens.dims2()?;
-        if t == 0 || t > self.context {
-            return Err(ModelError::Invalid(format!("Llama input of {t} tokens; its context is {}", self.context)));
+        let x = self.hidden(tokens, None)?;
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        Ok(linear(&x, head)?.reshape((n, t, head.dim(0)?))?)
+    }
+
+    /// The last position's logits `[vocab]` for `tokens` that follow the
+    /// ones `cache` holds (one sequence): their keys and values join the
+    /// cache, so each generated token costs one position, not the whole
+    /// context again.
+    pub(crate) fn next_logits(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        let t = tokens.len();
+        let input = Tensor::from_vec(tokens.to_vec(), (1, t), self.mask.device())?;
+        let x = self.hidden(&input, Some(cache))?.narrow(0, t - 1, 1)?;
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        Ok(linear(&x, head)?.flatten_all()?)
+    }
+
+    /// The final normed residual stream `[n * t, width]` of tokens `[n, t]`
+    /// at positions `cache.len ..` (0 without a cache).
+    fn hidden(&self, tokens: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let (n, t) = tokens.dims2()?;
+        let pos = cache.as_ref().map_or(0, |c| c.len);
+        if t == 0 || pos + t > self.context {
+            return Err(ModelError::Invalid(format!(
+                "Llama input of {t} tokens after {pos}; its context is {}",
+                self.context
+            )));
         }
         let s = &self.size;
         let (d, hd, h, kvh) = (s.width, s.head_dim(), s.heads, s.kv_heads);
         let eps = s.norm_eps.0 as f32;
         let mut x = self.embed.index_select(&tokens.flatten_all()?, 0)?;
-        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        // Rows: the new positions; columns: every key so far.
+        let mask = self.mask.narrow(0, pos, t)?.narrow(1, 0, pos + t)?;
+        let (cos, sin) = (self.cos.narrow(0, pos, t)?, self.sin.narrow(0, pos, t)?);
         let scale = 1.0 / (hd as f64).sqrt();
         let heads = |m: Tensor, count: usize| -> Result<Tensor> {
             Ok(m.reshape((n, t, count, hd))?.transpose(1, 2)?.contiguous()?)
@@ -221,25 +248,36 @@ impl Llama {
             if kvh == h {
                 return Ok(m);
             }
-            let m = m.unsqueeze(2)?.broadcast_as((n, kvh, h / kvh, t, hd))?.contiguous()?;
-            Ok(m.reshape((n, h, t, hd))?)
+            let keys = m.dim(2)?;
+            let m = m.unsqueeze(2)?.broadcast_as((n, kvh, h / kvh, keys, hd))?.contiguous()?;
+            Ok(m.reshape((n, h, keys, hd))?)
         };
-        for b in &self.blocks {
+        for (i, b) in self.blocks.iter().enumerate() {
             let a = crate::kernels::rms_norm(&x, &b.attn_norm, eps)?;
-            let q = crate::kernels::rope(&heads(linear(&a, &b.q)?, h)?, &self.cos, &self.sin)?;
-            let k = repeat(crate::kernels::rope(&heads(linear(&a, &b.k)?, kvh)?, &self.cos, &self.sin)?)?;
-            let v = repeat(heads(linear(&a, &b.v)?, kvh)?)?;
-            let att = crate::kernels::causal_softmax(&q.matmul(&k.t()?)?, scale, &mask)?;
+            let q = crate::kernels::rope(&heads(linear(&a, &b.q)?, h)?, &cos, &sin)?;
+            let k = crate::kernels::rope(&heads(linear(&a, &b.k)?, kvh)?, &cos, &sin)?;
+            let v = heads(linear(&a, &b.v)?, kvh)?;
+            let (k, v) = match cache.as_deref_mut() {
+                Some(c) => c.extend(i, k, v)?,
+                None => (k, v),
+            };
+            let (k, v) = (repeat(k)?, repeat(v)?);
+            let scores = q.matmul(&k.t()?)?;
+            let att = if pos == 0 {
+                crate::kernels::causal_softmax(&scores, scale, &mask)?
+            } else {
+                crate::kernels::softmax_last_dim(&(scores * scale)?.broadcast_add(&mask)?)?
+            };
             let y = att.matmul(&v)?.transpose(1, 2)?.reshape((n * t, d))?;
             x = (x + linear(&y, &b.o)?)?;
             let m = crate::kernels::rms_norm(&x, &b.mlp_norm, eps)?;
             let m = crate::kernels::swiglu(&linear(&m, &b.gate)?, &linear(&m, &b.up)?)?;
             x = (x + linear(&m, &b.down)?)?;
         }
-        let x = crate::kernels::rms_norm(&x, &self.norm, eps)?;
-        let head = self.head.as_ref().unwrap_or(&self.embed);
-        let vocab = head.dim(0)?;
-        Ok(linear(&x, head)?.reshape((n, t, vocab))?)
+        if let Some(c) = cache {
+            c.len += t;
+        }
+        crate::kernels::rms_norm(&x, &self.norm, eps)
     }
 
     /// Split windows `[n, .., context + 1]` (f32 token values) into inputs
@@ -251,6 +289,12 @@ impl Llama {
     /// Continue `prompt` by `tokens` tokens, sampling each from the softmax
     /// of the last position's logits divided by `temperature` (0: the most
     /// likely token). The same seed gives the same tokens on the same device.
+    ///
+    /// A [`KvCache`] holds the keys and values of the positions so far, so
+    /// each token costs one position. Within the context this equals running
+    /// the whole sequence again for every token; once the context is full,
+    /// the cache starts again from the last half of it (a prompt longer
+    /// than the context is cut to its last `context` tokens).
     pub(crate) fn generate(&self, prompt: &[u32], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u32>> {
         if !(temperature >= 0.0 && temperature.is_finite()) {
             return Err(ModelError::Invalid(format!("temperature {temperature} must be a finite number >= 0")));
@@ -261,15 +305,49 @@ impl Llama {
         }
         let mut rng = DetRng::derive(seed, "generate");
         let mut out: Vec<u32> = prompt.to_vec();
-        for _ in 0..tokens {
-            let start = out.len().saturating_sub(self.context);
-            let ctx = out[start..].to_vec();
-            let t = ctx.len();
-            let input = Tensor::from_vec(ctx, (1, t), self.mask.device())?;
-            let logits = self.logits(&input)?.narrow(1, t - 1, 1)?.flatten_all()?.to_dtype(DType::F32)?;
-            out.push(crate::gpt::sample(&logits.to_vec1()?, temperature, &mut rng) as u32);
+        let mut cache = KvCache::new(self.blocks.len());
+        let mut logits = self.next_logits(&out[out.len().saturating_sub(self.context)..], &mut cache)?;
+        for left in (0..tokens).rev() {
+            let next = crate::gpt::sample(&logits.to_dtype(DType::F32)?.to_vec1()?, temperature, &mut rng) as u32;
+            out.push(next);
+            if left == 0 {
+                break;
+            }
+            logits = if cache.len < self.context {
+                self.next_logits(&[next], &mut cache)?
+            } else {
+                // The context is full: start again from its last half.
+                cache = KvCache::new(self.blocks.len());
+                self.next_logits(&out[out.len() - (self.context / 2).max(1)..], &mut cache)?
+            };
         }
         Ok(out.split_off(prompt.len()))
+    }
+}
+
+/// The keys and values of the positions a sequence has been through, per
+/// layer (`[1, kv_heads, len, head_dim]`), for generating one token at a
+/// time.
+pub(crate) struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Positions held.
+    len: usize,
+}
+
+impl KvCache {
+    pub(crate) fn new(layers: usize) -> Self {
+        Self { layers: vec![None; layers], len: 0 }
+    }
+
+    /// Appends layer `i`'s new keys and values; returns all of them.
+    fn extend(&mut self, i: usize, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        let slot = self.layers.get_mut(i).ok_or_else(|| ModelError::Invalid(format!("no layer {i} in the cache")))?;
+        let both = match slot.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            None => (k, v),
+        };
+        *slot = Some(both.clone());
+        Ok(both)
     }
 }
 
@@ -366,6 +444,45 @@ mod tests {
             wide.logits(&input)?.narrow(1, 7, 1)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
         let diff = fused.iter().zip(&composed).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(diff < 1e-4, "fused and composed logits differ by {diff}");
+        Ok(())
+    }
+
+    /// Token by token through the cache, the logits are those of the
+    /// whole sequence run at once, and generating past the context goes on.
+    #[test]
+    fn the_kv_cache_gives_the_logits_of_the_whole_sequence() -> crate::Result<()> {
+        let context = 12;
+        for (tie, kv) in [(true, 2), (false, 1), (false, 4)] {
+            let model = Model::new(tiny(tie, kv, context), 5, &Device::Cpu)?;
+            let Some(net) = model.llama() else { panic!("not a llama") };
+            let tokens: Vec<u32> = (0..context as u32).map(|i| (i * 29 + 3) % 64).collect();
+            let mut cache = KvCache::new(2);
+            let mut worst = 0f32;
+            // A prompt of 4 at once, then one position at a time.
+            let mut cached: Vec<f32> = net.next_logits(&tokens[..4], &mut cache)?.to_vec1()?;
+            for end in 4..=context {
+                let whole = last_logits(net, &tokens[..end])?;
+                let diff = whole.iter().zip(&cached).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                worst = worst.max(diff);
+                if end < context {
+                    cached = net.next_logits(&tokens[end..end + 1], &mut cache)?.to_vec1()?;
+                }
+            }
+            assert!(worst < 1e-5, "tie {tie}, kv {kv}: cached logits differ by {worst}");
+            let full = net.next_logits(&tokens[..1], &mut cache).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(full.contains("context is 12"), "a full cache took another position: {full}");
+            // Greedy: the cached generation is the recomputing one while it
+            // fits, and it goes on past the context.
+            let out = net.generate(&tokens[..3], 3 * context, 0.0, 1)?;
+            assert_eq!(out.len(), 3 * context);
+            let mut seq = tokens[..3].to_vec();
+            for want in &out[..context - 3] {
+                let logits = last_logits(net, &seq)?;
+                let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b }) as u32;
+                assert_eq!(best, *want, "tie {tie}, kv {kv}: greedy token {} differs", seq.len());
+                seq.push(best);
+            }
+        }
         Ok(())
     }
 
