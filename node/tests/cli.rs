@@ -322,6 +322,7 @@ fn bad_flags_are_rejected_before_work() {
         &["bench", "exchange", "--nodes", "1"],
         &["demo", "--straggler", "--mode", "gossip"],
         &["demo", "--straggler", "--nodes", "1"],
+        &["demo", "--output-hf", "hf"],
     ] {
         let o = shoal(args);
         let (_, err) = text(&o);
@@ -340,6 +341,8 @@ fn the_straggler_demo_demotes_the_slow_owner_and_says_what_happened() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     eprintln!("{out}");
+    let pages = out.lines().find(|l| l.starts_with("live charts (status pages): ")).unwrap_or_default();
+    assert_eq!(pages.matches(" http://127.0.0.1:").count(), 4, "each node's status page is named: {out}");
     let line = out.lines().find(|l| l.starts_with("straggler: ")).unwrap_or_default();
     let name = line.trim_start_matches("straggler: ").split(',').next().unwrap_or_default().to_string();
     assert!(!name.is_empty() && line.contains("answers 25 ms late"), "no straggler line: {out}");
@@ -357,6 +360,31 @@ fn the_straggler_demo_demotes_the_slow_owner_and_says_what_happened() {
         .collect();
     owned.sort_unstable();
     assert_eq!(owned, (0..8).collect::<Vec<u32>>(), "every shard owned once at the end: {out}");
+}
+
+/// `shoal demo --model llama --output-hf DIR`: the first node's model as
+/// a Hugging Face directory, which `shoal eval` reads.
+#[test]
+fn a_llama_demo_writes_a_hugging_face_directory() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let hf = dir.path().join("hf");
+    let text_file = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/data/gpl-3.0.txt");
+    let dataset = format!("text@32:{text_file}");
+    #[rustfmt::skip]
+    let o = shoal(&[
+        "demo", "--model", "llama", "--dataset", &dataset, "--nodes", "2", "--steps", "10", "--batch-size", "4",
+        "--output-hf", hf.to_str().unwrap_or_default(),
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("Hugging Face directory of node0 written to"), "{out}");
+    let config = read_json(&hf.join("config.json"));
+    assert_eq!(config["architectures"][0], "LlamaForCausalLM", "{config}");
+    let e = shoal(&["eval", "--json", "--model", hf.to_str().unwrap_or_default(), "--dataset", &dataset]);
+    let (eout, eerr) = text(&e);
+    assert!(e.status.success(), "stdout: {eout}\nstderr: {eerr}");
+    let loss = serde_json::from_str::<serde_json::Value>(&eout).unwrap_or_default()["loss"].as_f64();
+    assert!(loss.is_some_and(f64::is_finite), "{eout}");
 }
 
 /// The text of a tmux session's pane.

@@ -171,6 +171,56 @@ fn processes_naming(dir: &std::path::Path, but: u32) -> Vec<u32> {
 /// SIGTERM to `shoal testnet run` (as a CI timeout or `kill` sends it)
 /// stops every node and writes the report of what ran. Before the fix the
 /// launcher died at once and its node processes trained on, orphaned.
+/// A Llama testnet: every node leaves a Hugging Face directory in the
+/// report's `models` folder (with no `output_hf` in the scenario), and
+/// `shoal eval` reads each back to the same loss, since a pull-mode run
+/// ends with one model on every node.
+#[test]
+fn a_llama_testnet_leaves_a_hugging_face_directory_per_node() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let text = dir.path().join("corpus.txt");
+    std::fs::write(&text, shoal_models::data::SAMPLE_TEXT)?;
+    let scenario = dir.path().join("llama.toml");
+    std::fs::write(
+        &scenario,
+        format!(
+            "nodes = 2\ntime_limit_secs = 300\n\n[node_config.training]\nmodel = \"llama\"\n\
+             dataset = \"text@32:{}\"\nsteps = 30\nbatch_size = 8\n\n\
+             [node_config.training.llama]\nlayers = 1\nheads = 2\nkv_heads = 1\nwidth = 32\nff = 64\n",
+            text.display()
+        ),
+    )?;
+    let (report, summary) = run_testnet(&[], &scenario)?;
+    for n in summary["nodes"].as_array().cloned().unwrap_or_default() {
+        assert_eq!(n["exit"], "exited", "{n}");
+    }
+    let mut losses = Vec::new();
+    for node in ["node0", "node1"] {
+        let hf = report.path().join("models").join(format!("{node}-hf"));
+        let config: serde_json::Value = serde_json::from_slice(&std::fs::read(hf.join("config.json"))?)?;
+        assert_eq!(config["architectures"], serde_json::json!(["LlamaForCausalLM"]), "{node}: {config}");
+        assert_eq!(config["hidden_size"], 32, "{node}: {config}");
+        for file in ["model.safetensors", "tokenizer.json", "generation_config.json"] {
+            assert!(hf.join(file).is_file(), "{node}: no {file} in {}", hf.display());
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(["eval", "--json", "--model"])
+            .arg(&hf)
+            .arg("--dataset")
+            .arg(format!("text@32:{}", text.display()))
+            .output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "shoal eval {node}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+        let doc: serde_json::Value = serde_json::from_str(stdout.trim())?;
+        losses.push(doc["loss"].as_f64().ok_or_else(|| anyhow::anyhow!("no loss: {doc}"))?);
+    }
+    eprintln!("eval of each node's Hugging Face directory: {losses:?}");
+    // Trained: below a uniform guess over 256 bytes (ln 256 = 5.55 nats).
+    assert!(losses[0].is_finite() && losses[0] < 5.4, "{losses:?}");
+    assert!((losses[0] - losses[1]).abs() <= 1e-5 * losses[0].abs(), "the nodes ended on different models: {losses:?}");
+    Ok(())
+}
+
 #[test]
 #[cfg(target_os = "linux")]
 fn sigterm_to_the_launcher_stops_every_node_and_writes_the_report() -> anyhow::Result<()> {

@@ -250,6 +250,10 @@ impl Testnet<'_> {
         if let Some(p) = &spec.profile {
             cfg.insert("profile".into(), p.clone().into());
         }
+        if training.get("model").and_then(toml::Value::as_str) == Some("llama") && !cfg.contains_key("output_hf") {
+            // A Llama also leaves a Hugging Face directory per node.
+            cfg.insert("output_hf".into(), format!("{}/node{i}-hf", self.launcher.models_dir()?).into());
+        }
         cfg.insert("training".into(), training.into());
         cfg.insert("cluster".into(), cluster.into());
         if cfg.contains_key("checkpoint") {
@@ -843,6 +847,10 @@ enum End {
 trait Launcher {
     /// Node `i`'s checkpoint folder as the node sees it (made if needed).
     fn checkpoint_dir(&self, i: usize) -> anyhow::Result<String>;
+    /// The report's `models` folder as the nodes see it (made if needed):
+    /// each node's model file goes there, and a Llama's Hugging Face
+    /// directory.
+    fn models_dir(&self) -> anyhow::Result<String>;
     /// The command that runs node `i`; its stdout and stderr are the node's.
     fn command(&mut self, i: usize, args: &NodeArgs) -> anyhow::Result<Command>;
     /// Whether `node`, started with `args`, is ready: it printed its
@@ -927,6 +935,12 @@ impl Launcher for ProcessLauncher {
         Ok(std::fs::canonicalize(&d).unwrap_or(d).display().to_string())
     }
 
+    fn models_dir(&self) -> anyhow::Result<String> {
+        let d = self.report_dir.join("models");
+        std::fs::create_dir_all(&d)?;
+        Ok(std::fs::canonicalize(&d).unwrap_or(d).display().to_string())
+    }
+
     fn command(&mut self, _i: usize, args: &NodeArgs) -> anyhow::Result<Command> {
         let name = &args.name;
         let mut cmd = self.program(name, args.arch)?;
@@ -938,7 +952,7 @@ impl Launcher for ProcessLauncher {
             .arg("--identity")
             .arg(self.report_dir.join("keys").join(format!("{name}.key")))
             .arg("--output")
-            .arg(self.report_dir.join("models").join(format!("{name}.safetensors")))
+            .arg(Path::new(&self.models_dir()?).join(format!("{name}.safetensors")))
             .args(&args.peers)
             .env("RUST_LOG", &args.log_filter)
             .env("NO_COLOR", "1");
@@ -1052,6 +1066,10 @@ impl Launcher for DockerLauncher {
         Ok(format!("/checkpoints/node{i}"))
     }
 
+    fn models_dir(&self) -> anyhow::Result<String> {
+        Ok("/models".into())
+    }
+
     fn command(&mut self, i: usize, args: &NodeArgs) -> anyhow::Result<Command> {
         if args.arch != Arch::Native {
             bail!("node{i} has arch = \"{}\": emulated nodes run on the process backend only", args.arch);
@@ -1078,7 +1096,7 @@ impl Launcher for DockerLauncher {
             .args(["--http", &format!("0.0.0.0:{DOCKER_HTTP_PORT}"), "--control"])
             .args(args.mdns_flag())
             .args(["--identity", &format!("/keys/{name}.key")])
-            .args(["--output", &format!("/models/{name}.safetensors")])
+            .args(["--output", &format!("{}/{name}.safetensors", self.models_dir()?)])
             .args(&args.peers);
         if !self.containers.contains(&container) {
             self.containers.push(container);

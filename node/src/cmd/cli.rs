@@ -477,6 +477,10 @@ pub struct DemoArgs {
     /// Write the first node's trained model here (safetensors).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// --model llama: also write the first node's trained model as a
+    /// Hugging Face directory (as `shoal train --output-hf`).
+    #[arg(long)]
+    pub output_hf: Option<PathBuf>,
     /// Compute threads per node (default: this host's cores / --nodes).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: Option<usize>,

@@ -27,6 +27,9 @@ fn demo_config(args: &DemoArgs) -> anyhow::Result<(NodeConfig, usize)> {
     if args.straggler > 0 && (args.nodes < 2 || args.mode != crate::config::Mode::Pull) {
         anyhow::bail!("--straggler needs pull mode and at least 2 nodes: a slow owner's shards move to another");
     }
+    if args.output_hf.is_some() && args.model != shoal_models::ArchKind::Llama {
+        anyhow::bail!("--output-hf writes a Hugging Face LlamaForCausalLM: it needs --model llama, not {}", args.model);
+    }
     let mut base = NodeConfig { run_id: "demo".into(), ..NodeConfig::default() };
     base.training.model = args.model;
     base.training.dataset = args.dataset.clone();
@@ -62,6 +65,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
     rt.block_on(async move {
         let cluster = Cluster::start(&spec).await?;
+        let pages: Vec<String> =
+            cluster.nodes.iter().filter_map(|n| Some(format!("{} http://{}/", n.name, n.http?))).collect();
+        if !pages.is_empty() {
+            println!("live charts (status pages): {}", pages.join(", "));
+        }
         let straggler = (args.straggler > 0).then(|| {
             let nodes = cluster.nodes.iter().map(|n| (n.name.clone(), n.status.clone(), n.faults.clone())).collect();
             let log = std::sync::Arc::new(std::sync::Mutex::new(StragglerLog::default()));
@@ -137,6 +145,10 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 first.accuracy * 100.0,
                 path.display()
             );
+        }
+        if let (Some(dir), Some(first)) = (&args.output_hf, reports.first()) {
+            first.write_hf(&spec.base, dir).await?;
+            println!("Hugging Face directory of {} written to {}", first.name, dir.display());
         }
         Ok(())
     })
