@@ -21,16 +21,13 @@ SGD; batch 64 per worker; one epoch split over the workers):
          column is the model's GB/s (bytes over a round's time; higher is
          better) and its accuracy columns are the compressed case's GB/s
          on Shoal's side and 0 on PyTorch's.
-  gpt-1: `shoal train --model gpt` (4 layers, 4 heads, width 128, context
-         64; AdamW lr 2e-3; 200 steps of 32 windows) on the GPL v3 text that
-         models/data ships, against the same GPT in PyTorch
-         (scripts/torch_gpt.py). Its "samples" are windows of 64 tokens; its
-         "accuracy" column shows validation bits per byte (lower is better).
   llama-1: `shoal train --model llama` (4 layers, 4 query and 2 key/value
          heads, width 128, MLP 352, tied head, context 64; AdamW lr 2e-3;
          200 steps of 32 windows; 2 compute threads) against transformers'
          LlamaForCausalLM with the same config and 2 threads
-         (scripts/torch_llama.py). Columns as for gpt-1.
+         (scripts/torch_llama.py). Its "samples" are windows of 64 tokens;
+         its "accuracy" column shows validation bits per byte (lower is
+         better).
 Each case runs `--runs` times, alternating Shoal and PyTorch; the table shows
 medians and the ratio Shoal / PyTorch of the medians. Accuracy is the test
 accuracy after the epoch (for mlp-4: the lowest node's).
@@ -73,8 +70,7 @@ def shoal_demo(shoal, data, extra=()):
     return {"samples_per_sec": sum(float(s) for _, s in rows), "accuracy": min(float(a) for a, _ in rows) / 100}
 
 
-GPT_ARGS = ["--layers", "4", "--heads", "4", "--width", "128", "--steps", "200", "--batch-size", "32"]
-GPT_TEXT = os.path.join(HERE, "..", "models", "data", "gpl-3.0.txt")
+TEXT = os.path.join(HERE, "..", "models", "data", "gpl-3.0.txt")
 
 
 LLAMA_ARGS = ["--layers", "4", "--heads", "4", "--kv-heads", "2", "--width", "128", "--ff", "352",
@@ -82,7 +78,7 @@ LLAMA_ARGS = ["--layers", "4", "--heads", "4", "--kv-heads", "2", "--width", "12
 
 
 def shoal_llama(shoal, threads):
-    out = run([shoal, "train", "--model", "llama", "--dataset", f"text:{GPT_TEXT}", "--eval-every", "200",
+    out = run([shoal, "train", "--model", "llama", "--dataset", f"text:{TEXT}", "--eval-every", "200",
                "--threads", str(threads), *LLAMA_ARGS])
     sps = float(re.search(r"([0-9.]+) samples/s", out).group(1))
     bpb = float(re.search(r"final test bits/byte ([0-9.]+)", out).group(1))
@@ -90,24 +86,11 @@ def shoal_llama(shoal, threads):
 
 
 def torch_llama(threads):
-    out = run([sys.executable, os.path.join(HERE, "torch_llama.py"), "--text", GPT_TEXT, "--threads", str(threads),
+    out = run([sys.executable, os.path.join(HERE, "torch_llama.py"), "--text", TEXT, "--threads", str(threads),
                *LLAMA_ARGS])
     r = json.loads(out.strip().splitlines()[-1])
     if "skipped" in r:
         raise SystemExit(f"torch_llama.py: {r['skipped']}")
-    return {"samples_per_sec": r["samples_per_sec"], "accuracy": r["bits_per_byte"]}
-
-
-def shoal_gpt(shoal):
-    out = run([shoal, "train", "--model", "gpt", "--dataset", f"text:{GPT_TEXT}", "--eval-every", "200", *GPT_ARGS])
-    sps = float(re.search(r"([0-9.]+) samples/s", out).group(1))
-    bpb = float(re.search(r"final test bits/byte ([0-9.]+)", out).group(1))
-    return {"samples_per_sec": sps, "accuracy": bpb}
-
-
-def torch_gpt():
-    out = run([sys.executable, os.path.join(HERE, "torch_gpt.py"), "--text", GPT_TEXT, *GPT_ARGS])
-    r = json.loads(out.strip().splitlines()[-1])
     return {"samples_per_sec": r["samples_per_sec"], "accuracy": r["bits_per_byte"]}
 
 
@@ -140,8 +123,8 @@ def torch_case(args_list):
 
 
 def quality(case, value):
-    """Accuracy as a percentage; a GPT's bits per byte and the exchange's GB/s as they are."""
-    if case.startswith(("gpt", "llama")):
+    """Accuracy as a percentage; a Llama's bits per byte and the exchange's GB/s as they are."""
+    if case.startswith("llama"):
         return f"{value:>9.3f}b"
     if case.startswith("exchange"):
         return f"{value:>7.3f}GB/s"
@@ -153,7 +136,7 @@ def main():
     p.add_argument("--shoal", default=os.path.join(HERE, "..", "target", "release", "shoal"))
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4,mlp-4k,gpt-1")
+    p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4,mlp-4k,llama-1")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args()
     if args.runs < 1:
@@ -179,7 +162,6 @@ def main():
         "mlp-4c": (lambda: shoal_demo(args.shoal, args.data, ["--lr", "0.2", "--lr-decay", "cosine"]),
                    lambda: torch_case(["--mode", "ddp", "--world", "4", "--data", args.data,
                                        "--lr", "0.2", "--cosine"])),
-        "gpt-1": (lambda: shoal_gpt(args.shoal), torch_gpt),
         "llama-1": (lambda: shoal_llama(args.shoal, min(2, cores)), lambda: torch_llama(min(2, cores))),
         "exchange-4": (lambda: shoal_exchange(args.shoal), torch_allreduce),
     }

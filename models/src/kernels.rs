@@ -1,8 +1,9 @@
 //! Fused CPU kernels, each with its backward pass, for the transformer.
 //!
-//! candle's CPU backend builds GELU's and softmax's gradients out of many
-//! element-wise tensor ops, each allocating a tensor as large as the input
-//! (and its fused softmax has no backward pass at all). Here each of them
+//! candle's CPU backend builds the gradients of softmax, RMS norm, SwiGLU
+//! and rotary embeddings out of many element-wise tensor ops, each
+//! allocating a tensor as large as the input (and its fused softmax has no
+//! backward pass at all). Here each of them
 //! is one pass over memory forwards and one backwards. Other devices, and
 //! dtypes other than f32, use candle's composed ops.
 
@@ -11,25 +12,8 @@ use rayon::prelude::*;
 
 use crate::error::Result;
 
-/// sqrt(2 / pi), GELU's tanh approximation.
-const GELU_K: f32 = 0.797_884_6;
-const GELU_C: f32 = 0.044_715;
-
 /// Rows per rayon task: enough work to outweigh the scheduling.
 const MIN_CHUNK: usize = 4096;
-
-/// GELU's inner tanh, `tanh(k (x + c x^3))`.
-#[inline]
-fn gelu_tanh(x: f32) -> f32 {
-    tanh(GELU_K * (x + GELU_C * x * x * x))
-}
-
-/// tanh through one `exp` (glibc's `tanhf` goes through `expm1f` and was
-/// a fifth of a GPT step); exact to a few ulps, saturating cleanly.
-#[inline]
-fn tanh(u: f32) -> f32 {
-    1.0 - 2.0 / ((2.0 * u).exp() + 1.0)
-}
 
 fn fast_path(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == candle_core::DType::F32
@@ -109,15 +93,6 @@ fn sum_rows(
     Ok(sums)
 }
 
-/// GELU (tanh approximation), as candle's `Tensor::gelu`.
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if fast_path(x) {
-        Ok(x.contiguous()?.apply_op1(Gelu)?)
-    } else {
-        Ok(x.gelu()?)
-    }
-}
-
 /// Softmax over the last dimension, as `candle_nn::ops::softmax(x, D::Minus1)`.
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     if fast_path(x) {
@@ -143,278 +118,6 @@ pub fn causal_softmax(scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tens
         Ok(scores.contiguous()?.apply_op1(Softmax { cols, scale: scale as f32, causal: true })?)
     } else {
         Ok(candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(mask)?, D::Minus1)?)
-    }
-}
-
-/// Layer norm over the last dimension with gain and bias, as
-/// `candle_nn::ops::layer_norm_slow`.
-pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
-    if fast_path(x) && fast_path(gain) && fast_path(bias) {
-        let cols = x.dim(D::Minus1)?;
-        Ok(x.contiguous()?.apply_op3(&gain.contiguous()?, &bias.contiguous()?, LayerNorm { cols, eps })?)
-    } else {
-        Ok(candle_nn::ops::layer_norm_slow(x, gain, bias, eps)?)
-    }
-}
-
-struct LayerNorm {
-    cols: usize,
-    eps: f32,
-}
-
-/// `dx` of a layer norm, from `(x, gain, grad)`.
-struct LayerNormInputGrad {
-    cols: usize,
-    eps: f32,
-}
-
-/// `[dgain; dbias]` (`[2, cols]`) of a layer norm, from `(x, grad)`.
-struct LayerNormParamGrad {
-    cols: usize,
-    eps: f32,
-}
-
-/// Mean and 1/sqrt(variance + eps) of a row.
-#[inline]
-fn moments(x: &[f32], eps: f32) -> (f32, f32) {
-    let n = x.len().max(1) as f32;
-    let mean = x.iter().sum::<f32>() / n;
-    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
-    (mean, 1.0 / (var + eps).sqrt())
-}
-
-impl candle_core::CustomOp3 for LayerNorm {
-    fn name(&self) -> &'static str {
-        "fused-layer-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, gain, bias) = (contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?);
-        let c = self.cols.max(1);
-        if gain.len() != c || bias.len() != c {
-            candle_core::bail!("layer norm over {c} columns with {} gains and {} biases", gain.len(), bias.len());
-        }
-        let out = map_rows(x, x, c, task_len(c, 1), |_, o, x, _| {
-            let (mean, inv) = moments(x, self.eps);
-            for (((o, &x), &g), &b) in o.iter_mut().zip(x).zip(gain).zip(bias) {
-                *o = (x - mean) * inv * g + b;
-            }
-        })?;
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        gain: &Tensor,
-        _bias: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
-        let (cols, eps) = (self.cols, self.eps);
-        let dx = x.apply_op3_no_bwd(gain, &grad, &LayerNormInputGrad { cols, eps })?;
-        let params = x.apply_op2_no_bwd(&grad, &LayerNormParamGrad { cols, eps })?;
-        Ok((Some(dx), Some(params.get(0)?), Some(params.get(1)?)))
-    }
-}
-
-impl candle_core::CustomOp3 for LayerNormInputGrad {
-    fn name(&self) -> &'static str {
-        "fused-layer-norm-input-grad"
-    }
-
-    /// With `h = g * gain` and `x^ = (x - mean) * inv`:
-    /// `dx = inv * (h - mean(h) - x^ * mean(h * x^))`.
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, gain, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?);
-        let c = self.cols.max(1);
-        if gain.len() != c || g.len() != x.len() {
-            candle_core::bail!("layer norm gradient: shapes do not match");
-        }
-        let out = map_rows(x, g, c, task_len(c, 1), |_, o, x, g| {
-            let (mean, inv) = moments(x, self.eps);
-            let (mut mh, mut mhx) = (0f32, 0f32);
-            for ((&x, &g), &w) in x.iter().zip(g).zip(gain) {
-                let h = g * w;
-                mh += h;
-                mhx += h * (x - mean) * inv;
-            }
-            let (mh, mhx) = (mh / c as f32, mhx / c as f32);
-            for (((o, &x), &g), &w) in o.iter_mut().zip(x).zip(g).zip(gain) {
-                *o = inv * (g * w - mh - (x - mean) * inv * mhx);
-            }
-        })?;
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
-    }
-}
-
-impl CustomOp2 for LayerNormParamGrad {
-    fn name(&self) -> &'static str {
-        "fused-layer-norm-param-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let c = self.cols.max(1);
-        if g.len() != x.len() {
-            candle_core::bail!("layer norm gradient: shapes do not match");
-        }
-        let sums = sum_rows(x, g, c, 2 * c, |acc, x, g| {
-            let (mean, inv) = moments(x, self.eps);
-            let (dgain, dbias) = acc.split_at_mut(c);
-            for (((dw, db), &x), &g) in dgain.iter_mut().zip(dbias.iter_mut()).zip(x).zip(g) {
-                *dw += g * (x - mean) * inv;
-                *db += g;
-            }
-        })?;
-        Ok((CpuStorage::F32(sums), Shape::from((2, c))))
-    }
-}
-
-/// `x [.., cols] + bias`, where the bias holds `cols` values in any shape
-/// (the GPT adds its `[t, width]` position embeddings to rows of
-/// `t * width`). candle's broadcast add sums the bias gradient over rows
-/// with a strided reduction, a tenth of a GPT step; here the rows are
-/// summed in one contiguous pass.
-pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    if fast_path(x) && fast_path(bias) {
-        let cols = bias.elem_count();
-        Ok(x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias { cols })?)
-    } else {
-        // Off the CPU (or not f32): the bias flattened, as the fused kernel
-        // reads it. Broadcasting its own shape failed on CUDA for the GPT
-        // ([n, t * width] + [t, width]).
-        Ok(x.broadcast_add(&bias.flatten_all()?)?)
-    }
-}
-
-struct AddBias {
-    cols: usize,
-}
-
-/// The column sums of `[rows, cols]`.
-struct ColumnSums {
-    cols: usize,
-}
-
-impl CustomOp2 for AddBias {
-    fn name(&self) -> &'static str {
-        "fused-add-bias"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, b) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let c = self.cols.max(1);
-        if b.len() != c || x.len() % c != 0 {
-            candle_core::bail!("bias of {} values for rows of {c} ({} values)", b.len(), x.len());
-        }
-        let out = map_rows(x, x, c, task_len(c, 1), |_, o, x, _| {
-            for ((o, x), b) in o.iter_mut().zip(x).zip(b) {
-                *o = x + b;
-            }
-        })?;
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        bias: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let db = grad.contiguous()?.apply_op1_no_bwd(&ColumnSums { cols: self.cols })?.reshape(bias.shape())?;
-        Ok((Some(grad.clone()), Some(db)))
-    }
-}
-
-impl CustomOp1 for ColumnSums {
-    fn name(&self) -> &'static str {
-        "column-sums"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let g = contiguous(storage, layout)?;
-        let c = self.cols.max(1);
-        let sums = sum_rows(g, g, c, c, |acc, g, _| acc.iter_mut().zip(g).for_each(|(a, g)| *a += g))?;
-        Ok((CpuStorage::F32(sums), Shape::from(c)))
-    }
-}
-
-struct Gelu;
-struct GeluGrad;
-
-impl CustomOp1 for Gelu {
-    fn name(&self) -> &'static str {
-        "fused-gelu"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = contiguous(storage, layout)?;
-        // Element-wise: any row length serves; MIN_CHUNK makes one row per task.
-        let out = map_rows(x, x, MIN_CHUNK, MIN_CHUNK, |_, o, x, _| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = 0.5 * x * (1.0 + gelu_tanh(x));
-            }
-        })?;
-        Ok((CpuStorage::F32(out), layout.shape().clone()))
-    }
-
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(arg.contiguous()?.apply_op2_no_bwd(&grad_res.contiguous()?, &GeluGrad)?))
-    }
-}
-
-impl CustomOp2 for GeluGrad {
-    fn name(&self) -> &'static str {
-        "fused-gelu-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let out = map_rows(x, g, MIN_CHUNK, MIN_CHUNK, |_, o, x, g| {
-            for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
-                let t = gelu_tanh(x);
-                let d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * x * x);
-                *o = g * d;
-            }
-        })?;
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 
@@ -788,15 +491,13 @@ mod tests {
 
     /// Forward values and input gradients equal candle's composed ops.
     #[test]
-    fn fused_gelu_and_softmax_match_candle() -> Result<()> {
+    fn fused_kernels_match_candle() -> Result<()> {
         let dev = Device::Cpu;
         let x = Var::from_tensor(&(Tensor::randn(0f32, 2.0, (6, 4, 33), &dev)?))?;
         let w = Tensor::randn(0f32, 1.0, (6, 4, 33), &dev)?;
         type Op = fn(&Tensor) -> Result<Tensor>;
-        let cases: [(&str, Op, Op); 2] = [
-            ("gelu", |x| gelu(x), |x| Ok(x.gelu()?)),
-            ("softmax", |x| softmax_last_dim(x), |x| Ok(candle_nn::ops::softmax(x, D::Minus1)?)),
-        ];
+        let cases: [(&str, Op, Op); 1] =
+            [("softmax", |x| softmax_last_dim(x), |x| Ok(candle_nn::ops::softmax(x, D::Minus1)?))];
         // Causal softmax against the masked, scaled composed form.
         let t = 33;
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
@@ -813,37 +514,7 @@ mod tests {
         };
         let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-4, "causal softmax gradient differs by {diff}");
-        // A bias added to rows: the gradients of the input and of the bias.
-        let b = Var::from_tensor(&(Tensor::randn(0f32, 1.0, 33, &dev)?))?;
-        let (fa, fb) = (add_bias(x.as_tensor(), b.as_tensor())?, x.as_tensor().broadcast_add(b.as_tensor())?);
-        assert_eq!((&fa - &fb)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
-        let (ga, gb) = ((fa * &w)?.sum_all()?.backward()?, (fb * &w)?.sum_all()?.backward()?);
-        for t in [x.as_tensor(), b.as_tensor()] {
-            let (Some(da), Some(db)) = (ga.get(t), gb.get(t)) else { panic!("add_bias: no gradient") };
-            let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(diff < 1e-4, "add_bias gradient differs by {diff}");
-        }
-        // A bias of another shape but as many values (the GPT's position
-        // embeddings), on the path the other devices take (f64 here): the
-        // same sums as the fused kernel's.
-        let b2 = b.as_tensor().reshape((3, 11))?;
-        let fused = add_bias(x.as_tensor(), &b2)?;
-        let other = add_bias(&x.as_tensor().to_dtype(DType::F64)?, &b2.to_dtype(DType::F64)?)?;
-        let diff = (fused - other.to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-6, "add_bias off the fused path differs by {diff}");
-        // Layer norm: the gradients of the input, the gain and the bias.
         let gain = Var::from_tensor(&(Tensor::randn(1f32, 0.3, 33, &dev)?))?;
-        let bias = Var::from_tensor(&(Tensor::randn(0f32, 0.3, 33, &dev)?))?;
-        same_values_and_gradients(
-            "layer norm",
-            (
-                layer_norm(x.as_tensor(), gain.as_tensor(), bias.as_tensor(), 1e-5)?,
-                candle_nn::ops::layer_norm_slow(x.as_tensor(), gain.as_tensor(), bias.as_tensor(), 1e-5)?,
-            ),
-            &w,
-            &[("input", x.as_tensor()), ("gain", gain.as_tensor()), ("bias", bias.as_tensor())],
-            (1e-4, 1e-3),
-        )?;
         // RMS norm: the gradients of the input and the gain (the f64 path
         // is the composed one the other devices take).
         let wide = |t: &Tensor| t.to_dtype(DType::F64);

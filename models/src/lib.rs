@@ -2,10 +2,11 @@
 //!
 //! - [`model`]: model configs, an MLP and a LeNet-style CNN, and the
 //!   [`TrainableModel`] trait the node drives.
-//! - [`gpt`]: a decoder-only transformer over bytes (`Arch::Gpt`).
 //! - [`hf`]: Hugging Face model directories (`LlamaForCausalLM`).
 //! - [`llama`]: a Llama-architecture transformer (`Arch::Llama`) under
-//!   Hugging Face's tensor names.
+//!   Hugging Face's tensor names, over bytes or a tokenizer's tokens.
+//! - [`lm`]: what language models share (windows into tokens and targets,
+//!   sampling).
 //! - [`layout`]: [`ParamLayout`] (parameters as one flat vector) and
 //!   [`ShardPlan`] (that vector cut into shards).
 //! - [`optim`]: SGD (momentum, Nesterov) and AdamW over flat slices, with
@@ -33,12 +34,12 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod files;
-pub mod gpt;
 pub mod grads;
 pub mod hf;
 pub mod kernels;
 pub mod layout;
 pub mod llama;
+pub mod lm;
 pub mod model;
 pub mod modelfile;
 pub mod optim;
@@ -52,7 +53,6 @@ pub use checkpoint::Checkpoint;
 pub use data::{Dataset, DatasetKind, ImageShape, Partition, Split};
 pub use device::DeviceKind;
 pub use error::{ModelError, Result};
-pub use gpt::GptSize;
 pub use layout::{ParamEntry, ParamLayout, Shard, ShardPlan};
 pub use llama::LlamaSize;
 pub use model::{Arch, ArchKind, Evaluation, GradOutput, LayerFactors, Model, ModelConfig, TrainableModel};

@@ -283,7 +283,7 @@ impl Llama {
     /// Split windows `[n, .., context + 1]` (f32 token values) into inputs
     /// `[n, context]` and next-token targets `[n * context]`, both u32.
     pub(crate) fn inputs_and_targets(&self, windows: &Tensor) -> Result<(Tensor, Tensor)> {
-        crate::gpt::split_windows(windows, self.context, "Llama")
+        crate::lm::split_windows(windows, self.context, "Llama")
     }
 
     /// Continue `prompt` by `tokens` tokens, sampling each from the softmax
@@ -308,7 +308,7 @@ impl Llama {
         let mut cache = KvCache::new(self.blocks.len());
         let mut logits = self.next_logits(&out[out.len().saturating_sub(self.context)..], &mut cache)?;
         for left in (0..tokens).rev() {
-            let next = crate::gpt::sample(&logits.to_dtype(DType::F32)?.to_vec1()?, temperature, &mut rng) as u32;
+            let next = crate::lm::sample(&logits.to_dtype(DType::F32)?.to_vec1()?, temperature, &mut rng) as u32;
             out.push(next);
             if left == 0 {
                 break;

@@ -10,7 +10,6 @@ use candle_nn::{Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
 use crate::cpu_step::{CnnStep, ConvParams, CpuStep, Dense, LinearParams, MlpStep, Unfold};
 use crate::data::{Dataset, ImageShape};
 use crate::error::{ModelError, Result};
-use crate::gpt::{Gpt, GptSize};
 pub use crate::grads::{GradOutput, LayerFactors};
 use crate::layout::ParamLayout;
 use crate::llama::{Llama, LlamaSize};
@@ -25,9 +24,6 @@ pub enum Arch {
     /// LeNet-style: two conv+ReLU+max-pool blocks, then two linear layers.
     /// 5x5 kernels for inputs of 16 pixels or more, 3x3 below.
     Cnn { conv1: usize, conv2: usize, fc: usize },
-    /// A decoder-only transformer over `classes` tokens (see [`crate::gpt`]);
-    /// the input is a window of `context + 1` tokens.
-    Gpt { layers: usize, heads: usize, width: usize, context: usize },
     /// A Llama-architecture transformer over `classes` tokens (see
     /// [`crate::llama`]); the input is a window of `context + 1` tokens.
     Llama { size: LlamaSize, context: usize },
@@ -40,7 +36,6 @@ pub enum ArchKind {
     #[default]
     Mlp,
     Cnn,
-    Gpt,
     Llama,
 }
 
@@ -50,9 +45,11 @@ impl FromStr for ArchKind {
         match s {
             "mlp" => Ok(ArchKind::Mlp),
             "cnn" => Ok(ArchKind::Cnn),
-            "gpt" => Ok(ArchKind::Gpt),
             "llama" => Ok(ArchKind::Llama),
-            other => Err(ModelError::Config(format!("unknown model `{other}`: expected mlp, cnn, gpt or llama"))),
+            "gpt" => Err(ModelError::Config(
+                "model `gpt` is gone: the language model is `llama` (over bytes when no tokenizer is given)".into(),
+            )),
+            other => Err(ModelError::Config(format!("unknown model `{other}`: expected mlp, cnn or llama"))),
         }
     }
 }
@@ -61,11 +58,11 @@ impl ArchKind {
     /// A language model trains on text and nothing else does.
     pub fn check_dataset(&self, data: &crate::data::DatasetKind) -> Result<()> {
         match (self, data.context()) {
-            (ArchKind::Gpt | ArchKind::Llama, None) => {
+            (ArchKind::Llama, None) => {
                 Err(ModelError::Config(format!("model {self} is a language model: it trains on text:PATH, not {data}")))
             }
             (ArchKind::Mlp | ArchKind::Cnn, Some(_)) => {
-                Err(ModelError::Config(format!("{data} is text: it needs a language model (llama or gpt), not {self}")))
+                Err(ModelError::Config(format!("{data} is text: it needs a language model (llama), not {self}")))
             }
             _ => Ok(()),
         }
@@ -77,7 +74,6 @@ impl fmt::Display for ArchKind {
         f.write_str(match self {
             ArchKind::Mlp => "mlp",
             ArchKind::Cnn => "cnn",
-            ArchKind::Gpt => "gpt",
             ArchKind::Llama => "llama",
         })
     }
@@ -93,28 +89,15 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// The default config of an architecture for a given input. A GPT
+    /// The default config of an architecture for a given input. A Llama
     /// reads windows of `input.width` tokens: a context one shorter.
     pub fn new(kind: ArchKind, input: ImageShape, classes: usize) -> Self {
         let arch = match kind {
             ArchKind::Mlp => Arch::Mlp { hidden: vec![256, 128] },
             ArchKind::Cnn => Arch::Cnn { conv1: 16, conv2: 32, fc: 128 },
-            ArchKind::Gpt => {
-                let GptSize { layers, heads, width } = GptSize::default();
-                Arch::Gpt { layers, heads, width, context: input.width.saturating_sub(1) }
-            }
             ArchKind::Llama => Arch::Llama { size: LlamaSize::default(), context: input.width.saturating_sub(1) },
         };
         Self { arch, input, classes }
-    }
-
-    /// This config with a GPT's layers, heads and width replaced (no change
-    /// for other architectures).
-    pub fn with_gpt_size(mut self, size: GptSize) -> Self {
-        if let Arch::Gpt { context, .. } = self.arch {
-            self.arch = Arch::Gpt { layers: size.layers, heads: size.heads, width: size.width, context };
-        }
-        self
     }
 
     /// This config with a Llama's size replaced (no change for other
@@ -128,7 +111,7 @@ impl ModelConfig {
 
     /// Whether this is a language model (its evaluations carry bits per byte).
     pub fn is_language_model(&self) -> bool {
-        matches!(self.arch, Arch::Gpt { .. } | Arch::Llama { .. })
+        matches!(self.arch, Arch::Llama { .. })
     }
 
     /// This Llama config reading `context` tokens (its weights do not depend
@@ -146,7 +129,7 @@ impl ModelConfig {
     /// A language model's context (the tokens it reads); `None` otherwise.
     pub fn context(&self) -> Option<usize> {
         match self.arch {
-            Arch::Gpt { context, .. } | Arch::Llama { context, .. } => Some(context),
+            Arch::Llama { context, .. } => Some(context),
             _ => None,
         }
     }
@@ -180,15 +163,9 @@ impl ModelConfig {
                     )));
                 }
             }
-            Arch::Gpt { .. } | Arch::Llama { .. } => {
-                let context = self.context().unwrap_or(0);
-                match &self.arch {
-                    Arch::Gpt { layers, heads, width, .. } => {
-                        GptSize { layers: *layers, heads: *heads, width: *width }.validate(context)?
-                    }
-                    Arch::Llama { size, .. } => size.validate(context)?,
-                    _ => {}
-                }
+            Arch::Llama { size, context } => {
+                let context = *context;
+                size.validate(context)?;
                 let expected = ImageShape { channels: 1, height: 1, width: context + 1 };
                 if self.input != expected {
                     return Err(ModelError::Config(format!(
@@ -218,9 +195,6 @@ impl ModelConfig {
                 "cnn[{}x{}x{} c{conv1} c{conv2} fc{fc} {}]",
                 self.input.channels, self.input.height, self.input.width, self.classes
             ),
-            Arch::Gpt { layers, heads, width, context } => {
-                format!("gpt[l{layers} h{heads} d{width} ctx{context} vocab{}]", self.classes)
-            }
             Arch::Llama { size: s, context } => format!(
                 "llama[l{} h{}/{} d{} ff{} ctx{context} vocab{}{}]",
                 s.layers,
@@ -341,7 +315,6 @@ const EVAL_LOGITS: usize = 1 << 22;
 enum Net {
     Mlp(Vec<Linear>),
     Cnn { conv1: Conv, conv2: Conv, fc1: Linear, fc2: Linear },
-    Gpt(Gpt),
     Llama(Llama),
 }
 
@@ -513,18 +486,10 @@ impl Model {
                     fc2: candle_nn::linear(*fc, config.classes, vb.pp("fc2"))?,
                 }
             }
-            Arch::Gpt { layers, heads, width, context } => Net::Gpt(Gpt::new(
-                GptSize { layers: *layers, heads: *heads, width: *width },
-                *context,
-                config.classes,
-                vb,
-                device,
-            )?),
             Arch::Llama { size, context } => Net::Llama(Llama::new(*size, *context, config.classes, vb, device)?),
         };
         let layout = ParamLayout::from_varmap(&varmap)?;
         match &config.arch {
-            Arch::Gpt { layers, .. } => crate::gpt::init(&varmap, &layout, *layers, seed, device)?,
             Arch::Llama { size, .. } => crate::llama::init(&varmap, &layout, size.layers, seed, device)?,
             _ => init_params(&varmap, &layout, seed, device)?,
         }
@@ -532,7 +497,7 @@ impl Model {
     }
 
     /// Continue `prompt` (token ids of a tokenizer with the model's
-    /// vocabulary) by `tokens` sampled ids; a Llama only (a GPT reads bytes).
+    /// vocabulary) by `tokens` sampled ids; a Llama only.
     pub fn generate_tokens(&self, prompt: &[u32], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u32>> {
         match &self.net {
             Net::Llama(l) => {
@@ -547,11 +512,10 @@ impl Model {
         }
     }
 
-    /// Continue `prompt` by `tokens` bytes sampled at `temperature` (see
-    /// [`crate::gpt`]); an error for models that are not language models.
+    /// Continue `prompt` by `tokens` bytes sampled at `temperature`: a
+    /// Llama over bytes (see [`crate::llama`]); an error for other models.
     pub fn generate(&self, prompt: &[u8], tokens: usize, temperature: f64, seed: u64) -> Result<Vec<u8>> {
         match &self.net {
-            Net::Gpt(g) => g.generate(prompt, tokens, temperature, seed),
             Net::Llama(l) => {
                 if self.config.classes > 256 {
                     return Err(ModelError::Invalid(format!(
@@ -590,7 +554,6 @@ impl Model {
                 linear(fc2, "fc2", &x, train, &mut taps)?
             }
             // Windows in, logits at every position of the context out.
-            Net::Gpt(g) => g.logits(&g.inputs_and_targets(images)?.0)?,
             Net::Llama(l) => l.logits(&l.inputs_and_targets(images)?.0)?,
         })
     }
@@ -618,7 +581,7 @@ impl Model {
                     layout: &self.layout,
                 })
             }
-            Net::Gpt(_) | Net::Llama(_) => return None,
+            Net::Llama(_) => return None,
         })
     }
 
@@ -696,7 +659,7 @@ impl TrainableModel for Model {
         if let Some(step) = self.cpu_step(images) {
             return step.gradients(images, labels, true, self.take_spare_grads());
         }
-        if matches!(self.net, Net::Gpt(_) | Net::Llama(_)) {
+        if matches!(self.net, Net::Llama(_)) {
             return self.gradients(images, labels);
         }
         self.graph_gradients_factored(images, labels)
@@ -704,7 +667,6 @@ impl TrainableModel for Model {
 
     fn logits_and_targets(&self, images: &Tensor, labels: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
         match &self.net {
-            Net::Gpt(g) => flat_logits(g.inputs_and_targets(images)?, |x| g.logits(x)),
             Net::Llama(l) => flat_logits(l.inputs_and_targets(images)?, |x| l.logits(x)),
             _ => Ok((self.forward(images, train)?, labels.clone())),
         }
@@ -728,9 +690,9 @@ impl Model {
     /// than the copy into it. One buffer is kept, and only where the
     /// hand-written step will take it (an MLP or a CNN on the CPU); one of
     /// another length, or for a model that computes its gradients through
-    /// candle's graph (a GPT, another device), is dropped.
+    /// candle's graph (a Llama, another device), is dropped.
     pub fn recycle_gradients(&self, grads: Vec<f32>) {
-        let takes = self.device.is_cpu() && !matches!(self.net, Net::Gpt(_) | Net::Llama(_));
+        let takes = self.device.is_cpu() && !matches!(self.net, Net::Llama(_));
         if takes && grads.len() == self.layout.total_len() {
             if let Ok(mut spare) = self.spare_grads.lock() {
                 *spare = Some(grads);
@@ -999,13 +961,14 @@ mod tests {
             assert!(model.take_spare_grads().is_none(), "{kind}");
             assert_eq!(model.gradients(&x, &y)?.grads, fresh, "{kind}");
         }
-        // A GPT's gradients come from candle's graph: it would never take
+        // A Llama's gradients come from candle's graph: it would never take
         // the buffer, so it is not kept.
-        let gpt = ModelConfig::new(ArchKind::Gpt, ImageShape { channels: 1, height: 1, width: 9 }, 16)
-            .with_gpt_size(GptSize { layers: 1, heads: 2, width: 8 });
-        let model = Model::new(gpt, 3, &dev)?;
+        let size = LlamaSize { layers: 1, heads: 2, kv_heads: 1, width: 8, ff: 16, ..LlamaSize::default() };
+        let llama = ModelConfig::new(ArchKind::Llama, ImageShape { channels: 1, height: 1, width: 9 }, 16)
+            .with_llama_size(size);
+        let model = Model::new(llama, 3, &dev)?;
         model.recycle_gradients(vec![0.0; model.layout.total_len()]);
-        assert!(model.take_spare_grads().is_none(), "gpt");
+        assert!(model.take_spare_grads().is_none(), "llama");
         Ok(())
     }
 

@@ -14,9 +14,7 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use shoal_models::data::TokenIndex;
 use shoal_models::tokenizer::Tokenizer;
-use shoal_models::{
-    ArchKind, DatasetKind, DeviceKind, GptSize, LlamaSize, ModelConfig, OptimizerConfig, OptimizerKind,
-};
+use shoal_models::{ArchKind, DatasetKind, DeviceKind, LlamaSize, ModelConfig, OptimizerConfig, OptimizerKind};
 use shoal_protocol::libp2p::Multiaddr;
 use shoal_protocol::{ProtocolConfig, RunId};
 
@@ -116,14 +114,11 @@ impl std::fmt::Display for Aggregators {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainingConfig {
-    /// `mlp`, `cnn`, `llama` or `gpt` (transformer language models; they
-    /// need a `text:PATH` data set).
+    /// `mlp`, `cnn` or `llama` (a transformer language model; it needs a
+    /// `text:PATH` or `tokens:DIR` data set).
     pub model: ArchKind,
     /// MLP hidden widths; none: `[256, 128]`.
     pub mlp_hidden: Option<Vec<usize>>,
-    /// GPT size: `{ layers, heads, width }`; none: `GptSize::default()`
-    /// (its context is the text data set's).
-    pub gpt: Option<GptSize>,
     /// Llama size (the `[training.llama]` table: `layers`, `heads`,
     /// `kv_heads`, `width`, `ff`, `tie`, `rope_theta`, `norm_eps`); none:
     /// `LlamaSize::default()` (its context is the text data set's).
@@ -150,6 +145,11 @@ pub struct TrainingConfig {
     /// `none` or `cosine` (from `lr` down to `lr / 100` over `steps`; in
     /// pull mode the shard owners follow it by the shard's version).
     pub lr_decay: LrDecay,
+    /// Steps of linear warm-up from 0 to `lr` before `lr_decay` (0: none).
+    pub warmup_steps: u64,
+    /// The optimizer's weight decay; none: its default (0 for SGD, 1e-4
+    /// for AdamW, decoupled).
+    pub weight_decay: Option<f64>,
     /// Seed of weight init and data order; must match across the run.
     pub seed: u64,
     /// Training steps each worker takes.
@@ -168,7 +168,6 @@ impl Default for TrainingConfig {
         Self {
             model: ArchKind::Mlp,
             mlp_hidden: None,
-            gpt: None,
             llama: None,
             dataset: DatasetKind::Digits,
             data_dir: None,
@@ -178,6 +177,8 @@ impl Default for TrainingConfig {
             lr: None,
             momentum: None,
             lr_decay: LrDecay::None,
+            warmup_steps: 0,
+            weight_decay: None,
             seed: 42,
             steps: 300,
             eval_every: 0,
@@ -193,17 +194,26 @@ impl TrainingConfig {
             self.optimizer,
             self.lr.unwrap_or_else(|| OptimizerConfig::default_lr(self.optimizer)),
         );
-        match (cfg, self.momentum) {
+        let cfg = match (cfg, self.momentum) {
             (OptimizerConfig::Sgd { lr, weight_decay, .. }, Some(m)) => {
                 OptimizerConfig::Sgd { lr, momentum: m, nesterov: m > 0.0, weight_decay }
             }
             (cfg, _) => cfg,
+        };
+        match self.weight_decay {
+            Some(wd) => cfg.with_weight_decay(wd),
+            None => cfg,
         }
     }
 
     /// The learning-rate schedule of the run.
     pub fn lr_schedule(&self) -> LrSchedule {
-        LrSchedule { base: self.optimizer_config().lr(), decay: self.lr_decay, steps: self.steps, warmup: 0 }
+        LrSchedule {
+            base: self.optimizer_config().lr(),
+            decay: self.lr_decay,
+            steps: self.steps,
+            warmup: self.warmup_steps,
+        }
     }
 }
 
@@ -870,19 +880,16 @@ impl NodeConfig {
         if t.steps == 0 {
             bail!("training.steps must be at least 1");
         }
-        t.optimizer_config().validate()?;
-        t.model.check_dataset(&t.dataset).map_err(|e| anyhow::anyhow!("training.model and training.dataset: {e}"))?;
-        if let (ArchKind::Gpt, Some(context)) = (t.model, t.dataset.context()) {
-            t.gpt.unwrap_or_default().validate(context).map_err(|e| anyhow::anyhow!("training.gpt: {e}"))?;
+        t.optimizer_config().validate().context("training.lr, momentum and weight_decay")?;
+        if t.warmup_steps > t.steps {
+            bail!("training.warmup_steps ({}) is longer than the run (training.steps = {})", t.warmup_steps, t.steps);
         }
+        t.model.check_dataset(&t.dataset).map_err(|e| anyhow::anyhow!("training.model and training.dataset: {e}"))?;
         if let (ArchKind::Llama, Some(context)) = (t.model, t.dataset.context()) {
             t.llama.unwrap_or_default().validate(context).map_err(|e| anyhow::anyhow!("training.llama: {e}"))?;
         }
         if t.tokenizer.is_some() && !t.dataset.is_language() {
             bail!("training.tokenizer cuts text into tokens, but training.dataset is {}", t.dataset);
-        }
-        if t.gpt.is_some() && t.model != ArchKind::Gpt {
-            bail!("training.gpt sizes a gpt, but training.model is {}", t.model);
         }
         if self.output_hf.is_some() && t.model != ArchKind::Llama {
             bail!(
@@ -1152,10 +1159,6 @@ impl NodeConfig {
         if let (Some(hidden), shoal_models::Arch::Mlp { .. }) = (&self.training.mlp_hidden, &m.arch) {
             m.arch = shoal_models::Arch::Mlp { hidden: hidden.clone() };
         }
-        let m = match self.training.gpt {
-            Some(size) => m.with_gpt_size(size),
-            None => m,
-        };
         match self.training.llama {
             Some(size) => m.with_llama_size(size),
             None => m,
@@ -1169,6 +1172,7 @@ impl NodeConfig {
 /// `docs/operations.md`, "Config keys that moved", lists this table, and a
 /// test holds the two together.
 pub const MOVED_KEYS: &[(&str, &str)] = &[
+    ("training.gpt", "training.llama"),
     ("cluster.sync", "sync.policy"),
     ("cluster.overlap", "sync.overlap"),
     ("cluster.round_timeout_ms", "sync.round_timeout_ms"),
@@ -1238,7 +1242,7 @@ fn has_key(table: &toml::Table, path: &str) -> bool {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunAgreement {
     pub run_id: String,
-    /// The model's shape (from `training.model`, `mlp_hidden`, `gpt`, `llama` and
+    /// The model's shape (from `training.model`, `mlp_hidden`, `llama` and
     /// the data set's shape).
     pub model: ModelConfig,
     /// `training.dataset` and `training.tokenizer`: a text by its file
@@ -1251,18 +1255,13 @@ pub struct RunAgreement {
     /// default) and `momentum`.
     pub optimizer: OptimizerConfig,
     pub lr_decay: LrDecay,
+    /// `training.warmup_steps`.
+    pub warmup_steps: u64,
     pub shards: u32,
     pub mode: Mode,
     pub sync: SyncPolicy,
-    pub elastic: bool,
-    pub demote_ratio: f64,
-    pub restore_ratio: f64,
-    pub straggler_min_excess_ms: f64,
-    pub replicas: u32,
-    pub aggregators: Aggregators,
-    pub start_aggregators: u16,
-    pub explore_window_steps: u64,
-    pub explore_idle_share: f64,
+    /// The `[roles]` keys that decide who owns what.
+    pub roles: AgreedRoles,
     pub aggregation: crate::policy::robust::Aggregation,
     /// The norm check's factor in force: `cluster.norm_check`, or its
     /// default under the sync policy (a config that leaves it out agrees
@@ -1273,6 +1272,21 @@ pub struct RunAgreement {
     /// `outer_momentum`, or none.
     pub local_steps: Option<LocalStepsConfig>,
     pub overlap: bool,
+}
+
+/// The `[roles]` settings every peer must share: they decide the
+/// placement, which every node computes alone from the same view.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AgreedRoles {
+    pub elastic: bool,
+    pub demote_ratio: f64,
+    pub restore_ratio: f64,
+    pub straggler_min_excess_ms: f64,
+    pub replicas: u32,
+    pub aggregators: Aggregators,
+    pub start_aggregators: u16,
+    pub explore_window_steps: u64,
+    pub explore_idle_share: f64,
 }
 
 impl RunAgreement {
@@ -1287,18 +1301,21 @@ impl RunAgreement {
             steps: t.steps,
             optimizer: t.optimizer_config(),
             lr_decay: t.lr_decay,
+            warmup_steps: t.warmup_steps,
             shards: config.cluster.shards,
             mode: config.cluster.mode,
             sync: config.sync.policy,
-            elastic: r.elastic,
-            demote_ratio: r.demote_ratio,
-            restore_ratio: r.restore_ratio,
-            straggler_min_excess_ms: r.straggler_min_excess_ms,
-            replicas: r.replicas,
-            aggregators: r.aggregators,
-            start_aggregators: r.start_aggregators,
-            explore_window_steps: r.explore_window_steps,
-            explore_idle_share: r.explore_idle_share,
+            roles: AgreedRoles {
+                elastic: r.elastic,
+                demote_ratio: r.demote_ratio,
+                restore_ratio: r.restore_ratio,
+                straggler_min_excess_ms: r.straggler_min_excess_ms,
+                replicas: r.replicas,
+                aggregators: r.aggregators,
+                start_aggregators: r.start_aggregators,
+                explore_window_steps: r.explore_window_steps,
+                explore_idle_share: r.explore_idle_share,
+            },
             aggregation: config.aggregation.rule,
             norm_check: config.norm_check_factor(),
             worker_momentum: config.aggregation.worker_momentum,
@@ -1444,27 +1461,24 @@ mod tests {
     #[test]
     fn a_language_model_needs_text_and_text_needs_a_language_model() {
         let mut c = NodeConfig::default();
-        c.training.model = ArchKind::Gpt;
+        c.training.model = ArchKind::Llama;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("trains on text:PATH"), "{e}");
         c.training.dataset = "text@32:corpus.txt".parse().unwrap_or_default();
         assert!(c.validate().is_ok(), "{:?}", c.validate());
-        c.training.gpt = Some(GptSize { layers: 2, heads: 3, width: 64 });
-        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("training.gpt") && e.contains("multiple"), "{e}");
         c.training.model = ArchKind::Mlp;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("needs a language model"), "{e}");
         // A Llama on the same text, sized by its table; the table is
         // checked, and refused with another model.
         c.training.model = ArchKind::Llama;
-        c.training.gpt = None;
         assert!(c.validate().is_ok(), "{:?}", c.validate());
         c.training.llama = Some(LlamaSize { kv_heads: 3, ..LlamaSize::default() });
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("training.llama") && e.contains("kv_heads"), "{e}");
         c.training.llama = Some(LlamaSize::default());
-        c.training.model = ArchKind::Gpt;
+        c.training.model = ArchKind::Mlp;
+        c.training.dataset = DatasetKind::Digits;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("[training.llama] sizes a llama"), "{e}");
         c.training.llama = None;
@@ -1472,9 +1486,9 @@ mod tests {
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("output_hf") && e.contains("llama"), "{e}");
         c.output_hf = None;
-        c.training.model = ArchKind::Mlp;
         // The TOML form.
-        let toml_text = "run_id = \"r\"\n[training]\nmodel = \"gpt\"\ndataset = \"text@32:c.txt\"\ngpt = { layers = 2, heads = 4, width = 64 }\n";
+        let toml_text = "run_id = \"r\"\n[training]\nmodel = \"llama\"\ndataset = \"text@32:c.txt\"\n\
+                         llama = { layers = 2, heads = 4, kv_heads = 2, width = 64, ff = 96 }\n";
         let parsed: Result<NodeConfig, _> = toml::from_str(toml_text);
         assert!(parsed.as_ref().is_ok_and(|p| p.validate().is_ok()), "{parsed:?}");
     }
@@ -1571,14 +1585,14 @@ mod tests {
         let text_shape = shoal_models::ImageShape { channels: 1, height: 1, width: 33 };
         for (config, model) in [
             (NodeConfig::default(), digits_model()),
-            (unusual_config(), ModelConfig::new(ArchKind::Gpt, text_shape, 256)),
+            (unusual_config(), ModelConfig::new(ArchKind::Llama, text_shape, 256)),
         ] {
             let base = serde_json::to_value(RunAgreement::of(&config, &model))?;
             let base_hash = canonical_hash(&base);
             let mut paths = Vec::new();
             leaves(&base, String::new(), &mut paths);
             let fields = base.as_object().map(|m| m.len()).unwrap_or(0);
-            assert!(paths.len() >= fields && fields >= 24, "{} leaves in {fields} fields", paths.len());
+            assert!(paths.len() >= 24 && paths.len() >= fields, "{} leaves in {fields} fields", paths.len());
             for path in paths {
                 let mut changed = base.clone();
                 let leaf = changed.pointer_mut(&path).ok_or_else(|| anyhow::anyhow!("no leaf at {path}"))?;
@@ -1692,6 +1706,47 @@ mod tests {
     }
 
     #[test]
+    fn warmup_and_weight_decay_reach_the_schedule_and_the_optimizer() -> anyhow::Result<()> {
+        let mut c = NodeConfig::default();
+        c.training.warmup_steps = 10;
+        c.training.weight_decay = Some(0.01);
+        c.validate()?;
+        let schedule = c.training.lr_schedule();
+        let lr = c.training.optimizer_config().lr();
+        assert!(schedule.lr_at(0) < 0.2 * lr && (schedule.lr_at(10) - lr).abs() < 1e-12, "{schedule:?}");
+        assert!(
+            matches!(c.training.optimizer_config(), OptimizerConfig::Sgd { weight_decay, .. } if weight_decay == 0.01)
+        );
+        c.training.optimizer = OptimizerKind::Adamw;
+        assert!(
+            matches!(c.training.optimizer_config(), OptimizerConfig::Adamw { weight_decay, .. } if weight_decay == 0.01)
+        );
+        let digits = digits_model();
+        let base = RunAgreement::of(&NodeConfig::default(), &digits).hash()?;
+        assert_ne!(RunAgreement::of(&c, &digits).hash()?, base, "warm-up and weight decay are agreed");
+        for (set, want) in [
+            (
+                NodeConfig {
+                    training: TrainingConfig { warmup_steps: 301, ..Default::default() },
+                    ..Default::default()
+                },
+                "warmup_steps",
+            ),
+            (
+                NodeConfig {
+                    training: TrainingConfig { weight_decay: Some(-1.0), ..Default::default() },
+                    ..Default::default()
+                },
+                "weight_decay",
+            ),
+        ] {
+            let e = set.validate().err().map(|e| format!("{e:#}")).unwrap_or_default();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn the_docs_list_exactly_the_agreed_fields() -> anyhow::Result<()> {
         let docs = include_str!("../../docs/operations.md");
         let heading = "## What peers must agree on";
@@ -1704,8 +1759,13 @@ mod tests {
             .collect();
         assert!(!listed.is_empty(), "docs/operations.md has no list under `{heading}`");
         let agreed = serde_json::to_value(RunAgreement::of(&NodeConfig::default(), &digits_model()))?;
-        let fields: std::collections::BTreeSet<&str> =
-            agreed.as_object().map(|m| m.keys().map(String::as_str).collect()).unwrap_or_default();
+        // Each field by its name, and the agreed roles each as `roles.KEY`.
+        let keys =
+            |v: &serde_json::Value| v.as_object().map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+        let roles: Vec<String> = keys(&agreed["roles"]).into_iter().map(|k| format!("roles.{k}")).collect();
+        assert!(roles.len() >= 9, "agreed roles: {roles:?}");
+        let names: Vec<String> = keys(&agreed).into_iter().filter(|k| k != "roles").chain(roles).collect();
+        let fields: std::collections::BTreeSet<&str> = names.iter().map(String::as_str).collect();
         let documented: std::collections::BTreeSet<&str> = listed.iter().copied().collect();
         assert_eq!(documented.len(), listed.len(), "a field is listed twice: {listed:?}");
         assert_eq!(documented, fields, "docs/operations.md, `{heading}`, lists other fields than RunAgreement has");

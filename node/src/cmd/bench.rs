@@ -96,14 +96,14 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
         "shoal bench train: dataset {kind}, batch {}, {} timed steps, device {}, {threads} compute threads",
         args.batch_size, args.steps, args.device
     );
-    println!("{:<28} {:>14} {:>14} {:>10}", "model", "train smp/s", "fwd smp/s", "train/fwd");
+    println!("{:<48} {:>14} {:>14} {:>10}", "model", "train smp/s", "fwd smp/s", "train/fwd");
     let mut models = Vec::new();
-    // The GPT trains on the text shipped with the binary, in windows of 64 bytes.
+    // The Llama trains on the text shipped with the binary, in windows of 64 bytes.
     let text = data::text_split(data::SAMPLE_TEXT.as_bytes(), data::DEFAULT_CONTEXT, "gpl-3.0.txt")?;
-    for arch in [ArchKind::Mlp, ArchKind::Cnn, ArchKind::Gpt] {
-        let split = if arch == ArchKind::Gpt { &text } else { &split };
+    for arch in [ArchKind::Mlp, ArchKind::Cnn, ArchKind::Llama] {
+        let split = if arch == ArchKind::Llama { &text } else { &split };
         let r = bench_model(arch, split, args.batch_size, args.steps, &device)?;
-        println!("{:<28} {:>14.0} {:>14.0} {:>10.3}", r.name, r.train_sps, r.forward_sps, r.train_sps / r.forward_sps);
+        println!("{:<48} {:>14.0} {:>14.0} {:>10.3}", r.name, r.train_sps, r.forward_sps, r.train_sps / r.forward_sps);
         models.push(serde_json::json!({
             "model": r.name, "arch": arch.to_string(), "train_samples_per_sec": r.train_sps,
             "forward_samples_per_sec": r.forward_sps, "train_over_forward": r.train_sps / r.forward_sps,

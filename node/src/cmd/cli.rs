@@ -33,7 +33,7 @@ pub enum Command {
     Demo(DemoArgs),
     /// Evaluate a model file on a data set's test split: loss and accuracy.
     Eval(EvalArgs),
-    /// Sample text from a trained language model (a `--model gpt` file).
+    /// Sample text from a trained language model (a `--model llama` file or Hugging Face directory).
     Generate(GenerateArgs),
     /// Manage training data.
     Data {
@@ -95,23 +95,22 @@ pub struct TestnetRunArgs {
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// Model architecture: mlp, cnn, llama or gpt (llama and gpt are
-    /// transformer language models; they need a text data set).
+    /// Model architecture: mlp, cnn or llama (llama is a transformer
+    /// language model; it needs a text data set).
     #[arg(long, default_value = "mlp", value_parser = parse_arch)]
     pub model: ArchKind,
-    /// Llama and GPT: transformer blocks.
-    #[arg(long, default_value_t = shoal_models::GptSize::default().layers)]
+    /// Llama: transformer blocks.
+    #[arg(long, default_value_t = shoal_models::LlamaSize::default().layers)]
     pub layers: usize,
-    /// Llama and GPT: (query) attention heads per block.
-    #[arg(long, default_value_t = shoal_models::GptSize::default().heads)]
+    /// Llama: (query) attention heads per block.
+    #[arg(long, default_value_t = shoal_models::LlamaSize::default().heads)]
     pub heads: usize,
     /// Llama: key/value heads per block, dividing --heads (default: 2 where
     /// it divides --heads, else --heads).
     #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// Llama and GPT: embedding width (--heads times the head width; even
-    /// for a llama).
-    #[arg(long, default_value_t = shoal_models::GptSize::default().width)]
+    /// Llama: embedding width (--heads times an even head width).
+    #[arg(long, default_value_t = shoal_models::LlamaSize::default().width)]
     pub width: usize,
     /// Llama: the SwiGLU MLP's hidden width.
     #[arg(long, default_value_t = shoal_models::LlamaSize::default().ff)]
@@ -123,7 +122,7 @@ pub struct TrainArgs {
     /// fetch fashion-mnist`; `text:PATH` is any UTF-8 file, read in windows
     /// of 64 bytes or tokens (`text@N:PATH`: N); `tokens:DIR` (or
     /// `tokens@N:DIR`) is a token directory from `shoal data tokenize`.
-    /// Text and tokens are for --model llama or gpt.
+    /// Text and tokens are for --model llama.
     #[arg(long, default_value = "digits", value_parser = parse_dataset)]
     pub dataset: DatasetKind,
     /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
@@ -305,7 +304,7 @@ pub struct NodeArgs {
     /// Serve as a circuit relay (v2) for peers that cannot reach each other.
     #[arg(long)]
     pub relay_server: bool,
-    /// The model: mlp, cnn, llama or gpt (the last two on a text or token data set).
+    /// The model: mlp, cnn or llama (the last on a text or token data set).
     #[arg(long, value_parser = parse_arch)]
     pub model: Option<ArchKind>,
     /// The data set: digits (built in), fashion-mnist, text:PATH, text@N:PATH, tokens:DIR or tokens@N:DIR.
@@ -329,6 +328,12 @@ pub struct NodeArgs {
     /// Learning-rate decay: none, or cosine (to lr/100 over the steps).
     #[arg(long)]
     pub lr_decay: Option<crate::config::LrDecay>,
+    /// Steps of linear warm-up from 0 to the learning rate, before the decay.
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// The optimizer's weight decay (SGD: L2; AdamW: decoupled).
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
     /// Seed of the weight init and the data order.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -450,7 +455,7 @@ pub struct DemoArgs {
     /// pull (shard owners) or gossip.
     #[arg(long, default_value = "pull")]
     pub mode: crate::config::Mode,
-    /// The model: mlp, cnn, llama or gpt (the last two on a text or token data set).
+    /// The model: mlp, cnn or llama (the last on a text or token data set).
     #[arg(long, default_value = "mlp", value_parser = parse_arch)]
     pub model: ArchKind,
     /// The data set: digits (built in), fashion-mnist, text:PATH, text@N:PATH, tokens:DIR or tokens@N:DIR.

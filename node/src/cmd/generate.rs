@@ -12,7 +12,7 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<String> {
     let file = shoal_models::hf::load_model(&args.model, None)?;
     if !file.model.is_language_model() {
         bail!(
-            "{} holds {}, which is not a language model (train one with --model gpt --dataset text:PATH)",
+            "{} holds {}, which is not a language model (train one with --model llama --dataset text:PATH)",
             args.model.display(),
             file.model.describe()
         );

@@ -186,6 +186,7 @@ fn optional_training_key(k: &str) -> bool {
         "training.lr",
         "training.threads",
         "training.momentum",
+        "training.weight_decay",
         "training.mlp_hidden",
     ]
     .contains(&k)

@@ -96,6 +96,12 @@ pub const FLAGS: &[Flag] = &[
     plain!("--optimizer", "training.optimizer", training.optimizer = optimizer),
     Flag { flag: "--lr", path: "training.lr", apply: |a, c| c.training.lr = a.lr.or(c.training.lr) },
     plain!("--lr-decay", "training.lr_decay", training.lr_decay = lr_decay),
+    plain!("--warmup-steps", "training.warmup_steps", training.warmup_steps = warmup_steps),
+    Flag {
+        flag: "--weight-decay",
+        path: "training.weight_decay",
+        apply: |a, c| c.training.weight_decay = a.weight_decay.or(c.training.weight_decay),
+    },
     plain!("--seed", "training.seed", training.seed = seed),
     plain!("--steps", "training.steps", training.steps = steps),
     plain!("--device", "training.device", training.device = device),

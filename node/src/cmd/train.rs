@@ -10,8 +10,7 @@ use shoal_models::StepOptions;
 
 use crate::policy::schedule::LrSchedule;
 use shoal_models::{
-    data, Checkpoint, Dataset, EpochStats, GptSize, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig,
-    Split,
+    data, Checkpoint, Dataset, EpochStats, LocalTrainer, ModelConfig, ModelFile, ModelMeta, OptimizerConfig, Split,
 };
 use tracing::{debug, info};
 
@@ -44,9 +43,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             }
             file.model
         }
-        None => ModelConfig::for_dataset(args.model, &split.train)
-            .with_gpt_size(GptSize { layers: args.layers, heads: args.heads, width: args.width })
-            .with_llama_size(args.llama_size()),
+        None => ModelConfig::for_dataset(args.model, &split.train).with_llama_size(args.llama_size()),
     };
     if config.classes != split.train.classes {
         anyhow::bail!(
