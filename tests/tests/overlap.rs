@@ -10,7 +10,16 @@ use shoal_node::cluster::ClusterSpec;
 use shoal_node::policy::sync::SyncPolicy;
 use shoal_tests::{digits_config, run_cluster};
 
-const STEPS: u64 = 300;
+/// Steps per worker: SSP's 300 end near 96%. ASP's owners apply every
+/// push at once, each from parameters up to a few versions old, and after
+/// 300 steps its nodes ended between 92.8% and 93.3%, across the 93% bar
+/// in about 1 run in 8; at 450 they have a margin.
+fn steps(sync: SyncPolicy) -> u64 {
+    match sync {
+        SyncPolicy::Asp => 450,
+        _ => 300,
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> anyhow::Result<()> {
@@ -20,7 +29,8 @@ async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> any
         // quarter of the BSP rate with 4 workers. At 0.1 (what the
         // non-overlapped policies train with) the extra step of delay made
         // the run diverge (8% accuracy).
-        let mut base = digits_config(&name, STEPS, sync, OptimizerKind::Sgd, 0.025);
+        let steps = steps(sync);
+        let mut base = digits_config(&name, steps, sync, OptimizerKind::Sgd, 0.025);
         base.sync.overlap = true;
         // An emulated 200 Mbit/s, 1 ms link on every node: communication
         // takes time of its own, as off loopback, for the overlap to hide.
@@ -31,7 +41,7 @@ async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> any
             let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
             let lead = r.shard_stats.iter().map(|s| s.max_staleness).max().unwrap_or(0);
             eprintln!(
-                "{sync} with overlap: {} accuracy {:.2}%, {} of {STEPS} steps overlapped, largest lead at its owners {lead}, \
+                "{sync} with overlap: {} accuracy {:.2}%, {} of {steps} steps overlapped, largest lead at its owners {lead}, \
                  compute {:.2} s, communication {:.2} s",
                 r.name,
                 100.0 * r.accuracy,
@@ -40,14 +50,14 @@ async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> any
                 s.comm_secs
             );
             assert!(r.accuracy >= 0.93, "{sync}: {} reached only {:.4}", r.name, r.accuracy);
-            assert_eq!(s.overlapped_steps, STEPS - 1, "{}: every step but the last overlaps the next", r.name);
+            assert_eq!(s.overlapped_steps, steps - 1, "{}: every step but the last overlaps the next", r.name);
             if let Some(bound) = sync.max_bound() {
                 // Owners gate on one step less, and the pipeline adds one:
                 // the parameters computed on are lead + 1 <= bound behind.
                 assert!(lead < bound, "{sync}: {} recorded a lead of {lead}; the owners allow {}", r.name, bound - 1);
             }
-            // Asynchronous owners step once per push: 4 workers x 300 steps.
-            assert!(r.shard_stats.iter().all(|s| s.version == 4 * STEPS), "{sync}: {:?}", r.shard_stats);
+            // Asynchronous owners step once per push: 4 workers x their steps.
+            assert!(r.shard_stats.iter().all(|s| s.version == 4 * steps), "{sync}: {:?}", r.shard_stats);
         }
     }
     Ok(())
