@@ -192,6 +192,140 @@ impl CustomOp2 for SoftmaxGrad {
     }
 }
 
+/// The mean cross-entropy of `logits [rows, cols]` against `targets
+/// [rows]` (u32 class indices), as `candle_nn::loss::cross_entropy`. On the
+/// CPU in f32 each row's log-sum-exp and its gradient (`softmax - onehot`)
+/// are one pass each, instead of a log-softmax, a gather and their
+/// backward passes, each allocating `[rows, cols]`.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if fast_path(logits) && targets.dtype() == candle_core::DType::U32 && logits.rank() == 2 {
+        let cols = logits.dim(1)?;
+        let per_row = logits.contiguous()?.apply_op2(&targets.contiguous()?, CrossEntropy { cols })?;
+        Ok(per_row.mean_all()?)
+    } else {
+        Ok(candle_nn::loss::cross_entropy(logits, targets)?)
+    }
+}
+
+/// Each row's `log(sum(exp(x))) - x[target]`.
+struct CrossEntropy {
+    cols: usize,
+}
+
+/// `(softmax(x) - onehot(target)) * g[row]`, from `(x, targets, g)`.
+struct CrossEntropyGrad {
+    cols: usize,
+}
+
+/// A contiguous u32 CPU storage's values (class indices).
+fn contiguous_u32<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [u32]> {
+    let data = storage.as_slice::<u32>()?;
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("a CPU kernel needs contiguous u32 targets"),
+    }
+}
+
+/// The targets of `rows` rows of `cols` classes, each checked.
+fn checked_targets<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    rows: usize,
+    cols: usize,
+) -> candle_core::Result<&'a [u32]> {
+    let t = contiguous_u32(storage, layout)?;
+    if t.len() != rows {
+        candle_core::bail!("cross-entropy: {} targets for {rows} rows", t.len());
+    }
+    if let Some(bad) = t.iter().find(|&&t| t as usize >= cols) {
+        candle_core::bail!("cross-entropy: target {bad} outside {cols} classes");
+    }
+    Ok(t)
+}
+
+/// `max` and `log(sum(exp(x - max)))` of a row.
+fn log_sum_exp(x: &[f32]) -> (f32, f32) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = x.iter().map(|&v| (v - max).exp()).sum();
+    (max, sum.ln())
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous(s1, l1)?;
+        let c = self.cols.max(1);
+        let rows = x.len() / c;
+        let t = checked_targets(s2, l2, rows, c)?;
+        let out: Vec<f32> = x
+            .par_chunks(c)
+            .zip(t.par_iter())
+            .map(|(row, &target)| {
+                let (max, lse) = log_sum_exp(row);
+                max + lse - row[target as usize]
+            })
+            .collect();
+        Ok((CpuStorage::F32(out), Shape::from(rows)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = CrossEntropyGrad { cols: self.cols };
+        let dx = logits.apply_op3_no_bwd(targets, &grad_res.contiguous()?, &grad)?;
+        Ok((Some(dx), None))
+    }
+}
+
+impl candle_core::CustomOp3 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous(s1, l1)?;
+        let c = self.cols.max(1);
+        let rows = x.len() / c;
+        let t = checked_targets(s2, l2, rows, c)?;
+        let g = contiguous(s3, l3)?;
+        if g.len() != rows {
+            candle_core::bail!("cross-entropy gradient: {} values for {rows} rows", g.len());
+        }
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(c).zip(x.par_chunks(c)).zip(t.par_iter().zip(g.par_iter())).for_each(
+            |((o, row), (&target, &g))| {
+                let (max, lse) = log_sum_exp(row);
+                for (o, &v) in o.iter_mut().zip(row) {
+                    *o = (v - max - lse).exp() * g;
+                }
+                o[target as usize] -= g;
+            },
+        );
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
 /// RMS norm over the last dimension with a gain, as Llama's:
 /// `x / sqrt(mean(x^2) + eps) * gain`.
 pub fn rms_norm(x: &Tensor, gain: &Tensor, eps: f32) -> Result<Tensor> {
@@ -528,6 +662,25 @@ mod tests {
             &[("input", x.as_tensor()), ("gain", gain.as_tensor())],
             (1e-4, 1e-3),
         )?;
+        // Cross-entropy against class targets: the loss and the logits'
+        // gradient.
+        let logits = Var::from_tensor(&(Tensor::randn(0f32, 3.0, (24, 33), &dev)?))?;
+        let targets = Tensor::from_vec((0..24u32).map(|i| (i * 7 + 3) % 33).collect::<Vec<_>>(), 24, &dev)?;
+        let (a, b) = (
+            cross_entropy(logits.as_tensor(), &targets)?,
+            candle_nn::loss::cross_entropy(logits.as_tensor(), &targets)?,
+        );
+        let diff = (&a - &b)?.abs()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "cross-entropy differs by {diff}");
+        let (ga, gb) = (a.backward()?, b.backward()?);
+        let (Some(da), Some(db)) = (ga.get(logits.as_tensor()), gb.get(logits.as_tensor())) else {
+            panic!("cross-entropy: no gradient")
+        };
+        let diff = (da - db)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "cross-entropy gradient differs by {diff}");
+        let bad = Tensor::from_vec(vec![33u32; 24], 24, &dev)?;
+        let e = cross_entropy(logits.as_tensor(), &bad).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("target 33 outside 33 classes"), "{e}");
         // SwiGLU: the gradients of both inputs.
         let up = Var::from_tensor(&(Tensor::randn(0f32, 1.5, (6, 4, 33), &dev)?))?;
         same_values_and_gradients(

@@ -259,7 +259,7 @@ pub trait TrainableModel: Send {
     /// model's device: the mean loss and candle's gradient store.
     fn backward(&self, images: &Tensor, labels: &Tensor) -> Result<(f32, candle_core::backprop::GradStore)> {
         let (logits, targets) = self.logits_and_targets(images, labels, true)?;
-        let loss = candle_nn::loss::cross_entropy(&logits, &targets)?;
+        let loss = crate::kernels::cross_entropy(&logits, &targets)?;
         let store = loss.backward()?;
         Ok((loss.to_scalar::<f32>()?, store))
     }
@@ -291,7 +291,7 @@ pub trait TrainableModel: Send {
             let (x, y) = data.batch(&chunk, self.device())?;
             let (logits, y) = self.logits_and_targets(&x, &y, false)?;
             let m = y.dim(0)?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()?;
+            let loss = crate::kernels::cross_entropy(&logits, &y)?.to_scalar::<f32>()?;
             loss_sum += loss as f64 * m as f64;
             predictions += m;
             let pred = logits.argmax(D::Minus1)?;
@@ -710,7 +710,7 @@ impl Model {
     fn graph_gradients_factored(&self, images: &Tensor, labels: &Tensor) -> Result<GradOutput> {
         let mut taps = Vec::new();
         let logits = self.forward_tapped(images, true, Some(&mut taps))?;
-        let loss = candle_nn::loss::cross_entropy(&logits, labels)?;
+        let loss = crate::kernels::cross_entropy(&logits, labels)?;
         let store = loss.backward()?;
         let grads = self.layout.flatten_grads(&self.varmap, &store)?;
         let mut factors = Vec::with_capacity(taps.len());
