@@ -22,9 +22,36 @@ pub fn run_testnet(extra: &[&str], scenario: &Path) -> anyhow::Result<(tempfile:
         .arg(scenario)
         .output()?;
     eprintln!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    anyhow::ensure!(out.status.success(), "shoal testnet run failed: {}", out.status);
+    if !out.status.success() {
+        // What the nodes warned of goes into the test's output (CI keeps
+        // that, not the report), and the report stays on disk.
+        print_warnings(report.path());
+        let kept = report.keep();
+        anyhow::bail!("shoal testnet run failed: {}; its report is kept in {}", out.status, kept.display());
+    }
     let summary = serde_json::from_slice(&std::fs::read(report.path().join("summary.json"))?)?;
     Ok((report, summary))
+}
+
+/// The last warnings and errors of every node's log in a report (and of a
+/// second run's, such as the fault-free twin's), for a failed run.
+fn print_warnings(report: &Path) {
+    let mut logs: Vec<PathBuf> = ["logs", "fault-free/logs"]
+        .iter()
+        .filter_map(|d| std::fs::read_dir(report.join(d)).ok())
+        .flatten()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .collect();
+    logs.sort();
+    for log in logs {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains(" WARN ") || l.contains(" ERROR ")).collect();
+        eprintln!("--- {} ({} warnings and errors; the last 40):", log.display(), lines.len());
+        for l in &lines[lines.len().saturating_sub(40)..] {
+            eprintln!("{l}");
+        }
+    }
 }
 
 /// Every node but `killed` exited cleanly after `steps` steps at 93% or more;
