@@ -22,10 +22,18 @@ fn fast_path(x: &Tensor) -> bool {
 /// A contiguous f32 CPU storage's values, in place (the fused kernels', the
 /// im2col op's and the hand-written steps' reads).
 pub(crate) fn contiguous<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
-    let data = storage.as_slice::<f32>()?;
+    contiguous_of(storage, layout)
+}
+
+/// A contiguous CPU storage's values of type `T`, in place.
+fn contiguous_of<'a, T: candle_core::WithDType>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a [T]> {
+    let data = storage.as_slice::<T>()?;
     match layout.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("a CPU kernel needs a contiguous f32 input"),
+        None => candle_core::bail!("a CPU kernel needs a contiguous {:?} input", T::DTYPE),
     }
 }
 
@@ -217,15 +225,6 @@ struct CrossEntropyGrad {
     cols: usize,
 }
 
-/// A contiguous u32 CPU storage's values (class indices).
-fn contiguous_u32<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [u32]> {
-    let data = storage.as_slice::<u32>()?;
-    match layout.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("a CPU kernel needs contiguous u32 targets"),
-    }
-}
-
 /// The targets of `rows` rows of `cols` classes, each checked.
 fn checked_targets<'a>(
     storage: &'a CpuStorage,
@@ -233,7 +232,7 @@ fn checked_targets<'a>(
     rows: usize,
     cols: usize,
 ) -> candle_core::Result<&'a [u32]> {
-    let t = contiguous_u32(storage, layout)?;
+    let t: &[u32] = contiguous_of(storage, layout)?;
     if t.len() != rows {
         candle_core::bail!("cross-entropy: {} targets for {rows} rows", t.len());
     }

@@ -170,10 +170,11 @@ fn announce(
     let owned = new.owned_by(me);
     let before = old.map(|o| o.owned_by(me));
     status.record(StatusEvent::Aggregators(new.aggregators()));
-    if old.is_none_or(|o| o.owners != new.owners) {
+    let moved = old.is_none_or(|o| o.owners != new.owners);
+    if moved {
         status.record(StatusEvent::Owners(new.owners.clone()));
     }
-    if old.is_none_or(|o| o.owners != new.owners || o.stragglers != new.stragglers || o.levels != new.levels) {
+    if moved || old.is_some_and(|o| o.stragglers != new.stragglers || o.levels != new.levels) {
         info!(
             node = name,
             epoch = new.epoch,
