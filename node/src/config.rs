@@ -464,11 +464,24 @@ pub struct AggregationConfig {
     /// pair it with `training.momentum = 0` and a learning rate about
     /// `1 / (1 - b)` times larger. 0: raw gradients.
     pub worker_momentum: f32,
+    /// The contribution check (BSP): owners score each worker's gradients
+    /// by their cosine with the round's aggregate, as a moving average
+    /// (weight 0.1 a round, from the 10th round on), and leave a worker
+    /// whose score is below this out of the rounds until it rises again (at
+    /// most a third of a round, the lowest first). From -1 to below 1; left
+    /// out: off. Experimental: it does not yet tell honest from flipped
+    /// pushes late in training (docs/benchmarks.md).
+    pub min_agreement: Option<f32>,
 }
 
 impl Default for AggregationConfig {
     fn default() -> Self {
-        Self { rule: crate::policy::robust::Aggregation::Mean, norm_check: None, worker_momentum: 0.0 }
+        Self {
+            rule: crate::policy::robust::Aggregation::Mean,
+            norm_check: None,
+            worker_momentum: 0.0,
+            min_agreement: None,
+        }
     }
 }
 
@@ -1030,6 +1043,14 @@ impl NodeConfig {
                 s.policy
             );
         }
+        if let Some(m) = a.min_agreement {
+            if !(-1.0..1.0).contains(&m) || !self.bsp_rounds() {
+                bail!(
+                    "aggregation.min_agreement ({m}) must be from -1 to below 1, and needs cluster.mode = \"pull\" \
+                     and sync.policy = \"bsp\": it scores each worker's gradients against its round's aggregate"
+                );
+            }
+        }
         if !(0.0..1.0).contains(&a.worker_momentum) || (a.worker_momentum > 0.0 && self.cluster.mode != Mode::Pull) {
             bail!(
                 "aggregation.worker_momentum must be from 0 to below 1, and only in pull mode (got {})",
@@ -1268,10 +1289,28 @@ pub struct RunAgreement {
     /// with one that writes the default).
     pub norm_check: f32,
     pub worker_momentum: f32,
+    /// `aggregation.min_agreement`; left out of the hash when off, so a
+    /// config without it agrees with nodes that predate it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_agreement: Option<f32>,
     /// DiLoCo's rounds: `local_steps.steps`, `outer_lr` and
     /// `outer_momentum`, or none.
     pub local_steps: Option<LocalStepsConfig>,
     pub overlap: bool,
+    /// `sync.round_timeout_ms`: every owner forces its BSP rounds after it,
+    /// so owners with different timeouts apply a late worker's gradient on
+    /// some shards and not on others. Left out at its default (as are the
+    /// two below), so a config that keeps it agrees with nodes that
+    /// predate it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub round_timeout_ms: Option<u64>,
+    /// `sync.backup_workers`: every owner closes a BSP round this many
+    /// pushes short.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backup_workers: Option<u32>,
+    /// `gossip.every` in gossip mode: when nodes average their models.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gossip_every: Option<u64>,
 }
 
 /// The `[roles]` settings every peer must share: they decide the
@@ -1319,8 +1358,17 @@ impl RunAgreement {
             aggregation: config.aggregation.rule,
             norm_check: config.norm_check_factor(),
             worker_momentum: config.aggregation.worker_momentum,
+            min_agreement: config.aggregation.min_agreement,
             local_steps: config.local_steps,
             overlap: config.sync.overlap,
+            round_timeout_ms: Some(config.sync.round_timeout_ms)
+                .filter(|&ms| ms != SyncConfig::default().round_timeout_ms),
+            backup_workers: Some(config.sync.backup_workers).filter(|&b| b != 0),
+            gossip_every: config
+                .gossip
+                .filter(|_| config.cluster.mode == Mode::Gossip)
+                .map(|g| g.every)
+                .filter(|&e| e != GossipConfig::default().every),
         }
     }
 
@@ -1411,6 +1459,7 @@ pub(crate) fn with_every_table() -> NodeConfig {
         ..NodeConfig::default()
     };
     full.aggregation.norm_check = Some(50.0);
+    full.aggregation.min_agreement = Some(0.0);
     full.network.admission.psk = Some("0".repeat(64));
     full.network.admission.allowlist = Some(Vec::new());
     full.training.llama = Some(LlamaSize::default());
@@ -1537,8 +1586,11 @@ mod tests {
         c.sync.policy = SyncPolicy::Ssp { staleness: 2 };
         c.roles.aggregators = Aggregators::Fixed(3);
         c.aggregation.norm_check = Some(20.0);
+        c.aggregation.min_agreement = Some(0.2);
         c.sync.overlap = true;
         c.local_steps = Some(LocalStepsConfig::every(4));
+        c.sync.round_timeout_ms = 4_000;
+        c.sync.backup_workers = 1;
         c
     }
 
@@ -1702,6 +1754,20 @@ mod tests {
         assert_eq!(hash(&|_| {})?, hash(&|c| c.training.lr = Some(OptimizerConfig::default_lr(OptimizerKind::Sgd)))?);
         // The idle share is a field like any other.
         assert_ne!(hash(&|_| {})?, hash(&|c| c.roles.explore_idle_share = 0.1)?);
+        // How rounds close and when gossip averages: agreed once they leave
+        // their defaults (written out, a default is the same agreement).
+        let base = hash(&|_| {})?;
+        assert_eq!(base, hash(&|c| c.sync.round_timeout_ms = SyncConfig::default().round_timeout_ms)?);
+        assert_ne!(base, hash(&|c| c.sync.round_timeout_ms = 4_000)?);
+        assert_ne!(base, hash(&|c| c.sync.backup_workers = 1)?);
+        let gossip = |every: Option<u64>| {
+            hash(&|c| {
+                c.cluster.mode = Mode::Gossip;
+                c.gossip = every.map(|every| GossipConfig { every });
+            })
+        };
+        assert_eq!(gossip(None)?, gossip(Some(GossipConfig::default().every))?);
+        assert_ne!(gossip(None)?, gossip(Some(10))?);
         Ok(())
     }
 
@@ -1758,7 +1824,14 @@ mod tests {
             .filter_map(|l| l.split_once('`').map(|(name, _)| name))
             .collect();
         assert!(!listed.is_empty(), "docs/operations.md has no list under `{heading}`");
-        let agreed = serde_json::to_value(RunAgreement::of(&NodeConfig::default(), &digits_model()))?;
+        // With every optional field set, so that each is listed.
+        let mut config = NodeConfig::default();
+        config.aggregation.min_agreement = Some(0.0);
+        config.sync.round_timeout_ms = 4_000;
+        config.sync.backup_workers = 1;
+        config.cluster.mode = Mode::Gossip;
+        config.gossip = Some(GossipConfig { every: 10 });
+        let agreed = serde_json::to_value(RunAgreement::of(&config, &digits_model()))?;
         // Each field by its name, and the agreed roles each as `roles.KEY`.
         let keys =
             |v: &serde_json::Value| v.as_object().map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
@@ -1891,6 +1964,22 @@ mod tests {
         example.network.listen = defaults.network.listen.clone();
         assert_eq!(example, defaults);
         Ok(())
+    }
+
+    #[test]
+    fn the_contribution_check_needs_bsp_rounds_and_a_cosine_bound() {
+        let mut c = NodeConfig::default();
+        c.aggregation.min_agreement = Some(0.0);
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        for m in [1.0, -1.5, f32::NAN] {
+            c.aggregation.min_agreement = Some(m);
+            let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("aggregation.min_agreement"), "{m}: {e}");
+        }
+        c.aggregation.min_agreement = Some(0.1);
+        c.sync.policy = SyncPolicy::Asp;
+        let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("aggregation.min_agreement") && e.contains("bsp"), "{e}");
     }
 
     #[test]

@@ -42,6 +42,7 @@ fn main() -> ExitCode {
         Command::Bench { command: BenchCommand::Checkpoint(args) } => cmd::bench_checkpoint::run(args),
         Command::Bench { command: BenchCommand::Comm(args) } => cmd::bench_comm::run(args),
         Command::Bench { command: BenchCommand::Exchange(args) } => cmd::bench_exchange::run(args),
+        Command::Bench { command: BenchCommand::Robust(args) } => cmd::bench_robust::run(args),
         Command::Top(args) => cmd::top::run(args),
         Command::Testnet { command: TestnetCommand::Run(args) } => cmd::testnet::run(args),
         Command::Testnet { command: TestnetCommand::Check { scenario } } => cmd::testnet::check(&scenario),

@@ -491,6 +491,9 @@ fn spawn_network(
     if f.delay_ms > 0 || f.slowdown > 1.0 || f.serve_mbps > 0.0 {
         warn!(serve_delay_ms = f.delay_ms, slowdown = f.slowdown, serve_mbps = f.serve_mbps, "fault injection is on");
     }
+    if let Some(why) = proto.mdns_held_off() {
+        info!("{why}");
+    }
     let open = proto.open_listeners();
     if !open.is_empty() {
         warn!(
@@ -585,6 +588,7 @@ fn aggregator_config(
         robust: crate::policy::robust::Robust {
             aggregation: config.aggregation.rule,
             norm_check: config.norm_check_factor(),
+            min_agreement: config.aggregation.min_agreement,
         },
         ranges: plan.shards().iter().map(|s| s.range()).collect(),
         max_wait: proto.timeouts.response_wait(),
@@ -1025,7 +1029,7 @@ async fn leave_run(
         true => info!(%name, "every shard handed off"),
         false => {
             let h = *held.borrow();
-            warn!(%name, shards = h.shards, transfers = h.transfers,
+            warn!(%name, shards = h.shards, transfers = h.transfers, kept = h.kept,
                   "left before every shard was handed off (no other node may own them, or transfers failed)");
         }
     }

@@ -320,6 +320,12 @@ fn bad_flags_are_rejected_before_work() {
         &["bench", "exchange", "--mb", "0"],
         &["bench", "exchange", "--cases", "f32,fp8"],
         &["bench", "exchange", "--nodes", "1"],
+        &["bench", "robust", "--byzantine", "5"],
+        &["bench", "robust", "--nodes", "2", "--byzantine", "1"],
+        &["bench", "robust", "--attacks", "none"],
+        &["bench", "robust", "--attacks", "stale:0"],
+        &["bench", "robust", "--rules", "trimmed_mean:0.5"],
+        &["bench", "robust", "--runs", "0"],
         &["demo", "--straggler", "--mode", "gossip"],
         &["demo", "--straggler", "--nodes", "1"],
         &["demo", "--output-hf", "hf"],
@@ -809,6 +815,49 @@ fn bench_exchange_moves_the_bytes_an_all_reduce_would() {
         assert!(rate.is_finite() && rate > 0.0, "{c}");
     }
     assert!(out.contains("x raw TCP"), "{out}");
+}
+
+/// `shoal bench robust`, small: one bad peer in 5. The plain mean under a
+/// 100x attacker fails visibly, the median holds within 5 points of the
+/// fault-free run measured beside it, and the JSON has every case.
+#[test]
+fn bench_robust_measures_each_attack_against_the_fault_free_run() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let json = dir.path().join("robust.json");
+    let path = json.to_string_lossy().into_owned();
+    let o = shoal(&[
+        "bench",
+        "robust",
+        "--nodes",
+        "5",
+        "--byzantine",
+        "1",
+        "--steps",
+        "150",
+        "--attacks",
+        "scale:100,zeros",
+        "--rules",
+        "mean,median",
+        "--json",
+        &path,
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    eprintln!("{out}");
+    let raw = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{e}"));
+    let v: serde_json::Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{e}: {raw}"));
+    let base = v["fault_free_accuracy"].as_f64().unwrap_or(0.0);
+    assert!(base >= 0.9, "fault-free {base}");
+    let cases = v["attacks"].as_array().cloned().unwrap_or_default();
+    let case = |attack: &str, rule: &str| {
+        let c = cases.iter().find(|c| c["attack"] == attack && c["rule"] == rule);
+        c.and_then(|c| c["honest_accuracy"].as_f64()).unwrap_or_else(|| panic!("no {attack} under {rule}: {raw}"))
+    };
+    assert_eq!(cases.len(), 4, "{raw}");
+    assert!(case("scale:100", "mean") < 0.5, "the mean should fail under a 100x attacker: {raw}");
+    assert!(case("scale:100", "median") >= base - 0.05, "the median should hold: {raw}");
+    assert!(case("zeros", "median") >= base - 0.05, "{raw}");
+    assert!(out.contains("vs fault-free"), "{out}");
 }
 
 /// Writes `bytes` of English-looking text: lines of words drawn from the

@@ -331,7 +331,7 @@ fn build_behaviour(
     );
     let ping = ping::Behaviour::new(ping::Config::new());
 
-    let mdns = if cfg.discovery.mdns {
+    let mdns = if cfg.discovery.mdns && cfg.mdns_held_off().is_none() {
         Some(
             mdns::tokio::Behaviour::new(mdns::Config::default(), peer_id)
                 .map_err(|e| ProtocolError::Transport(format!("mdns: {e}")))?,
@@ -569,6 +569,15 @@ mod tests {
                 && b.relay_server.is_enabled()
         );
         assert!(!b.mdns.is_enabled());
+    }
+
+    #[tokio::test]
+    async fn mdns_on_in_the_config_stays_off_on_a_loopback_only_node() {
+        let mut cfg = ProtocolConfig::local(RunId::new("lo").unwrap());
+        cfg.discovery.mdns = true;
+        let swarm = build_swarm(&cfg, Keypair::generate_ed25519()).unwrap();
+        assert!(!swarm.behaviour().mdns.is_enabled(), "{:?}", cfg.listen);
+        assert!(cfg.mdns_held_off().is_some_and(|m| m.contains("loopback only")));
     }
 
     #[tokio::test]

@@ -356,6 +356,37 @@ impl ProtocolConfig {
         }
         self.listen.iter().filter(|a| !is_local_only(a)).collect()
     }
+
+    /// Why mDNS stays off although `discovery.mdns` is on, if it does.
+    /// libp2p's mDNS queries and answers on every interface the host has,
+    /// and cannot be held to one, so it runs only where the node listens
+    /// on every interface anyway: a wildcard address (`0.0.0.0` or `::`).
+    /// A node bound to loopback, or to one address, never multicasts on
+    /// another interface (and loopback carries no multicast at all).
+    pub fn mdns_held_off(&self) -> Option<String> {
+        use libp2p::multiaddr::Protocol;
+        if !self.discovery.mdns {
+            return None;
+        }
+        let wildcard = |a: &Multiaddr| match a.iter().next() {
+            Some(Protocol::Ip4(ip)) => ip.is_unspecified(),
+            Some(Protocol::Ip6(ip)) => ip.is_unspecified(),
+            _ => false,
+        };
+        if self.listen.iter().any(wildcard) {
+            return None;
+        }
+        let listen: Vec<String> = self.listen.iter().map(ToString::to_string).collect();
+        let why = if self.listen.iter().all(is_local_only) {
+            "the node listens on loopback only, which carries no multicast"
+        } else {
+            "mDNS would multicast on every interface, not only where the node listens"
+        };
+        Some(format!(
+            "mDNS is off: {why} ({}); listen on 0.0.0.0 for mDNS, or give --bootstrap",
+            if listen.is_empty() { "no listen address".to_string() } else { listen.join(", ") }
+        ))
+    }
 }
 
 /// True when only this machine can reach `addr`: a loopback IP, or the
@@ -387,6 +418,21 @@ mod tests {
     fn with_listen(addrs: &[&str]) -> ProtocolConfig {
         let listen = addrs.iter().filter_map(|a| a.parse().ok()).collect();
         ProtocolConfig { listen, ..ProtocolConfig::default() }
+    }
+
+    #[test]
+    fn mdns_runs_only_where_the_node_listens_on_every_interface() {
+        let off = |addrs: &[&str]| with_listen(addrs).mdns_held_off();
+        assert_eq!(off(&["/ip4/0.0.0.0/tcp/7000"]), None);
+        assert_eq!(off(&["/ip4/127.0.0.1/tcp/7000", "/ip6/::/udp/7000/quic-v1"]), None);
+        let loopback = off(&["/ip4/127.0.0.1/tcp/7000", "/ip6/::1/tcp/7000"]);
+        assert!(loopback.as_deref().is_some_and(|m| m.contains("loopback only")), "{loopback:?}");
+        let one = off(&["/ip4/10.77.0.2/tcp/7000"]);
+        assert!(one.as_deref().is_some_and(|m| m.contains("not only where") && m.contains("10.77.0.2")), "{one:?}");
+        // Off by config: nothing is held off.
+        let mut cfg = with_listen(&["/ip4/127.0.0.1/tcp/7000"]);
+        cfg.discovery.mdns = false;
+        assert_eq!(cfg.mdns_held_off(), None);
     }
 
     #[test]

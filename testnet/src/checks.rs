@@ -25,6 +25,7 @@ use crate::report::{ResourceSample, Sample, Summary};
 // their file formats, and kept here under their old paths.
 pub use crate::report::{CheckReport, RssGrowth};
 pub use crate::scenario::Checks;
+use crate::scenario::{Action, Scenario};
 
 /// Mean final accuracy of the nodes that trained to the end, and their names.
 pub fn survivors_accuracy(s: &Summary) -> (Option<f64>, Vec<String>) {
@@ -36,6 +37,19 @@ pub fn survivors_accuracy(s: &Summary) -> (Option<f64>, Vec<String>) {
         .collect();
     let mean = (!done.is_empty()).then(|| done.iter().map(|d| d.1).sum::<f64>() / done.len() as f64);
     (mean, done.iter().map(|d| d.0.to_string()).collect())
+}
+
+/// A `start_all` that did not bring the run back from its checkpoints: a
+/// node that trained to the end after it but never reported resuming.
+/// (On a fast build a run can end before its `stop_all`, and the restarted
+/// nodes then have nothing to resume; that is a missed fault, not a pass.)
+pub fn missed_resumes(scenario: &Scenario, s: &Summary) -> Vec<String> {
+    let Some(start) = scenario.events.iter().find(|e| e.action == Action::StartAll) else { return Vec::new() };
+    s.nodes
+        .iter()
+        .filter(|n| n.exit == "exited" && !n.left && n.resumed_at_step.is_none())
+        .map(|n| format!("start all (line {}): {} finished without resuming from its checkpoints", start.line, n.name))
+        .collect()
 }
 
 /// RSS growth of each node process after `warmup_secs` of its life.
@@ -319,6 +333,32 @@ mod tests {
     }
 
     #[test]
+    fn a_start_all_whose_nodes_did_not_resume_is_a_missed_fault() -> Result<(), crate::scenario::ScenarioError> {
+        let text = "nodes = 3\n[node_config.checkpoint]\nevery_steps = 20\n[[event]]\nat_step = 300\naction = \
+                    \"stop_all\"\n[[event]]\nat_secs = 1\naction = \"start_all\"\n";
+        let scenario = Scenario::parse(text, "s.toml", "s")?;
+        let resumed = |mut o: NodeOutcome| {
+            o.resumed_at_step = Some(275);
+            o
+        };
+        let run = summary(
+            vec![
+                resumed(outcome("node0", "exited", Some(0.95), false)),
+                outcome("node1", "exited", Some(0.95), false),
+                outcome("node2", "exited", Some(0.95), true),
+            ],
+            vec![],
+            &[],
+        );
+        let missed = missed_resumes(&scenario, &run);
+        assert_eq!(missed, vec!["start all (line 7): node1 finished without resuming from its checkpoints"]);
+        // No start_all: nothing to resume, nothing missed.
+        let plain = Scenario::parse("nodes = 3\n", "s.toml", "s")?;
+        assert!(missed_resumes(&plain, &run).is_empty());
+        Ok(())
+    }
+
+    #[test]
     fn memory_is_judged_per_process_life_after_warm_up() {
         let resources = vec![
             // node0: 100 MiB during warm-up, then 40 -> 43 MiB: +7.5%.
@@ -398,6 +438,7 @@ mod tests {
         let heal = |secs: f64| crate::report::FaultRecord {
             secs,
             at_secs: secs,
+            at_step: None,
             line: 0,
             action: "heal [[0, 1], [2, 3]]".into(),
             outcome: "healed".into(),

@@ -39,7 +39,7 @@ use crate::http;
 use crate::report::{
     vm_hwm_bytes, vm_rss_bytes, FaultRecord, NodeOutcome, ResourceSample, RoleRecord, Sample, Summary,
 };
-use crate::scenario::{Action, Arch, Discovery, Scenario};
+use crate::scenario::{Action, Arch, At, Discovery, Scenario};
 
 /// How to run a scenario.
 #[derive(Debug, Clone)]
@@ -138,6 +138,12 @@ impl NodeProc {
         self.child.is_some()
     }
 
+    /// The step and total of the node's last status.
+    fn progress(&self) -> Option<(u64, u64)> {
+        let s = self.last.as_ref()?;
+        Some((s.get("step")?.as_u64()?, s.get("total_steps")?.as_u64()?))
+    }
+
     /// `/ip4/.../tcp/N/p2p/<id>`: what others bootstrap from.
     fn p2p_addr(&self) -> Option<String> {
         let (listen, id) = (self.listen.as_ref()?, self.peer_id.as_ref()?);
@@ -158,6 +164,23 @@ impl NodeProc {
                 Line::Finished { accuracy, steps, left } => self.finished = Some((accuracy, steps, left)),
             }
         }
+    }
+}
+
+/// Whether node `n` may still be training, as far as the launcher knows:
+/// running, no final line yet, and its last status short of its steps.
+fn still_training(n: &NodeProc) -> bool {
+    n.alive() && n.finished.is_none() && n.progress().is_none_or(|(step, total)| step < total)
+}
+
+/// How a node that is not training stands, for a missed event's message.
+fn training_state(n: &NodeProc) -> String {
+    match (n.alive(), n.finished, n.progress()) {
+        (false, _, _) => format!("it is not running: {}", n.exit.as_deref().unwrap_or("stopped")),
+        (true, Some((_, steps, true)), _) => format!("it left after {steps} steps"),
+        (true, Some((_, steps, false)), _) => format!("it finished its {steps} steps"),
+        (true, None, Some((step, total))) => format!("it is at step {step} of {total}"),
+        (true, None, None) => "no status yet".into(),
     }
 }
 
@@ -625,6 +648,12 @@ impl Testnet<'_> {
         })
     }
 
+    /// Every initial node has exited cleanly (its status 0): it trained to
+    /// the end, whether or not a poll saw its steps.
+    fn trained_between_polls(&self) -> bool {
+        (0..self.scenario.nodes).all(|i| self.node(i).ok().is_some_and(|n| n.exit.as_deref() == Some("exited")))
+    }
+
     /// Poll the nodes, apply the timeline and draw the table every
     /// [`POLL`] until every node has exited, the time limit, or told to stop.
     #[allow(clippy::print_stdout)] // The launcher's own terminal output.
@@ -641,9 +670,16 @@ impl Testnet<'_> {
                 if self.training_started() {
                     p.t0 = Some(t);
                     println!("training started at {t:.1} s; the timeline starts now");
-                } else if self.nodes.iter().any(|n| !n.alive()) {
+                } else if self.trained_between_polls() {
+                    // A short run on a fast host: every node trained to the
+                    // end and exited cleanly between two polls. The timeline
+                    // starts now, and its events find no training left.
+                    p.t0 = Some(t);
+                    println!("every node trained and exited before a poll saw a step; the timeline starts now");
+                } else if self.nodes.iter().any(|n| !n.alive() && n.exit.as_deref() != Some("exited")) {
                     // A node died before training started: report that now
-                    // rather than wait out the time limit.
+                    // rather than wait out the time limit. (One that exited
+                    // cleanly trained to the end: the others follow.)
                     println!("a node exited before training started; stopping");
                     self.kill_all();
                     return (p, End::Done);
@@ -668,8 +704,14 @@ impl Testnet<'_> {
                 return (p, End::Stopped);
             }
             let events_done = p.next_event >= self.scenario.events.len() && p.heals.is_empty();
-            if self.nodes.iter().all(|n| !n.alive()) && events_done {
-                return (p, End::Done);
+            if self.nodes.iter().all(|n| !n.alive()) {
+                if events_done {
+                    return (p, End::Done);
+                }
+                if self.steps_never_come(&mut p) {
+                    println!("training ended before the next event's step: stopping");
+                    return (p, End::Done);
+                }
             }
             if t > self.scenario.time_limit.as_secs_f64() {
                 println!("time limit of {} s reached: stopping every node", self.scenario.time_limit.as_secs());
@@ -681,30 +723,98 @@ impl Testnet<'_> {
         }
     }
 
-    /// Apply every event due at `t` (the timeline started at `t0`).
+    /// Apply every event due at `t` (the timeline started at `t0`), or
+    /// once a live node has reached its step. An event that finds no
+    /// training left to act on is recorded as missed: the run then fails.
     #[allow(clippy::print_stdout)] // The launcher's own terminal output.
     fn apply_due_events(&mut self, t: f64, t0: f64, p: &mut Progress) {
         let events = &self.scenario.events;
         while let Some(ev) = events.get(p.next_event) {
-            if t - t0 < ev.at_secs {
+            let due = match ev.at {
+                At::Secs(s) => t - t0 >= s,
+                At::Step(n) => self.cluster_step() >= n,
+                At::After(s) => t - p.last_event.unwrap_or(t0) >= s,
+            };
+            if !due {
                 break;
             }
             p.next_event += 1;
-            let outcome = self.apply(&ev.action, &mut p.heals);
+            p.last_event = Some(t);
+            let missed = self.no_training_for(&ev.action);
+            let outcome = match &missed {
+                Some(why) => Err(anyhow::anyhow!("missed: {why}")),
+                None => self.apply(&ev.action, &mut p.heals),
+            };
             let what = match &outcome {
                 Ok(m) => m.clone(),
                 Err(e) => format!("failed: {e:#}"),
             };
-            println!("[{:>6.1} s] {} (line {}): {what}", t - t0, ev.action, ev.line);
+            println!("[{:>6.1} s] {ev}: {what}", t - t0);
+            if let Some(why) = missed {
+                p.missed.push(format!("{ev}: {why}"));
+            }
             p.faults.push(FaultRecord {
                 secs: t,
-                at_secs: ev.at_secs,
+                at_secs: t - t0,
+                at_step: match ev.at {
+                    At::Step(n) => Some(n),
+                    At::Secs(_) | At::After(_) => None,
+                },
                 line: ev.line,
                 action: ev.action.to_string(),
                 outcome: what,
                 steps_per_sec_before: None,
                 steps_per_sec_after: None,
             });
+        }
+    }
+
+    /// With every node gone, an event placed by step can never fire:
+    /// record it and every event after it as missed. False when the next
+    /// event is placed by time (a `start_all` may follow a `stop_all`).
+    fn steps_never_come(&self, p: &mut Progress) -> bool {
+        let rest = &self.scenario.events[p.next_event.min(self.scenario.events.len())..];
+        if !rest.first().is_some_and(|e| matches!(e.at, At::Step(_))) {
+            return false;
+        }
+        let reached = p.samples.iter().map(|s| s.step).max().unwrap_or(0);
+        for ev in rest {
+            p.missed.push(format!("{ev}: never ran, every node had stopped (the furthest reached step {reached})"));
+        }
+        p.next_event = self.scenario.events.len();
+        true
+    }
+
+    /// The furthest training step any live node has reported: what
+    /// `at_step` events wait for.
+    fn cluster_step(&self) -> u64 {
+        self.nodes
+            .iter()
+            .filter(|n| n.alive())
+            .filter_map(|n| n.last.as_ref()?.get("step")?.as_u64())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Why `action` would find no training left to act on, if it would: the
+    /// node it targets has finished (or is gone), or, for the rest, no live
+    /// node is still training. A `start_all` is judged at the end, by
+    /// whether its nodes resumed ([`crate::checks::missed_resumes`]).
+    fn no_training_for(&self, action: &Action) -> Option<String> {
+        let target = match action {
+            Action::Slow { node, .. } | Action::Kill { node } | Action::Freeze { node } | Action::Leave { node } => {
+                Some(*node)
+            }
+            Action::StartAll => return None,
+            _ => None,
+        };
+        match target {
+            Some(i) => {
+                let n = self.node(i).ok()?;
+                (!still_training(n)).then(|| format!("node{i} has no training left ({})", training_state(n)))
+            }
+            None => (!self.nodes.iter().any(still_training))
+                .then(|| "every node has finished training: the fault came too late".to_string()),
         }
     }
 
@@ -722,6 +832,7 @@ impl Testnet<'_> {
             p.faults.push(FaultRecord {
                 secs: t,
                 at_secs: t - t0,
+                at_step: None,
                 line: 0,
                 action: format!("heal {groups:?}"),
                 outcome: what,
@@ -762,6 +873,7 @@ impl Testnet<'_> {
         }
         print!("{}", self.table(self.secs()));
         let (t, timed_out, outcomes) = (self.secs(), end == End::TimedOut, self.outcomes());
+        let mut missed = p.missed;
         let summary = Summary::build(scenario, p.t0, t, timed_out, outcomes, p.roles, p.faults, p.samples)
             .with_resources(p.resources);
         summary.write(&opts.report_dir)?;
@@ -785,6 +897,14 @@ impl Testnet<'_> {
         if !failed.is_empty() {
             bail!("node(s) failed: {}; see {}", failed.join(", "), opts.report_dir.join("logs").display());
         }
+        missed.extend(checks::missed_resumes(scenario, &summary));
+        if !missed.is_empty() {
+            bail!(
+                "the scenario's faults did not land: {}. Place the events earlier (at_step follows training on \
+                 any build) or give the run more steps",
+                missed.join("; ")
+            );
+        }
         Ok(summary)
     }
 }
@@ -807,6 +927,10 @@ struct Progress {
     heals: Vec<(f64, Vec<Vec<usize>>)>,
     /// The first event not applied yet.
     next_event: usize,
+    /// Events that found no training left to act on: the run fails.
+    missed: Vec<String>,
+    /// When the last event ran (seconds since the start).
+    last_event: Option<f64>,
     /// When every initial node had trained a step: the timeline's zero.
     t0: Option<f64>,
     last_resources: f64,
@@ -822,6 +946,8 @@ impl Progress {
             faults: Vec::new(),
             heals: Vec::new(),
             next_event: 0,
+            missed: Vec::new(),
+            last_event: None,
             t0: None,
             last_resources: f64::NEG_INFINITY,
             last_print: f64::NEG_INFINITY,

@@ -88,8 +88,10 @@ pub struct RoleRecord {
 pub struct FaultRecord {
     /// Seconds since the testnet started.
     pub secs: f64,
-    /// Seconds after training started, as the scenario says.
+    /// Seconds after training started when it was applied.
     pub at_secs: f64,
+    /// The training step the scenario placed it at (`at_step`), if any.
+    pub at_step: Option<u64>,
     /// Line of the event in the scenario (0: a heal).
     pub line: usize,
     pub action: String,
@@ -509,6 +511,7 @@ mod tests {
         let fault = FaultRecord {
             secs: 5.0,
             at_secs: 1.0,
+            at_step: None,
             line: 3,
             action: "kill node1".into(),
             outcome: "ok".into(),

@@ -26,8 +26,9 @@
 //! node = 0                  # serves as the relay, on both networks (node 0 only)
 //! far = [3]                 # on a second network that only the relay reaches
 //!
-//! [[event]]                 # seconds after training starts on every node
-//! at_secs = 10
+//! [[event]]                 # seconds after training starts on every node,
+//! at_secs = 10              # or at_step = N: once a live node reaches step N,
+//!                           # or after_secs = 2: after the event before it ran
 //! action = "slow"           # slow | kill | freeze | restart | partition | add | leave
 //! node = 3
 //! serve_delay_ms = 25       # and/or slowdown = 5.0
@@ -45,6 +46,14 @@
 //! accuracy_within_points = 0.5   # also runs the scenario without events
 //! max_accuracy_drop_points = 0.5 # the same, one-sided: at most 0.5 points below
 //! ```
+//!
+//! An event that finds no training left to act on (its node, or every
+//! node, has finished) fails the run, and so does a `start_all` whose nodes
+//! do not resume from their checkpoints: a fault that missed is not a pass.
+//! Events placed by `at_step` follow training, not the clock, so a scenario
+//! behaves the same on a debug and a release build. Once any event uses
+//! `at_step` or `after_secs`, the events run in file order, each once the one
+//! before it has.
 //!
 //! Errors name the line: `scenario.toml:14: event: node 7 does not exist
 //! (nodes 0..3 at that time)`.
@@ -211,14 +220,41 @@ impl fmt::Display for Action {
     }
 }
 
-/// One timed event.
+/// When an event fires.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum At {
+    /// Seconds after training started on every initial node.
+    Secs(f64),
+    /// Once a live node has reached this training step.
+    Step(u64),
+    /// Seconds after the event before it ran.
+    After(f64),
+}
+
+impl fmt::Display for At {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            At::Secs(s) => write!(f, "at {s:.1} s"),
+            At::Step(n) => write!(f, "at step {n}"),
+            At::After(s) => write!(f, "{s:.1} s after the event before"),
+        }
+    }
+}
+
+/// One event of the timeline.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Event {
-    /// Seconds after training started on every initial node.
-    pub at_secs: f64,
+    pub at: At,
     /// Line in the scenario file.
     pub line: usize,
     pub action: Action,
+}
+
+impl fmt::Display for Event {
+    /// `kill node1 (line 7, at step 300)`: how the launcher names an event.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (line {}, {})", self.action, self.line, self.at)
+    }
 }
 
 /// A validated scenario.
@@ -236,7 +272,8 @@ pub struct Scenario {
     pub node_config: toml::Table,
     /// Overrides by node index (also for nodes added later).
     pub overrides: Vec<(usize, NodeSpec)>,
-    /// Sorted by time (stable: equal times keep file order).
+    /// In the order they run: by time (stable: equal times keep file
+    /// order), or in file order once any event is placed by step.
     pub events: Vec<Event>,
     /// What the finished run must show (`[checks]`; empty: nothing).
     pub checks: Checks,
@@ -335,7 +372,9 @@ struct RawNode {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawEvent {
-    at_secs: Spanned<f64>,
+    at_secs: Option<Spanned<f64>>,
+    at_step: Option<Spanned<i64>>,
+    after_secs: Option<Spanned<f64>>,
     action: Spanned<String>,
     node: Option<Spanned<i64>>,
     serve_delay_ms: Option<Spanned<i64>>,
@@ -379,7 +418,7 @@ impl Scenario {
         src.node_config_keys(&raw.node_config)?;
         // Events first: `add` events create the indices overrides may name.
         let mut events = raw.event.iter().map(|ev| src.event(ev)).collect::<Result<Vec<_>, _>>()?;
-        events.sort_by(|a, b| a.at_secs.total_cmp(&b.at_secs));
+        src.order(&mut events)?;
         let count = src.replay(&events, nodes, raw.node_config.contains_key("checkpoint"))?;
         src.no_checkpoint_dir(&raw.node_config)?;
         let (overrides, peak_limits) = src.overrides(&raw.node, count)?;
@@ -396,7 +435,7 @@ impl Scenario {
             time_limit: Duration::from_secs_f64(time_limit),
             node_config: raw.node_config,
             overrides,
-            events: events.into_iter().map(|e| Event { at_secs: e.at_secs, line: e.line, action: e.action }).collect(),
+            events: events.into_iter().map(|e| Event { at: e.at, line: e.line, action: e.action }).collect(),
             checks,
         })
     }
@@ -441,7 +480,7 @@ type PeakLimits = BTreeMap<String, u64>;
 
 /// An event as parsed, with the span its errors point at.
 struct Timed {
-    at_secs: f64,
+    at: At,
     line: usize,
     span: Span,
     action: Action,
@@ -522,10 +561,7 @@ impl Source<'_> {
     fn event(&self, ev: &Spanned<RawEvent>) -> Result<Timed, ScenarioError> {
         let span = ev.span();
         let e = ev.get_ref();
-        let at = *e.at_secs.get_ref();
-        if !at.is_finite() || at < 0.0 {
-            return Err(self.err(e.at_secs.span(), format!("at_secs = {at}: an event time cannot be negative")));
-        }
+        let at = self.at(e, span.clone())?;
         let node = |what: &str| -> Result<usize, ScenarioError> {
             match &e.node {
                 None => Err(self.err(span.clone(), format!("`{what}` needs `node = <index>`"))),
@@ -560,7 +596,64 @@ impl Source<'_> {
                 ))
             }
         };
-        Ok(Timed { at_secs: at, line: self.line_of(span.clone()), span, action })
+        Ok(Timed { at, line: self.line_of(span.clone()), span, action })
+    }
+
+    /// An event's `at_secs`, `at_step` or `after_secs`: exactly one, not negative.
+    fn at(&self, e: &RawEvent, span: Span) -> Result<At, ScenarioError> {
+        let secs = |s: &Spanned<f64>, key: &str| {
+            let at = *s.get_ref();
+            if !at.is_finite() || at < 0.0 {
+                return Err(self.err(s.span(), format!("{key} = {at}: an event time cannot be negative")));
+            }
+            Ok(at)
+        };
+        match (&e.at_secs, &e.at_step, &e.after_secs) {
+            (Some(s), None, None) => Ok(At::Secs(secs(s, "at_secs")?)),
+            (None, None, Some(s)) => Ok(At::After(secs(s, "after_secs")?)),
+            (None, Some(n), None) if *n.get_ref() < 0 => {
+                Err(self.err(n.span(), format!("at_step = {}: a step cannot be negative", n.get_ref())))
+            }
+            (None, Some(n), None) => Ok(At::Step(*n.get_ref() as u64)),
+            (None, None, None) => {
+                Err(self
+                    .err(span, "an event needs at_secs = <seconds>, at_step = <step> or after_secs = <seconds>".into()))
+            }
+            _ => Err(self.err(span, "an event has one of at_secs, at_step and after_secs, not two".into())),
+        }
+    }
+
+    /// Put the events in the order they run. By time when every event is
+    /// placed by time; in file order once any is placed by step or after
+    /// another (a step and a time cannot be compared before the run), and
+    /// then the steps and the times must each already be in order.
+    fn order(&self, events: &mut [Timed]) -> Result<(), ScenarioError> {
+        if events.iter().all(|e| matches!(e.at, At::Secs(_))) {
+            events.sort_by(|a, b| match (a.at, b.at) {
+                (At::Secs(x), At::Secs(y)) => x.total_cmp(&y),
+                _ => std::cmp::Ordering::Equal,
+            });
+            return Ok(());
+        }
+        let (mut secs, mut step) = (None::<f64>, None::<u64>);
+        for e in events.iter() {
+            let backwards = match e.at {
+                At::Secs(s) => secs.replace(s).is_some_and(|before| s < before),
+                At::Step(n) => step.replace(n).is_some_and(|before| n < before),
+                At::After(_) => false,
+            };
+            if backwards {
+                return Err(self.err(
+                    e.span.clone(),
+                    format!(
+                        "{}: once an event is placed by at_step or after_secs, events run in file order; list \
+                         them in order",
+                        e.at
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// A `partition` event's groups and duration; `span` is its table's.
@@ -588,7 +681,7 @@ impl Source<'_> {
         Ok(Action::Partition { groups, duration: Duration::from_secs_f64(duration) })
     }
 
-    /// Replay the timeline (sorted) to check every index against the nodes
+    /// Replay the timeline (in order) to check every index against the nodes
     /// that exist at that moment, and restarts against kills. Returns how
     /// many nodes there are once every `add` has run.
     fn replay(&self, events: &[Timed], nodes: usize, checkpoints: bool) -> Result<usize, ScenarioError> {
@@ -968,8 +1061,8 @@ action = "add"
         };
         assert_eq!(s.nodes, 4);
         assert_eq!(s.time_limit, Duration::from_secs(300));
-        let times: Vec<f64> = s.events.iter().map(|e| e.at_secs).collect();
-        assert_eq!(times, vec![10.0, 30.0, 45.0, 50.0, 60.0]);
+        let times: Vec<At> = s.events.iter().map(|e| e.at).collect();
+        assert_eq!(times, [10.0, 30.0, 45.0, 50.0, 60.0].map(At::Secs));
         assert_eq!(s.events[0].action, Action::Slow { node: 3, serve_delay_ms: Some(25), slowdown: None });
         assert_eq!(s.events[0].line, 17, "the slow event's table starts on line 17");
         assert_eq!(s.node_spec(3).batch_size, Some(16));
@@ -1059,5 +1152,39 @@ action = "add"
         assert!(e.as_ref().is_some_and(|e| e.message.contains("no node is stopped")), "{e:?}");
         let e = parse("nodes = 3\n[node_config.checkpoint]\ndir = \"/tmp/x\"\n").err().map(|e| (e.line, e.message));
         assert!(e.as_ref().is_some_and(|(l, m)| *l == 3 && m.contains("its own folder")), "{e:?}");
+    }
+
+    #[test]
+    fn events_placed_by_step_run_in_file_order_and_each_kind_must_be_in_order() {
+        let ev = |at: &str, action: &str| format!("[[event]]\n{at}\naction = \"{action}\"\n");
+        let head = "nodes = 3\n[node_config.checkpoint]\nevery_steps = 20\n";
+        let text = format!("{head}{}{}", ev("at_step = 300", "stop_all"), ev("after_secs = 2", "start_all"));
+        let s = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.events.iter().map(|e| e.at).collect::<Vec<_>>(), vec![At::Step(300), At::After(2.0)]);
+        assert_eq!(s.events[0].action, Action::StopAll, "file order, not time order");
+        // Without a step event the timeline is sorted by time, as before.
+        let by_time = format!("{head}{}{}", ev("at_secs = 9", "stop_all"), ev("at_secs = 2", "start_all"));
+        let e = parse(&by_time).err();
+        assert!(e.is_some_and(|e| e.message.contains("no node is stopped")), "sorted: the 2 s start runs first");
+        let backwards = format!(
+            "{head}{}{}{}",
+            ev("at_step = 300", "stop_all"),
+            ev("at_secs = 1", "start_all"),
+            ev("at_step = 100", "stop_all")
+        );
+        let e = parse(&backwards).err().map(|e| (e.line, e.message));
+        assert!(
+            e.as_ref().is_some_and(|(l, m)| *l == 10 && m.contains("at step 100") && m.contains("file order")),
+            "{e:?}"
+        );
+        for (at, msg) in [
+            ("at_step = -1", "a step cannot be negative"),
+            ("at_step = 5\nat_secs = 1", "not two"),
+            ("after_secs = -2", "after_secs = -2: an event time cannot be negative"),
+            ("slowdown = 2.0", "needs at_secs = <seconds>, at_step = <step> or after_secs = <seconds>"),
+        ] {
+            let e = parse(&format!("nodes = 3\n[[event]]\n{at}\naction = \"kill\"\nnode = 2\n")).err();
+            assert!(e.as_ref().is_some_and(|e| e.message.contains(msg)), "{at}: {e:?}");
+        }
     }
 }

@@ -1,7 +1,8 @@
 //! Backup workers (`sync.backup_workers`, Chen et al. 2016) over real
 //! loopback TCP: a BSP round is applied once all but one worker pushed, so
-//! a worker computing 4x slower does not hold the rounds back. Its late
-//! pushes are dropped and it skips ahead to the round in progress.
+//! a worker computing 16x slower (its steps about 2-3x as long: exchanges
+//! are most of a step of this small model) does not hold the rounds back.
+//! Its late pushes are dropped and it skips ahead to the round in progress.
 //!
 //! Alone in its own test binary, like `fit_batch.rs`: the slow worker's
 //! pace is measured against its peers', which CPU contention from other
@@ -10,11 +11,16 @@
 use shoal_tests::{elastic_config, rel_diff, run_with_slow_node3, status, ELASTIC_STEPS as STEPS};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_4x_slower_worker_does_not_hold_bsp_rounds_back_with_one_backup_worker() -> anyhow::Result<()> {
+async fn a_16x_slower_worker_does_not_hold_bsp_rounds_back_with_one_backup_worker() -> anyhow::Result<()> {
     let mut base = elastic_config("backup-workers");
     base.sync.backup_workers = 1;
     let batch = base.training.batch_size as u64;
-    let (slow, reports) = run_with_slow_node3(base, 4.0).await?;
+    // 16x, not 4x: the slowdown stretches compute, about a fifth of a step
+    // here, and the others' steps stretch too when the cores are shared.
+    // At 4x node3 skipped 112-125 of 300 steps alone but 42-61 beside two
+    // busy processes (a CI run, beside a benchmark: 45), under the quarter
+    // asserted below; at 16x, 150-153 beside the busy processes.
+    let (slow, reports) = run_with_slow_node3(base, 16.0).await?;
     for r in &reports {
         let s = status(r)?;
         eprintln!(

@@ -13,8 +13,16 @@ use shoal_tests::{elastic_config, status, wait_all, ELASTIC_STEPS};
 
 const STEPS: u64 = ELASTIC_STEPS;
 
+/// The idle-aggregator test runs alone (`write`), the others beside one
+/// another (`read`): its exchange share is mostly the round's wait for the
+/// slowest worker, and another cluster on the same cores stretches that
+/// wait (a CI run, beside the other tests of this file, saw a share over
+/// its threshold at most windows and never kept a removal).
+static ALONE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowed_aggregator_is_demoted_its_shards_move_and_accuracy_reaches_93_percent() -> anyhow::Result<()> {
+    let _beside_others = ALONE.read().await;
     // node3 answers every push and pull 25 ms late: on loopback that is far
     // more than 5x the others' service time (about 1 ms). 600 steps: six
     // times `service_forget_steps`, after which reports used to age out and
@@ -104,6 +112,7 @@ async fn slowed_aggregator_is_demoted_its_shards_move_and_accuracy_reaches_93_pe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_demoted_owner_is_readmitted_by_its_probes_once_its_slowdown_ends() -> anyhow::Result<()> {
+    let _beside_others = ALONE.read().await;
     let mut base = elastic_config("elastic-readmit");
     // Reports never age out in this run: only fresh measurements (the
     // probes) can bring the demoted owner back.
@@ -158,6 +167,7 @@ async fn a_demoted_owner_is_readmitted_by_its_probes_once_its_slowdown_ends() ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_aggregator_shards_are_rehomed_from_replicas_within_the_loss_bound() -> anyhow::Result<()> {
+    let _beside_others = ALONE.read().await;
     let mut base = elastic_config("elastic-kill");
     // Only the failure moves shards here: no straggler judgement (noise on a
     // loaded 2-core machine must not add moves to the loss accounting).
@@ -224,6 +234,7 @@ fn pushes_from(reports: &[NodeReport], peer: &shoal_protocol::libp2p::PeerId) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_joins_mid_run_fetches_the_model_from_several_peers_and_its_gradients_count() -> anyhow::Result<()> {
+    let _beside_others = ALONE.read().await;
     let mut base = elastic_config("elastic-join");
     // Only the join moves shards here (see the kill test).
     base.roles.elastic = false;
@@ -290,6 +301,7 @@ async fn a_node_joins_mid_run_fetches_the_model_from_several_peers_and_its_gradi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_leaves_cleanly_hands_off_its_shards_and_loses_nothing() -> anyhow::Result<()> {
+    let _beside_others = ALONE.read().await;
     let mut base = elastic_config("elastic-leave");
     base.roles.elastic = false;
     let shards = base.cluster.shards;
@@ -347,18 +359,21 @@ async fn a_node_leaves_cleanly_hands_off_its_shards_and_loses_nothing() -> anyho
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_aggregator_is_removed_and_its_shards_move_without_loss() -> anyhow::Result<()> {
-    // Every node owns shards at the start and computes 16x slower (an
-    // injected slowdown of its CPU time: 8x left exchanging near the
-    // threshold when other tests shared the cores, and one run in three
-    // went back to 4 owners), so exchanging shards is a small share of a
-    // step, under the idle threshold (raised to 45% here): the explorer
-    // tries one owner fewer, and keeps it unless steps get 10% slower.
+    let _alone = ALONE.write().await;
+    // Every node owns shards at the start and computes 32x slower (an
+    // injected slowdown of its CPU time), so exchanging shards is a small
+    // share of a step, under the idle threshold (raised to 45% here): the
+    // explorer tries one owner fewer, and keeps it unless steps get 10%
+    // slower. The share measured at the trials, on 2 cores: 16x gave
+    // 0.26-0.37 alone and 0.38-0.50 beside two busy processes (where 2
+    // runs in 3 failed); 32x gives 0.17-0.23 alone. (8x left it near the
+    // threshold whenever other tests shared the cores.)
     let mut base = elastic_config("elastic-idle");
     base.training.steps = 240;
     base.roles.aggregators = shoal_node::config::Aggregators::Auto;
     base.roles.explore_window_steps = 20;
     base.roles.explore_idle_share = 0.45;
-    base.faults.slowdown = 16.0;
+    base.faults.slowdown = 32.0;
     // One compute thread on any host, so that the slowdown stretches CPU
     // time everywhere (with more it falls back to wall time).
     base.training.threads = Some(1);
@@ -401,25 +416,30 @@ async fn an_idle_aggregator_is_removed_and_its_shards_move_without_loss() -> any
         .map(|r| status(r).map(|s| s.exploration.iter().filter(|e| e.action == "keep" && e.to < e.from).count()))
         .sum::<anyhow::Result<usize>>()?;
     assert!(kept_removals >= 1, "every removal was reverted");
-    // Where each node's exploration last settled (its last keep or revert):
-    // below the 4 it started from. The count at the very end may be a new
-    // try that the run ended in the middle of (one run tried 2 -> 4 at step
-    // 224 of 240 and ended on 4).
-    let settled = reports
-        .iter()
-        .map(|r| {
-            status(r).map(|s| {
-                s.exploration.iter().rev().find(|e| e.action == "keep" || e.action == "revert").map_or(4, |e| e.to)
-            })
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    assert!(settled.iter().all(|&k| k < 4), "aggregators where each node's exploration last settled: {settled:?}");
+    // Where the cluster's exploration last settled: the latest keep or
+    // revert any node made. The agreed count is the lower median of every
+    // node's proposal, so it follows the others' decisions too; a node's
+    // own last decision may be older than the count it ended on (in one
+    // run node0 kept 4 at step 181, the other three went back to 3 at 229,
+    // and node0, on 3, tried 2). Below the 4 it started from. The count at
+    // the very end may be a new try that the run ended in the middle of
+    // (one run tried 2 -> 4 at step 224 of 240 and ended on 4).
+    let mut decisions = Vec::new();
+    for r in &reports {
+        let s = status(r)?;
+        decisions.extend(
+            s.exploration.iter().filter(|e| e.action == "keep" || e.action == "revert").map(|e| (e.step, e.to)),
+        );
+    }
+    let settled = decisions.iter().max_by_key(|(step, _)| *step).map_or(4, |(_, to)| *to);
+    assert!(settled < 4, "the cluster's exploration last settled on {settled} aggregators: {decisions:?}");
     eprintln!("removed: {removed:?}");
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_number_of_aggregators_grows_while_one_owner_is_the_bottleneck() -> anyhow::Result<()> {
+    let _beside_others = ALONE.read().await;
     // Every owner serves shard states over an emulated 40 Mbit/s uplink,
     // starting from a single owner: four workers pull the whole model
     // through that one link each step, so communication dominates and a

@@ -7,19 +7,19 @@
 
 use shoal_models::OptimizerKind;
 use shoal_node::cluster::ClusterSpec;
+use shoal_node::handles::status::StatusSnapshot;
+use shoal_node::node::NodeReport;
 use shoal_node::policy::sync::SyncPolicy;
 use shoal_tests::{digits_config, run_cluster};
 
-/// Steps per worker: SSP's 300 end near 96%. ASP's owners apply every
-/// push at once, each from parameters up to a few versions old, and after
-/// 300 steps its nodes ended between 92.8% and 93.3%, across the 93% bar
-/// in about 1 run in 8; at 450 they have a margin.
-fn steps(sync: SyncPolicy) -> u64 {
-    match sync {
-        SyncPolicy::Asp => 450,
-        _ => 300,
-    }
-}
+/// Steps per worker, under both policies. After 300 steps SSP's nodes
+/// ended between 92.8% and 96.4% here (8 runs) and once at 88.9% in CI,
+/// and ASP's between 92.8% and 93.3%: owners apply every push at once,
+/// from parameters a few versions old, with momentum 0.9 on top of that
+/// delay, and the model is still noisy. At 450 steps SSP's ended between
+/// 95.8% and 97.5% (18 runs, 6 of them with two busy processes beside it)
+/// and ASP's between 96.1% and 97.5% (9 runs): a margin over the bar.
+const STEPS: u64 = 450;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> anyhow::Result<()> {
@@ -29,7 +29,7 @@ async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> any
         // quarter of the BSP rate with 4 workers. At 0.1 (what the
         // non-overlapped policies train with) the extra step of delay made
         // the run diverge (8% accuracy).
-        let steps = steps(sync);
+        let steps = STEPS;
         let mut base = digits_config(&name, steps, sync, OptimizerKind::Sgd, 0.025);
         base.sync.overlap = true;
         // An emulated 200 Mbit/s, 1 ms link on every node: communication
@@ -38,8 +38,7 @@ async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> any
         base.faults.link_latency_ms = 1.0;
         let reports = run_cluster(&ClusterSpec::new(4, base)).await?;
         for r in &reports {
-            let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
-            let lead = r.shard_stats.iter().map(|s| s.max_staleness).max().unwrap_or(0);
+            let (s, lead) = figures(r)?;
             eprintln!(
                 "{sync} with overlap: {} accuracy {:.2}%, {} of {steps} steps overlapped, largest lead at its owners {lead}, \
                  compute {:.2} s, communication {:.2} s",
@@ -49,6 +48,10 @@ async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> any
                 s.compute_secs,
                 s.comm_secs
             );
+        }
+        // Every node's figures are printed before any is judged.
+        for r in &reports {
+            let (s, lead) = figures(r)?;
             assert!(r.accuracy >= 0.93, "{sync}: {} reached only {:.4}", r.name, r.accuracy);
             assert_eq!(s.overlapped_steps, steps - 1, "{}: every step but the last overlaps the next", r.name);
             if let Some(bound) = sync.max_bound() {
@@ -61,4 +64,10 @@ async fn overlapped_ssp_trains_to_93_percent_within_its_staleness_bound() -> any
         }
     }
     Ok(())
+}
+
+/// A node's status and the largest lead its owners recorded.
+fn figures(r: &NodeReport) -> anyhow::Result<(&StatusSnapshot, u64)> {
+    let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
+    Ok((s, r.shard_stats.iter().map(|s| s.max_staleness).max().unwrap_or(0)))
 }

@@ -138,6 +138,51 @@ fn a_node_that_leaves_early_leaves_no_task_and_frees_its_ports() -> anyhow::Resu
     })
 }
 
+/// Clients that connect and send nothing take every connection slot: each
+/// loses its connection within `REQUEST_TIMEOUT` of connecting, and a
+/// request that waited behind them is answered. (Before the timeout it
+/// waited for as long as they held their connections: its 30 s client
+/// timeout failed the test.)
+#[test]
+fn clients_that_send_nothing_lose_their_connections_and_the_endpoint_answers() -> anyhow::Result<()> {
+    use shoal_node::ops::http::{MAX_CONNECTIONS, REQUEST_TIMEOUT};
+    use std::io::Read;
+    in_own_runtime(async {
+        let node = start(one_node("http-idle", 100_000)?, Keypair::generate_ed25519()).await?;
+        let addr = ports(&node)?[1];
+        let idle = tokio::task::spawn_blocking(move || {
+            (0..MAX_CONNECTIONS).map(|_| std::net::TcpStream::connect(addr)).collect::<std::io::Result<Vec<_>>>()
+        })
+        .await??;
+        let asked = std::time::Instant::now();
+        let (code, body) = http(addr, "GET", "/status").await?;
+        let waited = asked.elapsed();
+        assert_eq!(code, 200, "{body}");
+        eprintln!("answered {waited:?} after every slot was taken by a silent client");
+        // Each silent client finds its connection closed by the node: end
+        // of stream or a reset, not bytes and not its own read timeout.
+        let closed = tokio::task::spawn_blocking(move || -> anyhow::Result<usize> {
+            let mut closed = 0;
+            for mut s in idle {
+                s.set_read_timeout(Some(REQUEST_TIMEOUT * 3))?;
+                let mut byte = [0u8; 1];
+                match s.read(&mut byte) {
+                    Ok(0) => closed += 1,
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => closed += 1,
+                    Ok(_) => anyhow::bail!("a silent client was sent bytes"),
+                    Err(e) => anyhow::bail!("a silent client's connection stayed open: {e}"),
+                }
+            }
+            Ok(closed)
+        })
+        .await??;
+        assert_eq!(closed, MAX_CONNECTIONS);
+        node.leave();
+        join(node).await?;
+        Ok(())
+    })
+}
+
 /// `GET /history` of a running node: its points grow as it trains, in
 /// step order, and its events hold the role it took at the start.
 #[test]

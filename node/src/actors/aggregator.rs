@@ -32,6 +32,12 @@
 //! right does not strand the shard while the other view catches up. Two
 //! nodes that each think the other owns a shard so hand it back and forth
 //! at most that many times at once, then once per retry interval.
+//!
+//! A transfer that cannot be delivered (its receiver stopped or died) is
+//! kept the same way, as a transfer and not a replica: it may be the newest
+//! copy of its shard, and the next owner must get it rather than restore
+//! from an older one. A node that leaves waits until it has no kept
+//! transfer either ([`Held::kept`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -118,13 +124,16 @@ struct ParkedPull {
 }
 
 /// A copy of a shard kept here but not served: a replica, or a transfer
-/// that arrived before this node's own view made it the owner.
+/// to pass on or install (one that arrived before this node's own view made
+/// it the owner, one kept at the hop limit, or one that could not be
+/// delivered).
 struct Stored {
     state: ShardState,
     transfer: bool,
     /// A transfer's hop count when it came (0 for a replica).
     hops: u64,
-    /// A transfer kept at the hop limit: when to pass it on again.
+    /// A transfer kept at the hop limit, or undelivered: when to pass it
+    /// on again.
     retry_at: Option<Instant>,
 }
 
@@ -211,7 +220,12 @@ struct AggregatorActor {
 
 impl AggregatorActor {
     fn publish_held(&self) {
-        let now = Held { shards: self.cores.len(), pending: self.pending.len(), transfers: self.transfers };
+        let now = Held {
+            shards: self.cores.len(),
+            pending: self.pending.len(),
+            transfers: self.transfers,
+            kept: self.stored.values().filter(|s| s.transfer).count(),
+        };
         self.held.send_if_modified(|h| std::mem::replace(h, now) != now);
     }
 
@@ -292,7 +306,7 @@ impl AggregatorActor {
             AggCommand::TransferDone => {
                 self.transfers = self.transfers.saturating_sub(1);
             }
-            AggCommand::TransferFailed(state) => self.transfer_failed(state),
+            AggCommand::TransferFailed { hops, state } => self.transfer_failed(hops, state),
             AggCommand::ReplicaDone { shard } => {
                 self.replicating.remove(&shard);
             }
@@ -389,10 +403,21 @@ impl AggregatorActor {
 
     /// A spawned transfer could not be delivered: keep the state as a
     /// replica.
-    fn transfer_failed(&mut self, state: ShardState) {
+    /// A transfer that could not be delivered may be the newest copy of
+    /// its shard (say, forwarded back to a leaver that has stopped since):
+    /// kept as a transfer, not a replica. The next placement passes it on
+    /// or installs it here, and the retry timer passes it on to the owner
+    /// this node's view then names, so that a new owner never restores
+    /// from an older copy while this one waits here. A node leaving waits
+    /// for it too ([`Held::kept`]).
+    fn transfer_failed(&mut self, hops: u64, state: ShardState) {
         self.transfers = self.transfers.saturating_sub(1);
-        warn!(shard = state.shard, version = state.version, "transfer undelivered; keeping it as a replica");
-        self.store(state, false, 0);
+        let (shard, version) = (state.shard, state.version);
+        warn!(shard, version, "transfer undelivered; keeping it to pass on to the shard's owner");
+        self.store(state, true, hops);
+        if let Some(st) = self.stored.get_mut(&shard).filter(|st| st.state.version == version) {
+            st.retry_at = Some(Instant::now() + self.cfg.transfer_retry);
+        }
     }
 
     /// Checkpoints every owned shard that changed since its last write and
@@ -823,7 +848,7 @@ impl AggregatorActor {
                 (HandoffKind::Transfer, Ok(())) => AggCommand::TransferDone,
                 (HandoffKind::Transfer, Err(e)) => {
                     warn!(shard, %to, error = %format!("{e:#}"), "transfer failed");
-                    AggCommand::TransferFailed(state)
+                    AggCommand::TransferFailed { hops, state }
                 }
             };
             if let Some(tx) = back.upgrade() {
@@ -949,14 +974,36 @@ impl AggregatorActor {
                     self.pending.remove(&shard);
                     self.install(st.state);
                 }
-                // Served here already, or no placement yet (the first one
-                // decides): nothing to retry.
-                _ => {
+                // Served here already: a newer copy replaces ours (as
+                // `receive` does); an older one is no more than a replica.
+                Some(_) => self.settle_kept_transfer(shard),
+                // No placement yet: the first one decides.
+                None => {
                     if let Some(st) = self.stored.get_mut(&shard) {
                         st.retry_at = None;
                     }
                 }
             }
+        }
+    }
+}
+
+impl AggregatorActor {
+    /// A transfer kept for `shard`, which this node serves: installed in
+    /// place of the served copy when newer, else kept as a replica.
+    fn settle_kept_transfer(&mut self, shard: u32) {
+        let served = self.cores.get(&shard).map_or(u64::MAX, |c| c.version());
+        match self.stored.remove(&shard) {
+            Some(st) if st.state.version > served => {
+                info!(shard, mine = served, theirs = st.state.version, "a kept transfer newer than ours replaces it");
+                self.install(st.state);
+            }
+            Some(mut st) => {
+                st.transfer = false;
+                st.retry_at = None;
+                self.stored.insert(shard, st);
+            }
+            None => {}
         }
     }
 }
@@ -1010,7 +1057,14 @@ fn report_rejections(
     core: &mut ShardCore<PeerId>,
 ) {
     for r in core.take_rejections() {
-        if r.streak == SUSPECT_AFTER {
+        if let Some(agreement) = r.agreement {
+            if r.streak == SUSPECT_AFTER {
+                warn!(shard, worker = %short(&r.worker), agreement, streak = r.streak,
+                      "suspect worker: its gradients disagree with the rounds' aggregates, round after round");
+            } else {
+                debug!(shard, worker = %short(&r.worker), agreement, "gradient left out by the contribution check");
+            }
+        } else if r.streak == SUSPECT_AFTER {
             warn!(shard, worker = %short(&r.worker), norm = r.norm, median = r.median, streak = r.streak,
                   "suspect worker: its gradients were rejected by the norm check, round after round");
         } else {
@@ -1041,7 +1095,7 @@ mod tests {
 
     use super::*;
     use crate::handles::handoff::from_wire;
-    use crate::handles::net::NetCommand;
+    use crate::handles::net::{NetCommand, NetError};
     use crate::policy::robust::Robust;
     use crate::policy::schedule::LrDecay;
 
@@ -1095,6 +1149,17 @@ mod tests {
 
     /// [`start`], with `transfer_retry` for every aggregator.
     fn start_with(peers: &[PeerId], transfer_retry: Duration) -> (Vec<Node>, Log) {
+        start_among(peers, &[], transfer_retry, Duration::from_secs(30))
+    }
+
+    /// [`start_with`], where a handoff to a peer in `gone` fails as to a
+    /// stopped node, and a transfer is retried for `handoff_timeout`.
+    fn start_among(
+        peers: &[PeerId],
+        gone: &[PeerId],
+        transfer_retry: Duration,
+        handoff_timeout: Duration,
+    ) -> (Vec<Node>, Log) {
         // Bounded by the test: at most a few handoffs are ever logged.
         let (log_tx, log) = mpsc::channel(1024);
         let mut nodes = Vec::new();
@@ -1116,7 +1181,7 @@ mod tests {
                 max_wait: Duration::from_secs(5),
                 replica_every: 0,
                 round_timeout_ms: 10_000,
-                handoff_timeout: Duration::from_secs(30),
+                handoff_timeout,
                 transfer_retry,
                 capacity: 64,
                 checkpoint: None,
@@ -1130,10 +1195,14 @@ mod tests {
         }
         let handles: HashMap<PeerId, AggregatorHandle> = nodes.iter().map(|n| (n.me, n.agg.clone())).collect();
         for (me, mut inbox) in inboxes {
-            let (handles, log_tx) = (handles.clone(), log_tx.clone());
+            let (handles, log_tx, gone) = (handles.clone(), log_tx.clone(), gone.to_vec());
             tokio::spawn(async move {
                 while let Some(cmd) = inbox.recv().await {
                     let NetCommand::Request { peer, req: ShardRequest::Handoff(h), reply } = cmd else { continue };
+                    if gone.contains(&peer) {
+                        let _ = reply.send(Err(NetError::Request { peer, reason: "connection refused".into() }));
+                        continue;
+                    }
                     let resp = match handles.get(&peer) {
                         None => ShardResponse::HandoffAck { shard: h.shard, version: h.version },
                         Some(to) => {
@@ -1201,6 +1270,63 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), taken_up).await.expect("the placement taken up within 10 s");
         hand(&nodes[0], a, 0, state(3)).await;
         assert_eq!(installed(&nodes[0]).await, 3);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_forwarded_to_a_stopped_leaver_is_kept_and_reaches_the_next_owner() {
+        // Finding 2 of issue 47: `a`'s view still names the leaver, which
+        // handed the shard to `a` and has stopped since. `a` forwards the
+        // newest copy back to it; the send fails. Kept as a replica, the copy
+        // was never passed on, and `c` took the shard over from an older one.
+        let (a, leaver, c) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let (nodes, mut log) = start_among(&[a, c], &[leaver], Duration::from_secs(60), Duration::from_millis(200));
+        nodes[0].placement.send_replace(Some(placement(leaver, &[a, leaver, c])));
+        // `c`'s view: the owner, with the leaver gone and nothing to restore
+        // from (the worker copy is empty): only a transfer installs it.
+        nodes[1].placement.send_replace(Some(placement(c, &[a, c])));
+        hand(&nodes[0], leaver, 0, state(5)).await;
+        let mut held = nodes[0].agg.held();
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.kept == 1 && h.transfers == 0))
+            .await
+            .expect("the undelivered transfer kept within 10 s")
+            .expect("aggregator running");
+        assert!(!held.borrow().is_empty(), "a node leaving waits for a kept transfer");
+        // `a`'s view catches up: the copy goes to `c`, which serves it.
+        nodes[0].placement.send_replace(Some(placement(c, &[a, c])));
+        assert_eq!(next(&mut log).await, (a, c, 2, 5), "passed on, one hop more");
+        assert_eq!(installed(&nodes[1]).await, 5, "the newest copy is served");
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(Held::is_empty))
+            .await
+            .expect("nothing kept once it is passed on")
+            .expect("aggregator running");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_transfer_older_than_the_served_copy_is_a_replica() {
+        // `a` forwards a transfer of version 5 to `gone`; while that send is
+        // still retried (a 2 s handoff timeout), `a` becomes the owner and is
+        // handed version 8. Then the send fails: the copy kept is older
+        // than the one served, so it neither replaces it nor holds up a leave.
+        let (a, gone) = (PeerId::random(), PeerId::random());
+        let (nodes, _log) = start_among(&[a], &[gone], Duration::from_millis(50), Duration::from_secs(2));
+        nodes[0].placement.send_replace(Some(placement(gone, &[a, gone])));
+        hand(&nodes[0], PeerId::random(), 0, state(5)).await;
+        let mut held = nodes[0].agg.held();
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.transfers == 1))
+            .await
+            .expect("forwarded within 10 s")
+            .expect("aggregator running");
+        nodes[0].placement.send_replace(Some(placement(a, &[a])));
+        hand(&nodes[0], gone, 0, state(8)).await;
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.transfers == 0))
+            .await
+            .expect("the forward given up within 10 s")
+            .expect("aggregator running");
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.shards == 1 && h.kept == 0))
+            .await
+            .expect("the stale copy settled within 10 s")
+            .expect("aggregator running");
+        assert_eq!(nodes[0].agg.stats().await.first().map(|s| s.version), Some(8), "the newer copy stays");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

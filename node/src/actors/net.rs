@@ -19,6 +19,7 @@ use futures::StreamExt;
 use shoal_protocol::config::{is_circuit_addr, is_local_only};
 use shoal_protocol::libp2p::multiaddr::Protocol;
 use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
+use shoal_protocol::libp2p::swarm::dial_opts::DialOpts;
 use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{dcutr, gossipsub, identify, kad, mdns, ping, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
@@ -380,16 +381,7 @@ impl NetworkActor {
                 ..
             })) => self.found_by_kademlia(found.peers),
             SwarmEvent::Behaviour(ShoalBehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
-                // LAN discovery: remember the address and connect, so gossip reaches the peer.
-                for (peer, addr) in found {
-                    self.swarm.add_peer_address(peer, addr.clone());
-                    if !self.swarm.is_connected(&peer) {
-                        info!(%peer, %addr, "found by mDNS, dialling");
-                        if let Err(e) = self.swarm.dial(addr.clone()) {
-                            debug!(%peer, %addr, error = %e, "mdns dial");
-                        }
-                    }
-                }
+                self.found_by_mdns(found)
             }
             SwarmEvent::Behaviour(ShoalBehaviourEvent::RelayClient(ev)) => relay_client_event(ev),
             SwarmEvent::Behaviour(ShoalBehaviourEvent::RelayServer(ev)) => relay_server_event(ev),
@@ -427,6 +419,31 @@ impl NetworkActor {
                 }
             }
             _ => {}
+        }
+    }
+
+    /// LAN discovery: remember each address and connect, so gossip
+    /// reaches the peer.
+    fn found_by_mdns(&mut self, found: Vec<(PeerId, Multiaddr)>) {
+        for (peer, addr) in found {
+            self.swarm.add_peer_address(peer, addr.clone());
+            if !self.swarm.is_connected(&peer) {
+                info!(%peer, %addr, "found by mDNS, dialling");
+                // From a new port, not the listening one: two nodes
+                // that find each other at once both dial, and with
+                // both dials bound to their listening ports the two
+                // are one TCP connection (a simultaneous open) that
+                // each side takes as its own dial; the handshake
+                // fails on both and mDNS never names the peer
+                // again. (A CI run's two nodes never formed their
+                // roster; 1 run in 6 here, with the file's other
+                // test beside it.) A LAN needs no reused port for
+                // hole punching.
+                let opts = DialOpts::peer_id(peer).addresses(vec![addr.clone()]).allocate_new_port().build();
+                if let Err(e) = self.swarm.dial(opts) {
+                    debug!(%peer, %addr, error = %e, "mdns dial");
+                }
+            }
         }
     }
 

@@ -419,7 +419,7 @@ struct StragglerCase {
 
 /// The settings the in-process cluster benchmarks share: SGD lr 0.1 and a
 /// 100 ms heartbeat, `steps` steps of `batch_size` per node.
-fn cluster_bench_config(run: &str, steps: u64, batch_size: usize) -> crate::config::NodeConfig {
+pub(crate) fn cluster_bench_config(run: &str, steps: u64, batch_size: usize) -> crate::config::NodeConfig {
     let mut cfg = crate::config::NodeConfig { run_id: run.into(), ..Default::default() };
     cfg.training.steps = steps;
     cfg.training.batch_size = batch_size;

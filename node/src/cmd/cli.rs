@@ -403,13 +403,13 @@ pub struct NodeArgs {
     /// Link emulation: one-way latency of every message this node sends, in ms.
     #[arg(long)]
     pub link_latency_ms: Option<f64>,
-    /// How owners combine a BSP round: mean, trimmed_mean:F, median or centered_clip:TAU.
+    /// How owners combine a BSP round: mean, trimmed_mean:F, median, centered_clip:TAU or nnm:F.
     #[arg(long)]
     pub aggregation: Option<crate::policy::robust::Aggregation>,
     /// Owners reject gradients over this many times the median norm (0: off; default: 50 under BSP, off otherwise).
     #[arg(long)]
     pub norm_check: Option<f32>,
-    /// Fault injection: push bad gradients: none, scale:F, sign_flip or random.
+    /// Fault injection: push bad gradients: none, scale:F, sign_flip, random, zeros, stale:K, replay, copy or alie:Z.
     #[arg(long)]
     pub fault_byzantine: Option<crate::ops::faults::Byzantine>,
     /// Gradient pushes: none, bf16, int8, topk:FRACTION (lossy ones with error feedback) or sfb (sufficient factors).
@@ -608,6 +608,45 @@ pub enum BenchCommand {
     Comm(BenchCommArgs),
     /// Push and pull of a 100 MB model across 4 nodes (the exchange of an all-reduce) against raw TCP.
     Exchange(BenchExchangeArgs),
+    /// Bad peers among honest ones: honest accuracy under each attack and aggregation rule against a fault-free run.
+    Robust(BenchRobustArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchRobustArgs {
+    /// Nodes in each cluster.
+    #[arg(long, default_value_t = 10)]
+    pub nodes: usize,
+    /// How many of them attack (they own no shard); fewer than half.
+    #[arg(long, default_value_t = 3)]
+    pub byzantine: usize,
+    /// Steps per node in each cluster.
+    #[arg(long, default_value_t = 400)]
+    pub steps: u64,
+    /// Samples per step per node.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// The attacks, each pushed by every bad peer (`faults.byzantine` values).
+    #[arg(long, value_delimiter = ',', default_value = "sign_flip,scale:100,random,zeros,stale:20,replay,copy,alie:1")]
+    pub attacks: Vec<crate::ops::faults::Byzantine>,
+    /// The aggregation rules to measure under each attack (`aggregation.rule` values).
+    #[arg(long, value_delimiter = ',', default_value = "mean,trimmed_mean:0.3,median,centered_clip:0.01,nnm:0.3")]
+    pub rules: Vec<crate::policy::robust::Aggregation>,
+    /// The owners' norm check (`aggregation.norm_check`): 0 is off, so that each rule is measured alone.
+    #[arg(long, default_value_t = 0.0)]
+    pub norm_check: f32,
+    /// The owners' contribution check (`aggregation.min_agreement`): leave out
+    /// a worker whose gradients' moving cosine with the rounds' aggregates is
+    /// below this. Off unless given.
+    #[arg(long)]
+    pub min_agreement: Option<f32>,
+    /// Clusters per cell (the fault-free run included), each with other
+    /// identities and so other data slices: the figure is their mean.
+    #[arg(long, default_value_t = 1)]
+    pub runs: usize,
+    /// Also write the numbers as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -90,7 +90,7 @@ pub fn check(path: &Path) -> anyhow::Result<()> {
     node_configs_parse(&s)?;
     println!("{}: {} nodes, run `{}`, time limit {} s", path.display(), s.nodes, s.run_id, s.time_limit.as_secs());
     for e in &s.events {
-        println!("  at {:>6.1} s (line {}): {}", e.at_secs, e.line, e.action);
+        println!("  {} (line {}): {}", e.at, e.line, e.action);
     }
     let c = &s.checks;
     if !c.is_empty() {

@@ -65,11 +65,15 @@ pub struct Held {
     pub pending: usize,
     /// Transfers sent and not yet acknowledged.
     pub transfers: usize,
+    /// Transfers kept here to pass on: one that came while the views
+    /// disagreed, or one that could not be delivered. Each may be the
+    /// newest copy of its shard.
+    pub kept: usize,
 }
 
 impl Held {
     pub fn is_empty(&self) -> bool {
-        self.shards == 0 && self.pending == 0 && self.transfers == 0
+        self.shards == 0 && self.pending == 0 && self.transfers == 0 && self.kept == 0
     }
 }
 
@@ -122,8 +126,12 @@ pub(crate) enum AggCommand {
     },
     /// A spawned transfer was acknowledged.
     TransferDone,
-    /// A spawned transfer could not be delivered: keep the state as a replica.
-    TransferFailed(ShardState),
+    /// A spawned transfer could not be delivered: keep it, to pass on.
+    TransferFailed {
+        /// Times it had been forwarded when it was sent.
+        hops: u64,
+        state: ShardState,
+    },
     ReplicaDone {
         shard: u32,
     },

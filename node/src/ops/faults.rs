@@ -15,8 +15,9 @@
 //!   pushed gradients) comes in over a downlink of the same rate. An edge
 //!   board on a home link, for tests and benchmarks;
 //! - [`Byzantine`] (`faults.byzantine`, read by the worker): this node's
-//!   pushed gradients are scaled, sign-flipped or random (a bad peer, for
-//!   the robust-aggregation tests).
+//!   pushed gradients are scaled, sign-flipped, random, zero (a free-rider),
+//!   stale by a number of steps, or its first gradient replayed (a bad
+//!   peer, for the robust-aggregation tests and `shoal bench robust`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -35,13 +36,100 @@ pub enum Byzantine {
     SignFlip,
     /// Replace with random values of the same L2 norm.
     Random,
+    /// Push zeros: a free-rider that contributes nothing.
+    Zeros,
+    /// Push the gradient this node computed this many steps before (zeros
+    /// until it has one): honest work, delivered late.
+    Stale(u32),
+    /// Push the first gradient this node computed, again at every step.
+    Replay,
+    /// A free-rider that computes nothing useful and pushes a copy of the
+    /// last update the owners applied (recovered from the pulled model).
+    Copy,
+    /// Coordinated ("a little is enough", Baruch et al., 2019): every bad
+    /// peer pushes the same vector, the last applied update less this many
+    /// times its per-coordinate spread (the moving deviation of the applied
+    /// updates from step to step). All of it comes from the model every
+    /// worker pulls, so the bad peers agree without talking.
+    Alie(f32),
+}
+
+/// The gradients a [`Byzantine`] node kept for the attacks that push old
+/// ones (`stale:K`, `replay`).
+#[derive(Debug, Default)]
+pub struct AttackMemory {
+    past: std::collections::VecDeque<Vec<f32>>,
+    first: Option<Vec<f32>>,
+    /// `copy` and `alie`: the model last pulled, the update the owners
+    /// applied to reach it (per unit of learning rate), and the moving mean
+    /// square of that update's change from step to step.
+    model: Option<Vec<f32>>,
+    update: Option<Vec<f32>>,
+    spread: Vec<f32>,
+}
+
+/// The weight of each new step in `alie`'s moving spread.
+const SPREAD_WEIGHT: f32 = 0.1;
+
+impl AttackMemory {
+    /// A model pulled after a round applied at learning rate `lr`.
+    fn observe(&mut self, params: &[f32], lr: f32) {
+        if let Some(prev) = self.model.as_ref().filter(|p| p.len() == params.len() && lr > 0.0) {
+            let update: Vec<f32> = prev.iter().zip(params).map(|(a, b)| (a - b) / lr).collect();
+            if let Some(last) = self.update.as_ref().filter(|u| u.len() == update.len()) {
+                if self.spread.len() != update.len() {
+                    self.spread = vec![0.0; update.len()];
+                }
+                for ((s, u), l) in self.spread.iter_mut().zip(&update).zip(last) {
+                    *s = (1.0 - SPREAD_WEIGHT) * *s + SPREAD_WEIGHT * (u - l) * (u - l);
+                }
+            }
+            self.update = Some(update);
+        }
+        match self.model.as_mut() {
+            Some(m) if m.len() == params.len() => m.copy_from_slice(params),
+            _ => self.model = Some(params.to_vec()),
+        }
+    }
 }
 
 impl Byzantine {
-    /// Corrupts the gradient of `step` in place (deterministic per step).
-    pub fn corrupt(&self, step: u64, grads: &mut [f32]) {
+    /// Builds its pushes from the models it pulls (`copy`, `alie`): the
+    /// worker hands each one to [`Faults::observe_model`].
+    pub fn watches_model(&self) -> bool {
+        matches!(self, Byzantine::Copy | Byzantine::Alie(_))
+    }
+
+    /// Corrupts the gradient of `step` in place (deterministic per step);
+    /// `memory` keeps what the attacks on old gradients need.
+    pub fn corrupt(&self, step: u64, grads: &mut [f32], memory: &mut AttackMemory) {
         match *self {
             Byzantine::None => {}
+            Byzantine::Zeros => grads.fill(0.0),
+            Byzantine::Stale(k) => {
+                memory.past.push_back(grads.to_vec());
+                if memory.past.len() > k as usize {
+                    let old = memory.past.pop_front().unwrap_or_default();
+                    grads.copy_from_slice(&old);
+                } else {
+                    grads.fill(0.0);
+                }
+            }
+            Byzantine::Replay => {
+                let first = memory.first.get_or_insert_with(|| grads.to_vec());
+                grads.copy_from_slice(first);
+            }
+            Byzantine::Copy => match memory.update.as_ref().filter(|u| u.len() == grads.len()) {
+                Some(u) => grads.copy_from_slice(u),
+                None => grads.fill(0.0),
+            },
+            Byzantine::Alie(z) => match memory.update.as_ref().filter(|u| u.len() == grads.len()) {
+                Some(u) => {
+                    let spread = memory.spread.iter().chain(std::iter::repeat(&0.0));
+                    grads.iter_mut().zip(u).zip(spread).for_each(|((g, u), s)| *g = u - z * s.sqrt());
+                }
+                None => grads.fill(0.0),
+            },
             Byzantine::Scale(f) => grads.iter_mut().for_each(|g| *g *= f),
             Byzantine::SignFlip => grads.iter_mut().for_each(|g| *g = -*g),
             Byzantine::Random => {
@@ -63,10 +151,33 @@ impl std::str::FromStr for Byzantine {
             "none" => Ok(Byzantine::None),
             "sign_flip" => Ok(Byzantine::SignFlip),
             "random" => Ok(Byzantine::Random),
-            other => match other.strip_prefix("scale:").map(|f| f.trim().parse::<f32>()) {
-                Some(Ok(f)) if f.is_finite() => Ok(Byzantine::Scale(f)),
-                _ => Err(format!("fault_byzantine `{other}`: use none, scale:F, sign_flip or random")),
-            },
+            "zeros" => Ok(Byzantine::Zeros),
+            "replay" => Ok(Byzantine::Replay),
+            "copy" => Ok(Byzantine::Copy),
+            other => {
+                let usage = || {
+                    format!(
+                        "fault_byzantine `{other}`: use none, scale:F, sign_flip, random, zeros, stale:K (K from 1 to \
+                         {MAX_STALE}), replay, copy or alie:Z"
+                    )
+                };
+                if let Some(z) = other.strip_prefix("alie:") {
+                    return match z.trim().parse::<f32>() {
+                        Ok(z) if z.is_finite() => Ok(Byzantine::Alie(z)),
+                        _ => Err(usage()),
+                    };
+                }
+                if let Some(k) = other.strip_prefix("stale:") {
+                    return match k.trim().parse::<u32>() {
+                        Ok(k) if (1..=MAX_STALE).contains(&k) => Ok(Byzantine::Stale(k)),
+                        _ => Err(usage()),
+                    };
+                }
+                match other.strip_prefix("scale:").map(|f| f.trim().parse::<f32>()) {
+                    Some(Ok(f)) if f.is_finite() => Ok(Byzantine::Scale(f)),
+                    _ => Err(usage()),
+                }
+            }
         }
     }
 }
@@ -78,6 +189,11 @@ impl std::fmt::Display for Byzantine {
             Byzantine::Scale(x) => write!(f, "scale:{x}"),
             Byzantine::SignFlip => write!(f, "sign_flip"),
             Byzantine::Random => write!(f, "random"),
+            Byzantine::Zeros => write!(f, "zeros"),
+            Byzantine::Stale(k) => write!(f, "stale:{k}"),
+            Byzantine::Replay => write!(f, "replay"),
+            Byzantine::Copy => write!(f, "copy"),
+            Byzantine::Alie(z) => write!(f, "alie:{z}"),
         }
     }
 }
@@ -136,6 +252,10 @@ impl Link {
     }
 }
 
+/// The most steps a `stale:K` attacker holds its gradients back (it keeps
+/// K of them).
+pub const MAX_STALE: u32 = 1000;
+
 /// Shared fault settings.
 #[derive(Debug, Default)]
 pub struct Faults {
@@ -152,6 +272,8 @@ pub struct Faults {
     latency_us: AtomicU64,
     /// The slowdown's waits so far.
     slow: Mutex<SlowLedger>,
+    /// What a Byzantine worker keeps of its old gradients.
+    attack: Mutex<AttackMemory>,
 }
 
 /// Largest slowdown factor accepted.
@@ -174,6 +296,23 @@ impl Faults {
 
     pub fn set_serve_delay_ms(&self, ms: u64) {
         self.serve_delay_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// A model this node pulled, after a round the owners applied at
+    /// learning rate `lr`: what `copy` and `alie` build their pushes from.
+    pub fn observe_model(&self, byzantine: Byzantine, params: &[f32], lr: f32) {
+        if byzantine.watches_model() {
+            let mut memory = self.attack.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            memory.observe(params, lr);
+        }
+    }
+
+    /// This node's gradient of `step` as `byzantine` pushes it (in place).
+    pub fn corrupt(&self, byzantine: Byzantine, step: u64, grads: &mut [f32]) {
+        if byzantine != Byzantine::None {
+            let mut memory = self.attack.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            byzantine.corrupt(step, grads, &mut memory);
+        }
     }
 
     pub fn slowdown(&self) -> f64 {
@@ -309,6 +448,57 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_attacks_on_old_gradients_push_what_they_kept() {
+        let grad = |step: u64| vec![step as f32 + 1.0; 3];
+        let mut memory = AttackMemory::default();
+        let pushed: Vec<f32> = (0..4)
+            .map(|step| {
+                let mut g = grad(step);
+                Byzantine::Stale(2).corrupt(step, &mut g, &mut memory);
+                g[0]
+            })
+            .collect();
+        assert_eq!(pushed, [0.0, 0.0, 1.0, 2.0], "zeros, then the gradient of 2 steps before");
+        let mut memory = AttackMemory::default();
+        for step in 0..3 {
+            let mut g = grad(step);
+            Byzantine::Replay.corrupt(step, &mut g, &mut memory);
+            assert_eq!(g, grad(0), "the first gradient at step {step}");
+        }
+        let mut g = grad(5);
+        Byzantine::Zeros.corrupt(5, &mut g, &mut AttackMemory::default());
+        assert_eq!(g, [0.0; 3]);
+    }
+
+    #[test]
+    fn copy_and_alie_push_the_applied_update_from_the_pulled_models() {
+        let mut memory = AttackMemory::default();
+        let push = |b: Byzantine, memory: &mut AttackMemory| {
+            let mut g = vec![9.0f32; 2];
+            b.corrupt(0, &mut g, memory);
+            g
+        };
+        assert_eq!(push(Byzantine::Copy, &mut memory), [0.0, 0.0], "no update seen yet: zeros");
+        // Rounds applied at rate 0.5: updates (2, 4), then (4, 4).
+        memory.observe(&[10.0, 10.0], 0.5);
+        memory.observe(&[9.0, 8.0], 0.5);
+        assert_eq!(push(Byzantine::Copy, &mut memory), [2.0, 4.0]);
+        memory.observe(&[7.0, 6.0], 0.5);
+        assert_eq!(push(Byzantine::Copy, &mut memory), [4.0, 4.0]);
+        // The spread: 0.1 of the squared change (2, 0).
+        let g = push(Byzantine::Alie(1.0), &mut memory);
+        assert!((g[0] - (4.0 - 0.4f32.sqrt())).abs() < 1e-6 && g[1] == 4.0, "{g:?}");
+    }
+
+    #[test]
+    fn a_bad_attack_is_refused_naming_every_kind() {
+        for bad in ["stale:0", "stale:x", "stale:1001", "scale:nan", "alie:inf", "alie", "evil"] {
+            let e = bad.parse::<Byzantine>().expect_err(bad);
+            assert!(e.contains("stale:K"), "{e}");
+        }
+    }
+
+    #[test]
     fn the_emulated_link_queues_each_direction_and_adds_its_latency() {
         let f = Faults::default();
         assert_eq!(f.send_delay(1_000_000) + f.receive_delay(1_000_000), Duration::ZERO, "off by default");
@@ -326,14 +516,14 @@ mod tests {
 
     #[test]
     fn byzantine_gradients_are_what_they_say() {
-        for s in ["none", "scale:100", "sign_flip", "random"] {
+        for s in ["none", "scale:100", "sign_flip", "random", "zeros", "stale:3", "replay", "copy", "alie:1.5"] {
             assert_eq!(s.parse::<Byzantine>().map(|b| b.to_string()), Ok(s.to_string()));
         }
         assert!("scale:x".parse::<Byzantine>().is_err() && "evil".parse::<Byzantine>().is_err());
         let honest = vec![3.0f32, -4.0, 0.0, 12.0];
         let after = |b: Byzantine| {
             let mut g = honest.clone();
-            b.corrupt(7, &mut g);
+            b.corrupt(7, &mut g, &mut AttackMemory::default());
             g
         };
         assert_eq!(after(Byzantine::None), honest);

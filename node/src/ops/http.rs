@@ -4,8 +4,10 @@
 //!
 //! An axum router served over HTTP/1.1 with `Connection: close`: at most
 //! [`MAX_CONNECTIONS`] connections at once (more wait in the listen
-//! backlog), request bodies refused over [`MAX_REQUEST`] bytes, and every
-//! answer within [`ANSWER_TIMEOUT`]. The server is one of the node's tasks:
+//! backlog), request bodies refused over [`MAX_REQUEST`] bytes, every
+//! request read within [`REQUEST_TIMEOUT`] of its connection (a client that
+//! connects and sends nothing, or a byte at a time, loses the connection
+//! and its slot) and every answer within [`ANSWER_TIMEOUT`]. The server is one of the node's tasks:
 //! when the node stops it stops accepting, lets the requests in hand
 //! finish (at most [`SHUTDOWN_GRACE`]) and closes its port. Routes:
 //!
@@ -24,7 +26,7 @@
 //! control parameter 400 with what was wrong; each as one line of text.
 
 use std::collections::BTreeMap;
-use std::future::IntoFuture;
+use std::future::{Future, IntoFuture};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -54,6 +56,11 @@ use crate::ops::tasks::NodeTasks;
 
 /// Largest request body accepted (no route reads one).
 pub const MAX_REQUEST: usize = 16 * 1024;
+/// Longest a connection may take to send its request (hyper's own header
+/// timeout needs a timer that `axum::serve` does not set). Without it, 64
+/// clients that connect and send nothing held every slot for as long as
+/// they liked, and the endpoint answered no one.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest the node may take to answer a request.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections served at once; more wait in the listen backlog.
@@ -312,7 +319,10 @@ impl axum::serve::Listener for Bounded {
         let slot = self.slots.clone().acquire_owned().await.ok();
         loop {
             match self.listener.accept().await {
-                Ok((stream, addr)) => return (Slotted { stream, _slot: slot }, addr),
+                Ok((stream, addr)) => {
+                    let read_by = Box::pin(tokio::time::sleep(REQUEST_TIMEOUT));
+                    return (Slotted { stream, _slot: slot, read_by }, addr);
+                }
                 Err(e) => {
                     warn!(error = %e, "http accept failed");
                     // Out of file descriptors and the like: do not spin.
@@ -327,10 +337,14 @@ impl axum::serve::Listener for Bounded {
     }
 }
 
-/// A connection holding its slot until it is dropped.
+/// A connection holding its slot until it is dropped. Reads fail once
+/// [`REQUEST_TIMEOUT`] has passed since it was accepted: the server then
+/// drops it. (One request per connection, `Connection: close`: a request
+/// read in time is answered within [`ANSWER_TIMEOUT`].)
 struct Slotted {
     stream: TcpStream,
     _slot: Option<OwnedSemaphorePermit>,
+    read_by: Pin<Box<tokio::time::Sleep>>,
 }
 
 impl AsyncRead for Slotted {
@@ -339,6 +353,14 @@ impl AsyncRead for Slotted {
         cx: &mut TaskContext<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
+        // Polled first, so that its timer wakes a read that waits for
+        // bytes that never come.
+        if self.read_by.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no request within {} s of connecting", REQUEST_TIMEOUT.as_secs()),
+            )));
+        }
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }

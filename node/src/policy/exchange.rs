@@ -125,6 +125,10 @@ pub struct ShardExchange<P, V> {
     hint: Option<P>,
     /// Some owner has taken this gradient (it may be applied already).
     ever_taken: bool,
+    /// A push failed with no answer: it may have been taken all the same
+    /// (its answer was lost), so a later `Stale` is not proof that the
+    /// gradient missed its round.
+    maybe_taken: bool,
     /// Backup workers: the gradient missed its round and was dropped.
     dropped: bool,
     /// The base the next push names (a BSP push that missed its round
@@ -161,6 +165,7 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
             min_version: policy.pull_after_push(base),
             hint: None,
             ever_taken: false,
+            maybe_taken: false,
             dropped: false,
             push_base: base,
             backoff,
@@ -239,7 +244,7 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
             PushAnswer::Accepted { version } => {
                 self.took(owner, self.policy.pull_after_push(version));
             }
-            PushAnswer::Stale { current_version } if !self.ever_taken && self.backup => {
+            PushAnswer::Stale { current_version } if !self.ever_taken && !self.maybe_taken && self.backup => {
                 // Backup workers: the round was applied without this
                 // gradient, as it may be. It is dropped; this worker pulls
                 // the current version and skips ahead to the round in
@@ -248,7 +253,7 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
                 self.dropped = true;
                 self.took(owner, current_version);
             }
-            PushAnswer::Stale { current_version } if self.bsp() && !self.ever_taken => {
+            PushAnswer::Stale { current_version } if self.bsp() && !self.ever_taken && !self.maybe_taken => {
                 // BSP: the round we computed for was applied without us (a
                 // fault put this worker a round behind), and no owner ever
                 // took this gradient. Give it to the round in progress
@@ -261,7 +266,13 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
             }
             PushAnswer::Stale { current_version } => {
                 // BSP: a re-pushed gradient whose round was applied (and
-                // handed over) before the move: it counted already.
+                // handed over) before the move: it counted already. Or a
+                // push whose answer was lost: it may have closed its round,
+                // and joining the next one would count it twice and put
+                // this worker a round ahead on this shard, where rounds on
+                // two shards can wait on each other in a cycle (the schedule
+                // explorer's finding 1). Pulling loses at most this one
+                // gradient, never the round.
                 debug!(shard, base, current_version, "push was stale; pulling the current version");
                 self.holder = Some(owner);
                 self.min_version = current_version;
@@ -284,6 +295,7 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
             }
             PushAnswer::Failed(e) => {
                 self.last = format!("push to {owner}: {e}");
+                self.maybe_taken = true;
                 self.phase = Phase::Wait;
             }
         }

@@ -235,14 +235,26 @@ impl Explorer {
     }
 
     /// Judges the running trial `t` at an evaluation point: waits while the
-    /// others have not taken it up (and drops it after two windows), else
-    /// keeps or reverts it on the step time.
+    /// others have not taken it up, else keeps or reverts it on the step
+    /// time.
+    ///
+    /// While it waits, k is still `from`, so the latest step time is the
+    /// baseline the change will be judged against. Every two windows the
+    /// waiting trial is renewed if its reason still holds here (the share
+    /// that started it), else dropped. (It used to be dropped after two
+    /// windows whatever the share: near the threshold the nodes saw it at
+    /// different windows, each tried alone, and each dropped its trial as
+    /// the next one started, so the lower median never moved; a CI run
+    /// tried 4 -> 3 at steps 63, 120 and 160, one node at a time.)
     fn judge(&mut self, t: Trial, o: &Observation) -> Option<Decision> {
         if !t.taken_up(o.aggregators) {
-            // The others have not taken the change up within a window: drop it.
-            if o.step >= t.started.saturating_add(2 * self.policy.window_steps) {
+            let renew = o.step >= t.started.saturating_add(2 * self.policy.window_steps);
+            if renew && !self.reason_holds(&t, o) {
                 self.trial = None;
                 self.proposal = t.prior;
+            } else {
+                let started = if renew { o.step } else { t.started };
+                self.trial = Some(Trial { baseline_micros: o.step_micros, started, ..t });
             }
             return None;
         }
@@ -253,6 +265,17 @@ impl Explorer {
             Some(self.keep(t, o))
         } else {
             Some(self.revert(t, o))
+        }
+    }
+
+    /// Whether what started trial `t` still holds at `o`: communication
+    /// still dominates (an addition), or aggregation is still idle (a
+    /// removal).
+    fn reason_holds(&self, t: &Trial, o: &Observation) -> bool {
+        if t.to > t.from {
+            self.addition_target(o).is_some()
+        } else {
+            self.removal_target(o).is_some()
         }
     }
 
@@ -640,6 +663,30 @@ mod tests {
         assert!(matches!(e.observe(&obs(31, 3, 1080.0, 0.01), Some(3)), Some(Decision::Try { from: 3, to: 2, .. })));
         e.observe(&obs(32, 2, 1300.0, 0.01), Some(2));
         assert!(matches!(e.observe(&obs(42, 2, 1300.0, 0.01), Some(2)), Some(Decision::Revert { tried: 2, k: 3, .. })));
+    }
+
+    #[test]
+    fn a_trial_the_others_have_not_taken_up_waits_while_its_reason_holds() {
+        // 4 -> 3 tried at step 10; the others still propose 4.
+        let mut e = Explorer::new(policy(), None);
+        assert!(matches!(e.observe(&obs(10, 4, 1000.0, 0.01), None), Some(Decision::Try { from: 4, to: 3, .. })));
+        assert_eq!(e.observe(&obs(20, 4, 1100.0, 0.01), None), None, "waiting");
+        assert_eq!(e.observe(&obs(30, 4, 1100.0, 0.02), None), None, "two windows, still idle: renewed");
+        assert_eq!(e.proposal(), 3, "still proposed: a node that sees it later joins it, not replaces it");
+        // Taken up at step 31; judged against the step time just before
+        // (1100 us, not the 1000 of step 10, which would revert it).
+        e.observe(&obs(31, 3, 1150.0, 0.01), Some(3));
+        assert_eq!(
+            e.observe(&obs(41, 3, 1150.0, 0.01), Some(3)),
+            Some(Decision::Keep { from: 4, k: 3, before_micros: 1100.0, after_micros: 1150.0 })
+        );
+        // Not idle any more after two windows: dropped, back to the prior proposal.
+        let mut f = Explorer::new(policy(), None);
+        assert!(matches!(f.observe(&obs(10, 4, 1000.0, 0.01), None), Some(Decision::Try { to: 3, .. })));
+        assert_eq!(f.observe(&obs(30, 4, 1000.0, 0.3), None), None);
+        assert_eq!(f.proposal(), 0, "dropped: every capable node again");
+        // With no trial, the next idle window tries again.
+        assert!(matches!(f.observe(&obs(40, 4, 1000.0, 0.01), None), Some(Decision::Try { to: 3, .. })));
     }
 
     #[test]

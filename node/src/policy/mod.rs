@@ -7,6 +7,8 @@ pub mod backoff;
 pub mod compress;
 pub mod exchange;
 pub mod explore;
+#[cfg(test)]
+mod explorer;
 pub mod fit;
 pub mod health;
 pub mod history;

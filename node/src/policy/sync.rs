@@ -37,20 +37,24 @@ use std::str::FromStr;
 
 use shoal_models::{Optimizer, OptimizerState};
 
-use crate::policy::robust::{self, NormWindow, Robust};
+use crate::policy::robust::{self, Agreement, NormWindow, Robust};
 use crate::policy::schedule::LrSchedule;
 
 /// Rejections in a row after which a worker is reported as a suspect.
 pub const SUSPECT_AFTER: u32 = 3;
 
-/// A contribution the norm check dropped.
+/// A contribution the norm check or the contribution check dropped.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rejection<K> {
     pub worker: K,
     /// The gradient's L2 norm.
     pub norm: f32,
-    /// The median norm it was compared with (of the round or the window).
+    /// The median norm it was compared with (of the round or the window;
+    /// 0 with the norm check off).
     pub median: f32,
+    /// Left out by the contribution check: the worker's moving agreement
+    /// with the rounds' aggregates. `None`: dropped by the norm check.
+    pub agreement: Option<f32>,
     /// This worker's rejections in a row, this one included.
     pub streak: u32,
 }
@@ -205,6 +209,9 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     window: NormWindow,
     /// Rejections in a row, per worker.
     streaks: BTreeMap<K, u32>,
+    /// Each worker's moving agreement with the rounds' aggregates (BSP,
+    /// contribution check on).
+    agreement: BTreeMap<K, Agreement>,
     /// Rejections not yet taken by the owner.
     rejections: Vec<Rejection<K>>,
     /// The last round's median gradient norm (BSP, norm check on).
@@ -217,6 +224,9 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     skipped: u64,
     /// BSP: a round is applied once all but this many workers pushed.
     backup: usize,
+    /// Catch-up is skipped ([`ShardCore::without_catch_up`]): set only by
+    /// the schedule explorer's test, to show the cycle catch-up prevents.
+    catch_up_disabled: bool,
 }
 
 impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
@@ -237,14 +247,16 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             round_opened_ms: None,
             max_staleness: 0,
             schedule: None,
-            robust: Robust { aggregation: robust::Aggregation::Mean, norm_check: 0.0 },
+            robust: Robust { aggregation: robust::Aggregation::Mean, norm_check: 0.0, min_agreement: None },
             window: NormWindow::default(),
             streaks: BTreeMap::new(),
+            agreement: BTreeMap::new(),
             rejections: Vec::new(),
             round_median_norm: None,
             catch_up_room: 0,
             skipped: 0,
             backup: 0,
+            catch_up_disabled: false,
         }
     }
 
@@ -272,6 +284,15 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         self.catch_up_room = room;
     }
 
+    /// Test only: never catch up (`catch_up` is skipped and a
+    /// newer base joins the round in progress, as before issue 16), so the
+    /// schedule explorer can show the restore cycle it finds without it.
+    #[cfg(test)]
+    pub(crate) fn without_catch_up(mut self) -> Self {
+        self.catch_up_disabled = true;
+        self
+    }
+
     /// Combine rounds with `robust.aggregation` after the norm check (BSP),
     /// or run the norm check on each push (the other policies). Without
     /// this, the core takes the plain mean and checks nothing.
@@ -295,8 +316,9 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         std::mem::take(&mut self.rejections)
     }
 
-    /// Records whether `worker`'s contribution passed.
-    fn judge(&mut self, worker: &K, passed: bool, norm: f32, median: f32) {
+    /// Records whether `worker`'s contribution passed; `agreement`: left
+    /// out by the contribution check, with this moving agreement.
+    fn judge(&mut self, worker: &K, passed: bool, norm: f32, median: f32, agreement: Option<f32>) {
         if passed {
             self.streaks.remove(worker);
             return;
@@ -304,7 +326,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let streak = self.streaks.entry(worker.clone()).or_default();
         *streak += 1;
         let streak = *streak;
-        self.rejections.push(Rejection { worker: worker.clone(), norm, median, streak });
+        self.rejections.push(Rejection { worker: worker.clone(), norm, median, agreement, streak });
     }
 
     /// Follow `schedule`: before each optimizer step the rate is set for the
@@ -389,7 +411,8 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let Some(w) = self.workers.get(worker) else { return PushOutcome::UnknownWorker };
         let lead = w.clock.saturating_sub(min_before);
         if self.policy == SyncPolicy::Bsp {
-            if base_version > self.version && base_version - self.version <= self.catch_up_room {
+            let ahead = base_version > self.version && !self.catch_up_disabled;
+            if ahead && base_version - self.version <= self.catch_up_room {
                 self.catch_up(base_version);
             }
             // An older base missed a round.
@@ -435,7 +458,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                 if k > 0.0 {
                     let n = robust::norm(&grad);
                     let (passed, median) = self.window.admit(n, k);
-                    self.judge(worker, passed, n, median);
+                    self.judge(worker, passed, n, median, None);
                     if !passed {
                         return PushOutcome::Accepted { version, staleness: lead };
                     }
@@ -541,31 +564,57 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         (self.params.clone(), self.optimizer.state().clone(), self.version)
     }
 
-    /// Drop the round's norm outliers, combine the rest with the
-    /// aggregation rule (the mean: weighted by samples, in worker order, so
-    /// every owner sums in the same order) and take one step.
+    /// Drop the round's norm outliers and the workers the contribution
+    /// check leaves out, combine the rest with the aggregation rule (the
+    /// mean: weighted by samples, in worker order, so every owner sums in
+    /// the same order), score every gradient against the result (the
+    /// contribution check) and take one step.
     fn apply_round(&mut self) {
         let round = std::mem::take(&mut self.round);
         self.round_opened_ms = None;
         let k = self.robust.norm_check;
         let norms: Vec<f32> = if k > 0.0 { round.values().map(|(_, g)| robust::norm(g)).collect() } else { Vec::new() };
         let outliers = robust::norm_outliers(&norms, k);
-        if !norms.is_empty() {
-            let median = robust::median(&mut norms.clone());
-            self.round_median_norm = Some(median);
-            for (i, w) in round.keys().enumerate() {
-                self.judge(w, !outliers.contains(&i), norms[i], median);
+        let median = (!norms.is_empty()).then(|| robust::median(&mut norms.clone()));
+        if median.is_some() {
+            self.round_median_norm = median;
+        }
+        let min_agreement = self.robust.min_agreement;
+        // Left out on the agreement of the rounds before this one: at most
+        // a third of the round, the lowest scores first, so that honest
+        // workers who score low late in training never hand the round to
+        // the ones who disagree on purpose.
+        let mut excluded: Vec<Option<f32>> = round
+            .keys()
+            .map(|w| {
+                let a = min_agreement.and_then(|m| self.agreement.get(w).filter(|a| a.below(m)));
+                a.map(Agreement::score)
+            })
+            .collect();
+        robust::keep_lowest(&mut excluded, round.len() / 3);
+        if median.is_some() || min_agreement.is_some() {
+            for (i, (w, (_, g))) in round.iter().enumerate() {
+                let norm = norms.get(i).copied().unwrap_or_else(|| robust::norm(g));
+                let passed = !outliers.contains(&i) && excluded[i].is_none();
+                self.judge(w, passed, norm, median.unwrap_or(0.0), excluded[i]);
             }
         }
         let kept: Vec<(&[f32], f32)> = round
             .values()
             .enumerate()
-            .filter(|(i, _)| !outliers.contains(i))
+            .filter(|(i, _)| !outliers.contains(i) && excluded[*i].is_none())
             .map(|(_, (n, g))| (g.as_slice(), *n as f32))
             .collect();
         let mut update = vec![0.0f32; self.params.len()];
         if !kept.is_empty() {
             robust::combine(self.robust.aggregation, &kept, &mut update);
+            if min_agreement.is_some() {
+                // Every worker's, those left out included: one that comes
+                // to agree again is let back in.
+                for (w, (_, g)) in &round {
+                    self.agreement.entry(w.clone()).or_default().observe(robust::agreement(g, &update));
+                }
+            }
         }
         self.step(&update);
     }
@@ -826,7 +875,7 @@ mod tests {
     /// rest is applied, and the third rejection in a row makes it a suspect.
     #[test]
     fn bsp_drops_a_far_gradient_from_the_round_and_reports_the_worker() {
-        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0 };
+        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, min_agreement: None };
         let ids = ["a", "b", "c", "d"];
         let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ids).with_robust(robust);
         for round in 0..3u64 {
@@ -850,11 +899,61 @@ mod tests {
         assert_eq!(core.params(), &[-7.0, -7.0]);
     }
 
+    /// Four honest workers and one pushing its gradient flipped and tripled,
+    /// under the plain mean: the mean still points the honest way, and the
+    /// flipped gradient away from it, every round. From the warm-up's end
+    /// the contribution check leaves it out (each round then applies the
+    /// honest mean), reports it and, three rounds on, names it a suspect;
+    /// once it pushes honest gradients again its moving agreement rises and
+    /// it is let back in.
+    #[test]
+    fn bsp_leaves_out_a_worker_that_disagrees_and_lets_it_back_once_it_agrees() {
+        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 0.0, min_agreement: Some(0.0) };
+        let ids = ["a", "b", "c", "d", "e"];
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ids).with_robust(robust);
+        let honest = |w: &str, round: u64| {
+            let wobble = if w.as_bytes()[0].is_multiple_of(2) { 0.5 } else { -0.5 };
+            vec![1.0 + wobble, 2.0 + (round % 3) as f32 * 0.1]
+        };
+        let mut left_out = Vec::new();
+        for round in 0..30u64 {
+            let before = core.params().to_vec();
+            for w in ids {
+                let mut g = honest(w, round);
+                if w == "e" && round < 20 {
+                    g.iter_mut().for_each(|x| *x *= -3.0);
+                }
+                core.push(&w, round, 1, g, 0);
+            }
+            let r = core.take_rejections();
+            assert!(r.iter().all(|r| r.worker == "e" && r.agreement.is_some_and(|a| a < 0.0)), "round {round}: {r:?}");
+            if let Some(r) = r.first() {
+                left_out.push(round);
+                assert_eq!(r.suspect(), r.streak >= SUSPECT_AFTER);
+                // Without `e`: the honest mean, lr 1.
+                let step: Vec<f32> = before.iter().zip(core.params()).map(|(b, a)| b - a).collect();
+                let mean_y = 2.0 + (round % 3) as f32 * 0.1;
+                assert!((step[0] - 1.0).abs() < 1e-5 && (step[1] - mean_y).abs() < 1e-5, "round {round}: {step:?}");
+            }
+        }
+        // The mean with `e` flipped still points the honest way (its pull is
+        // 3x one gradient against 4), so `e` scores negative from round 0:
+        // left out from the 10th round (the warm-up) while it attacks, and
+        // let back in a few honest rounds after it stops.
+        assert_eq!(left_out.first(), Some(&(robust::AGREEMENT_WARMUP as u64)), "{left_out:?}");
+        assert!(left_out.contains(&19), "left out to the end of its attack: {left_out:?}");
+        let last = *left_out.last().unwrap_or(&0);
+        assert!((20..29).contains(&last), "let back in once it agrees again: {left_out:?}");
+    }
+
     #[test]
     fn bsp_rounds_combine_with_the_robust_rule() {
         let rule = robust::Aggregation::Median;
-        let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b", "c"])
-            .with_robust(Robust { aggregation: rule, norm_check: 0.0 });
+        let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b", "c"]).with_robust(Robust {
+            aggregation: rule,
+            norm_check: 0.0,
+            min_agreement: None,
+        });
         for (w, g) in [("a", 1.0f32), ("b", 2.0), ("c", -9.0)] {
             core.push(&w, 0, 1, vec![g], 0);
         }
@@ -864,7 +963,7 @@ mod tests {
 
     #[test]
     fn asp_checks_each_push_against_the_window_and_still_counts_its_clock() {
-        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0 };
+        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, min_agreement: None };
         let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Asp, ["a", "b"]).with_robust(robust);
         for i in 0..robust::WARMUP {
             core.push(&"a", i, 1, vec![1.0], 0);
