@@ -243,15 +243,11 @@ impl Llama {
         let heads = |m: Tensor, count: usize| -> Result<Tensor> {
             Ok(m.reshape((n, t, count, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        // Each key/value head serves `heads / kv_heads` query heads in a row.
-        let repeat = |m: Tensor| -> Result<Tensor> {
-            if kvh == h {
-                return Ok(m);
-            }
-            let keys = m.dim(2)?;
-            let m = m.unsqueeze(2)?.broadcast_as((n, kvh, h / kvh, keys, hd))?.contiguous()?;
-            Ok(m.reshape((n, h, keys, hd))?)
-        };
+        // Each key/value head serves `heads / kv_heads` query heads in a
+        // row, so a group's queries are one `[group * t, hd]` matrix against
+        // its keys and values: reshapes of contiguous tensors, no copy of
+        // the keys and values per query head (nor a sum back in backward).
+        let group = h / kvh;
         for (i, b) in self.blocks.iter().enumerate() {
             let a = crate::kernels::rms_norm(&x, &b.attn_norm, eps)?;
             let q = crate::kernels::rope(&heads(linear(&a, &b.q)?, h)?, &cos, &sin)?;
@@ -261,14 +257,15 @@ impl Llama {
                 Some(c) => c.extend(i, k, v)?,
                 None => (k, v),
             };
-            let (k, v) = (repeat(k)?, repeat(v)?);
-            let scores = q.matmul(&k.t()?)?;
+            let keys = k.dim(2)?;
+            let scores = q.reshape((n, kvh, group * t, hd))?.matmul(&k.t()?)?.reshape((n, h, t, keys))?;
             let att = if pos == 0 {
                 crate::kernels::causal_softmax(&scores, scale, &mask)?
             } else {
                 crate::kernels::softmax_last_dim(&(scores * scale)?.broadcast_add(&mask)?)?
             };
-            let y = att.matmul(&v)?.transpose(1, 2)?.reshape((n * t, d))?;
+            let y = att.reshape((n, kvh, group * t, keys))?.matmul(&v)?.reshape((n, h, t, hd))?;
+            let y = y.transpose(1, 2)?.reshape((n * t, d))?;
             x = (x + linear(&y, &b.o)?)?;
             let m = crate::kernels::rms_norm(&x, &b.mlp_norm, eps)?;
             let m = crate::kernels::swiglu(&linear(&m, &b.gate)?, &linear(&m, &b.up)?)?;
