@@ -386,19 +386,13 @@ fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<
     let (Some(a), Some(b)) = (a, b) else { panic!("no accuracies in {checks}") };
     // `accuracy_within_points` in soak-ci.toml, as a fraction: the launcher
     // judged it already, and this reads it back so the two cannot drift.
-    let within = scenario_within_points(&repo().join("testnet/scenarios/soak-ci.toml"))? / 100.0;
+    let scenario = shoal_testnet::scenario::Scenario::from_file(&repo().join("testnet/scenarios/soak-ci.toml"))?;
+    let Some(points) = scenario.checks.accuracy_within_points else {
+        panic!("soak-ci.toml sets no accuracy_within_points")
+    };
+    let within = points / 100.0;
     assert!((a - b).abs() <= within + 1e-9, "{a} against {b} (within {within})");
     assert!(a >= 0.84, "survivors at {a} on Fashion-MNIST");
     assert_eq!(checks["survivors"].as_array().map(Vec::len), Some(4), "node0..3 trained to the end: {checks}");
     Ok(())
-}
-
-/// The scenario's `[checks] accuracy_within_points`, in points.
-fn scenario_within_points(path: &std::path::Path) -> anyhow::Result<f64> {
-    let text = std::fs::read_to_string(path)?;
-    let doc: toml::Table = toml::from_str(&text)?;
-    doc.get("checks")
-        .and_then(|c| c.get("accuracy_within_points"))
-        .and_then(toml::Value::as_float)
-        .ok_or_else(|| anyhow::anyhow!("{}: no [checks] accuracy_within_points", path.display()))
 }
