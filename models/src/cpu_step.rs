@@ -184,7 +184,7 @@ fn unpool(
 }
 
 /// A contiguous f32 CPU tensor's values, read in place.
-fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+pub(crate) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         return Err(ModelError::Invalid("the hand-written step runs on the CPU only".into()));
@@ -192,11 +192,11 @@ fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     Ok(f(crate::kernels::contiguous(cpu, layout)?))
 }
 
-fn values(t: &Tensor) -> Result<Vec<f32>> {
+pub(crate) fn values(t: &Tensor) -> Result<Vec<f32>> {
     with_values(t, <[f32]>::to_vec)
 }
 
-fn cpu(values: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
+pub(crate) fn cpu(values: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(values, (rows, cols), &Device::Cpu)?)
 }
 
@@ -225,16 +225,16 @@ pub(crate) struct LinearParams<'a> {
 }
 
 /// The gradient vector in layout order, filled by variable name.
-struct Grads<'a> {
+pub(crate) struct Grads<'a> {
     layout: &'a ParamLayout,
-    values: Vec<f32>,
+    pub(crate) values: Vec<f32>,
 }
 
 impl<'a> Grads<'a> {
     /// Zeroed gradients: in `spare` (a gradient its user is done with, see
     /// [`crate::Model::recycle_gradients`]) when it is the model's size, so
     /// that no fresh model-sized buffer is faulted in; else in a new one.
-    fn new(layout: &'a ParamLayout, spare: Option<Vec<f32>>) -> Self {
+    pub(crate) fn new(layout: &'a ParamLayout, spare: Option<Vec<f32>>) -> Self {
         let values = match spare {
             Some(mut v) if v.len() == layout.total_len() => {
                 v.fill(0.0);
@@ -251,7 +251,13 @@ impl<'a> Grads<'a> {
             .ok_or_else(|| ModelError::Invalid(format!("no variable {name}.{part}")))
     }
 
-    fn put(&mut self, name: &str, part: &str, values: &[f32]) -> Result<()> {
+    /// The zeroed gradient of one variable, to be written in place.
+    pub(crate) fn slot(&mut self, name: &str, part: &str) -> Result<&mut [f32]> {
+        let entry = self.entry(name, part)?;
+        Ok(&mut self.values[entry.offset..entry.offset + entry.len])
+    }
+
+    pub(crate) fn put(&mut self, name: &str, part: &str, values: &[f32]) -> Result<()> {
         let entry = self.entry(name, part)?;
         if entry.len != values.len() {
             return Err(ModelError::Invalid(format!("{name}.{part}: {} values, not {}", values.len(), entry.len)));
@@ -260,7 +266,7 @@ impl<'a> Grads<'a> {
         Ok(())
     }
 
-    fn put_tensor(&mut self, name: &str, part: &str, t: &Tensor) -> Result<()> {
+    pub(crate) fn put_tensor(&mut self, name: &str, part: &str, t: &Tensor) -> Result<()> {
         with_values(t, |v| self.put(name, part, v))?
     }
 }
@@ -520,6 +526,8 @@ impl CnnStep<'_> {
 pub(crate) enum CpuStep<'a> {
     Mlp(MlpStep<'a>),
     Cnn(CnnStep<'a>),
+    /// [`crate::llama`]'s own step: the images are windows of tokens.
+    Llama(&'a crate::llama::Llama, &'a ParamLayout),
 }
 
 impl CpuStep<'_> {
@@ -535,6 +543,7 @@ impl CpuStep<'_> {
         match self {
             Self::Mlp(step) => step.gradients(images, labels, factored, spare),
             Self::Cnn(step) => step.gradients(images, labels, factored, spare),
+            Self::Llama(net, layout) => net.cpu_gradients(images, layout, spare),
         }
     }
 }

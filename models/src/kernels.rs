@@ -147,24 +147,7 @@ impl CustomOp1 for Softmax {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = contiguous(storage, layout)?;
-        let c = self.cols.max(1);
-        let (scale, causal) = (self.scale, self.causal);
-        // A causal task takes whole c x c blocks, so that its row r is row
-        // r % c of its block.
-        let task = task_len(c, if causal { c } else { 1 });
-        let out = map_rows(x, x, c, task, |r, o, x, _| {
-            let seen = if causal { r % c + 1 } else { c };
-            let (o, x) = (&mut o[..seen], &x[..seen]);
-            let max = x.iter().map(|&v| v * scale).fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = (x * scale - max).exp();
-                sum += *o;
-            }
-            let inv = 1.0 / sum;
-            o.iter_mut().for_each(|o| *o *= inv);
-        })?;
+        let out = softmax_rows(contiguous(storage, layout)?, self.cols, self.scale, self.causal)?;
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 
@@ -188,16 +171,81 @@ impl CustomOp2 for SoftmaxGrad {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (y, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let c = self.cols.max(1);
-        let out = map_rows(y, g, c, task_len(c, 1), |_, o, y, g| {
-            let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
-            for ((o, &y), &g) in o.iter_mut().zip(y).zip(g) {
-                *o = self.scale * y * (g - dot);
-            }
-        })?;
+        let out = softmax_grad_rows(contiguous(s1, l1)?, contiguous(s2, l2)?, self.cols, self.scale)?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
+}
+
+/// Softmax of `scale * x` over rows of `cols`; with `causal`, row `r` of
+/// each `cols x cols` block covers only its first `r % cols + 1` columns
+/// (the rest are 0): the rows of a causal block may repeat, as a group of
+/// query heads' rows over one key head's columns do.
+pub(crate) fn softmax_rows(x: &[f32], cols: usize, scale: f32, causal: bool) -> candle_core::Result<Vec<f32>> {
+    let c = cols.max(1);
+    // A causal task takes whole c x c blocks, so that its row r is row
+    // r % c of its block.
+    let task = task_len(c, if causal { c } else { 1 });
+    map_rows(x, x, c, task, |r, o, x, _| {
+        let seen = if causal { r % c + 1 } else { c };
+        let (o, x) = (&mut o[..seen], &x[..seen]);
+        let max = x.iter().map(|&v| v * scale).fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for (o, &x) in o.iter_mut().zip(x) {
+            *o = (x * scale - max).exp();
+            sum += *o;
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|o| *o *= inv);
+    })
+}
+
+/// The backward of [`softmax_rows`] from its output `y` and the gradient
+/// `g`: `scale * y * (g - sum(g * y))` per row (0 where `y` is: the
+/// columns a causal row does not see).
+pub(crate) fn softmax_grad_rows(y: &[f32], g: &[f32], cols: usize, scale: f32) -> candle_core::Result<Vec<f32>> {
+    let c = cols.max(1);
+    map_rows(y, g, c, task_len(c, 1), |_, o, y, g| {
+        let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+        for ((o, &y), &g) in o.iter_mut().zip(y).zip(g) {
+            *o = scale * y * (g - dot);
+        }
+    })
+}
+
+/// The summed cross-entropy of `x [rows, cols]` against `targets` and its
+/// gradient times `scale` (`(softmax - onehot) * scale`, in place of the
+/// logits, which are not needed after): one pass per row for each. The
+/// sum adds per-task partials in task order, so it does not depend on
+/// rayon's scheduling.
+pub(crate) fn cross_entropy_grad_rows(
+    x: &mut [f32],
+    targets: &[u32],
+    cols: usize,
+    scale: f32,
+) -> candle_core::Result<f64> {
+    let c = cols.max(1);
+    if x.len() != targets.len() * c {
+        candle_core::bail!("cross-entropy: {} targets for {} rows", targets.len(), x.len() / c);
+    }
+    if let Some(bad) = targets.iter().find(|&&t| t as usize >= c) {
+        candle_core::bail!("cross-entropy: target {bad} outside {c} classes");
+    }
+    let rows_per_task = task_len(c, 1) / c;
+    let partials: Vec<f64> = x
+        .par_chunks_mut(rows_per_task * c)
+        .zip(targets.par_chunks(rows_per_task))
+        .map(|(x, t)| {
+            let mut loss = 0f64;
+            for (row, &target) in x.chunks_mut(c).zip(t) {
+                let (max, lse) = log_sum_exp(row);
+                loss += (max + lse - row[target as usize]) as f64;
+                row.iter_mut().for_each(|v| *v = (*v - max - lse).exp() * scale);
+                row[target as usize] -= scale;
+            }
+            loss
+        })
+        .collect();
+    Ok(partials.iter().sum())
 }
 
 /// The mean cross-entropy of `logits [rows, cols]` against `targets
@@ -349,6 +397,49 @@ struct RmsNormGrad {
     eps: f32,
 }
 
+/// RMS norm of the rows of `x`, each as long as `gain`.
+pub(crate) fn rms_norm_rows(x: &[f32], gain: &[f32], eps: f32) -> candle_core::Result<Vec<f32>> {
+    let c = gain.len().max(1);
+    if !x.len().is_multiple_of(c) {
+        candle_core::bail!("RMS norm over {c} columns of {} values", x.len());
+    }
+    map_rows(x, x, c, task_len(c, 1), |_, o, x, _| {
+        let inv = inv_rms(x, eps);
+        for ((o, &x), &g) in o.iter_mut().zip(x).zip(gain) {
+            *o = x * inv * g;
+        }
+    })
+}
+
+/// The gradients of [`rms_norm_rows`] with respect to `x` and `gain`, from
+/// the output's `g`. With `x^ = x * inv` and `h = g * gain`:
+/// `dx = inv * (h - x^ * mean(h * x^))`, `dgain = sum over rows of g * x^`.
+pub(crate) fn rms_norm_grad_rows(
+    x: &[f32],
+    gain: &[f32],
+    g: &[f32],
+    eps: f32,
+) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+    let c = gain.len().max(1);
+    if g.len() != x.len() || !x.len().is_multiple_of(c) {
+        candle_core::bail!("RMS norm gradient: shapes do not match");
+    }
+    let dx = map_rows(x, g, c, task_len(c, 1), |_, o, x, g| {
+        let inv = inv_rms(x, eps);
+        let m = x.iter().zip(g).zip(gain).map(|((&x, &g), &w)| g * w * x * inv).sum::<f32>() / c as f32;
+        for (((o, &x), &g), &w) in o.iter_mut().zip(x).zip(g).zip(gain) {
+            *o = inv * (g * w - x * inv * m);
+        }
+    })?;
+    let dgain = sum_rows(x, g, c, c, |acc, x, g| {
+        let inv = inv_rms(x, eps);
+        for ((a, &x), &g) in acc.iter_mut().zip(x).zip(g) {
+            *a += g * x * inv;
+        }
+    })?;
+    Ok((dx, dgain))
+}
+
 /// `1 / sqrt(mean(x^2) + eps)` of a row.
 #[inline]
 fn inv_rms(x: &[f32], eps: f32) -> f32 {
@@ -368,17 +459,7 @@ impl CustomOp2 for RmsNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, gain) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let c = self.cols.max(1);
-        if gain.len() != c {
-            candle_core::bail!("RMS norm over {c} columns with {} gains", gain.len());
-        }
-        let out = map_rows(x, x, c, task_len(c, 1), |_, o, x, _| {
-            let inv = inv_rms(x, self.eps);
-            for ((o, &x), &g) in o.iter_mut().zip(x).zip(gain) {
-                *o = x * inv * g;
-            }
-        })?;
+        let out = rms_norm_rows(contiguous(s1, l1)?, contiguous(s2, l2)?, self.eps)?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -415,23 +496,10 @@ impl candle_core::CustomOp3 for RmsNormGrad {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (x, gain, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?);
-        let c = self.cols.max(1);
-        if gain.len() != c || g.len() != x.len() {
+        if gain.len() != self.cols.max(1) {
             candle_core::bail!("RMS norm gradient: shapes do not match");
         }
-        let mut out = map_rows(x, g, c, task_len(c, 1), |_, o, x, g| {
-            let inv = inv_rms(x, self.eps);
-            let m = x.iter().zip(g).zip(gain).map(|((&x, &g), &w)| g * w * x * inv).sum::<f32>() / c as f32;
-            for (((o, &x), &g), &w) in o.iter_mut().zip(x).zip(g).zip(gain) {
-                *o = inv * (g * w - x * inv * m);
-            }
-        })?;
-        let dgain = sum_rows(x, g, c, c, |acc, x, g| {
-            let inv = inv_rms(x, self.eps);
-            for ((a, &x), &g) in acc.iter_mut().zip(x).zip(g) {
-                *a += g * x * inv;
-            }
-        })?;
+        let (mut out, dgain) = rms_norm_grad_rows(x, gain, g, self.eps)?;
         out.extend_from_slice(&dgain);
         let len = out.len();
         Ok((CpuStorage::F32(out), Shape::from(len)))
@@ -452,6 +520,42 @@ struct SwiGlu;
 /// The gradients of [`SwiGlu`]: `a`'s, then `b`'s.
 struct SwiGluGrad;
 
+/// `silu(a) * b`, element-wise.
+pub(crate) fn swiglu_rows(a: &[f32], b: &[f32]) -> candle_core::Result<Vec<f32>> {
+    map_rows(a, b, MIN_CHUNK, MIN_CHUNK, |_, o, a, b| {
+        for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+            *o = a * sigmoid(a) * b;
+        }
+    })
+}
+
+/// The gradients of [`swiglu_rows`] from the output's `g`, into `da` and
+/// `db`: `da = g * b * s * (1 + a * (1 - s))` with `s = sigmoid(a)`, and
+/// `db = g * a * s`.
+pub(crate) fn swiglu_grad_into(
+    a: &[f32],
+    b: &[f32],
+    g: &[f32],
+    da: &mut [f32],
+    db: &mut [f32],
+) -> candle_core::Result<()> {
+    let n = a.len();
+    if b.len() != n || g.len() != n || da.len() != n || db.len() != n {
+        candle_core::bail!("SwiGLU gradient: shapes do not match");
+    }
+    da.par_chunks_mut(MIN_CHUNK)
+        .zip(db.par_chunks_mut(MIN_CHUNK))
+        .zip(a.par_chunks(MIN_CHUNK).zip(b.par_chunks(MIN_CHUNK)).zip(g.par_chunks(MIN_CHUNK)))
+        .for_each(|((da, db), ((a, b), g))| {
+            for ((((da, db), &a), &b), &g) in da.iter_mut().zip(db.iter_mut()).zip(a).zip(b).zip(g) {
+                let s = sigmoid(a);
+                *da = g * b * s * (1.0 + a * (1.0 - s));
+                *db = g * a * s;
+            }
+        });
+    Ok(())
+}
+
 #[inline]
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
@@ -469,12 +573,7 @@ impl CustomOp2 for SwiGlu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (a, b) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let out = map_rows(a, b, MIN_CHUNK, MIN_CHUNK, |_, o, a, b| {
-            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                *o = a * sigmoid(a) * b;
-            }
-        })?;
+        let out = swiglu_rows(contiguous(s1, l1)?, contiguous(s2, l2)?)?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -510,22 +609,10 @@ impl candle_core::CustomOp3 for SwiGluGrad {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (a, b, g) = (contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?);
-        if a.len() != b.len() || a.len() != g.len() {
-            candle_core::bail!("SwiGLU gradient: shapes do not match");
-        }
         let n = a.len();
         let mut out = vec![0f32; 2 * n];
         let (da, db) = out.split_at_mut(n);
-        da.par_chunks_mut(MIN_CHUNK)
-            .zip(db.par_chunks_mut(MIN_CHUNK))
-            .zip(a.par_chunks(MIN_CHUNK).zip(b.par_chunks(MIN_CHUNK)).zip(g.par_chunks(MIN_CHUNK)))
-            .for_each(|((da, db), ((a, b), g))| {
-                for ((((da, db), &a), &b), &g) in da.iter_mut().zip(db.iter_mut()).zip(a).zip(b).zip(g) {
-                    let s = sigmoid(a);
-                    *da = g * b * s * (1.0 + a * (1.0 - s));
-                    *db = g * a * s;
-                }
-            });
+        swiglu_grad_into(a, b, g, da, db)?;
         Ok((CpuStorage::F32(out), Shape::from(2 * n)))
     }
 }
@@ -557,6 +644,21 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
 }
 
+/// One row's rotary embedding: the pairs `(x_i, x_{i + d/2})` of `x`
+/// rotated by the angles whose cosines and sines are `cos` and `sin`
+/// (`sign` -1: by the opposite angles, the rotation's adjoint), into `o`.
+#[inline]
+pub(crate) fn rotate(o: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32], sign: f32) {
+    let half = x.len() / 2;
+    let (x1, x2) = x.split_at(half);
+    let (o1, o2) = o.split_at_mut(half);
+    for i in 0..half {
+        let (c, s) = (cos[i], sign * sin[i]);
+        o1[i] = x1[i] * c - x2[i] * s;
+        o2[i] = x2[i] * c + x1[i] * s;
+    }
+}
+
 /// [`rope`]'s rotation (`sign` 1), or its inverse (`sign` -1: its backward).
 struct Rope {
     t: usize,
@@ -577,14 +679,7 @@ impl CustomOp1 for Rope {
         // Tasks of whole t x d blocks: row r of a task is position r % t.
         let out = map_rows(x, x, d, task_len(d, t), |r, o, x, _| {
             let p = r % t;
-            let (cos, sin) = (&self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half]);
-            let (x1, x2) = x.split_at(half);
-            let (o1, o2) = o.split_at_mut(half);
-            for i in 0..half {
-                let (c, s) = (cos[i], self.sign * sin[i]);
-                o1[i] = x1[i] * c - x2[i] * s;
-                o2[i] = x2[i] * c + x1[i] * s;
-            }
+            rotate(o, x, &self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half], self.sign);
         })?;
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }

@@ -22,6 +22,8 @@ use crate::error::{ModelError, Result};
 use crate::layout::ParamLayout;
 use crate::rng::DetRng;
 
+mod step;
+
 /// A float that compares and hashes by its bits, so that a model config
 /// holding one stays `Eq` (configs are compared between peers).
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
@@ -275,6 +277,11 @@ impl Llama {
             c.len += t;
         }
         crate::kernels::rms_norm(&x, &self.norm, eps)
+    }
+
+    /// The weights are f32 (the hand-written CPU step's dtype).
+    pub(crate) fn is_f32(&self) -> bool {
+        self.embed.dtype() == DType::F32
     }
 
     /// Split windows `[n, .., context + 1]` (f32 token values) into inputs

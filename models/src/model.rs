@@ -559,7 +559,8 @@ impl Model {
     }
 
     /// The hand-written step ([`crate::cpu_step`]) of an MLP or a CNN with
-    /// biases, on the CPU in f32; `None` otherwise (candle's graph).
+    /// biases, or a Llama's ([`crate::llama`]), on the CPU in f32; `None`
+    /// otherwise (candle's graph).
     fn cpu_step<'a>(&'a self, images: &Tensor) -> Option<CpuStep<'a>> {
         if !images.device().is_cpu() || images.dtype() != DType::F32 {
             return None;
@@ -581,6 +582,7 @@ impl Model {
                     layout: &self.layout,
                 })
             }
+            Net::Llama(l) if l.is_f32() => CpuStep::Llama(l, &self.layout),
             Net::Llama(_) => return None,
         })
     }
@@ -688,11 +690,11 @@ impl Model {
     /// into that buffer instead of a fresh one. A fresh model-sized buffer
     /// costs its page faults every step, which for a 100 MB model is more
     /// than the copy into it. One buffer is kept, and only where the
-    /// hand-written step will take it (an MLP or a CNN on the CPU); one of
-    /// another length, or for a model that computes its gradients through
-    /// candle's graph (a Llama, another device), is dropped.
+    /// hand-written step will take it (on the CPU); one of another length,
+    /// or for a model that computes its gradients through candle's graph
+    /// (another device), is dropped.
     pub fn recycle_gradients(&self, grads: Vec<f32>) {
-        let takes = self.device.is_cpu() && !matches!(self.net, Net::Llama(_));
+        let takes = self.device.is_cpu();
         if takes && grads.len() == self.layout.total_len() {
             if let Ok(mut spare) = self.spare_grads.lock() {
                 *spare = Some(grads);
@@ -941,11 +943,20 @@ mod tests {
     #[test]
     fn recycled_gradient_buffers_are_reused_zeroed_and_give_the_same_gradients() -> Result<()> {
         let dev = Device::Cpu;
-        for (kind, side) in [(ArchKind::Mlp, 8), (ArchKind::Cnn, 8)] {
-            let shape = ImageShape { channels: 1, height: side, width: side };
+        let mut cases = Vec::new();
+        for kind in [ArchKind::Mlp, ArchKind::Cnn] {
+            let shape = ImageShape { channels: 1, height: 8, width: 8 };
             let model = Model::new(ModelConfig::new(kind, shape, 10), 3, &dev)?;
-            let x = seeded_images(4, 1, side, 9)?;
-            let y = Tensor::from_vec(vec![1u32, 4, 7, 9], 4, &dev)?;
+            cases.push((kind, model, seeded_images(4, 1, 8, 9)?, Tensor::from_vec(vec![1u32, 4, 7, 9], 4, &dev)?));
+        }
+        // A Llama's hand-written step takes the buffer too.
+        let size = LlamaSize { layers: 1, heads: 2, kv_heads: 1, width: 8, ff: 16, ..LlamaSize::default() };
+        let llama = ModelConfig::new(ArchKind::Llama, ImageShape { channels: 1, height: 1, width: 9 }, 16)
+            .with_llama_size(size);
+        let windows: Vec<f32> = (0..2 * 9).map(|i| ((i * 5 + 3) % 16) as f32).collect();
+        let windows = Tensor::from_vec(windows, (2, 1, 1, 9), &dev)?;
+        cases.push((ArchKind::Llama, Model::new(llama, 3, &dev)?, windows, Tensor::zeros(2, DType::U32, &dev)?));
+        for (kind, model, x, y) in cases {
             let fresh = model.gradients(&x, &y)?.grads;
             // A used buffer full of what must not leak into the next step.
             let spare = vec![f32::NAN; fresh.len()];
@@ -961,14 +972,6 @@ mod tests {
             assert!(model.take_spare_grads().is_none(), "{kind}");
             assert_eq!(model.gradients(&x, &y)?.grads, fresh, "{kind}");
         }
-        // A Llama's gradients come from candle's graph: it would never take
-        // the buffer, so it is not kept.
-        let size = LlamaSize { layers: 1, heads: 2, kv_heads: 1, width: 8, ff: 16, ..LlamaSize::default() };
-        let llama = ModelConfig::new(ArchKind::Llama, ImageShape { channels: 1, height: 1, width: 9 }, 16)
-            .with_llama_size(size);
-        let model = Model::new(llama, 3, &dev)?;
-        model.recycle_gradients(vec![0.0; model.layout.total_len()]);
-        assert!(model.take_spare_grads().is_none(), "llama");
         Ok(())
     }
 
