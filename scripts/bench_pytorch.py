@@ -30,6 +30,9 @@ SGD; batch 64 per worker; one epoch split over the workers):
          better).
   llama-256: the same at issue 45's sizes over bytes: width 256, MLP 688,
          context 128, 100 steps of 16 windows (samples: windows of 128).
+  llama-bpe: issue 45's measure whole: llama-256 over the tokens of a
+         512-token byte-level BPE that `shoal data train-tokenizer` learns
+         from the same text, given to both sides (`--tokenizer`).
 Each case runs `--runs` times, alternating Shoal and PyTorch; the table shows
 medians and the ratio Shoal / PyTorch of the medians. Accuracy is the test
 accuracy after the epoch (for mlp-4: the lowest node's).
@@ -44,6 +47,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -82,17 +86,30 @@ LLAMA_256_ARGS = ["--layers", "4", "--heads", "4", "--kv-heads", "2", "--width",
                   "--steps", "100", "--batch-size", "16"]
 
 
-def shoal_llama(shoal, threads, args=LLAMA_ARGS, context=64):
+def bpe_tokenizer(shoal, vocab=512):
+    """A byte-level BPE of `vocab` tokens learnt from TEXT by Shoal, once per run."""
+    path = os.path.join(bpe_tokenizer.dir.name, f"tokenizer-{vocab}.json")
+    if not os.path.exists(path):
+        run([shoal, "data", "train-tokenizer", "--vocab", str(vocab), "--output", path, TEXT])
+    return path
+
+
+bpe_tokenizer.dir = tempfile.TemporaryDirectory()
+
+
+def shoal_llama(shoal, threads, args=LLAMA_ARGS, context=64, tokenizer=None):
+    extra = ["--tokenizer", tokenizer] if tokenizer else []
     out = run([shoal, "train", "--model", "llama", "--dataset", f"text@{context}:{TEXT}", "--eval-every",
-               args[args.index("--steps") + 1], "--threads", str(threads), *args])
+               args[args.index("--steps") + 1], "--threads", str(threads), *extra, *args])
     sps = float(re.search(r"([0-9.]+) samples/s", out).group(1))
     bpb = float(re.search(r"final test bits/byte ([0-9.]+)", out).group(1))
     return {"samples_per_sec": sps, "accuracy": bpb}
 
 
-def torch_llama(threads, args=LLAMA_ARGS, context=64):
+def torch_llama(threads, args=LLAMA_ARGS, context=64, tokenizer=None):
+    extra = ["--tokenizer", tokenizer] if tokenizer else []
     out = run([sys.executable, os.path.join(HERE, "torch_llama.py"), "--text", TEXT, "--threads", str(threads),
-               "--context", str(context), *args])
+               "--context", str(context), *extra, *args])
     r = json.loads(out.strip().splitlines()[-1])
     if "skipped" in r:
         raise SystemExit(f"torch_llama.py: {r['skipped']}")
@@ -170,6 +187,8 @@ def main():
         "llama-1": (lambda: shoal_llama(args.shoal, min(2, cores)), lambda: torch_llama(min(2, cores))),
         "llama-256": (lambda: shoal_llama(args.shoal, min(2, cores), LLAMA_256_ARGS, 128),
                       lambda: torch_llama(min(2, cores), LLAMA_256_ARGS, 128)),
+        "llama-bpe": (lambda: shoal_llama(args.shoal, min(2, cores), LLAMA_256_ARGS, 128, bpe_tokenizer(args.shoal)),
+                      lambda: torch_llama(min(2, cores), LLAMA_256_ARGS, 128, bpe_tokenizer(args.shoal))),
         "exchange-4": (lambda: shoal_exchange(args.shoal), torch_allreduce),
     }
     results = {}

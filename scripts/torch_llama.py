@@ -4,7 +4,11 @@
 The work: a UTF-8 text file read as bytes (vocabulary 256); the last 10%
 held out for validation in back-to-back windows; training windows of
 context + 1 bytes at random offsets in the first 90%, 2 per `context`
-bytes, reshuffled each epoch (Shoal's text data set); the Llama of
+bytes, reshuffled each epoch (Shoal's text data set). With --tokenizer
+(a `tokenizer.json`, as `shoal train --tokenizer`), the text's tokens
+instead, cut as Shoal cuts them: the last 10% of the tokens (at most
+2^18) held out, windows of context + 1 tokens every `context` tokens,
+bits per byte through the text's bytes per token. The model: the Llama of
 models/src/llama.rs, as transformers' own `LlamaForCausalLM` with the same
 config (RMS norm eps 1e-5, rope theta 10000, no biases, SiLU, tied head
 unless --untied); AdamW (betas 0.9/0.999, eps 1e-8, weight decay 1e-4 on
@@ -28,6 +32,7 @@ import time
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text", required=True)
+    p.add_argument("--tokenizer", help="a tokenizer.json to cut the text with (default: bytes)")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -55,21 +60,36 @@ def main():
     dev = torch.device(args.device)
 
     data = open(args.text, "rb").read()
-    data.decode("utf-8")
-    cut = round(len(data) * 0.9)
-    train, valid = data[:cut], data[cut:]
+    text = data.decode("utf-8")
     ctx, window = args.context, args.context + 1
     g = torch.Generator().manual_seed(args.seed)
-    count = max(1, 2 * len(train) // ctx)
-    starts = torch.randint(0, len(train) - window + 1, (count,), generator=g)
-    train_t = torch.tensor(list(train), dtype=torch.long)
-    windows = torch.stack([train_t[s : s + window] for s in starts.tolist()]).to(dev)
-    valid_t = torch.tensor(list(valid), dtype=torch.long)
-    n_valid = len(valid) // window
-    valid_w = valid_t[: n_valid * window].view(n_valid, window).to(dev)
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(args.tokenizer)
+        ids = tok.encode(text).ids
+        eos = tok.token_to_id("<|endoftext|>")
+        if eos is not None:
+            ids.append(eos)
+        vocab, bytes_per_token = tok.get_vocab_size(), len(data) / len(ids)
+        held = min(round(len(ids) * 0.1), 1 << 18)
+        cut = len(ids) - held
+        all_t = torch.tensor(ids, dtype=torch.long)
+        windows = torch.stack([all_t[i * ctx : i * ctx + window] for i in range((cut - 1) // ctx)]).to(dev)
+        valid_w = torch.stack([all_t[cut + i * ctx : cut + i * ctx + window] for i in range((held - 1) // ctx)]).to(dev)
+    else:
+        vocab, bytes_per_token = 256, 1.0
+        cut = round(len(data) * 0.9)
+        train, valid = data[:cut], data[cut:]
+        count = max(1, 2 * len(train) // ctx)
+        starts = torch.randint(0, len(train) - window + 1, (count,), generator=g)
+        train_t = torch.tensor(list(train), dtype=torch.long)
+        windows = torch.stack([train_t[s : s + window] for s in starts.tolist()]).to(dev)
+        valid_t = torch.tensor(list(valid), dtype=torch.long)
+        valid_w = valid_t[: len(valid) // window * window].view(-1, window).to(dev)
+    n_valid = len(valid_w)
 
     config = LlamaConfig(
-        vocab_size=256, hidden_size=args.width, intermediate_size=args.ff, num_hidden_layers=args.layers,
+        vocab_size=vocab, hidden_size=args.width, intermediate_size=args.ff, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=ctx,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=not args.untied,
     )
@@ -78,7 +98,7 @@ def main():
 
     def loss_of(w):
         logits = model(input_ids=w[:, :-1]).logits
-        return F.cross_entropy(logits.reshape(-1, 256), w[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
 
     def batches():
         while True:
@@ -107,7 +127,7 @@ def main():
     model.eval()
     with torch.no_grad():
         val = sum(loss_of(valid_w[i : i + 512]).item() * len(valid_w[i : i + 512]) for i in range(0, n_valid, 512))
-    bpb = val / n_valid / math.log(2)
+    bpb = val / n_valid / math.log(2) / bytes_per_token
     print(json.dumps({
         "samples_per_sec": samples / secs,
         "tokens_per_sec": samples * ctx / secs,

@@ -237,9 +237,18 @@ pub(crate) fn cross_entropy_grad_rows(
         .map(|(x, t)| {
             let mut loss = 0f64;
             for (row, &target) in x.chunks_mut(c).zip(t) {
-                let (max, lse) = log_sum_exp(row);
-                loss += (max + lse - row[target as usize]) as f64;
-                row.iter_mut().for_each(|v| *v = (*v - max - lse).exp() * scale);
+                // One exp per entry: the shifted exponentials are kept in
+                // the row for the gradient.
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let picked = row[target as usize];
+                let mut sum = 0f32;
+                for v in row.iter_mut() {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
+                loss += (max + sum.ln() - picked) as f64;
+                let inv = scale / sum;
+                row.iter_mut().for_each(|v| *v *= inv);
                 row[target as usize] -= scale;
             }
             loss

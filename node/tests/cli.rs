@@ -316,6 +316,7 @@ fn bad_flags_are_rejected_before_work() {
         &["train", "--batch-size", "0"],
         &["train", "--lr", "-1"],
         &["train", "--optimizer", "lion"],
+        &["bench", "train", "--model", "gpt"],
         &["bench", "exchange", "--mb", "inf"],
         &["bench", "exchange", "--mb", "0"],
         &["bench", "exchange", "--cases", "f32,fp8"],
@@ -815,6 +816,44 @@ fn bench_exchange_moves_the_bytes_an_all_reduce_would() {
         assert!(rate.is_finite() && rate > 0.0, "{c}");
     }
     assert!(out.contains("x raw TCP"), "{out}");
+}
+
+/// `shoal bench train --model llama`: only the Llama is measured, and its
+/// JSON gives the training rate and the hand-written step's gradients
+/// against candle's graph's, both measured in the run.
+#[test]
+fn bench_train_measures_one_model_against_the_graph() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let json = dir.path().join("train.json");
+    let path = json.to_string_lossy().into_owned();
+    let o = shoal(&[
+        "bench",
+        "train",
+        "--model",
+        "llama",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--matmul-size",
+        "32",
+        "--threads",
+        "1",
+        "--json",
+        &path,
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let raw = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{e}"));
+    let v: serde_json::Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{e}: {raw}"));
+    let models = v["models"].as_array().cloned().unwrap_or_default();
+    assert_eq!(models.len(), 1, "{raw}");
+    assert_eq!(models[0]["arch"], "llama", "{raw}");
+    for key in ["train_samples_per_sec", "grads_samples_per_sec", "graph_grads_samples_per_sec", "grads_over_graph"] {
+        let x = models[0][key].as_f64().unwrap_or(0.0);
+        assert!(x.is_finite() && x > 0.0, "{key}: {raw}");
+    }
+    assert!(!out.contains("fashion-mnist"), "no image data set is loaded for the Llama alone: {out}");
 }
 
 /// `shoal bench robust`, small: one bad peer in 5. The plain mean under a

@@ -85,28 +85,48 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
     }
     let threads = crate::ops::threads::configure_process(crate::ops::threads::resolve(args.threads, 1));
     let device = args.device.open()?;
+    let archs = args.model.map_or_else(|| vec![ArchKind::Mlp, ArchKind::Cnn, ArchKind::Llama], |a| vec![a]);
+    let images = archs.iter().any(|a| *a != ArchKind::Llama);
     let (kind, split) = match data::load(&DatasetKind::FashionMnist, args.data_dir.as_deref()) {
-        Ok(s) => (DatasetKind::FashionMnist, s),
+        Ok(s) if images => (DatasetKind::FashionMnist, s),
+        Ok(_) => (DatasetKind::Digits, data::load(&DatasetKind::Digits, None)?),
         Err(e) => {
-            println!("fashion-mnist unavailable ({e}); benchmarking on digits");
+            if images {
+                println!("fashion-mnist unavailable ({e}); benchmarking on digits");
+            }
             (DatasetKind::Digits, data::load(&DatasetKind::Digits, None)?)
         }
     };
+    let dataset = if images { format!("dataset {kind}, ") } else { String::new() };
     println!(
-        "shoal bench train: dataset {kind}, batch {}, {} timed steps, device {}, {threads} compute threads",
+        "shoal bench train: {dataset}batch {}, {} timed steps, device {}, {threads} compute threads",
         args.batch_size, args.steps, args.device
     );
-    println!("{:<48} {:>14} {:>14} {:>10}", "model", "train smp/s", "fwd smp/s", "train/fwd");
+    println!(
+        "{:<48} {:>12} {:>12} {:>10} {:>12} {:>12} {:>10}",
+        "model", "train smp/s", "fwd smp/s", "train/fwd", "grads smp/s", "graph smp/s", "grad/graph"
+    );
     let mut models = Vec::new();
     // The Llama trains on the text shipped with the binary, in windows of 64 bytes.
     let text = data::text_split(data::SAMPLE_TEXT.as_bytes(), data::DEFAULT_CONTEXT, "gpl-3.0.txt")?;
-    for arch in [ArchKind::Mlp, ArchKind::Cnn, ArchKind::Llama] {
+    for arch in archs {
         let split = if arch == ArchKind::Llama { &text } else { &split };
         let r = bench_model(arch, split, args.batch_size, args.steps, &device)?;
-        println!("{:<48} {:>14.0} {:>14.0} {:>10.3}", r.name, r.train_sps, r.forward_sps, r.train_sps / r.forward_sps);
+        println!(
+            "{:<48} {:>12.0} {:>12.0} {:>10.3} {:>12.0} {:>12.0} {:>9.2}x",
+            r.name,
+            r.train_sps,
+            r.forward_sps,
+            r.train_sps / r.forward_sps,
+            r.grads_sps,
+            r.graph_sps,
+            r.grads_sps / r.graph_sps
+        );
         models.push(serde_json::json!({
             "model": r.name, "arch": arch.to_string(), "train_samples_per_sec": r.train_sps,
             "forward_samples_per_sec": r.forward_sps, "train_over_forward": r.train_sps / r.forward_sps,
+            "grads_samples_per_sec": r.grads_sps, "graph_grads_samples_per_sec": r.graph_sps,
+            "grads_over_graph": r.grads_sps / r.graph_sps,
         }));
     }
     let (candle, naive) = bench_matmul(args.matmul_size, &device)?;
@@ -118,7 +138,7 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
     write_json(
         args.json.as_deref(),
         &serde_json::json!({
-            "bench": "train", "dataset": kind.to_string(), "batch_size": args.batch_size,
+            "bench": "train", "dataset": if images { kind.to_string() } else { "none".into() }, "batch_size": args.batch_size,
             "steps": args.steps, "device": args.device.to_string(), "threads": threads,
             "models": models,
             "matmul": { "size": args.matmul_size, "candle_gflops": candle, "naive_gflops": naive, "ratio": candle / naive },
@@ -130,6 +150,26 @@ struct ModelResult {
     name: String,
     train_sps: f64,
     forward_sps: f64,
+    /// Gradients alone through the model's own step (hand-written on the
+    /// CPU), and through candle's graph, on the same batches.
+    grads_sps: f64,
+    graph_sps: f64,
+}
+
+/// Samples per second of `f` over `steps` of `batches` in turn.
+fn samples_per_sec(
+    batches: &[Vec<usize>],
+    steps: usize,
+    mut f: impl FnMut(&[usize]) -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let mut samples = 0usize;
+    for i in 0..steps {
+        let b = &batches[i % batches.len()];
+        f(b)?;
+        samples += b.len();
+    }
+    Ok(samples as f64 / t.elapsed().as_secs_f64().max(1e-9))
 }
 
 fn bench_model(
@@ -143,30 +183,35 @@ fn bench_model(
     let opt = OptimizerConfig::new(OptimizerKind::Adamw, 1e-3);
     let mut trainer = LocalTrainer::new(config.clone(), opt, 1, batch, device)?;
     let batches = split.train.epoch_batches(batch, 1, 0)?;
-    let pick = |i: usize| &batches[i % batches.len()];
-    for i in 0..3 {
-        trainer.train_batch(&split.train, pick(i))?;
+    if batches.is_empty() {
+        anyhow::bail!("{} has no batch of {batch}", split.train.name);
     }
-    let t = Instant::now();
-    let mut samples = 0usize;
-    for i in 0..steps {
-        let b = pick(i);
-        trainer.train_batch(&split.train, b).context("training step")?;
-        samples += b.len();
+    let data = &split.train;
+    for b in batches.iter().cycle().take(3) {
+        trainer.train_batch(data, b)?;
     }
-    let train_sps = samples as f64 / t.elapsed().as_secs_f64().max(1e-9);
-
-    let t = Instant::now();
-    let mut samples = 0usize;
-    for i in 0..steps {
-        let b = pick(i);
-        let (x, _) = split.train.batch(b, device)?;
-        let logits = trainer.model().forward(&x, false)?;
-        black_box(logits.flatten_all()?.to_vec1::<f32>()?);
-        samples += b.len();
-    }
-    let forward_sps = samples as f64 / t.elapsed().as_secs_f64().max(1e-9);
-    Ok(ModelResult { name: config.describe(), train_sps, forward_sps })
+    let train_sps = samples_per_sec(&batches, steps, |b| {
+        trainer.train_batch(data, b).context("training step")?;
+        Ok(())
+    })?;
+    let model = trainer.model();
+    let forward_sps = samples_per_sec(&batches, steps, |b| {
+        let (x, _) = data.batch(b, device)?;
+        black_box(model.forward(&x, false)?.flatten_all()?.to_vec1::<f32>()?);
+        Ok(())
+    })?;
+    let grads_sps = samples_per_sec(&batches, steps, |b| {
+        let (x, y) = data.batch(b, device)?;
+        black_box(model.gradients(&x, &y)?.grads);
+        Ok(())
+    })?;
+    let graph_sps = samples_per_sec(&batches, steps, |b| {
+        let (x, y) = data.batch(b, device)?;
+        let (_, store) = model.backward(&x, &y)?;
+        black_box(model.layout().flatten_grads(model.varmap(), &store)?);
+        Ok(())
+    })?;
+    Ok(ModelResult { name: config.describe(), train_sps, forward_sps, grads_sps, graph_sps })
 }
 
 /// GFLOP/s of candle's matmul and of a naive i-k-j loop on the same sizes.

@@ -821,6 +821,9 @@ pub struct BenchTrainArgs {
     /// Square matrix size for the matmul comparison.
     #[arg(long, default_value_t = 256)]
     pub matmul_size: usize,
+    /// Only this model: mlp, cnn or llama (default: all three).
+    #[arg(long, value_parser = parse_arch)]
+    pub model: Option<ArchKind>,
     /// Where to look for Fashion-MNIST (digits are used if it is absent).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
