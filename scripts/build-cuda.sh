@@ -7,12 +7,15 @@
 # Needs: cargo, gcc, python3 with pip reaching PyPI. No apt packages, no GPU, no root.
 # Run from the project's root:  scripts/build-cuda.sh
 # Env: CUDA_COMPUTE_CAP (default 90), CARGO_TARGET_DIR (default target/cuda),
-#      CUDA_PREFIX (default target/cuda-toolkit: the CUDA 13.0 tree assembled from PyPI wheels).
+#      CUDA_PREFIX (default target/cuda-toolkit: the CUDA 13.0 tree assembled from PyPI wheels),
+#      CUDNN (default 1: convolutions through cuDNN 9, from PyPI's nvidia-cudnn-cu13 wheel,
+#      the feature `cudnn`; 0: without it).
 #
 # The binary links libcuda.so.1 (from the driver) and libcublas.so.13, libcublasLt.so.13,
-# libcurand.so.10, libcudart.so.13. On the GPU machine, point LD_LIBRARY_PATH at a CUDA 13
-# runtime, e.g. the lib/ folder of pip's CUDA 13 wheels (nvidia/cu13/lib in a venv holding
-# torch for CUDA 13). The stripped binary is ~72 MB; gzip makes it ~20 MB.
+# libcurand.so.10, libcudart.so.13, and with cuDNN libcudnn.so.9. On the GPU machine, point
+# LD_LIBRARY_PATH at a CUDA 13 runtime and cuDNN 9, e.g. the lib/ folders of pip's wheels
+# (nvidia/cu13/lib and nvidia/cudnn/lib in a venv holding torch for CUDA 13). The stripped
+# binary is ~72 MB; gzip makes it ~20 MB.
 set -euo pipefail
 ROOT=$(pwd)
 [ -f Cargo.toml ] && [ -d node ] || { echo "run from the project's root" >&2; exit 2; }
@@ -49,14 +52,32 @@ if [ ! -x "$CUDA/bin/nvcc" ]; then
   rm -rf "$WHL"
 fi
 
-echo "== building (cudarc reads the CUDA version from nvcc; candle-kernels uses nvcc from PATH)"
+FEATURES=cuda
+if [ "${CUDNN:-1}" = 1 ]; then
+  FEATURES=cuda,cudnn
+  if [ ! -e "$CUDA/lib64/libcudnn.so" ]; then
+    echo "== adding cuDNN 9 for CUDA 13 from PyPI to $CUDA"
+    WHL=$(mktemp -d); PIP=$CUDA/pip
+    # The first cuDNN built for CUDA 13 (the one torch's CUDA 13 wheels took), for the same
+    # reason as the 13.0 libraries above. No headers: cudarc carries its own bindings.
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$WHL" \
+      --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 --python-version 3.11 \
+      nvidia-cudnn-cu13==9.13.0.50
+    for w in "$WHL"/*.whl; do python3 -m zipfile -e "$w" "$PIP"; done
+    for f in "$PIP"/nvidia/cudnn/lib/*; do ln -sf "$f" "$CUDA/lib64/"; done
+    ln -sf libcudnn.so.9 "$CUDA/lib64/libcudnn.so"
+    rm -rf "$WHL"
+  fi
+fi
+
+echo "== building --features $FEATURES (cudarc reads the CUDA version from nvcc; candle-kernels uses nvcc from PATH)"
 export CUDA_HOME=$CUDA PATH=$CUDA/bin:$PATH
 nvcc --version | tail -1
-cargo build --release -p shoal-node --features cuda
+cargo build --release -p shoal-node --features "$FEATURES"
 
 OUT=$CARGO_TARGET_DIR/dist; mkdir -p "$OUT"
 strip -o "$OUT/shoal" "$CARGO_TARGET_DIR/release/shoal"
 gzip -9 -c "$OUT/shoal" > "$OUT/shoal.gz"
 ls -l "$OUT/shoal" "$OUT/shoal.gz"
 readelf -d "$OUT/shoal" | grep NEEDED
-echo "on the GPU machine: gunzip -c shoal.gz > shoal; chmod +x shoal; LD_LIBRARY_PATH=<CUDA 13 lib dir> ./shoal train --device cuda"
+echo "on the GPU machine: gunzip -c shoal.gz > shoal; chmod +x shoal; LD_LIBRARY_PATH=<CUDA 13 and cuDNN 9 lib dirs> ./shoal train --device cuda"
