@@ -181,6 +181,35 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Multiply-adds in one sample's forward pass through the matrix
+    /// products (the convolutions as products; a Llama's attention over
+    /// its whole context, masked half included): how much work a step has
+    /// to share among threads.
+    pub fn forward_macs(&self) -> u64 {
+        let ImageShape { channels, height: h, width: w } = self.input;
+        let macs = match &self.arch {
+            Arch::Mlp { hidden } => {
+                let mut widths = vec![self.input.len()];
+                widths.extend(hidden);
+                widths.push(self.classes);
+                widths.windows(2).map(|p| p[0] * p[1]).sum()
+            }
+            Arch::Cnn { conv1, conv2, fc } => {
+                let k = if h >= 16 { 5 } else { 3 };
+                conv1 * channels * k * k * h * w
+                    + conv2 * conv1 * k * k * (h / 2) * (w / 2)
+                    + conv2 * (h / 4) * (w / 4) * fc
+                    + fc * self.classes
+            }
+            Arch::Llama { size, context } => {
+                let (d, kv) = (size.width, size.kv_heads * size.head_dim());
+                let block = 2 * d * d + 2 * d * kv + 3 * d * size.ff + 2 * context * d;
+                (size.layers * block + self.classes * d) * context
+            }
+        };
+        macs as u64
+    }
+
     /// A short human description, e.g. `mlp[64-128-64-10]`.
     pub fn describe(&self) -> String {
         match &self.arch {
@@ -806,6 +835,33 @@ mod tests {
 
     fn digits_shape() -> ImageShape {
         ImageShape { channels: 1, height: 8, width: 8 }
+    }
+
+    /// The forward pass's multiply-adds: the MLP's and the CNN's are their
+    /// weights' (times the output pixels of a convolution), and the
+    /// built-in image sets' shapes are known before loading.
+    #[test]
+    fn forward_work_is_counted_from_the_config() -> Result<()> {
+        let digits = crate::data::load(&crate::DatasetKind::Digits, None)?;
+        assert_eq!(crate::DatasetKind::Digits.image_shape(), Some((digits.train.shape, digits.train.classes)));
+        let (fashion, classes) = crate::DatasetKind::FashionMnist.image_shape().unwrap_or((digits_shape(), 0));
+        let mlp = ModelConfig::new(ArchKind::Mlp, fashion, classes);
+        let weights: usize = Model::new(mlp.clone(), 1, &Device::Cpu)?
+            .layout()
+            .entries()
+            .iter()
+            .filter(|e| e.name.ends_with("weight"))
+            .map(|e| e.len)
+            .sum();
+        assert_eq!(mlp.forward_macs(), weights as u64);
+        assert_eq!(mlp.forward_macs(), 784 * 256 + 256 * 128 + 128 * 10);
+        // 5x5 convolutions of 1 -> 16 channels on 28x28, 16 -> 32 on 14x14,
+        // then 32 * 7 * 7 -> 128 -> 10.
+        let cnn = ModelConfig::new(ArchKind::Cnn, fashion, classes);
+        assert_eq!(cnn.forward_macs(), 16 * 25 * 784 + 32 * 16 * 25 * 196 + 1568 * 128 + 128 * 10);
+        let text = crate::DatasetKind::Text { path: "t.txt".into(), context: 64 };
+        assert_eq!(text.image_shape(), None);
+        Ok(())
     }
 
     #[test]

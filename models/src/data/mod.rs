@@ -43,6 +43,16 @@ pub enum DatasetKind {
 }
 
 impl DatasetKind {
+    /// The sample shape and class count of a built-in image data set,
+    /// known before it is loaded; `None` for text and tokens.
+    pub fn image_shape(&self) -> Option<(ImageShape, usize)> {
+        match self {
+            DatasetKind::Digits => Some((ImageShape { channels: 1, height: 8, width: 8 }, 10)),
+            DatasetKind::FashionMnist => Some((ImageShape { channels: 1, height: 28, width: 28 }, 10)),
+            DatasetKind::Text { .. } | DatasetKind::Tokens { .. } => None,
+        }
+    }
+
     /// The context length of a text or token data set; `None` for images.
     pub fn context(&self) -> Option<usize> {
         match self {

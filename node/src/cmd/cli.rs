@@ -208,7 +208,8 @@ pub struct TrainArgs {
     /// and `AutoTokenizer` load.
     #[arg(long)]
     pub output_hf: Option<PathBuf>,
-    /// Compute threads (default: every core).
+    /// Compute threads (default: every core; one for an MLP or CNN whose
+    /// step's forward pass is under 64M multiply-adds, e.g. the MLP at batch 64).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: Option<usize>,
 }
