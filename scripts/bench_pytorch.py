@@ -33,6 +33,8 @@ SGD; batch 64 per worker; one epoch split over the workers):
   llama-bpe: issue 45's measure whole: llama-256 over the tokens of a
          512-token byte-level BPE that `shoal data train-tokenizer` learns
          from the same text, given to both sides (`--tokenizer`).
+With --device cuda the llama cases train on the GPU on both sides (a CUDA
+build of Shoal, torch with CUDA); the other cases stay on the CPU.
 Each case runs `--runs` times, alternating Shoal and PyTorch; the table shows
 medians and the ratio Shoal / PyTorch of the medians. Accuracy is the test
 accuracy after the epoch (for mlp-4: the lowest node's).
@@ -97,8 +99,12 @@ def bpe_tokenizer(shoal, vocab=512):
 bpe_tokenizer.dir = tempfile.TemporaryDirectory()
 
 
+# --device: where the llama cases train (both sides); cpu unless told.
+DEVICE = ["cpu"]
+
+
 def shoal_llama(shoal, threads, args=LLAMA_ARGS, context=64, tokenizer=None):
-    extra = ["--tokenizer", tokenizer] if tokenizer else []
+    extra = (["--tokenizer", tokenizer] if tokenizer else []) + ["--device", DEVICE[0]]
     out = run([shoal, "train", "--model", "llama", "--dataset", f"text@{context}:{TEXT}", "--eval-every",
                args[args.index("--steps") + 1], "--threads", str(threads), *extra, *args])
     sps = float(re.search(r"([0-9.]+) samples/s", out).group(1))
@@ -107,7 +113,7 @@ def shoal_llama(shoal, threads, args=LLAMA_ARGS, context=64, tokenizer=None):
 
 
 def torch_llama(threads, args=LLAMA_ARGS, context=64, tokenizer=None):
-    extra = ["--tokenizer", tokenizer] if tokenizer else []
+    extra = (["--tokenizer", tokenizer] if tokenizer else []) + ["--device", DEVICE[0]]
     out = run([sys.executable, os.path.join(HERE, "torch_llama.py"), "--text", TEXT, "--threads", str(threads),
                "--context", str(context), *extra, *args])
     r = json.loads(out.strip().splitlines()[-1])
@@ -160,7 +166,10 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--cases", default="mlp-1,cnn-1,mlp-4,mlp-4k,llama-1")
     p.add_argument("--json", help="also write the numbers here")
+    p.add_argument("--device", default="cpu",
+                   help="where the llama cases train, both sides: cpu, or cuda on a CUDA build of Shoal")
     args = p.parse_args()
+    DEVICE[0] = args.device
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
     try:
