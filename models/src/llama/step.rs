@@ -182,6 +182,9 @@ impl Llama {
     ) -> Result<GradOutput> {
         let (inputs, targets) = self.inputs_and_targets(windows)?;
         let (n, t) = inputs.dims2()?;
+        if n == 0 {
+            return Err(ModelError::Invalid("an empty batch has no gradient".into()));
+        }
         let s = &self.size;
         let dm = Dims { n, t, rows: n * t, d: s.width, h: s.heads, kvh: s.kv_heads, hd: s.head_dim(), ff: s.ff };
         let tokens = inputs.flatten_all()?.to_vec1::<u32>()?;
@@ -368,9 +371,10 @@ mod tests {
         Ok(())
     }
 
-    /// A token outside the vocabulary is an error, not a panic.
+    /// A token outside the vocabulary and an empty batch are errors, not
+    /// panics.
     #[test]
-    fn tokens_outside_the_vocabulary_are_refused() -> crate::Result<()> {
+    fn bad_batches_are_refused() -> crate::Result<()> {
         let dev = Device::Cpu;
         let size = LlamaSize { layers: 1, heads: 2, kv_heads: 1, width: 8, ff: 16, ..LlamaSize::default() };
         let shape = ImageShape { channels: 1, height: 1, width: 5 };
@@ -378,6 +382,9 @@ mod tests {
         let x = Tensor::from_vec(vec![1f32, 2.0, 99.0, 3.0, 4.0], (1, 1, 1, 5), &dev)?;
         let err = model.gradients(&x, &Tensor::zeros(1, DType::U32, &dev)?).err().map(|e| e.to_string());
         assert!(err.as_deref().unwrap_or_default().contains("99"), "{err:?}");
+        let empty = Tensor::zeros((0, 1, 1, 5), DType::F32, &dev)?;
+        let err = model.gradients(&empty, &Tensor::zeros(0, DType::U32, &dev)?).err().map(|e| e.to_string());
+        assert!(err.is_some(), "an empty batch gave gradients");
         Ok(())
     }
 }
