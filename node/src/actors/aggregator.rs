@@ -306,7 +306,7 @@ impl AggregatorActor {
             AggCommand::TransferDone => {
                 self.transfers = self.transfers.saturating_sub(1);
             }
-            AggCommand::TransferFailed { hops, state } => self.transfer_failed(hops, state),
+            AggCommand::TransferFailed { to, hops, state } => self.transfer_failed(to, hops, state),
             AggCommand::ReplicaDone { shard } => {
                 self.replicating.remove(&shard);
             }
@@ -409,14 +409,22 @@ impl AggregatorActor {
     /// or installs it here, and the retry timer passes it on to the owner
     /// this node's view then names, so that a new owner never restores
     /// from an older copy while this one waits here. A node leaving waits
-    /// for it too ([`Held::kept`]).
-    fn transfer_failed(&mut self, hops: u64, state: ShardState) {
+    /// for it too ([`Held::kept`]). Where the view changed while the send
+    /// was failing and names another owner than `to` (or this node), the
+    /// copy goes on at once: that placement has already been taken up, so
+    /// none would come to pass it on, and the retry timer may be long.
+    fn transfer_failed(&mut self, to: PeerId, hops: u64, state: ShardState) {
         self.transfers = self.transfers.saturating_sub(1);
         let (shard, version) = (state.shard, state.version);
         warn!(shard, version, "transfer undelivered; keeping it to pass on to the shard's owner");
         self.store(state, true, hops);
+        let now = Instant::now();
+        let moved = self.placement.as_ref().and_then(|p| p.owner(shard)).is_some_and(|o| o != to);
         if let Some(st) = self.stored.get_mut(&shard).filter(|st| st.state.version == version) {
-            st.retry_at = Some(Instant::now() + self.cfg.transfer_retry);
+            st.retry_at = Some(if moved { now } else { now + self.cfg.transfer_retry });
+        }
+        if moved {
+            self.retry_kept_transfers(now);
         }
     }
 
@@ -848,7 +856,7 @@ impl AggregatorActor {
                 (HandoffKind::Transfer, Ok(())) => AggCommand::TransferDone,
                 (HandoffKind::Transfer, Err(e)) => {
                     warn!(shard, %to, error = %format!("{e:#}"), "transfer failed");
-                    AggCommand::TransferFailed { hops, state }
+                    AggCommand::TransferFailed { to, hops, state }
                 }
             };
             if let Some(tx) = back.upgrade() {
@@ -1236,6 +1244,22 @@ mod tests {
         assert!(matches!(r, HandoffReply::Ack { .. }), "transfer acknowledged, got {r:?}");
     }
 
+    /// Wait until `node`'s actor has taken up the placement of `epoch`, in
+    /// which it does not own shard 0: its refusals of `worker`'s pulls
+    /// carry the epoch. Each try is a round trip to the actor.
+    async fn taken_up(node: &Node, worker: PeerId, epoch: u64) {
+        let seen = async {
+            loop {
+                let r = node.agg.pull(worker, 0, 1, Duration::ZERO).await.expect("aggregator answers");
+                if matches!(r, PullReply::NotOwner { epoch: e, .. } if e == epoch) {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), seen).await.expect("the placement taken up within 10 s");
+    }
+
     /// Wait until `node` serves a shard, and return its version.
     async fn installed(node: &Node) -> u64 {
         let mut held = node.agg.held();
@@ -1256,18 +1280,7 @@ mod tests {
         let (nodes, _log) = start(&[b]);
         let p = placement(b, &[a, b]);
         nodes[0].placement.send_replace(Some(p.clone()));
-        // Until the actor has taken the placement up (its refusals carry the
-        // placement's epoch); each try is a round trip to the actor.
-        let taken_up = async {
-            loop {
-                let r = nodes[0].agg.pull(a, 0, 1, Duration::ZERO).await.expect("aggregator answers");
-                if matches!(r, PullReply::NotOwner { epoch, .. } if epoch == p.epoch) {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), taken_up).await.expect("the placement taken up within 10 s");
+        taken_up(&nodes[0], a, p.epoch).await;
         hand(&nodes[0], a, 0, state(3)).await;
         assert_eq!(installed(&nodes[0]).await, 3);
     }
@@ -1299,6 +1312,32 @@ mod tests {
             .await
             .expect("nothing kept once it is passed on")
             .expect("aggregator running");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_failing_while_the_view_moves_on_goes_to_the_new_owner_at_once() {
+        // The interleaving behind a failure of the test above under load
+        // (2026-12-06): `a`'s view moves on to `c` while its transfer to the
+        // stopped leaver is still being retried, so that placement finds
+        // nothing kept to pass on. When the send fails, the copy must go to
+        // `c` then, not after the retry timer (60 s here).
+        let (a, leaver, c) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let (nodes, mut log) = start_among(&[a, c], &[leaver], Duration::from_secs(60), Duration::from_secs(3));
+        let first = placement(leaver, &[a, leaver, c]);
+        nodes[0].placement.send_replace(Some(first.clone()));
+        taken_up(&nodes[0], a, first.epoch).await;
+        nodes[1].placement.send_replace(Some(placement(c, &[a, c])));
+        hand(&nodes[0], leaver, 0, state(5)).await;
+        let mut held = nodes[0].agg.held();
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.transfers == 1))
+            .await
+            .expect("the forward to the leaver under way within 10 s")
+            .expect("aggregator running");
+        let moved = placement(c, &[a, c]);
+        nodes[0].placement.send_replace(Some(moved.clone()));
+        taken_up(&nodes[0], a, moved.epoch).await;
+        assert_eq!(next(&mut log).await, (a, c, 2, 5), "passed on once the send failed, one hop more");
+        assert_eq!(installed(&nodes[1]).await, 5, "the newest copy is served");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -128,6 +128,8 @@ pub(crate) enum AggCommand {
     TransferDone,
     /// A spawned transfer could not be delivered: keep it, to pass on.
     TransferFailed {
+        /// The peer it could not reach.
+        to: PeerId,
         /// Times it had been forwarded when it was sent.
         hops: u64,
         state: ShardState,
