@@ -224,12 +224,10 @@ pub(crate) fn cross_entropy_grad_rows(
     scale: f32,
 ) -> candle_core::Result<f64> {
     let c = cols.max(1);
-    if x.len() != targets.len() * c {
-        candle_core::bail!("cross-entropy: {} targets for {} rows", targets.len(), x.len() / c);
+    if !x.len().is_multiple_of(c) {
+        candle_core::bail!("cross-entropy: {} logits in rows of {c}", x.len());
     }
-    if let Some(bad) = targets.iter().find(|&&t| t as usize >= c) {
-        candle_core::bail!("cross-entropy: target {bad} outside {c} classes");
-    }
+    check_targets(targets, x.len() / c, c)?;
     let rows_per_task = task_len(c, 1) / c;
     let partials: Vec<f64> = x
         .par_chunks_mut(rows_per_task * c)
@@ -290,13 +288,19 @@ fn checked_targets<'a>(
     cols: usize,
 ) -> candle_core::Result<&'a [u32]> {
     let t: &[u32] = contiguous_of(storage, layout)?;
+    check_targets(t, rows, cols)?;
+    Ok(t)
+}
+
+/// One target per row, each a class below `cols`.
+fn check_targets(t: &[u32], rows: usize, cols: usize) -> candle_core::Result<()> {
     if t.len() != rows {
         candle_core::bail!("cross-entropy: {} targets for {rows} rows", t.len());
     }
     if let Some(bad) = t.iter().find(|&&t| t as usize >= cols) {
         candle_core::bail!("cross-entropy: target {bad} outside {cols} classes");
     }
-    Ok(t)
+    Ok(())
 }
 
 /// `max` and `log(sum(exp(x - max)))` of a row.

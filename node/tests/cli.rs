@@ -787,19 +787,26 @@ fn the_binary_runs_under_its_allocator_tunables_unless_the_user_set_some() {
     assert_eq!(off.as_deref(), Some(""), "an empty value keeps glibc's defaults");
 }
 
+/// Runs `shoal` with `args` and `--json PATH`, which must succeed: its
+/// stdout, and the JSON it wrote (as text and parsed).
+fn bench_json(args: &[&str]) -> (String, String, serde_json::Value) {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let json = dir.path().join("bench.json");
+    let path = json.to_string_lossy().into_owned();
+    let o = shoal(&[args, &["--json", &path]].concat());
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let raw = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{e}"));
+    let v: serde_json::Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{e}: {raw}"));
+    (out, raw, v)
+}
+
 /// `shoal bench exchange` on a small model: every worker's push and pull
 /// moves (n-1)/n of the model each way in f32, the compressed case moves
 /// well under half of that, and both report a rate.
 #[test]
 fn bench_exchange_moves_the_bytes_an_all_reduce_would() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let json = dir.path().join("exchange.json");
-    let path = json.to_string_lossy().into_owned();
-    let o = shoal(&["bench", "exchange", "--mb", "2", "--steps", "3", "--shards", "8", "--json", &path]);
-    let (out, err) = text(&o);
-    assert!(o.status.success(), "{out}\n{err}");
-    let raw = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{e}"));
-    let v: serde_json::Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{e}: {raw}"));
+    let (out, raw, v) = bench_json(&["bench", "exchange", "--mb", "2", "--steps", "3", "--shards", "8"]);
     let model = v["model_bytes"].as_f64().unwrap_or(0.0);
     assert!((model - 2e6).abs() < 2e3, "the model is about 2 MB: {model}");
     let cases = v["cases"].as_array().cloned().unwrap_or_default();
@@ -823,10 +830,7 @@ fn bench_exchange_moves_the_bytes_an_all_reduce_would() {
 /// against candle's graph's, both measured in the run.
 #[test]
 fn bench_train_measures_one_model_against_the_graph() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let json = dir.path().join("train.json");
-    let path = json.to_string_lossy().into_owned();
-    let o = shoal(&[
+    let (out, raw, v) = bench_json(&[
         "bench",
         "train",
         "--model",
@@ -839,13 +843,7 @@ fn bench_train_measures_one_model_against_the_graph() {
         "32",
         "--threads",
         "1",
-        "--json",
-        &path,
     ]);
-    let (out, err) = text(&o);
-    assert!(o.status.success(), "{out}\n{err}");
-    let raw = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{e}"));
-    let v: serde_json::Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{e}: {raw}"));
     let models = v["models"].as_array().cloned().unwrap_or_default();
     assert_eq!(models.len(), 1, "{raw}");
     assert_eq!(models[0]["arch"], "llama", "{raw}");
@@ -861,10 +859,7 @@ fn bench_train_measures_one_model_against_the_graph() {
 /// fault-free run measured beside it, and the JSON has every case.
 #[test]
 fn bench_robust_measures_each_attack_against_the_fault_free_run() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let json = dir.path().join("robust.json");
-    let path = json.to_string_lossy().into_owned();
-    let o = shoal(&[
+    let (out, raw, v) = bench_json(&[
         "bench",
         "robust",
         "--nodes",
@@ -877,14 +872,8 @@ fn bench_robust_measures_each_attack_against_the_fault_free_run() {
         "scale:100,zeros",
         "--rules",
         "mean,median",
-        "--json",
-        &path,
     ]);
-    let (out, err) = text(&o);
-    assert!(o.status.success(), "{out}\n{err}");
     eprintln!("{out}");
-    let raw = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{e}"));
-    let v: serde_json::Value = serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{e}: {raw}"));
     let base = v["fault_free_accuracy"].as_f64().unwrap_or(0.0);
     assert!(base >= 0.9, "fault-free {base}");
     let cases = v["attacks"].as_array().cloned().unwrap_or_default();

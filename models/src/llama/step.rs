@@ -19,7 +19,7 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use super::{Block, Llama};
+use super::{linear, Block, Llama};
 use crate::cpu_step::{cpu, values, with_values, Grads};
 use crate::error::{ModelError, Result};
 use crate::grads::GradOutput;
@@ -59,8 +59,8 @@ struct Rotary {
 }
 
 impl Rotary {
-    /// Row `src` of `heads` heads turned into `o` at position `p` (`sign`
-    /// -1: turned back, the backward), or copied without a table.
+    /// One head's row `src` at position `p` turned into `o` (`sign` -1:
+    /// turned back, the backward), or copied without a table.
     fn apply(rot: Option<(&Self, f32)>, o: &mut [f32], src: &[f32], p: usize) {
         match rot {
             Some((r, sign)) => {
@@ -141,11 +141,6 @@ fn add_tensor(dst: &mut [f32], t: &Tensor) -> Result<()> {
             Err(ModelError::Invalid(format!("adding {} values to {}", v.len(), dst.len())))
         }
     })?
-}
-
-/// `x [rows, in] @ w^T` for a weight `[out, in]`.
-fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(x.matmul(&w.t()?)?)
 }
 
 /// RMS norm of the rows of `x` with the gain `gain`, as a `[rows, d]` tensor.
@@ -312,13 +307,12 @@ impl Llama {
         let dq = back(&dscores.matmul(&s.k)?, dm.h, Some((rot, -1.0)))?;
         let dk = back(&dscores.t()?.matmul(&s.q)?, kvh, Some((rot, -1.0)))?;
         let dv = back(&dv, kvh, None)?;
-        let mut da = values(&dq.matmul(&b.q)?)?;
-        for (d, w, what) in [(&dq, &b.q, "q_proj"), (&dk, &b.k, "k_proj"), (&dv, &b.v, "v_proj")] {
+        for (d, what) in [(&dq, "q_proj"), (&dk, "k_proj"), (&dv, "v_proj")] {
             grads.put_tensor(&name(&format!("self_attn.{what}")), "weight", &d.t()?.matmul(&s.a)?)?;
-            if what != "q_proj" {
-                add_tensor(&mut da, &d.matmul(w)?)?;
-            }
         }
+        let mut da = values(&dq.matmul(&b.q)?)?;
+        add_tensor(&mut da, &dk.matmul(&b.k)?)?;
+        add_tensor(&mut da, &dv.matmul(&b.v)?)?;
         let da = cpu(da, dm.rows, dm.d)?;
         rms_norm_back(&s.x, &b.attn_norm, &da, eps, dx, grads, &name("input_layernorm"))
     }
