@@ -34,7 +34,9 @@ SGD; batch 64 per worker; one epoch split over the workers):
          512-token byte-level BPE that `shoal data train-tokenizer` learns
          from the same text, given to both sides (`--tokenizer`).
 With --device cuda the llama cases train on the GPU on both sides (a CUDA
-build of Shoal, torch with CUDA); the other cases stay on the CPU.
+build of Shoal, torch with CUDA); the other cases stay on the CPU. With
+--dtype bf16 their matrix products are bf16 on both sides (Shoal's --dtype
+bf16, PyTorch's autocast), weights and optimizer state f32.
 Each case runs `--runs` times, alternating Shoal and PyTorch; the table shows
 medians and the ratio Shoal / PyTorch of the medians. Accuracy is the test
 accuracy after the epoch (for mlp-4: the lowest node's).
@@ -100,11 +102,13 @@ bpe_tokenizer.dir = tempfile.TemporaryDirectory()
 
 
 # --device: where the llama cases train (both sides); cpu unless told.
+# --dtype: their matrix products' dtype (both sides); f32 unless told.
 DEVICE = ["cpu"]
+DTYPE = ["f32"]
 
 
 def shoal_llama(shoal, threads, args=LLAMA_ARGS, context=64, tokenizer=None):
-    extra = (["--tokenizer", tokenizer] if tokenizer else []) + ["--device", DEVICE[0]]
+    extra = (["--tokenizer", tokenizer] if tokenizer else []) + ["--device", DEVICE[0], "--dtype", DTYPE[0]]
     out = run([shoal, "train", "--model", "llama", "--dataset", f"text@{context}:{TEXT}", "--eval-every",
                args[args.index("--steps") + 1], "--threads", str(threads), *extra, *args])
     sps = float(re.search(r"([0-9.]+) samples/s", out).group(1))
@@ -113,7 +117,7 @@ def shoal_llama(shoal, threads, args=LLAMA_ARGS, context=64, tokenizer=None):
 
 
 def torch_llama(threads, args=LLAMA_ARGS, context=64, tokenizer=None):
-    extra = (["--tokenizer", tokenizer] if tokenizer else []) + ["--device", DEVICE[0]]
+    extra = (["--tokenizer", tokenizer] if tokenizer else []) + ["--device", DEVICE[0], "--dtype", DTYPE[0]]
     out = run([sys.executable, os.path.join(HERE, "torch_llama.py"), "--text", TEXT, "--threads", str(threads),
                "--context", str(context), *extra, *args])
     r = json.loads(out.strip().splitlines()[-1])
@@ -168,8 +172,11 @@ def main():
     p.add_argument("--json", help="also write the numbers here")
     p.add_argument("--device", default="cpu",
                    help="where the llama cases train, both sides: cpu, or cuda on a CUDA build of Shoal")
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
+                   help="the llama cases' matrix products, both sides: f32, or bf16 (Shoal's --dtype, torch.autocast)")
     args = p.parse_args()
     DEVICE[0] = args.device
+    DTYPE[0] = args.dtype
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
     try:

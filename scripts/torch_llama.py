@@ -46,6 +46,8 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: every core)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
+                   help="bf16: matrix products under torch.autocast (f32 weights and optimizer state), as Shoal's --dtype bf16")
     args = p.parse_args()
     try:
         import torch
@@ -96,9 +98,12 @@ def main():
     model = LlamaForCausalLM(config).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4)
 
+    low = args.dtype == "bf16"
+
     def loss_of(w):
-        logits = model(input_ids=w[:, :-1]).logits
-        return F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=low):
+            logits = model(input_ids=w[:, :-1]).logits
+        return F.cross_entropy(logits.float().reshape(-1, vocab), w[:, 1:].reshape(-1))
 
     def batches():
         while True:

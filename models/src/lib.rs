@@ -11,6 +11,8 @@
 //!   [`ShardPlan`] (that vector cut into shards).
 //! - [`optim`]: SGD (momentum, Nesterov) and AdamW over flat slices, with
 //!   their state exposed so shard owners can hold and hand it off.
+//! - [`precision`]: f32 or bf16 matrix products (`--dtype`), f32 master
+//!   weights and optimizer state.
 //! - [`resident`]: the same optimizers as tensor ops on the model's device,
 //!   for single-node training on a GPU.
 //! - [`checkpoint`]: safetensors checkpoints with metadata (resumable
@@ -43,6 +45,7 @@ pub mod lm;
 pub mod model;
 pub mod modelfile;
 pub mod optim;
+pub mod precision;
 pub mod resident;
 pub mod rng;
 pub mod shardfile;
@@ -58,5 +61,6 @@ pub use llama::LlamaSize;
 pub use model::{Arch, ArchKind, Evaluation, GradOutput, LayerFactors, Model, ModelConfig, TrainableModel};
 pub use modelfile::{ModelFile, ModelMeta, MODEL_FORMAT};
 pub use optim::{Optimizer, OptimizerConfig, OptimizerKind, OptimizerState};
+pub use precision::Precision;
 pub use shardfile::{Scan, ShardCheckpoint, ShardDir, ShardOf, SHARD_FORMAT};
 pub use train::{BatchProgress, EpochStats, LocalTrainer, LrAt, StepOptions};

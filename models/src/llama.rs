@@ -147,6 +147,8 @@ pub(crate) struct Llama {
     /// `[context, context]`: 0 on and below the diagonal, a large negative
     /// number above it (the devices without the fused causal softmax).
     mask: Tensor,
+    /// The matrix products' dtype (set through [`crate::Model`]).
+    pub(crate) precision: crate::Precision,
 }
 
 /// `x [rows, in] @ w^T` for a weight `[out, in]`.
@@ -155,6 +157,11 @@ fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 impl Llama {
+    /// [`linear`] in the model's precision.
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        self.precision.matmul(x, &w.t()?)
+    }
+
     pub(crate) fn new(size: LlamaSize, context: usize, vocab: usize, vb: VarBuilder, device: &Device) -> Result<Self> {
         size.validate(context)?;
         let (d, hd) = (size.width, size.head_dim());
@@ -197,6 +204,7 @@ impl Llama {
             cos: angles.cos()?,
             sin: angles.sin()?,
             mask: Tensor::from_vec(mask, (context, context), device)?.to_dtype(vb.dtype())?,
+            precision: crate::Precision::F32,
         })
     }
 
@@ -208,7 +216,7 @@ impl Llama {
         let (n, t) = tokens.dims2()?;
         let x = self.hidden(tokens, None)?;
         let head = self.head.as_ref().unwrap_or(&self.embed);
-        Ok(linear(&x, head)?.reshape((n, t, head.dim(0)?))?)
+        Ok(self.linear(&x, head)?.reshape((n, t, head.dim(0)?))?)
     }
 
     /// The last position's logits `[vocab]` for `tokens` that follow the
@@ -220,7 +228,7 @@ impl Llama {
         let input = Tensor::from_vec(tokens.to_vec(), (1, t), self.mask.device())?;
         let x = self.hidden(&input, Some(cache))?.narrow(0, t - 1, 1)?;
         let head = self.head.as_ref().unwrap_or(&self.embed);
-        Ok(linear(&x, head)?.flatten_all()?)
+        Ok(self.linear(&x, head)?.flatten_all()?)
     }
 
     /// The final normed residual stream `[n * t, width]` of tokens `[n, t]`
@@ -252,26 +260,27 @@ impl Llama {
         let group = h / kvh;
         for (i, b) in self.blocks.iter().enumerate() {
             let a = crate::kernels::rms_norm(&x, &b.attn_norm, eps)?;
-            let q = crate::kernels::rope(&heads(linear(&a, &b.q)?, h)?, &cos, &sin)?;
-            let k = crate::kernels::rope(&heads(linear(&a, &b.k)?, kvh)?, &cos, &sin)?;
-            let v = heads(linear(&a, &b.v)?, kvh)?;
+            let q = crate::kernels::rope(&heads(self.linear(&a, &b.q)?, h)?, &cos, &sin)?;
+            let k = crate::kernels::rope(&heads(self.linear(&a, &b.k)?, kvh)?, &cos, &sin)?;
+            let v = heads(self.linear(&a, &b.v)?, kvh)?;
             let (k, v) = match cache.as_deref_mut() {
                 Some(c) => c.extend(i, k, v)?,
                 None => (k, v),
             };
             let keys = k.dim(2)?;
-            let scores = q.reshape((n, kvh, group * t, hd))?.matmul(&k.t()?)?.reshape((n, h, t, keys))?;
+            let scores =
+                self.precision.matmul(&q.reshape((n, kvh, group * t, hd))?, &k.t()?)?.reshape((n, h, t, keys))?;
             let att = if pos == 0 {
                 crate::kernels::causal_softmax(&scores, scale, &mask)?
             } else {
                 crate::kernels::softmax_last_dim(&(scores * scale)?.broadcast_add(&mask)?)?
             };
-            let y = att.reshape((n, kvh, group * t, keys))?.matmul(&v)?.reshape((n, h, t, hd))?;
+            let y = self.precision.matmul(&att.reshape((n, kvh, group * t, keys))?, &v)?.reshape((n, h, t, hd))?;
             let y = y.transpose(1, 2)?.reshape((n * t, d))?;
-            x = (x + linear(&y, &b.o)?)?;
+            x = (x + self.linear(&y, &b.o)?)?;
             let m = crate::kernels::rms_norm(&x, &b.mlp_norm, eps)?;
-            let m = crate::kernels::swiglu(&linear(&m, &b.gate)?, &linear(&m, &b.up)?)?;
-            x = (x + linear(&m, &b.down)?)?;
+            let m = crate::kernels::swiglu(&self.linear(&m, &b.gate)?, &self.linear(&m, &b.up)?)?;
+            x = (x + self.linear(&m, &b.down)?)?;
         }
         if let Some(c) = cache {
             c.len += t;

@@ -243,6 +243,12 @@ impl LocalTrainer {
         Ok(())
     }
 
+    /// Compute the model's matrix products in `precision` from the next
+    /// step on ([`crate::Precision`]); parameters and optimizer state stay f32.
+    pub fn set_precision(&mut self, precision: crate::Precision) {
+        self.model.set_precision(precision);
+    }
+
     /// One optimizer step on the given samples. Returns the batch loss.
     pub fn train_batch(&mut self, data: &Dataset, indices: &[usize]) -> Result<f32> {
         let loss = self.step_once(data, indices)?;

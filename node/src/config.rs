@@ -14,7 +14,9 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use shoal_models::data::TokenIndex;
 use shoal_models::tokenizer::Tokenizer;
-use shoal_models::{ArchKind, DatasetKind, DeviceKind, LlamaSize, ModelConfig, OptimizerConfig, OptimizerKind};
+use shoal_models::{
+    ArchKind, DatasetKind, DeviceKind, LlamaSize, ModelConfig, OptimizerConfig, OptimizerKind, Precision,
+};
 use shoal_protocol::libp2p::Multiaddr;
 use shoal_protocol::{ProtocolConfig, RunId};
 
@@ -158,6 +160,10 @@ pub struct TrainingConfig {
     pub eval_every: u64,
     /// `cpu`, `cuda[:N]` or `metal[:N]`.
     pub device: DeviceKind,
+    /// The dtype of the matrix products: `f32`, or `bf16` (bf16 products,
+    /// f32 weights, gradients and optimizer state). A per-node choice: a
+    /// GPU node may compute in bf16 beside CPU nodes in f32.
+    pub dtype: Precision,
     /// Threads for this node's tensor work; none: the host's cores
     /// divided by the nodes that this process or testnet starts on it.
     pub threads: Option<usize>,
@@ -183,6 +189,7 @@ impl Default for TrainingConfig {
             steps: 300,
             eval_every: 0,
             device: DeviceKind::Cpu,
+            dtype: Precision::F32,
             threads: None,
         }
     }

@@ -438,15 +438,10 @@ async fn open_trainer(config: &NodeConfig, name: &str) -> anyhow::Result<Trainin
     };
     let model = config.model_config(&data.test);
     let train_len = data.train_len;
-    let (trainer, _thread, initial) = trainer::spawn(
-        model.clone(),
-        t.seed,
-        device,
-        data,
-        config.cluster.channel_capacity,
-        crate::ops::threads::resolve(t.threads, 1),
-        name,
-    )?;
+    let mut net = shoal_models::Model::new(model.clone(), t.seed, &device)?;
+    shoal_models::TrainableModel::set_precision(&mut net, t.dtype);
+    let (trainer, _thread, initial) =
+        trainer::spawn(net, data, config.cluster.channel_capacity, crate::ops::threads::resolve(t.threads, 1), name)?;
     let plan = ShardPlan::new(initial.len(), config.cluster.shards as usize)?;
     check_shard_fits(&plan, &t.optimizer_config(), &config.network.limits)?;
     Ok(Training { trainer, initial, model, plan, train_len })

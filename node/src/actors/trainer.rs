@@ -10,9 +10,8 @@
 use std::thread::JoinHandle;
 
 use anyhow::Context;
-use candle_core::Device;
 use shoal_models::data::OpenedData;
-use shoal_models::{Dataset, Model, ModelConfig, TrainableModel};
+use shoal_models::{Dataset, Model, TrainableModel};
 use tokio::sync::mpsc;
 use tracing::debug;
 
@@ -30,18 +29,17 @@ struct TrainerActor {
     alone: bool,
 }
 
-/// Build the model (deterministic from `seed`) on `device` and start the thread.
-/// Returns the handle, the thread, and the initial flat parameters.
+/// Start the thread that trains `model` (built deterministically from the
+/// run's seed, see [`Model::new`]). Returns the handle, the thread, and the
+/// initial flat parameters.
 pub fn spawn(
-    config: ModelConfig,
-    seed: u64,
-    device: Device,
+    model: Model,
     data: OpenedData,
     capacity: usize,
     threads: usize,
     name: &str,
 ) -> anyhow::Result<(TrainerHandle, JoinHandle<()>, Vec<f32>)> {
-    let model = Model::new(config, seed, &device)?;
+    let device = model.device().clone();
     let initial = model.parameters()?;
     let (sender, receiver) = mpsc::channel(capacity.max(1));
     let pool = crate::ops::threads::compute_pool(threads, name)?;
@@ -99,6 +97,7 @@ impl TrainerActor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     #[tokio::test]
     async fn gradients_carry_the_threads_cpu_time_only_when_asked_and_one_thread_did_the_work() -> anyhow::Result<()> {
@@ -107,7 +106,7 @@ mod tests {
             let data = shoal_models::data::open(&shoal_models::data::DatasetKind::Digits, None)?;
             let model = cfg.model_config(&data.test);
             let rows: Vec<usize> = (0..data.train_len).collect();
-            let (trainer, _thread, _) = spawn(model, 7, Device::Cpu, data, 4, threads, "t")?;
+            let (trainer, _thread, _) = spawn(Model::new(model, 7, &Device::Cpu)?, data, 4, threads, "t")?;
             trainer.load_train(rows).await?;
             let unasked = trainer.gradients((0..64).collect(), false, false).await?;
             assert_eq!(unasked.cpu_time, None, "{threads} threads, not asked");
@@ -128,7 +127,7 @@ mod tests {
         let data = shoal_models::data::open(&shoal_models::data::DatasetKind::Digits, None)?;
         let model = cfg.model_config(&data.test);
         let rows: Vec<usize> = (0..data.train_len).collect();
-        let (trainer, _thread, _) = spawn(model, 7, Device::Cpu, data, 4, 1, "r")?;
+        let (trainer, _thread, _) = spawn(Model::new(model, 7, &Device::Cpu)?, data, 4, 1, "r")?;
         trainer.load_train(rows).await?;
         let first = trainer.gradients((0..32).collect(), false, false).await?;
         let again = trainer.gradients((0..32).collect(), false, false).await?;

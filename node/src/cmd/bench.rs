@@ -99,8 +99,8 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
     };
     let dataset = if images { format!("dataset {kind}, ") } else { String::new() };
     println!(
-        "shoal bench train: {dataset}batch {}, {} timed steps, device {}, {threads} compute threads",
-        args.batch_size, args.steps, args.device
+        "shoal bench train: {dataset}batch {}, {} timed steps, device {} in {}, {threads} compute threads",
+        args.batch_size, args.steps, args.device, args.dtype
     );
     println!(
         "{:<48} {:>12} {:>12} {:>10} {:>12} {:>12} {:>10}",
@@ -111,7 +111,7 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
     let text = data::text_split(data::SAMPLE_TEXT.as_bytes(), data::DEFAULT_CONTEXT, "gpl-3.0.txt")?;
     for arch in archs {
         let split = if arch == ArchKind::Llama { &text } else { &split };
-        let r = bench_model(arch, split, args.batch_size, args.steps, &device)?;
+        let r = bench_model(arch, split, args.batch_size, args.steps, &device, args.dtype)?;
         println!(
             "{:<48} {:>12.0} {:>12.0} {:>10.3} {:>12.0} {:>12.0} {:>9.2}x",
             r.name,
@@ -139,7 +139,7 @@ pub fn train(args: BenchTrainArgs) -> anyhow::Result<()> {
         args.json.as_deref(),
         &serde_json::json!({
             "bench": "train", "dataset": if images { kind.to_string() } else { "none".into() }, "batch_size": args.batch_size,
-            "steps": args.steps, "device": args.device.to_string(), "threads": threads,
+            "steps": args.steps, "device": args.device.to_string(), "dtype": args.dtype.to_string(), "threads": threads,
             "models": models,
             "matmul": { "size": args.matmul_size, "candle_gflops": candle, "naive_gflops": naive, "ratio": candle / naive },
         }),
@@ -178,10 +178,12 @@ fn bench_model(
     batch: usize,
     steps: usize,
     device: &Device,
+    dtype: shoal_models::Precision,
 ) -> anyhow::Result<ModelResult> {
     let config = ModelConfig::for_dataset(arch, &split.train);
     let opt = OptimizerConfig::new(OptimizerKind::Adamw, 1e-3);
     let mut trainer = LocalTrainer::new(config.clone(), opt, 1, batch, device)?;
+    trainer.set_precision(dtype);
     let batches = split.train.epoch_batches(batch, 1, 0)?;
     if batches.is_empty() {
         anyhow::bail!("{} has no batch of {batch}", split.train.name);

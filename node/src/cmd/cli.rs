@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use shoal_models::{ArchKind, DatasetKind, DeviceKind, OptimizerKind};
+use shoal_models::{ArchKind, DatasetKind, DeviceKind, OptimizerKind, Precision};
 
 #[derive(Debug, Parser)]
 #[command(name = "shoal", version, about = "Peer-to-peer training of neural networks", long_about = None)]
@@ -175,6 +175,10 @@ pub struct TrainArgs {
     /// Compute device: cpu, cuda[:N] (feature `cuda`) or metal[:N] (feature `metal`).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: DeviceKind,
+    /// The matrix products' dtype: f32, or bf16 (f32 weights and optimizer
+    /// state; for GPUs: on the CPU bf16 is emulated and slower).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: Precision,
     /// Save a safetensors checkpoint here after every epoch.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
@@ -344,6 +348,10 @@ pub struct NodeArgs {
     /// cpu, cuda[:N] or metal[:N] (the last two need a build with that feature).
     #[arg(long, value_parser = parse_device)]
     pub device: Option<DeviceKind>,
+    /// The matrix products' dtype: f32, or bf16 (f32 weights and optimizer
+    /// state; for GPUs: on the CPU bf16 is emulated and slower).
+    #[arg(long, value_parser = parse_dtype)]
+    pub dtype: Option<Precision>,
     /// pull (shard owners) or gossip.
     #[arg(long)]
     pub mode: Option<crate::config::Mode>,
@@ -831,6 +839,9 @@ pub struct BenchTrainArgs {
     /// Compute device.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: DeviceKind,
+    /// The matrix products' dtype of the training rows: f32 or bf16.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: Precision,
     /// Compute threads (default: every core).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: Option<usize>,
@@ -852,6 +863,10 @@ fn parse_optimizer(s: &str) -> Result<OptimizerKind, String> {
 }
 
 fn parse_device(s: &str) -> Result<DeviceKind, String> {
+    s.parse().map_err(|e: shoal_models::ModelError| e.to_string())
+}
+
+fn parse_dtype(s: &str) -> Result<Precision, String> {
     s.parse().map_err(|e: shoal_models::ModelError| e.to_string())
 }
 

@@ -105,6 +105,7 @@ pub const FLAGS: &[Flag] = &[
     plain!("--seed", "training.seed", training.seed = seed),
     plain!("--steps", "training.steps", training.steps = steps),
     plain!("--device", "training.device", training.device = device),
+    plain!("--dtype", "training.dtype", training.dtype = dtype),
     plain!("--mode", "cluster.mode", cluster.mode = mode),
     plain!("--sync", "sync.policy", sync.policy = sync),
     plain!("--min-peers", "cluster.min_peers", cluster.min_peers = min_peers),

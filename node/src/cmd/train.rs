@@ -65,12 +65,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     config.validate().with_context(|| format!("--model {} on {}", args.model, args.dataset))?;
     let mut trainer = open_trainer(&args, &config, &device, &split.train)?;
     println!(
-        "training {} on {} ({} train / {} test samples) on {}, {} parameters, {threads} compute threads",
+        "training {} on {} ({} train / {} test samples) on {} in {}, {} parameters, {threads} compute threads",
         config.describe(),
         args.dataset,
         split.train.len(),
         split.test.len(),
         args.device,
+        args.dtype,
         trainer.model().layout().total_len()
     );
     let totals = train(&args, &mut trainer, &split)?;
@@ -127,6 +128,7 @@ fn open_trainer(
     trainer
         .set_step_options(StepOptions { lr_at, clip_grad: args.clip_grad, accumulate: args.accumulate })
         .context("--clip-grad and --accumulate")?;
+    trainer.set_precision(args.dtype);
     Ok(trainer)
 }
 
