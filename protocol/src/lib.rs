@@ -26,6 +26,7 @@ pub mod error_code;
 pub mod frame;
 pub mod messages;
 pub mod payload;
+pub mod sparse;
 pub mod validate;
 pub mod wire;
 

@@ -12,6 +12,7 @@
 //! | `Bf16` | `numel` x bfloat16 LE | `\|x'-x\| <= 2^-8 \|x\|` for normal `x`; `\|x'-x\| <= 2^-133` for subnormal `x`; round-to-nearest-even |
 //! | `Int8 { block }` | `ceil(numel/block)` x f32 LE scales, then `numel` x i8 | per block, `scale = max\|x\|/127`, `\|x'-x\| <= scale/2 + 2^-20 max\|x\| + f32::MIN_POSITIVE` |
 //! | `TopK { k }` | `nnz` x u32 LE indices (strictly increasing), then `nnz` x f32 LE values | the `min(k, numel)` largest-magnitude entries (ties: lower index) are exact, all others decode to 0 |
+//! | `Sparse2 { chunk, k }` | see [`crate::sparse`]: per chunk a u16 count and f32 levels `lo`, `hi`; per kept entry a u16 index and 2 bits | in each chunk the `min(k, nonzeros)` largest-magnitude nonzero entries (ties: lower index; a shorter last chunk of `len`: `ceil(k len / chunk)`) decode to their sign times the nearer of the chunk's two levels (the mean magnitudes of the smaller and the larger half of the kept); all others decode to 0 |
 //! | factors ([`Payload::encode_factored`]) | `block` x 4 u32 LE (`start`, `rows`, `cols`, `batch`) describing the factored blocks, then the entries outside every block as f32 LE in index order, then each block's `batch x rows` left and `batch x cols` right factors as f32 LE; `nnz` counts the f32 values | entries outside the blocks are exact; block entry `(r, c)` is `sum_b left[b][r] * right[b][c]`, summed in f32 in `b` order |
 //!
 //! Decoding reads straight out of the received [`Bytes`] (which the codec
@@ -31,6 +32,8 @@ pub const MAX_RANK: usize = 8;
 pub const MAX_INT8_BLOCK: u32 = 1 << 16;
 /// A sensible int8 block size: 1.6 % scale overhead, tight per-block ranges.
 pub const DEFAULT_INT8_BLOCK: u32 = 256;
+
+pub use crate::sparse::{DEFAULT_SPARSE_CHUNK, MAX_SPARSE_CHUNK};
 
 /// Most factored blocks one payload may carry.
 pub const MAX_FACTOR_BLOCKS: u32 = 4096;
@@ -57,6 +60,8 @@ pub enum Dtype {
     /// Dense f32 with some blocks sent as their sufficient factors
     /// ([`Payload::encode_factored`]); lossless up to f32 rounding.
     Factors = 5,
+    /// Top-k per chunk with 2-bit values ([`crate::sparse`]).
+    Sparse2 = 6,
 }
 
 impl Dtype {
@@ -69,6 +74,7 @@ impl Dtype {
             3 => Dtype::Int8Block,
             4 => Dtype::TopK,
             5 => Dtype::Factors,
+            6 => Dtype::Sparse2,
             other => return Err(ProtocolError::UnknownDtype(other)),
         })
     }
@@ -82,6 +88,7 @@ impl Dtype {
             Dtype::Int8Block => "int8-block",
             Dtype::TopK => "top-k",
             Dtype::Factors => "factors",
+            Dtype::Sparse2 => "sparse-2bit",
         }
     }
 }
@@ -106,6 +113,15 @@ pub enum Encoding {
         /// Entries kept (clamped to the element count).
         k: u64,
     },
+    /// Keep the `k` largest-magnitude entries of each chunk of `chunk`, as
+    /// signs and two levels per chunk ([`crate::sparse`]): SparseLoCo's
+    /// push.
+    Sparse2 {
+        /// Entries per chunk, `1..=MAX_SPARSE_CHUNK`.
+        chunk: u32,
+        /// Entries kept per chunk (clamped to its nonzero entries).
+        k: u32,
+    },
 }
 
 impl Encoding {
@@ -117,6 +133,7 @@ impl Encoding {
             Encoding::Bf16 => Dtype::Bf16,
             Encoding::Int8 { .. } => Dtype::Int8Block,
             Encoding::TopK { .. } => Dtype::TopK,
+            Encoding::Sparse2 { .. } => Dtype::Sparse2,
         }
     }
 }
@@ -182,12 +199,26 @@ impl TensorMeta {
                 )));
             }
             Dtype::Factors => {}
+            Dtype::Sparse2 if self.block == 0 || self.block > MAX_SPARSE_CHUNK => {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "sparse chunk of {} entries not in 1..={MAX_SPARSE_CHUNK}",
+                    self.block
+                )));
+            }
+            Dtype::Sparse2 => {}
             _ if self.block != 0 => {
                 return Err(ProtocolError::InvalidTensor(format!("block must be 0 for {}", dtype.name())));
             }
             _ => {}
         }
         match dtype {
+            Dtype::Sparse2 if self.nnz > self.numel => {
+                return Err(ProtocolError::InvalidTensor(format!(
+                    "sparse-2bit keeps {} of {} entries",
+                    self.nnz, self.numel
+                )));
+            }
+            Dtype::Sparse2 => {}
             Dtype::TopK => {
                 if self.nnz > self.numel {
                     return Err(ProtocolError::InvalidTensor(format!(
@@ -240,6 +271,7 @@ fn body_len(dtype: Dtype, numel: u64, nnz: u64, block: u32) -> Option<u64> {
         }
         Dtype::TopK => nnz.checked_mul(8),
         Dtype::Factors => u64::from(block).checked_mul(FACTOR_ENTRY_BYTES)?.checked_add(nnz.checked_mul(4)?),
+        Dtype::Sparse2 => crate::sparse::body_len(numel, nnz, block),
     }
 }
 
@@ -393,6 +425,17 @@ impl Payload {
                 let h = checksum(&d);
                 (d, kept as u64, 0, h)
             }
+            Encoding::Sparse2 { chunk, k } => {
+                if chunk == 0 || chunk > MAX_SPARSE_CHUNK {
+                    return Err(ProtocolError::InvalidTensor(format!(
+                        "sparse chunk of {chunk} entries not in 1..={MAX_SPARSE_CHUNK}"
+                    )));
+                }
+                check_finite(values)?;
+                let (d, kept) = crate::sparse::encode(values, chunk as usize, k as usize);
+                let h = checksum(&d);
+                (d, kept, chunk, h)
+            }
         };
         let meta = TensorMeta {
             dtype: encoding.dtype() as u8,
@@ -526,6 +569,7 @@ impl Payload {
         self.check_body()?;
         match self.meta.dtype()? {
             Dtype::TopK => self.for_each_sparse(|_, _| {}),
+            Dtype::Sparse2 => self.for_each_sparse2(|_, _| {}),
             // The table, and every value finite; rebuilding the blocks is
             // left to the decode that uses them.
             Dtype::Factors => {
@@ -580,6 +624,10 @@ impl Payload {
                 out.fill(0.0);
                 self.for_each_sparse(|i, v| out[i] = v)
             }
+            Dtype::Sparse2 => {
+                out.fill(0.0);
+                self.for_each_sparse2(|i, v| out[i] = v)
+            }
             Dtype::Factors => self.for_each_factored(|start, chunk| {
                 out[start..start + chunk.len()].copy_from_slice(chunk);
             }),
@@ -597,6 +645,7 @@ impl Payload {
         self.check_body()?;
         match self.meta.dtype()? {
             Dtype::TopK => self.for_each_sparse(|i, v| acc[i] += weight * v),
+            Dtype::Sparse2 => self.for_each_sparse2(|i, v| acc[i] += weight * v),
             Dtype::Factors => self.for_each_factored(|start, chunk| {
                 for (a, v) in acc[start..start + chunk.len()].iter_mut().zip(chunk) {
                     *a += weight * v;
@@ -680,7 +729,7 @@ impl Payload {
                     }
                 }
             }
-            Dtype::TopK | Dtype::Factors => {
+            Dtype::TopK | Dtype::Factors | Dtype::Sparse2 => {
                 return Err(ProtocolError::InvalidTensor(format!("{} is not dense", dtype.name())))
             }
         }
@@ -775,6 +824,13 @@ impl Payload {
             pos = b.start + b.rows * b.cols;
         }
         emit_gap(pos, numel, &mut f)
+    }
+
+    /// Calls `f(index, value)` for each kept entry of a sparse-2bit tensor
+    /// after checking its body ([`crate::sparse`]). `check_body` must have
+    /// passed.
+    fn for_each_sparse2(&self, f: impl FnMut(usize, f32)) -> Result<()> {
+        crate::sparse::for_each(&self.data, self.meta.numel, self.meta.nnz, self.meta.block, f)
     }
 
     /// Calls `f(index, value)` for each stored entry of a top-k tensor after
@@ -1017,8 +1073,49 @@ mod tests {
         }
 
         #[test]
-        fn add_scaled_matches_decode(v in vec_f32(), w in -2.0f32..2.0, enc in 0usize..5) {
-            let encoding = [Encoding::F32, Encoding::F16, Encoding::Bf16, Encoding::Int8 { block: 7 }, Encoding::TopK { k: 5 }][enc];
+        fn sparse2_keeps_the_largest_of_each_chunk_as_sign_and_level(
+            v in vec_f32(), chunk in 1u32..90, k in 0u32..20, zeros in 0usize..4,
+        ) {
+            // Some exact zeros, which are never kept.
+            let v: Vec<f32> = v.into_iter().enumerate().map(|(i, x)| if i % 4 < zeros { 0.0 } else { x }).collect();
+            let p = Payload::encode(&v, Encoding::Sparse2 { chunk, k }).unwrap();
+            let back = p.decode().unwrap();
+            p.verify().unwrap();
+            let mut kept_total = 0;
+            for (c, (part, got)) in v.chunks(chunk as usize).zip(back.chunks(chunk as usize)).enumerate() {
+                let mut order: Vec<usize> = (0..part.len()).filter(|&i| part[i] != 0.0).collect();
+                order.sort_by(|&a, &b| part[b].abs().total_cmp(&part[a].abs()).then(a.cmp(&b)));
+                order.truncate(if part.len() == chunk as usize { k as usize } else { (k as usize * part.len()).div_ceil(chunk as usize) });
+                kept_total += order.len();
+                let keep: std::collections::HashSet<usize> = order.iter().copied().collect();
+                let mut mags: Vec<f32> = order.iter().map(|&i| part[i].abs()).collect();
+                mags.sort_by(f32::total_cmp);
+                let (lo_max, hi_min) = (mags.get(mags.len().saturating_sub(1) / 2).copied(), mags.get(mags.len() / 2).copied());
+                for (i, (x, y)) in part.iter().zip(got).enumerate() {
+                    if !keep.contains(&i) {
+                        prop_assert_eq!(*y, 0.0, "chunk {} entry {} was not kept", c, i);
+                        continue;
+                    }
+                    prop_assert_eq!(x.is_sign_negative(), y.is_sign_negative(), "chunk {} entry {}: sign", c, i);
+                    // Each level is a mean of kept magnitudes: within their range.
+                    prop_assert!(y.abs() >= mags[0] * (1.0 - 1e-6) && y.abs() <= mags[mags.len() - 1] * (1.0 + 1e-6));
+                    prop_assert!(lo_max.is_some() && hi_min.is_some());
+                }
+            }
+            prop_assert_eq!(p.meta().nnz as usize, kept_total);
+            prop_assert_eq!(p.byte_len(), crate::sparse::body_len(v.len() as u64, kept_total as u64, chunk).unwrap());
+        }
+
+        #[test]
+        fn add_scaled_matches_decode(v in vec_f32(), w in -2.0f32..2.0, enc in 0usize..6) {
+            let encoding = [
+                Encoding::F32,
+                Encoding::F16,
+                Encoding::Bf16,
+                Encoding::Int8 { block: 7 },
+                Encoding::TopK { k: 5 },
+                Encoding::Sparse2 { chunk: 16, k: 3 },
+            ][enc];
             let v: Vec<f32> = v.into_iter().map(|x| x.clamp(-60000.0, 60000.0)).collect();
             let p = Payload::encode(&v, encoding).unwrap();
             let dec = p.decode().unwrap();
@@ -1031,7 +1128,7 @@ mod tests {
 
         #[test]
         fn arbitrary_bodies_never_panic(
-            dtype in 0u8..7, block in 0u32..20, shape in proptest::collection::vec(0u64..50, 0..4),
+            dtype in 0u8..8, block in 0u32..20, shape in proptest::collection::vec(0u64..50, 0..4),
             nnz in 0u64..100, body in proptest::collection::vec(any::<u8>(), 0..400), fix_checksum in any::<bool>(),
         ) {
             let numel = shape.iter().product::<u64>();
@@ -1042,6 +1139,44 @@ mod tests {
                 let _ = p.decode();
             }
         }
+    }
+
+    /// Every malformed sparse-2bit body is refused by verify and decode,
+    /// with its checksum made right so that only the body's check can
+    /// refuse it.
+    #[test]
+    fn rejects_malformed_sparse2_bodies() {
+        let v: Vec<f32> = (0..11).map(|i| (i as f32 - 4.5) * if i % 3 == 0 { 3.0 } else { 1.0 }).collect();
+        let good = Payload::encode(&v, Encoding::Sparse2 { chunk: 4, k: 3 }).unwrap();
+        good.verify().unwrap();
+        // 3 chunks (4, 4, 3 entries) keep 3 each: 9 entries, 3 code bytes.
+        assert_eq!(good.meta().nnz, 9);
+        assert_eq!(good.byte_len(), 3 * 10 + 9 * 2 + 3);
+        let with = |edit: &dyn Fn(&mut Vec<u8>)| {
+            let mut body = good.data().to_vec();
+            edit(&mut body);
+            let meta = TensorMeta { checksum: checksum(&body), ..good.meta().clone() };
+            Payload { meta, data: Bytes::from(body) }
+        };
+        let (levels, indices, codes) = (6, 30, 48);
+        type Edit<'a> = (&'a str, &'a dyn Fn(&mut Vec<u8>));
+        let cases: [Edit<'_>; 6] = [
+            ("a count above its chunk", &|b| b[4] = 4),
+            ("counts that do not add up", &|b| b[0] = 2),
+            ("an index out of order", &|b| b.swap(indices, indices + 2)),
+            ("an index past its chunk", &|b| b[indices + 4] = 4),
+            ("a negative level", &|b| b[levels..levels + 4].copy_from_slice(&(-1.0f32).to_le_bytes())),
+            ("unused code bits set", &|b| b[codes + 2] |= 0x80),
+        ];
+        for (what, edit) in cases {
+            let p = with(edit);
+            assert!(p.verify().is_err(), "{what}: verified");
+            assert!(p.decode().is_err(), "{what}: decoded");
+            assert!(p.add_scaled_into(&mut [0.0; 11], 1.0).is_err(), "{what}: added");
+        }
+        let zero_chunk = TensorMeta { block: 0, ..good.meta().clone() };
+        assert!(zero_chunk.check(1 << 20).is_err());
+        assert!(Payload::encode(&v, Encoding::Sparse2 { chunk: MAX_SPARSE_CHUNK + 1, k: 1 }).is_err());
     }
 
     #[test]

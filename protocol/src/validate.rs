@@ -137,12 +137,15 @@ fn check_pull_wait(max_wait_ms: u32, encoding: crate::payload::Encoding, ctx: &V
             reason: format!("{max_wait_ms} exceeds this node's response wait of {} ms", ctx.max_wait_ms),
         });
     }
-    if let crate::payload::Encoding::Int8 { block } = encoding {
-        if block == 0 || block > crate::payload::MAX_INT8_BLOCK {
-            return Err(ProtocolError::InvalidField { field: "encoding", reason: format!("int8 block {block}") });
+    match encoding {
+        crate::payload::Encoding::Int8 { block } if block == 0 || block > crate::payload::MAX_INT8_BLOCK => {
+            Err(ProtocolError::InvalidField { field: "encoding", reason: format!("int8 block {block}") })
         }
+        crate::payload::Encoding::Sparse2 { chunk, .. } if chunk == 0 || chunk > crate::sparse::MAX_SPARSE_CHUNK => {
+            Err(ProtocolError::InvalidField { field: "encoding", reason: format!("sparse chunk {chunk}") })
+        }
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// Validates a request received from the authenticated peer `sender`.

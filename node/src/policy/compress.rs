@@ -27,7 +27,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 use shoal_models::LayerFactors;
-use shoal_protocol::payload::DEFAULT_INT8_BLOCK;
+use shoal_protocol::payload::{DEFAULT_INT8_BLOCK, DEFAULT_SPARSE_CHUNK};
 use shoal_protocol::{Encoding, FactorBlock, Payload, ProtocolError};
 
 /// How a worker encodes its gradient pushes (`compression.push`).
@@ -48,6 +48,10 @@ pub enum PushCompression {
     /// they are smaller ([`factored_push`]), f32 for the rest: lossless up
     /// to f32 rounding.
     Sfb,
+    /// SparseLoCo's push: the largest-magnitude `fraction` of each chunk
+    /// of 4,096 entries, as signs and two levels per chunk
+    /// (`shoal_protocol::sparse`): about 2.25 bytes per kept entry.
+    SparseLoCo { fraction: f32 },
 }
 
 impl PushCompression {
@@ -62,6 +66,12 @@ impl PushCompression {
                 let k = ((len as f64) * f64::from(fraction)).ceil().max(1.0) as u64;
                 Encoding::TopK { k }
             }
+            PushCompression::SparseLoCo { fraction } => {
+                // A shard smaller than a chunk is one chunk of its own size.
+                let chunk = DEFAULT_SPARSE_CHUNK.min(u32::try_from(len.max(1)).unwrap_or(u32::MAX));
+                let k = (f64::from(chunk) * f64::from(fraction)).ceil().max(1.0) as u32;
+                Encoding::Sparse2 { chunk, k }
+            }
         }
     }
 
@@ -73,7 +83,8 @@ impl PushCompression {
 
 impl FromStr for PushCompression {
     type Err = String;
-    /// `none`, `bf16`, `int8`, `topk:FRACTION` (FRACTION in (0, 1]), `sfb`.
+    /// `none`, `bf16`, `int8`, `topk:FRACTION` (FRACTION in (0, 1]), `sfb`,
+    /// `sparseloco:FRACTION`.
     fn from_str(s: &str) -> Result<Self, String> {
         let lower = s.trim().to_ascii_lowercase();
         match lower.split_once(':') {
@@ -81,15 +92,21 @@ impl FromStr for PushCompression {
             None if lower == "bf16" => Ok(PushCompression::Bf16),
             None if lower == "int8" => Ok(PushCompression::Int8),
             None if lower == "sfb" => Ok(PushCompression::Sfb),
-            Some(("topk", f)) => {
+            Some((name @ ("topk" | "sparseloco"), f)) => {
                 let fraction: f32 =
-                    f.trim().parse().map_err(|_| format!("topk:{f}: the fraction kept is not a number"))?;
+                    f.trim().parse().map_err(|_| format!("{name}:{f}: the fraction kept is not a number"))?;
                 if !(fraction > 0.0 && fraction <= 1.0) {
-                    return Err(format!("topk:{f}: the fraction kept must be in (0, 1], for example topk:0.01"));
+                    return Err(format!("{name}:{f}: the fraction kept must be in (0, 1], for example {name}:0.01"));
                 }
-                Ok(PushCompression::TopK { fraction })
+                Ok(if name == "topk" {
+                    PushCompression::TopK { fraction }
+                } else {
+                    PushCompression::SparseLoCo { fraction }
+                })
             }
-            _ => Err(format!("unknown push compression `{s}`: use none, bf16, int8, topk:FRACTION or sfb")),
+            _ => Err(format!(
+                "unknown push compression `{s}`: use none, bf16, int8, topk:FRACTION, sfb or sparseloco:FRACTION"
+            )),
         }
     }
 }
@@ -102,6 +119,7 @@ impl fmt::Display for PushCompression {
             PushCompression::Int8 => write!(f, "int8"),
             PushCompression::TopK { fraction } => write!(f, "topk:{fraction}"),
             PushCompression::Sfb => write!(f, "sfb"),
+            PushCompression::SparseLoCo { fraction } => write!(f, "sparseloco:{fraction}"),
         }
     }
 }
@@ -378,6 +396,26 @@ mod tests {
         }
     }
 
+    /// SparseLoCo's values are levels, not the entries, so what a push
+    /// drops stays in the residual: sent plus residual is the sum of the
+    /// gradients within f32 rounding, and the residual stays bounded (a
+    /// few steps' gradients), not a growing sum.
+    #[test]
+    fn sparseloco_error_feedback_conserves_the_gradients_and_keeps_the_residual_bounded() {
+        let n = 10_000;
+        let (sent, total, residual) = run_steps(PushCompression::SparseLoCo { fraction: 0.02 }, 60, n);
+        for i in 0..n {
+            let err = (sent[i] + f64::from(residual[i]) - total[i]).abs();
+            assert!(err <= 1e-3, "entry {i} off by {err}");
+        }
+        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+        let owed = norm(&mut residual.iter().map(|r| f64::from(*r)));
+        let one_step = norm(&mut dyadic_grad(n, 1).into_iter().map(f64::from));
+        let moved = norm(&mut sent.iter().copied());
+        assert!(moved > one_step, "60 steps at 2% moved {moved:.1}, less than one step's norm {one_step:.1}");
+        assert!(owed < 10.0 * one_step, "the residual grew to {owed:.1}, {:.1} steps' norm", owed / one_step);
+    }
+
     #[test]
     fn encodings_shrink_the_push_as_stated() {
         let n = 25_600;
@@ -390,6 +428,13 @@ mod tests {
         assert_eq!(bytes(PushCompression::Bf16), 2 * n as u64);
         assert!(f32_bytes as f64 / bytes(PushCompression::Int8) as f64 >= 3.9, "int8 is about a quarter");
         assert_eq!(bytes(PushCompression::TopK { fraction: 0.01 }), 8 * 256, "1% of 25,600 entries, 8 bytes each");
+        // 7 chunks: 6 of 4,096 entries that keep 62 each (1.5%, rounded
+        // up) and one of 1,024 that keeps 16 (the same share); 2.25 bytes
+        // per kept entry and 10 per chunk.
+        let sparse = bytes(PushCompression::SparseLoCo { fraction: 0.015 });
+        let kept: u64 = 6 * 62 + 16;
+        assert_eq!(sparse, 7 * 10 + 2 * kept + kept.div_ceil(4), "every chunk keeps its share");
+        assert!(f32_bytes as f64 / sparse as f64 > 100.0, "{f32_bytes} / {sparse}");
     }
 
     #[test]
@@ -411,11 +456,11 @@ mod tests {
 
     #[test]
     fn compression_settings_parse_and_print_back() {
-        for s in ["none", "bf16", "int8", "topk:0.01", "topk:1"] {
+        for s in ["none", "bf16", "int8", "topk:0.01", "topk:1", "sfb", "sparseloco:0.015"] {
             let c: PushCompression = s.parse().expect("valid");
             assert_eq!(c.to_string(), s);
         }
-        for bad in ["topk:0", "topk:1.5", "topk:x", "int4", "topk"] {
+        for bad in ["topk:0", "topk:1.5", "topk:x", "int4", "topk", "sparseloco", "sparseloco:0"] {
             assert!(bad.parse::<PushCompression>().is_err(), "{bad} is refused");
         }
         assert_eq!("bf16".parse::<PullCompression>(), Ok(PullCompression::Bf16));
@@ -424,6 +469,9 @@ mod tests {
         assert_eq!(cfg.push, PushCompression::TopK { fraction: 0.05 });
         assert_eq!(cfg.pull, PullCompression::Bf16);
         assert_eq!(PushCompression::TopK { fraction: 0.01 }.encoding(50), Encoding::TopK { k: 1 });
+        let sparse = PushCompression::SparseLoCo { fraction: 0.015 };
+        assert_eq!(sparse.encoding(1 << 20), Encoding::Sparse2 { chunk: 4096, k: 62 });
+        assert_eq!(sparse.encoding(100), Encoding::Sparse2 { chunk: 100, k: 2 }, "a small shard is one chunk");
     }
 
     /// A gradient of a 10 x 40 layer (at 3) and a 4 x 10 layer (at 413)

@@ -22,6 +22,7 @@ pub fn encoding() -> impl Strategy<Value = Encoding> {
         Just(Encoding::Bf16),
         (1u32..64).prop_map(|block| Encoding::Int8 { block }),
         (0u64..40).prop_map(|k| Encoding::TopK { k }),
+        (1u32..80, 0u32..12).prop_map(|(chunk, k)| Encoding::Sparse2 { chunk, k }),
     ]
 }
 
