@@ -148,7 +148,7 @@ impl std::str::FromStr for RunId {
 }
 
 // ---------------------------------------------------------------------------
-// Requests on /shoal/shard/8.0.0
+// Requests on /shoal/shard/9.0.0
 // ---------------------------------------------------------------------------
 
 /// A worker's gradient contribution for one shard.
@@ -309,7 +309,7 @@ pub struct Probe {
     pub padding: Payload,
 }
 
-/// A request on `/shoal/shard/8.0.0`.
+/// A request on `/shoal/shard/9.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardRequest {
     /// Variant 0.
@@ -527,7 +527,7 @@ impl From<&ProtocolError> for WireError {
     }
 }
 
-/// A response on `/shoal/shard/8.0.0`.
+/// A response on `/shoal/shard/9.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardResponse {
     /// Variant 0: the push was accepted.
