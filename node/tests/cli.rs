@@ -854,6 +854,44 @@ fn bench_train_measures_one_model_against_the_graph() {
     assert!(!out.contains("fashion-mnist"), "no image data set is loaded for the Llama alone: {out}");
 }
 
+/// `shoal bench comm --workload llama`, small: dense against one
+/// SparseLoCo case on loopback. The JSON has issue 46's fields for each
+/// case; the sparse case moves over 50x fewer bytes; an unknown case is an
+/// error that names the cases.
+#[test]
+fn bench_comm_llama_reports_bytes_and_loss_per_case() {
+    let (out, raw, v) = bench_json(&[
+        "bench",
+        "comm",
+        "--workload",
+        "llama",
+        "--steps",
+        "60",
+        "--links",
+        "0",
+        "--cases",
+        "sparseloco H=30 bf16-pull",
+    ]);
+    eprintln!("{out}");
+    let cases = v["cases"].as_array().cloned().unwrap_or_default();
+    let names: Vec<&str> = cases.iter().filter_map(|c| c["name"].as_str()).collect();
+    assert_eq!(names, ["dense", "sparseloco H=30 bf16-pull"], "{raw}");
+    for c in &cases {
+        let loss = c["val_loss"].as_f64().unwrap_or(f64::NAN);
+        assert!(loss > 0.0 && loss < 6.0, "{raw}");
+        let util = c["utilization"].as_f64().unwrap_or(0.0);
+        assert!(util > 0.0 && util <= 1.0, "{raw}");
+        assert_eq!(c["link_mbps"].as_f64(), Some(0.0), "{raw}");
+        assert_eq!(c["recommended"].as_bool(), Some(false), "{raw}");
+        assert!(c["bytes_total"].as_u64().unwrap_or(0) > 0, "{raw}");
+    }
+    let fewer = cases[1]["fewer_bytes_than_dense"].as_f64().unwrap_or(0.0);
+    assert!(fewer > 50.0, "sparse pushes and bf16 pulls every 30 steps: {fewer}x fewer bytes than dense; {raw}");
+    let o = shoal(&["bench", "comm", "--workload", "llama", "--cases", "nope"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success() && err.contains("no llama case `nope`") && err.contains("sparseloco H=30"), "{err}");
+}
+
 /// `shoal bench robust`, small: one bad peer in 5. The plain mean under a
 /// 100x attacker fails visibly, the median holds within 5 points of the
 /// fault-free run measured beside it, and the JSON has every case.

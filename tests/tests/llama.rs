@@ -2,7 +2,8 @@
 //! `models/data` ships): over bytes it learns more than letter frequencies;
 //! on the text cut by a BPE trained here, 4 nodes over TCP in pull BSP end
 //! within 0.02 nats of one node on the same samples; 4 nodes with local
-//! steps (DiLoCo) train and end on one model; bf16 matrix products train
+//! steps (DiLoCo) train and end on one model, with f32 or SparseLoCo-class
+//! pushes; bf16 matrix products train
 //! to f32's loss within 2%; and a Hugging Face directory
 //! written from a trained model evaluates to the same loss through
 //! `shoal eval`.
@@ -19,6 +20,7 @@ use shoal_node::actors::worker::batch_for_step;
 use shoal_node::cluster::ClusterSpec;
 use shoal_node::cmd::cli::EvalArgs;
 use shoal_node::config::{LocalStepsConfig, NodeConfig};
+use shoal_node::policy::compress::PushCompression;
 use shoal_node::policy::sync::SyncPolicy;
 use shoal_tests::{digits_config, run_cluster};
 
@@ -182,6 +184,40 @@ async fn four_llama_nodes_with_local_steps_train_and_end_on_one_model() -> anyho
         assert!(r.loss < untrained.loss - 1.5, "{}: {} from {}", r.name, r.loss, untrained.loss);
         // One outer round per H steps.
         assert!(r.shard_stats.iter().all(|s| s.version == STEPS / H), "{}: {:?}", r.name, r.shard_stats);
+    }
+    for r in &reports[1..] {
+        assert_eq!(r.params, reports[0].params, "the workers end on the owners' model");
+    }
+    Ok(())
+}
+
+/// DiLoCo with SparseLoCo-class pushes (1.5% of each chunk, 2-bit values,
+/// error feedback) and plain averaging as the outer step: the nodes learn,
+/// end on one model, and push over 50x fewer bytes than f32 pseudo-gradients
+/// would take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_llama_nodes_with_sparseloco_pushes_learn_and_end_on_one_model() -> anyhow::Result<()> {
+    const STEPS: u64 = 100;
+    const H: u64 = 10;
+    let mut base = llama_config("llama-sparseloco", STEPS, 8);
+    base.training.lr = Some(3e-3);
+    base.local_steps = Some(LocalStepsConfig { outer_lr: 1.0, outer_momentum: 0.0, ..LocalStepsConfig::every(H) });
+    base.compression.push = PushCompression::SparseLoCo { fraction: 0.015 };
+    let reports = run_cluster(&ClusterSpec::new(4, base)).await?;
+    let split = data::load(&sample_text(), None)?;
+    let untrained = trainer(&split, 8)?.evaluate(&split.test)?;
+    let params = reports[0].params.len() as u64;
+    for r in &reports {
+        let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
+        // Each round pushes the shards other nodes own: at most all of them.
+        let f32_bytes = 4 * params * (STEPS / H);
+        eprintln!(
+            "{}: validation loss {:.4} (untrained {:.4}); pushed {} B, f32 would be up to {f32_bytes} B",
+            r.name, r.loss, untrained.loss, s.bytes_out
+        );
+        assert!(r.loss < untrained.loss - 1.0, "{}: {} from {}", r.name, r.loss, untrained.loss);
+        assert!(s.bytes_out > 0 && s.bytes_out * 50 < f32_bytes * 3 / 4, "{}: pushed {} B", r.name, s.bytes_out);
+        assert_eq!(s.compress_push, "sparseloco:0.015");
     }
     for r in &reports[1..] {
         assert_eq!(r.params, reports[0].params, "the workers end on the owners' model");

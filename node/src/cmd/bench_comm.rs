@@ -236,13 +236,21 @@ fn sfb_layer() -> anyhow::Result<SfbLayer> {
 
 /// `shoal bench comm`.
 #[allow(clippy::print_stdout)] // The CLI's own output.
-pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
-    if args.steps == 0 || args.batch_size == 0 || args.eval_every == 0 {
+pub fn run(mut args: BenchCommArgs) -> anyhow::Result<()> {
+    let llama = args.workload == crate::cmd::cli::CommWorkload::Llama;
+    if args.steps == 0 || args.batch_size == Some(0) || args.eval_every == 0 {
         anyhow::bail!("--steps, --batch-size and --eval-every must be at least 1");
     }
-    if args.links.is_empty() || args.links.iter().any(|l| !(l.is_finite() && *l >= 0.0)) {
+    if args.links.iter().any(|l| !(l.is_finite() && *l >= 0.0)) {
         anyhow::bail!("--links takes link rates in Mbit/s, 0 for none: for example --links 1000,100");
     }
+    if args.links.is_empty() {
+        args.links = if llama { vec![100.0] } else { vec![1000.0, 100.0] };
+    }
+    if llama {
+        return crate::cmd::bench_comm_llama::run(args);
+    }
+    let batch = args.batch_size.unwrap_or(64);
     let (dataset, target) = crate::cmd::bench::fashion_or_digits(args.data_dir.as_deref(), args.target, 0.93);
     let threads = crate::ops::threads::configure_process(crate::ops::threads::share(NODES));
     let rt = crate::ops::threads::runtime(crate::ops::threads::available())?;
@@ -250,13 +258,13 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
         println!(
             "shoal bench comm: {NODES} nodes on loopback TCP, {dataset} MLP, batch {} per node, {} steps, \
              target {:.0}%, {threads} compute threads per node",
-            args.batch_size,
+            batch,
             args.steps,
             target * 100.0
         );
         let layer = sfb_layer()?;
         print_sfb_layer(&layer);
-        let bench = CommBench { args, dataset, target, threads };
+        let bench = CommBench { args, batch, dataset, target, threads };
         let chosen = bench.chosen_cases()?;
         let mut rows = Vec::new();
         for &mbps in &bench.args.links {
@@ -267,7 +275,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             bench.args.json.as_deref(),
             &serde_json::json!({
                 "bench": "comm", "dataset": bench.dataset.to_string(), "nodes": NODES,
-                "batch_size": bench.args.batch_size, "steps": bench.args.steps, "target": target,
+                "batch_size": bench.batch, "steps": bench.args.steps, "target": target,
                 "threads_per_node": threads, "latency_ms": bench.args.latency_ms, "cases": rows, "sfb_layer": layer,
             }),
         )
@@ -309,6 +317,8 @@ fn print_legend() {
 /// What the cases of `shoal bench comm` share.
 struct CommBench {
     args: BenchCommArgs,
+    /// Samples per step per node (`--batch-size`).
+    batch: usize,
     dataset: DatasetKind,
     /// Accuracy whose time to reach is reported.
     target: f32,
@@ -352,7 +362,7 @@ impl CommBench {
         cfg.training.dataset = self.dataset.clone();
         cfg.training.data_dir = self.args.data_dir.clone();
         cfg.training.steps = self.args.steps;
-        cfg.training.batch_size = case.batch.unwrap_or(self.args.batch_size);
+        cfg.training.batch_size = case.batch.unwrap_or(self.batch);
         cfg.training.optimizer = case.optimizer;
         cfg.training.lr = Some(case.lr);
         cfg.training.eval_every = self.args.eval_every;
@@ -436,7 +446,7 @@ impl CommBench {
         serde_json::json!({
             "case": case.name, "link_mbps": mbps, "sync": case.sync.to_string(), "overlap": case.overlap,
             "local_steps": case.local_steps, "push": case.push.to_string(), "pull": case.pull.to_string(),
-            "batch_size": case.batch.unwrap_or(self.args.batch_size),
+            "batch_size": case.batch.unwrap_or(self.batch),
             "points_against": case.reference.unwrap_or("f32 bsp"),
             "slowdown": if case.match_comm { table.comm_over_compute } else { 1.0 },
             "bytes_per_step": m.bytes_per_step(), "push_bytes_per_step": m.push_bytes_per_step,

@@ -683,34 +683,52 @@ pub struct BenchExchangeArgs {
 
 #[derive(Debug, Args)]
 pub struct BenchCommArgs {
+    /// What the nodes train: mlp (every way of communicating, on an MLP)
+    /// or llama (bytes against loss on a Llama: dense, DiLoCo, int8 and
+    /// SparseLoCo-class pushes).
+    #[arg(long, value_enum, default_value_t = CommWorkload::Mlp)]
+    pub workload: CommWorkload,
     /// Steps per node in each case.
     #[arg(long, default_value_t = 300)]
     pub steps: u64,
-    /// Samples per step per node.
-    #[arg(long, default_value_t = 64)]
-    pub batch_size: usize,
+    /// Samples per step per node (default: 64 images for mlp, 8 windows for llama).
+    #[arg(long)]
+    pub batch_size: Option<usize>,
     /// Evaluate every this many steps (for time to target accuracy).
     #[arg(long, default_value_t = 25)]
     pub eval_every: u64,
     /// Target test accuracy (default: 0.80 on Fashion-MNIST, 0.93 on digits).
     #[arg(long)]
     pub target: Option<f32>,
-    /// Emulated link rates to run every case at, in Mbit/s per node and direction (0: loopback only).
-    #[arg(long, value_delimiter = ',', default_value = "1000,100")]
+    /// Emulated link rates to run every case at, in Mbit/s per node and
+    /// direction (0: loopback only; default: 1000,100 for mlp, 100 for llama).
+    #[arg(long, value_delimiter = ',')]
     pub links: Vec<f64>,
     /// One-way latency of the emulated links, in ms.
     #[arg(long, default_value_t = 1.0)]
     pub latency_ms: f64,
     /// Run only these cases (comma-separated names as printed, for example
-    /// `sfb`); f32 bsp, the baseline, always runs. Default: all.
+    /// `sfb`); the baseline (f32 bsp; dense for llama) always runs. Default: all.
     #[arg(long, value_delimiter = ',')]
     pub cases: Vec<String>,
     /// Where to look for downloaded data sets (default: ./data, then /usr/share/datasets).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// llama: the UTF-8 text to train on, as bytes (default: the text
+    /// built into the binary, 35 KB: a few hundred steps before it is
+    /// learnt by heart).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
     /// Also write the numbers as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// What `shoal bench comm` trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CommWorkload {
+    Mlp,
+    Llama,
 }
 
 #[derive(Debug, Args)]

@@ -199,6 +199,6 @@ fn the_slow_links_recipe_is_a_valid_config() -> anyhow::Result<()> {
     let toml = toml.ok_or_else(|| anyhow::anyhow!("docs/operations.md: no TOML under `Slow links: one recipe`"))?;
     let c = NodeConfig::from_toml(toml, None)?;
     c.validate()?;
-    assert_eq!(c.local_steps.map(|l| l.steps), Some(20));
+    assert_eq!(c.local_steps.map(|l| (l.steps, l.outer_lr, l.outer_momentum)), Some((30, 1.0, 0.0)));
     Ok(())
 }

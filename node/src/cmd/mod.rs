@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_checkpoint;
 pub mod bench_comm;
+pub mod bench_comm_llama;
 pub mod bench_exchange;
 pub mod bench_robust;
 pub mod cli;
