@@ -4,7 +4,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use candle_core::{DType, Device, Module, ModuleT, Tensor, D};
+use candle_core::{DType, Device, ModuleT, Tensor, D};
 use candle_nn::{Conv2d, Conv2dConfig, Linear, VarBuilder, VarMap};
 
 use crate::cpu_step::{CnnStep, ConvParams, CpuStep, Dense, LinearParams, MlpStep, Unfold};
@@ -415,8 +415,8 @@ impl Conv {
     }
 
     fn forward(&self, x: &Tensor, precision: Precision) -> Result<Tensor> {
-        let on_cpu = x.device().is_cpu() && x.dtype() == DType::F32;
-        if let (Some(low), false) = (precision.narrow(x.dtype()), on_cpu) {
+        if !x.device().is_cpu() || x.dtype() != DType::F32 {
+            let Some(low) = precision.narrow(x.dtype()) else { return Ok(self.conv.forward_t(x, true)?) };
             // candle's convolution in bf16 (cuDNN's on a GPU).
             let cfg = self.conv.config();
             let w = self.conv.weight().to_dtype(low)?;
@@ -426,9 +426,6 @@ impl Conv {
                 Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?,
                 None => y,
             });
-        }
-        if !on_cpu {
-            return Ok(self.conv.forward_t(x, true)?);
         }
         let (b, c, h, w) = x.dims4()?;
         let kk = self.k * self.k;
@@ -478,15 +475,11 @@ fn linear(
     precision: Precision,
     taps: &mut Option<&mut Vec<Tap>>,
 ) -> Result<Tensor> {
-    let y = match precision.narrow(x.dtype()) {
-        None => layer.forward(x)?,
-        Some(_) => {
-            let y = precision.matmul(x, &layer.weight().t()?)?;
-            match layer.bias() {
-                Some(b) => y.broadcast_add(b)?,
-                None => y,
-            }
-        }
+    // candle's `Linear::forward` on a batch of rows, with the product in `precision`.
+    let y = precision.matmul(x, &layer.weight().t()?)?;
+    let y = match layer.bias() {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
     };
     let Some(taps) = taps.as_mut() else { return Ok(y) };
     let probe = candle_core::Var::zeros(y.shape(), y.dtype(), y.device())?;

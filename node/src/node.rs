@@ -9,7 +9,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use futures::StreamExt;
 use shoal_models::{
-    data, Evaluation, ModelConfig, ModelFile, ModelMeta, ShardCheckpoint, ShardDir, ShardOf, ShardPlan,
+    data, Evaluation, Model, ModelConfig, ModelFile, ModelMeta, ShardCheckpoint, ShardDir, ShardOf, ShardPlan,
+    TrainableModel,
 };
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
@@ -438,8 +439,8 @@ async fn open_trainer(config: &NodeConfig, name: &str) -> anyhow::Result<Trainin
     };
     let model = config.model_config(&data.test);
     let train_len = data.train_len;
-    let mut net = shoal_models::Model::new(model.clone(), t.seed, &device)?;
-    shoal_models::TrainableModel::set_precision(&mut net, t.dtype);
+    let mut net = Model::new(model.clone(), t.seed, &device)?;
+    net.set_precision(t.dtype);
     let (trainer, _thread, initial) =
         trainer::spawn(net, data, config.cluster.channel_capacity, crate::ops::threads::resolve(t.threads, 1), name)?;
     let plan = ShardPlan::new(initial.len(), config.cluster.shards as usize)?;

@@ -30,6 +30,16 @@ pub const MAX_SPARSE_CHUNK: u32 = u16::MAX as u32;
 /// SparseLoCo's chunk: 4,096 entries (a 64 x 64 tile's worth).
 pub const DEFAULT_SPARSE_CHUNK: u32 = 4096;
 
+/// A chunk size a header or an encoding may name: `1..=MAX_SPARSE_CHUNK`.
+pub fn check_chunk(chunk: u32) -> Result<()> {
+    if chunk == 0 || chunk > MAX_SPARSE_CHUNK {
+        return Err(ProtocolError::InvalidTensor(format!(
+            "sparse chunk of {chunk} entries not in 1..={MAX_SPARSE_CHUNK}"
+        )));
+    }
+    Ok(())
+}
+
 /// Bytes per chunk: its count and its two levels.
 const CHUNK_BYTES: u64 = 2 + 8;
 

@@ -141,9 +141,8 @@ fn check_pull_wait(max_wait_ms: u32, encoding: crate::payload::Encoding, ctx: &V
         crate::payload::Encoding::Int8 { block } if block == 0 || block > crate::payload::MAX_INT8_BLOCK => {
             Err(ProtocolError::InvalidField { field: "encoding", reason: format!("int8 block {block}") })
         }
-        crate::payload::Encoding::Sparse2 { chunk, .. } if chunk == 0 || chunk > crate::sparse::MAX_SPARSE_CHUNK => {
-            Err(ProtocolError::InvalidField { field: "encoding", reason: format!("sparse chunk {chunk}") })
-        }
+        crate::payload::Encoding::Sparse2 { chunk, .. } => crate::sparse::check_chunk(chunk)
+            .map_err(|e| ProtocolError::InvalidField { field: "encoding", reason: e.to_string() }),
         _ => Ok(()),
     }
 }

@@ -250,6 +250,9 @@ pub fn run(mut args: BenchCommArgs) -> anyhow::Result<()> {
     if llama {
         return crate::cmd::bench_comm_llama::run(args);
     }
+    if args.text.is_some() {
+        anyhow::bail!("--text is the corpus of --workload llama; the mlp workload trains on images");
+    }
     let batch = args.batch_size.unwrap_or(64);
     let (dataset, target) = crate::cmd::bench::fashion_or_digits(args.data_dir.as_deref(), args.target, 0.93);
     let threads = crate::ops::threads::configure_process(crate::ops::threads::share(NODES));
