@@ -20,6 +20,7 @@ use shoal_models::{
 use shoal_protocol::libp2p::Multiaddr;
 use shoal_protocol::{ProtocolConfig, RunId};
 
+use crate::policy::compress::{PullCompression, PushCompression};
 pub use crate::policy::schedule::LrDecay;
 use crate::policy::schedule::LrSchedule;
 use crate::policy::sync::SyncPolicy;
@@ -509,6 +510,13 @@ pub struct LocalStepsConfig {
     /// The owners' outer Nesterov momentum (DiLoCo's is 0.9).
     #[serde(default = "LocalStepsConfig::default_outer_momentum")]
     pub outer_momentum: f64,
+    /// Delta pulls: `"none"` (workers pull every shard whole each round)
+    /// or a lossy encoding (`"int8"`, `"bf16"`, `"topk:F"`,
+    /// `"sparseloco:F"`) in which owners send each round's update instead,
+    /// with error feedback. Every worker's copy stays bit for bit the
+    /// owners' (a hash checks it; a mismatch pulls the shard whole).
+    #[serde(default)]
+    pub delta: PushCompression,
 }
 
 impl LocalStepsConfig {
@@ -521,7 +529,12 @@ impl LocalStepsConfig {
 
     /// `steps` local steps per round with DiLoCo's outer optimizer.
     pub fn every(steps: u64) -> Self {
-        Self { steps, outer_lr: Self::default_outer_lr(), outer_momentum: Self::default_outer_momentum() }
+        Self {
+            steps,
+            outer_lr: Self::default_outer_lr(),
+            outer_momentum: Self::default_outer_momentum(),
+            delta: PushCompression::None,
+        }
     }
 
     fn default_outer_lr() -> f64 {
@@ -807,6 +820,12 @@ impl NodeConfig {
         } else {
             policy
         }
+    }
+
+    /// Delta pulls: how owners send each round's update (`local_steps.delta`),
+    /// or `None` when workers pull whole shards.
+    pub fn delta_pulls(&self) -> Option<PushCompression> {
+        self.local_steps.map(|l| l.delta).filter(|d| *d != PushCompression::None)
     }
 
     /// Local steps per round: `local_steps.steps`, or 1 (every step pushes
@@ -1117,6 +1136,21 @@ impl NodeConfig {
         outer.validate()?;
         if !(l.outer_lr.is_finite() && l.outer_lr > 0.0) {
             bail!("local_steps.outer_lr must be a positive number (got {})", l.outer_lr);
+        }
+        if l.delta == PushCompression::Sfb {
+            bail!(
+                "local_steps.delta = \"sfb\" is a gradient encoding: use none, bf16, int8, topk:FRACTION or \
+                 sparseloco:FRACTION"
+            );
+        }
+        if l.delta != PushCompression::None && self.compression.pull != PullCompression::None {
+            bail!(
+                "local_steps.delta = \"{}\" keeps every worker's copy exact, and compression.pull = \"{}\" \
+                 would round the whole shards it pulls: leave compression.pull at none (the rounds' updates \
+                 are what is compressed)",
+                l.delta,
+                self.compression.pull
+            );
         }
         Ok(())
     }

@@ -593,6 +593,7 @@ fn aggregator_config(
         transfer_retry: Duration::from_millis(c.heartbeat_ms),
         round_timeout_ms: config.sync.round_timeout_ms,
         backup_workers: config.sync.backup_workers as usize,
+        delta: config.delta_pulls(),
         capacity: c.channel_capacity,
         checkpoint: disk.map(|d| d.policy.clone()),
     }

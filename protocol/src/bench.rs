@@ -90,9 +90,9 @@ pub struct WireReport {
     pub options: WireBenchOptions,
     /// Raw tokio TCP loopback (the baseline, ratio 1.0).
     pub raw_tcp: TransferResult,
-    /// `/shoal/shard/9.0.0` over TCP + noise + yamux.
+    /// `/shoal/shard/10.0.0` over TCP + noise + yamux.
     pub tcp_noise_yamux: TransferResult,
-    /// `/shoal/shard/9.0.0` over QUIC.
+    /// `/shoal/shard/10.0.0` over QUIC.
     pub quic: Option<TransferResult>,
     /// memcpy baselines for `codec_elements` f32.
     pub memcpy: Memcpy,
@@ -251,6 +251,7 @@ async fn swarm_transfer(listen: &str, bytes: usize, rounds: usize) -> Result<Dur
         version: 1,
         epoch: 0,
         params: Payload::encode(&values, Encoding::F32)?,
+        delta: None,
     };
     drop(values);
 
@@ -287,6 +288,7 @@ async fn swarm_transfer(listen: &str, bytes: usize, rounds: usize) -> Result<Dur
                 min_version: 0,
                 max_wait_ms: 0,
                 encoding: Encoding::F32,
+                have: None,
             });
             let t = Instant::now();
             let resp = request(&mut client, server_id, req).await?;

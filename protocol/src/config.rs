@@ -181,7 +181,7 @@ pub struct Discovery {
     /// mDNS on the LAN. Default on; turn off in tests and on networks where
     /// multicast is unwelcome.
     pub mdns: bool,
-    /// Kademlia (protocol `/shoal/kad/9.0.0`, server mode) so bootstrap peers
+    /// Kademlia (protocol `/shoal/kad/10.0.0`, server mode) so bootstrap peers
     /// lead to the rest of the cluster. Default on.
     pub kademlia: bool,
     /// Relay client, so a node behind NAT can be reached through a relay.

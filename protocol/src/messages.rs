@@ -148,7 +148,7 @@ impl std::str::FromStr for RunId {
 }
 
 // ---------------------------------------------------------------------------
-// Requests on /shoal/shard/9.0.0
+// Requests on /shoal/shard/10.0.0
 // ---------------------------------------------------------------------------
 
 /// A worker's gradient contribution for one shard.
@@ -191,6 +191,11 @@ pub struct PullShard {
     /// Encoding the puller would like. Owners always honour `F32`; they may
     /// ignore others and answer in F32.
     pub encoding: Encoding,
+    /// The version of this shard the puller holds exactly (bit for bit as
+    /// the owner had it), if any: an owner that kept the update from it to
+    /// the version it serves may answer with that update instead of the
+    /// shard ([`ShardState::delta`]).
+    pub have: Option<Version>,
 }
 
 /// Push a gradient and get the shard's next state in the same exchange:
@@ -210,6 +215,8 @@ pub struct PushPull {
     pub max_wait_ms: u32,
     /// Encoding wanted for the state (as `PullShard::encoding`).
     pub encoding: Encoding,
+    /// As `PullShard::have`.
+    pub have: Option<Version>,
 }
 
 /// Why a shard's state is being sent to another node.
@@ -309,7 +316,7 @@ pub struct Probe {
     pub padding: Payload,
 }
 
-/// A request on `/shoal/shard/9.0.0`.
+/// A request on `/shoal/shard/10.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardRequest {
     /// Variant 0.
@@ -443,8 +450,22 @@ pub struct ShardState {
     pub version: Version,
     /// Epoch under which the sender holds it.
     pub epoch: Epoch,
-    /// Parameters.
+    /// Parameters, or with `delta` the update to add to them.
     pub params: Payload,
+    /// `None`: `params` are the shard. Else `params` decode to the update
+    /// from version `delta.base` to `version`: the puller adds it, value by
+    /// value in f32, to the copy it holds of `base` (the `have` it sent),
+    /// and the sum hashes to `delta.hash` ([`crate::payload::params_hash`]).
+    pub delta: Option<DeltaOf>,
+}
+
+/// What a delta answer to a pull is relative to ([`ShardState::delta`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeltaOf {
+    /// The version the update applies to.
+    pub base: Version,
+    /// [`crate::payload::params_hash`] of the shard after the update.
+    pub hash: u64,
 }
 
 /// Answer to a `PushPull` whose gradient was accepted.
@@ -527,7 +548,7 @@ impl From<&ProtocolError> for WireError {
     }
 }
 
-/// A response on `/shoal/shard/9.0.0`.
+/// A response on `/shoal/shard/10.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardResponse {
     /// Variant 0: the push was accepted.

@@ -330,6 +330,22 @@ pub fn checksum(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
 }
 
+/// xxh3-64 (seed 0) of `values` as little-endian f32 bytes: what a delta
+/// answer to a pull says the shard hashes to once the update is added
+/// ([`crate::messages::DeltaOf::hash`]). Equal hashes mean, short of an
+/// xxh3 collision, the same bits in every value.
+pub fn params_hash(values: &[f32]) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut bytes = [0u8; 4 * CHUNK];
+    for chunk in values.chunks(CHUNK) {
+        for (o, v) in bytes.chunks_exact_mut(4).zip(chunk) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+        hasher.update(&bytes[..4 * chunk.len()]);
+    }
+    hasher.digest()
+}
+
 impl Payload {
     /// Encodes a 1-D tensor.
     pub fn encode(values: &[f32], encoding: Encoding) -> Result<Payload> {
@@ -988,6 +1004,20 @@ mod tests {
             Just(-0.0f32),
             proptest::num::f32::NORMAL | proptest::num::f32::SUBNORMAL | proptest::num::f32::ZERO,
         ]
+    }
+
+    /// The hash is xxh3 of the f32 bytes, whatever the chunking, and tells
+    /// a sign bit (0.0 from -0.0) or one ulp apart.
+    #[test]
+    fn params_hash_is_the_checksum_of_the_values_bytes() {
+        let values: Vec<f32> = (0..2500).map(|i| (i as f32 * 0.37).sin()).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(params_hash(&values), checksum(&bytes));
+        assert_eq!(params_hash(&[]), checksum(&[]));
+        let mut signed = values.clone();
+        signed[1500] = if signed[1500] == 0.0 { -0.0 } else { f32::from_bits(signed[1500].to_bits() + 1) };
+        assert_ne!(params_hash(&signed), params_hash(&values));
+        assert_ne!(params_hash(&[0.0]), params_hash(&[-0.0]));
     }
 
     fn vec_f32() -> impl Strategy<Value = Vec<f32>> {

@@ -244,6 +244,14 @@ fn check_request(req: &ShardRequest, sender: &PeerId, ctx: &ValidationContext, b
 fn check_state(s: &crate::messages::ShardState, ctx: &ValidationContext, bodies: Bodies) -> Result<()> {
     ctx.check_run(&s.run)?;
     ctx.check_shard(s.shard)?;
+    if let Some(d) = &s.delta {
+        if d.base >= s.version {
+            return Err(ProtocolError::InvalidField {
+                field: "delta.base",
+                reason: format!("an update to version {} from version {} (it must be older)", s.version, d.base),
+            });
+        }
+    }
     // Pulls may ask for a compressed encoding, so any dtype is fine.
     ctx.check_payload(&s.params, s.shard, false, bodies)
 }
@@ -453,6 +461,7 @@ mod tests {
             version: 3,
             epoch: 0,
             params: Payload::encode(values, Encoding::F32).unwrap(),
+            delta: None,
         };
         let good = ShardResponse::ShardState(state(1, &[1.0, 2.0, 3.0]));
         validate_response_fields(&good, &ctx()).unwrap();
@@ -469,6 +478,15 @@ mod tests {
         assert!(matches!(
             validate_response_fields(&ShardResponse::ShardState(other), &ctx()),
             Err(ProtocolError::RunMismatch { found, .. }) if found == "run-b"
+        ));
+        // A delta from version 3 or later cannot lead to version 3.
+        let mut delta = state(1, &[1.0, 2.0, 3.0]);
+        delta.delta = Some(crate::messages::DeltaOf { base: 2, hash: 7 });
+        validate_response_fields(&ShardResponse::ShardState(delta.clone()), &ctx()).unwrap();
+        delta.delta = Some(crate::messages::DeltaOf { base: 3, hash: 7 });
+        assert!(matches!(
+            validate_response_fields(&ShardResponse::ShardState(delta), &ctx()),
+            Err(ProtocolError::InvalidField { field: "delta.base", .. })
         ));
         let late = ShardResponse::NotReady { shard: 4, current_version: 0 };
         assert!(matches!(
@@ -493,6 +511,7 @@ mod tests {
             push: PushGrad { shard, ..push(me, values) },
             max_wait_ms: 100,
             encoding: Encoding::F32,
+            have: None,
         };
         let good = ShardRequest::PushPullMany(vec![one(0, &[1.0; 3]), one(2, &[2.0; 3])]);
         validate_request(&good, &me, &ctx()).unwrap();
@@ -537,8 +556,12 @@ mod tests {
     fn a_timed_request_is_checked_as_the_one_inside_and_wraps_only_what_is_timed() {
         let me = PeerId::random();
         let timed = |r: ShardRequest| ShardRequest::Timed(Box::new(r));
-        let good =
-            ShardRequest::PushPull(PushPull { push: push(me, &[1.0; 3]), max_wait_ms: 100, encoding: Encoding::F32 });
+        let good = ShardRequest::PushPull(PushPull {
+            push: push(me, &[1.0; 3]),
+            max_wait_ms: 100,
+            encoding: Encoding::F32,
+            have: None,
+        });
         validate_request(&timed(good.clone()), &me, &ctx()).unwrap();
         validate_request(&timed(ShardRequest::PushGrad(push(me, &[1.0; 3]))), &me, &ctx()).unwrap();
         // The inner request's own checks apply (another sender's gradient).
@@ -553,6 +576,7 @@ mod tests {
             min_version: 0,
             max_wait_ms: 0,
             encoding: Encoding::F32,
+            have: None,
         });
         assert!(matches!(
             validate_request(&timed(pull), &me, &ctx()),

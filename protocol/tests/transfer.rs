@@ -40,6 +40,7 @@ async fn exchange_100mb(listen: &str) {
                             version: p.base_version + 1,
                             epoch: p.epoch,
                             params: p.grad,
+                            delta: None,
                         }),
                         other => ShardResponse::error(&ProtocolError::InvalidField {
                             field: "request",

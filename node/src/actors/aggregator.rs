@@ -62,6 +62,7 @@ use crate::handles::status::{StatusEvent, StatusHandle};
 use crate::ops::logging::short;
 use crate::ops::tasks::NodeTasks;
 use crate::policy::backoff::Backoff;
+use crate::policy::compress::PushCompression;
 use crate::policy::placement::Placement;
 use crate::policy::robust::Robust;
 use crate::policy::schedule::LrSchedule;
@@ -95,6 +96,8 @@ pub struct AggregatorConfig {
     /// BSP: a round is applied once all but this many workers pushed
     /// (`sync.backup_workers`).
     pub backup_workers: usize,
+    /// Delta pulls (`local_steps.delta`): how each round's update is sent.
+    pub delta: Option<PushCompression>,
     /// How long a new owner waits for a live old owner's transfer.
     pub handoff_timeout: Duration,
     /// How often a transfer kept at the hop limit is passed on again to the
@@ -119,6 +122,8 @@ struct ParkedPull {
     worker: PeerId,
     shard: u32,
     min_version: u64,
+    /// The version the puller holds exactly, for a delta answer.
+    have: Option<u64>,
     deadline: Instant,
     reply: oneshot::Sender<PullReply>,
 }
@@ -290,12 +295,12 @@ impl AggregatorActor {
                 let applied = self.apply_push(worker, shard, base_version, samples, grad);
                 self.answer_push(worker, shard, applied, reply, then_pull);
             }
-            AggCommand::Pull { worker, shard, min_version, wait, reply } => {
+            AggCommand::Pull { worker, shard, min_version, wait, have, reply } => {
                 if !self.cores.contains_key(&shard) && !self.pending.contains_key(&shard) {
                     let _ = reply.send(PullReply::NotOwner { epoch: self.epoch(), hint: self.hint(shard) });
                     return;
                 }
-                self.park(worker, shard, min_version, wait, reply);
+                self.park(worker, shard, (min_version, have), wait, reply);
                 self.release_ready();
             }
             AggCommand::Handoff { from, kind, hops, state, reply } => {
@@ -391,7 +396,7 @@ impl AggregatorActor {
             return;
         };
         if let (PushReply::Accepted { version, .. }, Some(then)) = (&out, then_pull) {
-            self.park(worker, shard, self.cfg.policy.pull_after_push(*version), then.wait, then.reply);
+            self.park(worker, shard, (self.cfg.policy.pull_after_push(*version), then.have), then.wait, then.reply);
         }
         let _ = reply.send(out);
         if bumped {
@@ -562,7 +567,8 @@ impl AggregatorActor {
             ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers)
                 .with_schedule(self.cfg.schedule)
                 .with_robust(self.cfg.robust)
-                .with_backup_workers(self.cfg.backup_workers),
+                .with_backup_workers(self.cfg.backup_workers)
+                .with_delta(self.cfg.delta),
         );
     }
 
@@ -867,16 +873,17 @@ impl AggregatorActor {
 
     /// Hold a pull until the shard's version and the policy let it through,
     /// at most `wait` (capped by `max_wait`); `release_ready` answers it.
+    /// `have`: the version the puller holds exactly, for a delta answer.
     fn park(
         &mut self,
         worker: PeerId,
         shard: u32,
-        min_version: u64,
+        (min_version, have): (u64, Option<u64>),
         wait: Duration,
         reply: oneshot::Sender<PullReply>,
     ) {
         let deadline = Instant::now() + wait.min(self.cfg.max_wait);
-        self.parked.push(ParkedPull { worker, shard, min_version, deadline, reply });
+        self.parked.push(ParkedPull { worker, shard, min_version, have, deadline, reply });
     }
 
     /// Answer every parked pull whose condition now holds.
@@ -900,6 +907,11 @@ impl AggregatorActor {
                 Some(true) => {
                     let p = self.parked.swap_remove(i);
                     if let Some(c) = self.cores.get(&p.shard) {
+                        // A puller holding the version before this one gets its update.
+                        if let Some(d) = p.have.and_then(|h| c.delta_from(h)) {
+                            let _ = p.reply.send(PullReply::Delta(d));
+                            continue;
+                        }
                         let params = copies.entry(p.shard).or_insert_with(|| Arc::new(c.params().to_vec())).clone();
                         let _ = p.reply.send(PullReply::State { version: c.version(), params });
                     }
@@ -1185,6 +1197,7 @@ mod tests {
                 schedule: LrSchedule { base: 0.1, decay: LrDecay::None, steps: 100, warmup: 0 },
                 robust: Robust::default(),
                 backup_workers: 0,
+                delta: None,
                 ranges: std::iter::once(0..SHARD_LEN).collect(),
                 max_wait: Duration::from_secs(5),
                 replica_every: 0,

@@ -23,9 +23,10 @@ use shoal_protocol::libp2p::swarm::dial_opts::DialOpts;
 use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::{dcutr, gossipsub, identify, kad, mdns, ping, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
-    frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, Encoding,
-    ErrorCode, Exchanged, GossipMessage, Handoff, Payload, ProtocolConfig, PullShard, PushPull, RunId, ShardRequest,
-    ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent, StateSync, ValidationContext, WireError,
+    frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, DeltaOf,
+    Encoding, ErrorCode, Exchanged, GossipMessage, Handoff, Payload, ProtocolConfig, PullShard, PushPull, RunId,
+    ShardRequest, ShardResponse, ShardState, ShoalBehaviour, ShoalBehaviourEvent, StateSync, ValidationContext,
+    WireError,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
@@ -37,6 +38,7 @@ use crate::handles::handoff::from_wire;
 use crate::handles::membership::Heard;
 use crate::handles::net::{ModelSnapshot, NetCommand, NetError, NetworkHandle, Routes};
 use crate::ops::faults::hold;
+use crate::policy::delta::ShardDelta;
 use crate::policy::health::PathLatency;
 
 /// Everything the network actor needs besides the swarm.
@@ -587,7 +589,7 @@ impl NetworkActor {
         let delay = self.parts.faults.serve_delay();
         let faults = self.parts.faults.clone();
         let encoded = self.encoded.clone();
-        match agg.try_pull(peer, shard, p.min_version, wait) {
+        match agg.try_pull(peer, shard, (p.min_version, p.have), wait) {
             Err(_) => self.respond_now(channel, wire_error(ErrorCode::Busy, "aggregator busy")),
             Ok(rx) => self.responses.push(Box::pin(async move {
                 let resp = pull_response(rx.await, &encoded, run, (shard, epoch), encoding).await;
@@ -611,9 +613,14 @@ impl NetworkActor {
                 ShardResponse::NotReady { shard: s.shard, current_version: snap.version }
             }
             Some(r) if r.end <= snap.params.len() => match Payload::encode(&snap.params[r], Encoding::F32) {
-                Ok(params) => {
-                    ShardResponse::ShardState(ShardState { run, shard: s.shard, version: snap.version, epoch, params })
-                }
+                Ok(params) => ShardResponse::ShardState(ShardState {
+                    run,
+                    shard: s.shard,
+                    version: snap.version,
+                    epoch,
+                    params,
+                    delta: None,
+                }),
                 Err(e) => ShardResponse::error(&e),
             },
             _ => wire_error(ErrorCode::ShardOutOfRange, format!("no shard {}", s.shard)),
@@ -854,7 +861,8 @@ fn serve_push_pull(
     let epoch = routes.epoch;
     let run = run.clone();
     let encoded = encoded.clone();
-    let Ok((pushed, pulled)) = agg.try_push_pull(peer, (shard, p.push.base_version, p.push.samples, grad), wait) else {
+    let push = (shard, p.push.base_version, p.push.samples, grad);
+    let Ok((pushed, pulled)) = agg.try_push_pull(peer, push, wait, p.have) else {
         return now(wire_error(ErrorCode::Busy, "aggregator busy"));
     };
     Box::pin(async move {
@@ -875,6 +883,10 @@ fn serve_push_pull(
                                 Ok(s) => ShardResponse::Exchanged(Exchanged { accepted, held_ms, state: Some(s) }),
                                 Err(e) => ShardResponse::error(&e),
                             }
+                        }
+                        Ok(PullReply::Delta(d)) => {
+                            let state = Some(delta_state(run, (shard, epoch), &d));
+                            ShardResponse::Exchanged(Exchanged { accepted, held_ms, state })
                         }
                         // The gradient counts; the worker pulls
                         // (NotOwner: the shard moved after it was taken).
@@ -960,9 +972,23 @@ async fn pull_response(
                 Err(e) => ShardResponse::error(&e),
             }
         }
+        Ok(PullReply::Delta(d)) => ShardResponse::ShardState(delta_state(run, (shard, epoch), &d)),
         Ok(PullReply::NotReady { current_version }) => ShardResponse::NotReady { shard, current_version },
         Ok(PullReply::NotOwner { epoch, hint }) => ShardResponse::NotOwner { shard, epoch, hint },
         Err(_) => wire_error(ErrorCode::Internal, "aggregator stopped"),
+    }
+}
+
+/// A round's update as the answer to a pull (delta pulls): encoded once,
+/// when the owner took the round.
+fn delta_state(run: RunId, (shard, epoch): (u32, u64), d: &ShardDelta) -> ShardState {
+    ShardState {
+        run,
+        shard,
+        version: d.version,
+        epoch,
+        params: d.payload.clone(),
+        delta: Some(DeltaOf { base: d.base, hash: d.hash }),
     }
 }
 
@@ -973,7 +999,7 @@ async fn shard_state(
     params: &Arc<Vec<f32>>,
     encoding: Encoding,
 ) -> Result<ShardState, shoal_protocol::ProtocolError> {
-    Ok(ShardState { run, shard, version, epoch, params: encoded.get(shard, params, encoding).await? })
+    Ok(ShardState { run, shard, version, epoch, params: encoded.get(shard, params, encoding).await?, delta: None })
 }
 
 /// The longest time an answer (or a batch's answers) was held for its
@@ -1137,6 +1163,7 @@ mod tests {
                 min_version: 0,
                 max_wait_ms: 0,
                 encoding: Encoding::F32,
+                have: None,
             })
         };
         // Not marked: the request dials the peer, which takes the TCP
@@ -1207,6 +1234,7 @@ mod tests {
             min_version: 0,
             max_wait_ms: 0,
             encoding: Encoding::F32,
+            have: None,
         });
         for refused in [timed(pull), timed(timed(probe()?))] {
             let answer = a.request(fast.local_peer(), refused).await?;

@@ -109,6 +109,7 @@ impl StatusActor {
                 s.left_at_step = Some(step);
                 self.mark("left", format!("left after step {step}"));
             }
+            StatusEvent::DeltaMismatch => s.delta_mismatches += 1,
             StatusEvent::RoundForced => {
                 s.rounds_forced += 1;
                 self.mark("forced_round", "a BSP round closed at its timeout".into());

@@ -22,6 +22,7 @@ use futures::future::try_join_all;
 use shoal_models::data::shuffled_batches;
 use shoal_models::{LayerFactors, Optimizer, Partition, ShardPlan};
 use shoal_protocol::libp2p::PeerId;
+use shoal_protocol::payload::params_hash;
 use shoal_protocol::{
     Encoding, Payload, Probe, PullShard, PushGrad, PushPull, Role, RunId, ShardRequest, ShardResponse, StateSync,
     MAX_BATCH_SHARDS,
@@ -40,6 +41,7 @@ use crate::ops::faults::hold;
 use crate::ops::logging::short;
 use crate::policy::backoff::Backoff;
 use crate::policy::compress::{factored_push, ErrorFeedback, PushCompression};
+use crate::policy::delta::{self, ShardDelta};
 use crate::policy::exchange::{self, ExchangeAction, PullAnswer, PushAnswer, ShardExchange};
 use crate::policy::explore::PaceMeter;
 use crate::policy::fit::{permille, rebalanced, BatchFit};
@@ -200,6 +202,9 @@ impl LinkMeter {
 struct Outgoing<'a> {
     values: std::borrow::Cow<'a, [f32]>,
     payload: Option<Payload>,
+    /// Delta pulls: the version of the shard this worker holds exactly,
+    /// sent with each pull so that the owner may answer with the update.
+    have: Option<u64>,
 }
 
 /// Backup workers: how many times [`Worker::align_versions`] pulls the
@@ -232,7 +237,13 @@ enum Pushed {
 #[derive(Debug)]
 enum Values {
     Decoded(Arc<Vec<f32>>),
-    Wire { payload: shoal_protocol::Verified, from: PeerId },
+    Wire {
+        payload: shoal_protocol::Verified,
+        from: PeerId,
+    },
+    /// Delta pulls: the update from `base` to the version, checked on
+    /// arrival, added to the worker's copy ([`delta::apply`]).
+    Delta(Arc<ShardDelta>),
 }
 
 impl Values {
@@ -240,19 +251,32 @@ impl Values {
         match self {
             Values::Decoded(v) => v.len() as u64,
             Values::Wire { payload, .. } => payload.numel(),
+            Values::Delta(d) => d.payload.numel(),
         }
     }
 
-    /// Write the values into `out` (as long as they are); on an error
-    /// `out` may be partly written.
-    fn write_into(&self, out: &mut [f32]) -> anyhow::Result<()> {
+    /// Write the values into `out` (as long as they are), which holds
+    /// version `held` of the shard: a whole shard replaces it, an update
+    /// is added to it. `false`: an update that is not from `held` or whose
+    /// sum is not the owner's (its hash), with `out` left in any state. On
+    /// an error `out` may be partly written.
+    fn write_into(&self, out: &mut [f32], held: u64) -> anyhow::Result<bool> {
         match self {
             Values::Decoded(v) => out.copy_from_slice(v),
             Values::Wire { payload, from } => {
                 payload.decode_into(out).with_context(|| format!("the state {from} sent"))?;
             }
+            Values::Delta(d) => {
+                if d.base != held {
+                    return Ok(false);
+                }
+                let mut update = vec![0.0; out.len()];
+                d.payload.decode_into(&mut update).context("an update")?;
+                delta::apply(out, &update);
+                return Ok(params_hash(out) == d.hash);
+            }
         }
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -466,6 +490,14 @@ fn push_answer(pushed: anyhow::Result<Pushed>) -> PushAnswer<PeerId, Values> {
 /// later, into the model's flat parameters ([`Values::write_into`]).
 fn exchanged(x: shoal_protocol::Exchanged, from: PeerId) -> anyhow::Result<Pushed> {
     Ok(match x.state {
+        Some(s) if s.delta.is_some() => {
+            let shard = x.accepted.shard;
+            s.params.verify().with_context(|| format!("the update of shard {shard} that {from} sent"))?;
+            let hash = s.delta.map_or(0, |d| d.hash);
+            let base = s.delta.map_or(0, |d| d.base);
+            let d = ShardDelta { base, version: s.version, payload: s.params, hash };
+            Pushed::State { version: s.version, params: Values::Delta(Arc::new(d)) }
+        }
         Some(s) => {
             let payload = s
                 .params
@@ -745,6 +777,11 @@ impl Worker {
             return Ok(run.versions.iter().copied().min().unwrap_or(0));
         }
         let pseudo: Vec<f32> = local.start.iter().zip(&run.params).map(|(s, p)| s - p).collect();
+        if self.config.delta_pulls().is_some() {
+            // The copy the owners' updates are added to: the round's start,
+            // the model as last pulled.
+            run.params.copy_from_slice(&local.start);
+        }
         let n = u32::try_from(local.samples).unwrap_or(u32::MAX);
         let version =
             self.exchange_all(step, &mut run.versions, (n, &pseudo, &[]), &mut run.params, &mut run.feedback).await?;
@@ -1062,12 +1099,16 @@ impl Worker {
                     wait_for_change(&mut placement, &mut backoff).await;
                     continue;
                 };
-                match self.pull_from(owner, id, want, left).await {
+                match self.pull_from(owner, id, want, left, None).await {
                     Ok(PullReply::State { version, params }) if params.len() == shard.len() => {
                         return Ok::<_, anyhow::Error>((version, params))
                     }
                     Ok(PullReply::State { params, .. }) => {
                         bail!("shard {id}: owner sent {} values, expected {}", params.len(), shard.len())
+                    }
+                    Ok(PullReply::Delta(_)) => {
+                        last = format!("{owner} sent an update where the whole shard was asked for");
+                        wait_for_change(&mut placement, &mut backoff).await;
                     }
                     Ok(PullReply::NotReady { current_version }) => {
                         last = format!("{owner} at version {current_version}");
@@ -1111,24 +1152,26 @@ impl Worker {
         let (samples, grads, factors) = pushed;
         let parts = self.plan.split(grads)?;
         let push = self.config.compression.push;
+        let delta = self.config.delta_pulls().is_some();
         let outgoing = self
             .plan
             .shards()
             .iter()
             .zip(parts)
             .map(|(shard, slice)| {
+                let have = delta.then(|| versions[shard.id as usize]);
                 if push == PushCompression::Sfb && !factors.is_empty() {
                     let p = factored_push(shard.range(), slice, factors)
                         .with_context(|| format!("step {step}: factoring shard {}", shard.id))?;
-                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: Some(p) });
+                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: Some(p), have });
                 }
                 if !push.is_lossy() {
-                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: None });
+                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: None, have });
                 }
                 let c = feedback
                     .compress(shard.id as usize, slice, push.encoding(slice.len()))
                     .with_context(|| format!("step {step}: encoding shard {} as {push}", shard.id))?;
-                Ok(Outgoing { values: std::borrow::Cow::Owned(c.values), payload: Some(c.payload) })
+                Ok(Outgoing { values: std::borrow::Cow::Owned(c.values), payload: Some(c.payload), have })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let (batches, mut firsts) = self.batches();
@@ -1154,17 +1197,34 @@ impl Worker {
             self.align_versions(&mut results).await?;
         }
         let mut dropped_len = 0usize;
-        for (shard, Exchanged { version, params: values, dropped }) in self.plan.shards().iter().zip(results) {
+        for (shard, Exchanged { mut version, params: values, dropped }) in self.plan.shards().iter().zip(results) {
             if dropped {
                 dropped_len += shard.len();
             }
             if values.len() != shard.len() as u64 {
                 bail!("shard {}: owner sent {} values, expected {}", shard.id, values.len(), shard.len());
             }
-            values
-                .write_into(&mut params[shard.range()])
-                .with_context(|| format!("step {step}: shard {}", shard.id))?;
             let before = versions[shard.id as usize];
+            let fits = values
+                .write_into(&mut params[shard.range()], before)
+                .with_context(|| format!("step {step}: shard {}", shard.id))?;
+            if !fits {
+                // An update that does not lead to the owner's bits from
+                // this copy: the whole shard, exact, replaces it.
+                self.status.record(StatusEvent::DeltaMismatch);
+                warn!(
+                    shard = shard.id,
+                    version,
+                    held = before,
+                    "a delta pull did not match the owner's shard; pulling it whole"
+                );
+                let (v, whole) = self.pull_at_least(shard.id, version).await?;
+                if whole.len() != shard.len() {
+                    bail!("shard {}: owner sent {} values, expected {}", shard.id, whole.len(), shard.len());
+                }
+                params[shard.range()].copy_from_slice(&whole);
+                version = v;
+            }
             if version < before {
                 self.status.record(StatusEvent::VersionRegression(before - version));
             }
@@ -1218,8 +1278,9 @@ impl Worker {
                 bail!("shard {shard}: no owner served version {min_version} within the request timeout; last: {last}");
             }
             let owner = next_owner(shard, &mut hint, &mut placement)?;
-            match self.pull_from(owner, shard, min_version, left).await {
+            match self.pull_from(owner, shard, min_version, left, None).await {
                 Ok(PullReply::State { version, params }) => return Ok((version, params)),
+                Ok(PullReply::Delta(_)) => last = format!("{owner} sent an update where the whole shard was asked for"),
                 Ok(PullReply::NotReady { current_version }) => {
                     last = format!("{owner} still at version {current_version}");
                 }
@@ -1276,10 +1337,11 @@ impl Worker {
                         self.status.record(StatusEvent::PushLatency(started.elapsed().as_secs_f64() * 1e3));
                     }
                     let left = deadline.saturating_duration_since(Instant::now());
-                    let answer = match self.pull_from(owner, shard, min_version, left).await {
+                    let answer = match self.pull_from(owner, shard, min_version, left, grad.have).await {
                         Ok(PullReply::State { version, params }) => {
                             PullAnswer::State { version, params: Values::Decoded(params) }
                         }
+                        Ok(PullReply::Delta(d)) => PullAnswer::State { version: d.version, params: Values::Delta(d) },
                         Ok(PullReply::NotReady { current_version }) => PullAnswer::NotReady { current_version },
                         Ok(PullReply::NotOwner { hint, .. }) => PullAnswer::NotOwner { hint },
                         Err(e) => PullAnswer::Failed(format!("{e:#}")),
@@ -1414,6 +1476,7 @@ impl Worker {
             push,
             max_wait_ms: self.max_wait_ms(left),
             encoding: self.pull_encoding(),
+            have: grad.have,
         });
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
@@ -1542,14 +1605,14 @@ impl Worker {
     ) -> anyhow::Result<Vec<BatchOutcome>> {
         let mut pushes = Vec::with_capacity(items.len());
         for &(shard, base, grad) in items {
-            pushes.push(self.push_grad(shard, base, step, samples, grad)?);
+            pushes.push((self.push_grad(shard, base, step, samples, grad)?, grad.have));
         }
-        let sizes: Vec<u64> = pushes.iter().map(|p| p.grad.byte_len()).collect();
+        let sizes: Vec<u64> = pushes.iter().map(|(p, _)| p.grad.byte_len()).collect();
         let bytes: u64 = sizes.iter().sum();
         let max_wait_ms = self.max_wait_ms(self.request_timeout());
         let encoding = self.pull_encoding();
         let req = ShardRequest::PushPullMany(
-            pushes.into_iter().map(|push| PushPull { push, max_wait_ms, encoding }).collect(),
+            pushes.into_iter().map(|(push, have)| PushPull { push, max_wait_ms, encoding, have }).collect(),
         );
         let sent = Instant::now();
         hold(self.faults.send_delay(bytes)).await;
@@ -1639,8 +1702,10 @@ impl Worker {
         shard: u32,
         min_version: u64,
         left: Duration,
+        have: Option<u64>,
     ) -> anyhow::Result<PullReply> {
         if owner == self.me {
+            // The local owner's shard is shared, not sent: no update needed.
             return self.aggregator.pull(self.me, shard, min_version, left).await;
         }
         let req = ShardRequest::PullShard(PullShard {
@@ -1650,13 +1715,25 @@ impl Worker {
             // Owners refuse waits longer than their response_wait_ms.
             max_wait_ms: self.max_wait_ms(left),
             encoding: self.pull_encoding(),
+            have,
         });
         hold(self.faults.send_delay(0)).await;
         Ok(match self.net.request(owner, req).await? {
             ShardResponse::ShardState(s) => {
                 hold(self.faults.receive_delay(s.params.byte_len())).await;
                 self.moved(0, s.params.byte_len());
-                PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) }
+                match s.delta {
+                    Some(d) => {
+                        s.params.verify().with_context(|| format!("the update of shard {shard} that {owner} sent"))?;
+                        PullReply::Delta(Arc::new(ShardDelta {
+                            base: d.base,
+                            version: s.version,
+                            payload: s.params,
+                            hash: d.hash,
+                        }))
+                    }
+                    None => PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) },
+                }
             }
             ShardResponse::NotReady { current_version, .. } => PullReply::NotReady { current_version },
             ShardResponse::NotOwner { epoch, hint, .. } => PullReply::NotOwner { epoch, hint },
@@ -1785,7 +1862,14 @@ mod tests {
         // Shard 3's round 7 taken, its version 8 sent back.
         let answer = |params: Payload| shoal_protocol::Exchanged {
             accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
-            state: Some(shoal_protocol::ShardState { run: RunId::default(), shard: 3, version: 8, epoch: 0, params }),
+            state: Some(shoal_protocol::ShardState {
+                run: RunId::default(),
+                shard: 3,
+                version: 8,
+                epoch: 0,
+                params,
+                delta: None,
+            }),
             held_ms: 0,
         };
         for encoding in [Encoding::F32, Encoding::Bf16] {
@@ -1794,7 +1878,7 @@ mod tests {
             let Pushed::State { version, params } = exchanged(answer(payload), from)? else { panic!("no state") };
             assert_eq!((version, params.len()), (8, 300));
             let mut flat = vec![-1.0f32; 500];
-            params.write_into(&mut flat[100..400])?;
+            assert!(params.write_into(&mut flat[100..400], 7)?);
             assert_eq!(&flat[100..400], &expect[..], "{encoding:?}");
             assert!(flat[..100].iter().chain(&flat[400..]).all(|&x| x == -1.0), "{encoding:?}: outside its range");
         }
@@ -1805,6 +1889,43 @@ mod tests {
         let bad = Payload::from_parts(good.meta().clone(), body.into(), u64::MAX)?;
         let err = exchanged(answer(bad), from).err().map(|e| format!("{e:#}")).unwrap_or_default();
         assert!(err.contains("shard 3") && err.contains("checksum"), "{err}");
+        Ok(())
+    }
+
+    /// A delta answer is added to the copy of its base; from another
+    /// version, or to a copy that is not the owner's, it does not fit.
+    #[test]
+    fn a_delta_is_added_to_its_base_and_checked_by_its_hash() -> anyhow::Result<()> {
+        let from = PeerId::random();
+        let base: Vec<f32> = (0..300).map(|i| (i as f32 * 0.1).sin()).collect();
+        let update: Vec<f32> = (0..300).map(|i| if i % 7 == 0 { 0.03 } else { 0.0 }).collect();
+        let mut owner = base.clone();
+        delta::apply(&mut owner, &update);
+        let answer = |hash: u64| shoal_protocol::Exchanged {
+            accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
+            state: Some(shoal_protocol::ShardState {
+                run: RunId::default(),
+                shard: 3,
+                version: 8,
+                epoch: 0,
+                params: Payload::encode(&update, Encoding::F32).expect("finite"),
+                delta: Some(shoal_protocol::DeltaOf { base: 7, hash }),
+            }),
+            held_ms: 0,
+        };
+        let Pushed::State { version, params } = exchanged(answer(params_hash(&owner)), from)? else {
+            panic!("no state")
+        };
+        assert_eq!(version, 8);
+        let mut copy = base.clone();
+        assert!(params.write_into(&mut copy, 7)?, "the owner's bits from version 7");
+        assert_eq!(copy, owner);
+        assert!(!params.write_into(&mut base.clone(), 6)?, "not from version 6");
+        let mut off = base.clone();
+        off[5] += 1e-3;
+        assert!(!params.write_into(&mut off, 7)?, "a copy that is not the owner's");
+        let Pushed::State { params, .. } = exchanged(answer(1), from)? else { panic!("no state") };
+        assert!(!params.write_into(&mut base.clone(), 7)?, "a hash the sum does not have");
         Ok(())
     }
 

@@ -200,5 +200,8 @@ fn the_slow_links_recipe_is_a_valid_config() -> anyhow::Result<()> {
     let c = NodeConfig::from_toml(toml, None)?;
     c.validate()?;
     assert_eq!(c.local_steps.map(|l| (l.steps, l.outer_lr, l.outer_momentum)), Some((30, 1.0, 0.0)));
+    // The recommended case of `bench comm --workload llama`.
+    assert_eq!(c.delta_pulls(), Some(crate::policy::compress::PushCompression::Int8));
+    assert_eq!(c.compression.push, crate::policy::compress::PushCompression::Int8);
     Ok(())
 }

@@ -11,6 +11,7 @@ use shoal_protocol::HandoffKind;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::handles::handoff::ShardState;
+use crate::policy::delta::ShardDelta;
 
 /// Answer to a push.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,9 +38,20 @@ pub enum PushReply {
 /// Answer to a pull.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PullReply {
-    State { version: u64, params: Arc<Vec<f32>> },
-    NotReady { current_version: u64 },
-    NotOwner { epoch: u64, hint: Option<PeerId> },
+    State {
+        version: u64,
+        params: Arc<Vec<f32>>,
+    },
+    /// The update from the version the puller said it holds (`have`) to
+    /// `delta.version` (delta pulls, `local_steps.delta`).
+    Delta(Arc<ShardDelta>),
+    NotReady {
+        current_version: u64,
+    },
+    NotOwner {
+        epoch: u64,
+        hint: Option<PeerId>,
+    },
 }
 
 /// Answer to a handoff.
@@ -95,6 +107,8 @@ pub struct ShardStats {
 /// it waits for the version that the push needs.
 pub(crate) struct ThenPull {
     pub wait: Duration,
+    /// The version the puller holds exactly, for a delta answer.
+    pub have: Option<u64>,
     pub reply: oneshot::Sender<PullReply>,
 }
 
@@ -114,6 +128,8 @@ pub(crate) enum AggCommand {
         shard: u32,
         min_version: u64,
         wait: Duration,
+        /// The version the puller holds exactly, for a delta answer.
+        have: Option<u64>,
         reply: oneshot::Sender<PullReply>,
     },
     Handoff {
@@ -217,7 +233,7 @@ impl AggregatorHandle {
         min_version: u64,
         wait: Duration,
     ) -> anyhow::Result<PullReply> {
-        self.ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, reply }).await
+        self.ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, have: None, reply }).await
     }
 
     fn try_ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> Result<oneshot::Receiver<T>, Busy> {
@@ -247,23 +263,26 @@ impl AggregatorHandle {
         worker: PeerId,
         push: (u32, u64, u32, Vec<f32>),
         wait: Duration,
+        have: Option<u64>,
     ) -> Result<(oneshot::Receiver<PushReply>, oneshot::Receiver<PullReply>), Busy> {
         let (shard, base_version, samples, grad) = push;
         let (pull_reply, pulled) = oneshot::channel();
-        let then_pull = Some(ThenPull { wait, reply: pull_reply });
+        let then_pull = Some(ThenPull { wait, have, reply: pull_reply });
         let pushed =
             self.try_ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply, then_pull })?;
         Ok((pushed, pulled))
     }
 
+    /// A pull from a peer; `have`: the version it holds exactly, for a
+    /// delta answer.
     pub fn try_pull(
         &self,
         worker: PeerId,
         shard: u32,
-        min_version: u64,
+        (min_version, have): (u64, Option<u64>),
         wait: Duration,
     ) -> Result<oneshot::Receiver<PullReply>, Busy> {
-        self.try_ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, reply })
+        self.try_ask(|reply| AggCommand::Pull { worker, shard, min_version, wait, have, reply })
     }
 
     pub fn try_handoff(

@@ -132,6 +132,9 @@ pub struct StatusSnapshot {
     /// BSP rounds this node's shards closed at the round timeout, without
     /// every worker's gradient.
     pub rounds_forced: u64,
+    /// Delta pulls whose update did not lead to the owner's shard (its
+    /// base or its hash): each was followed by a pull of the whole shard.
+    pub delta_mismatches: u64,
     /// Aggregators in this node's current placement.
     pub aggregators: usize,
     /// Exploration of the number of aggregators: every trial, keep and
@@ -246,6 +249,8 @@ pub enum StatusEvent {
         from_replica: bool,
     },
     VersionRegression(u64),
+    /// A delta pull's update did not match this worker's copy.
+    DeltaMismatch,
     PushAccepted(PeerId),
     /// An owner's norm check dropped a gradient of `peer`; `suspect` once it
     /// has happened several times in a row.

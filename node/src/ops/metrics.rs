@@ -130,6 +130,11 @@ pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
     m.counter("handoffs_out_total", "Shards handed to a new owner.", s.handoffs_out);
     m.counter("handoffs_in_total", "Shards received from an old owner.", s.handoffs_in);
     m.counter("rounds_forced_total", "BSP rounds closed at the round timeout.", s.rounds_forced);
+    m.counter(
+        "delta_mismatches_total",
+        "Delta pulls whose update did not lead to the owner's shard (each pulled the shard whole).",
+        s.delta_mismatches,
+    );
     m.gauge("aggregators", "Shard owners in this node's placement.", s.aggregators as f64);
     let mut explored: Vec<(&str, f64)> = Vec::new();
     for e in &s.exploration {

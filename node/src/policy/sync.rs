@@ -34,9 +34,12 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use shoal_models::{Optimizer, OptimizerState};
 
+use crate::policy::compress::PushCompression;
+use crate::policy::delta::{DeltaLog, ShardDelta};
 use crate::policy::robust::{self, Agreement, NormWindow, Robust};
 use crate::policy::schedule::LrSchedule;
 
@@ -227,6 +230,8 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     /// Catch-up is skipped ([`ShardCore::without_catch_up`]): set only by
     /// the schedule explorer's test, to show the cycle catch-up prevents.
     catch_up_disabled: bool,
+    /// Delta pulls ([`ShardCore::with_delta`]): each step's update as sent.
+    delta: Option<DeltaLog>,
 }
 
 impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
@@ -257,7 +262,22 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             skipped: 0,
             backup: 0,
             catch_up_disabled: false,
+            delta: None,
         }
+    }
+
+    /// Delta pulls (`local_steps.delta`): every step's update is sent as
+    /// `compression` encodes it, and the shard moves by exactly that
+    /// ([`DeltaLog::record`]); [`ShardCore::delta_from`] serves it.
+    pub fn with_delta(mut self, compression: Option<PushCompression>) -> Self {
+        self.delta = compression.map(DeltaLog::new);
+        self
+    }
+
+    /// The update from version `have` to the current one, if this core
+    /// made it (one step, taken here since the core was built).
+    pub fn delta_from(&self, have: u64) -> Option<Arc<ShardDelta>> {
+        self.delta.as_ref()?.from(have, self.version)
     }
 
     /// BSP with backup workers (Chen et al. 2016): a round is applied once
@@ -354,8 +374,12 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             // base / 100), so this cannot be refused.
             let _ = self.optimizer.set_lr(s.lr_at(self.schedule_step()));
         }
+        let before = self.delta.as_ref().map(|_| self.params.clone());
         if self.optimizer.step(&mut self.params, grad).is_ok() {
             self.version += 1;
+            if let (Some(log), Some(before)) = (self.delta.as_mut(), before) {
+                log.record(&before, &mut self.params, self.version);
+            }
         }
     }
 

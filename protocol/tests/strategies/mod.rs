@@ -77,11 +77,10 @@ pub fn push_grad() -> impl Strategy<Value = PushGrad> {
 
 pub fn request() -> impl Strategy<Value = ShardRequest> {
     let push = push_grad().prop_map(ShardRequest::PushGrad);
-    let pull = (run_id(), any::<u32>(), any::<u64>(), any::<u32>(), encoding()).prop_map(
-        |(run, shard, min_version, max_wait_ms, encoding)| {
-            ShardRequest::PullShard(PullShard { run, shard, min_version, max_wait_ms, encoding })
-        },
-    );
+    let pull = (run_id(), any::<u32>(), any::<u64>(), any::<u32>(), encoding(), proptest::option::of(any::<u64>()))
+        .prop_map(|(run, shard, min_version, max_wait_ms, encoding, have)| {
+            ShardRequest::PullShard(PullShard { run, shard, min_version, max_wait_ms, encoding, have })
+        });
     let slot = ("[a-z]{1,8}", f32_payload()).prop_map(|(name, tensor)| OptimizerSlot { name, tensor });
     let handoff = (
         run_id(),
@@ -110,19 +109,29 @@ pub fn request() -> impl Strategy<Value = ShardRequest> {
     let sync = (run_id(), any::<u32>(), any::<u64>())
         .prop_map(|(run, shard, min_version)| ShardRequest::StateSync(StateSync { run, shard, min_version }));
     let manifest = run_id().prop_map(|run| ShardRequest::Manifest(ManifestRequest { run }));
-    let push_pull = (push_grad(), any::<u32>(), encoding())
-        .prop_map(|(push, max_wait_ms, encoding)| ShardRequest::PushPull(PushPull { push, max_wait_ms, encoding }));
+    let push_pull = (push_grad(), any::<u32>(), encoding(), proptest::option::of(any::<u64>())).prop_map(
+        |(push, max_wait_ms, encoding, have)| ShardRequest::PushPull(PushPull { push, max_wait_ms, encoding, have }),
+    );
     let probe = (run_id(), f32_payload()).prop_map(|(run, padding)| ShardRequest::Probe(Probe { run, padding }));
-    let many = proptest::collection::vec((push_grad(), any::<u32>(), encoding()), 0..4).prop_map(|v| {
-        ShardRequest::PushPullMany(
-            v.into_iter().map(|(push, max_wait_ms, encoding)| PushPull { push, max_wait_ms, encoding }).collect(),
-        )
-    });
+    let many =
+        proptest::collection::vec((push_grad(), any::<u32>(), encoding(), proptest::option::of(any::<u64>())), 0..4)
+            .prop_map(|v| {
+                ShardRequest::PushPullMany(
+                    v.into_iter()
+                        .map(|(push, max_wait_ms, encoding, have)| PushPull { push, max_wait_ms, encoding, have })
+                        .collect(),
+                )
+            });
     let untimed = prop_oneof![push, pull, handoff, sync, manifest, push_pull, probe, many];
     prop_oneof![
         4 => untimed.clone(),
         1 => untimed.prop_map(|r| ShardRequest::Timed(Box::new(r))),
     ]
+}
+
+/// A shard state's delta marker: none (a whole shard) or an update's base and hash.
+fn delta_of() -> impl Strategy<Value = Option<DeltaOf>> {
+    proptest::option::of((any::<u64>(), any::<u64>()).prop_map(|(base, hash)| DeltaOf { base, hash }))
 }
 
 pub fn response() -> impl Strategy<Value = ShardResponse> {
@@ -160,9 +169,9 @@ fn single_response() -> impl Strategy<Value = ShardResponse> {
         (any::<u32>(), any::<u64>())
             .prop_map(|(shard, current_version)| ShardResponse::NotReady { shard, current_version }),
         (any::<u32>(), any::<u64>()).prop_map(|(shard, epoch)| ShardResponse::Fenced { shard, epoch }),
-        (run_id(), any::<u32>(), any::<u64>(), any::<u64>(), payload()).prop_map(
-            |(run, shard, version, epoch, params)| {
-                ShardResponse::ShardState(ShardState { run, shard, version, epoch, params })
+        (run_id(), any::<u32>(), any::<u64>(), any::<u64>(), payload(), delta_of()).prop_map(
+            |(run, shard, version, epoch, params, delta)| {
+                ShardResponse::ShardState(ShardState { run, shard, version, epoch, params, delta })
             }
         ),
         (any::<u32>(), any::<u64>()).prop_map(|(shard, version)| ShardResponse::HandoffAck { shard, version }),
@@ -174,13 +183,20 @@ fn single_response() -> impl Strategy<Value = ShardResponse> {
         (code, ".{0,40}").prop_map(|(code, m)| ShardResponse::Error(WireError::new(code, m))),
         (
             (any::<u32>(), any::<u64>(), any::<u64>(), any::<u32>()),
-            proptest::option::of((run_id(), any::<u64>(), any::<u64>(), payload()))
+            proptest::option::of((run_id(), any::<u64>(), any::<u64>(), payload(), delta_of()))
         )
             .prop_map(|((shard, version, staleness, held_ms), state)| {
                 ShardResponse::Exchanged(Exchanged {
                     accepted: Accepted { shard, version, staleness },
                     held_ms,
-                    state: state.map(|(run, v, epoch, params)| ShardState { run, shard, version: v, epoch, params }),
+                    state: state.map(|(run, v, epoch, params, delta)| ShardState {
+                        run,
+                        shard,
+                        version: v,
+                        epoch,
+                        params,
+                        delta,
+                    }),
                 })
             }),
         any::<u64>().prop_map(|bytes| ShardResponse::Probed { bytes }),
