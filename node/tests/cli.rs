@@ -860,6 +860,8 @@ fn bench_train_measures_one_model_against_the_graph() {
 /// error that names the cases.
 #[test]
 fn bench_comm_llama_reports_bytes_and_loss_per_case() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let plot = dir.path().join("bytes-loss.png");
     let (out, raw, v) = bench_json(&[
         "bench",
         "comm",
@@ -870,12 +872,16 @@ fn bench_comm_llama_reports_bytes_and_loss_per_case() {
         "--links",
         "0",
         "--cases",
-        "sparseloco H=30 bf16-pull",
+        "sparseloco H=30 delta-sparse",
+        "--plot",
+        &plot.to_string_lossy(),
     ]);
+    let png = std::fs::read(&plot).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(&png[..4], b"\x89PNG", "the bytes-against-loss plot");
     eprintln!("{out}");
     let cases = v["cases"].as_array().cloned().unwrap_or_default();
     let names: Vec<&str> = cases.iter().filter_map(|c| c["name"].as_str()).collect();
-    assert_eq!(names, ["dense", "sparseloco H=30 bf16-pull"], "{raw}");
+    assert_eq!(names, ["dense", "sparseloco H=30 delta-sparse"], "{raw}");
     for c in &cases {
         let loss = c["val_loss"].as_f64().unwrap_or(f64::NAN);
         assert!(loss > 0.0 && loss < 6.0, "{raw}");
@@ -884,9 +890,12 @@ fn bench_comm_llama_reports_bytes_and_loss_per_case() {
         assert_eq!(c["link_mbps"].as_f64(), Some(0.0), "{raw}");
         assert_eq!(c["recommended"].as_bool(), Some(false), "{raw}");
         assert!(c["bytes_total"].as_u64().unwrap_or(0) > 0, "{raw}");
+        assert_eq!(c["delta_mismatches"].as_u64(), Some(0), "{raw}");
     }
+    assert_eq!(cases[1]["delta"].as_str(), Some("sparseloco:0.015"), "{raw}");
+    assert_eq!((cases[1]["outer_lr"].as_f64(), cases[1]["outer_momentum"].as_f64()), (Some(1.0), Some(0.0)), "{raw}");
     let fewer = cases[1]["fewer_bytes_than_dense"].as_f64().unwrap_or(0.0);
-    assert!(fewer > 50.0, "sparse pushes and bf16 pulls every 30 steps: {fewer}x fewer bytes than dense; {raw}");
+    assert!(fewer > 1000.0, "sparse pushes and delta pulls every 30 steps: {fewer}x fewer bytes than dense; {raw}");
     let o = shoal(&["bench", "comm", "--workload", "llama", "--cases", "nope"]);
     let (_, err) = text(&o);
     assert!(!o.status.success() && err.contains("no llama case `nope`") && err.contains("sparseloco H=30"), "{err}");

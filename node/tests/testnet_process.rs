@@ -396,3 +396,78 @@ fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<
     assert_eq!(checks["survivors"].as_array().map(Vec::len), Some(4), "node0..3 trained to the end: {checks}");
     Ok(())
 }
+
+/// Whether network namespaces can be made here (root and iproute2); a skip
+/// says why, and under `SHOAL_REQUIRE_NETNS` (`.ci/run` as root) there is
+/// no skip.
+fn netns_available() -> bool {
+    let probe = format!("shoal-probe-{}", std::process::id());
+    let made = Command::new("ip").args(["netns", "add", &probe]).output().is_ok_and(|o| o.status.success());
+    if made {
+        let _ = Command::new("ip").args(["netns", "del", &probe]).output();
+        return true;
+    }
+    assert!(std::env::var_os("SHOAL_REQUIRE_NETNS").is_none(), "SHOAL_REQUIRE_NETNS is set, but `ip netns add` failed");
+    eprintln!("skipped: testnet/scenarios/wan.toml needs root and iproute2 (network namespaces)");
+    false
+}
+
+/// `wan.toml` (issue 46): 4 Llama nodes, each in a network namespace of its
+/// own, on links of 20, 50, 100 and 100 Mbit/s kept by `tc tbf`, train with
+/// the slow-links recipe to the end. Every node listened on its namespace's
+/// address, not loopback; the report gives each node's bytes, utilization
+/// and link; and the namespaces are gone afterwards.
+#[test]
+fn wan_scenario_trains_four_llama_nodes_over_shaped_links() -> anyhow::Result<()> {
+    if !netns_available() {
+        return Ok(());
+    }
+    let report = tempfile::tempdir()?;
+    // From the repository root: the scenario's text path is relative to it.
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["testnet", "run", "--no-live", "--report"])
+        .arg(report.path())
+        .arg("testnet/scenarios/wan.toml")
+        .current_dir(repo())
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    anyhow::ensure!(out.status.success(), "shoal testnet run wan.toml failed: {}", out.status);
+    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(report.path().join("summary.json"))?)?;
+    let nodes = summary["nodes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(nodes.len(), 4, "{summary}");
+    let mut links = Vec::new();
+    for n in &nodes {
+        assert_eq!(n["exit"], "exited", "{n}");
+        assert_eq!(n["steps"], 300, "{n}");
+        // Trained: bits per byte well under the 8 of an untrained byte model.
+        assert!(n["final_bits_per_byte"].as_f64().is_some_and(|b| b > 0.0 && b < 5.0), "{n}");
+        assert!(n["bytes_out"].as_u64().unwrap_or(0) > 0 && n["bytes_in"].as_u64().unwrap_or(0) > 0, "{n}");
+        let u = n["utilization"].as_f64().unwrap_or(0.0);
+        assert!(u > 0.0 && u <= 1.0, "{n}");
+        links.push(n["link_mbps"].as_f64().unwrap_or(0.0));
+    }
+    assert_eq!(links, [20.0, 50.0, 100.0, 100.0], "{summary}");
+    // Each node listened on its namespace's address on the bridge.
+    for i in 0..4 {
+        let out = std::fs::read_to_string(report.path().join("logs").join(format!("node{i}.out")))?;
+        assert!(
+            out.contains("listening on /ip4/10.233.") && !out.contains("listening on /ip4/127.0.0.1"),
+            "node{i}: {out}"
+        );
+    }
+    // The launcher's namespaces (`shoal-<pid>-hub`, `shoal-<pid>-n<i>`) are gone.
+    let listed = Command::new("ip").args(["netns", "list"]).output()?;
+    let left: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| {
+            n.starts_with("shoal-")
+                && (n.ends_with("-hub")
+                    || n.rsplit_once("-n").is_some_and(|(_, i)| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit())))
+        })
+        .map(str::to_string)
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    Ok(())
+}

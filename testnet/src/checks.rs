@@ -295,12 +295,17 @@ mod tests {
             exit: exit.into(),
             killed: exit == "killed",
             final_accuracy: acc,
+            final_bits_per_byte: None,
             steps: acc.map(|_| 100),
             left,
             resumed_at_step: None,
             model: None,
             arch: "x86_64".into(),
             profile: None,
+            bytes_out: None,
+            bytes_in: None,
+            utilization: None,
+            link_mbps: None,
         }
     }
 

@@ -20,6 +20,7 @@
 pub mod checks;
 pub mod http;
 pub mod layers;
+pub mod netns;
 pub mod process;
 pub mod report;
 pub mod scenario;

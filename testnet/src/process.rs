@@ -36,10 +36,11 @@ use anyhow::{bail, Context};
 
 use crate::checks;
 use crate::http;
+use crate::netns::Netns;
 use crate::report::{
     vm_hwm_bytes, vm_rss_bytes, FaultRecord, NodeOutcome, ResourceSample, RoleRecord, Sample, Summary,
 };
-use crate::scenario::{Action, Arch, At, Discovery, Scenario};
+use crate::scenario::{Action, Arch, At, Discovery, Network, Scenario};
 
 /// How to run a scenario.
 #[derive(Debug, Clone)]
@@ -81,7 +82,14 @@ enum Line {
     PeerId(String),
     Listen(String),
     Http(SocketAddr),
-    Finished { accuracy: f64, steps: u64, left: bool },
+    /// The node's last line: a classifier's test accuracy (a fraction) or
+    /// a language model's test bits per byte.
+    Finished {
+        accuracy: Option<f64>,
+        bits_per_byte: Option<f64>,
+        steps: u64,
+        left: bool,
+    },
 }
 
 /// Parse one line of `shoal node` stdout.
@@ -97,11 +105,17 @@ fn parse_line(line: &str) -> Option<Line> {
     }
     // "node1: finished 300 steps, test accuracy 96.38%, owned shards [..]"
     // "node1: left after 60 steps, test accuracy 95.00%"
+    // "node1: finished 300 steps, test bits/byte 3.215, owned shards [..]" (a language model)
     let left = line.contains(": left after ");
     if line.contains(": finished ") || left {
         let steps = line.split_whitespace().find_map(|w| w.parse::<u64>().ok())?;
-        let acc = line.split("test accuracy ").nth(1)?.split('%').next()?.trim().parse::<f64>().ok()?;
-        return Some(Line::Finished { accuracy: acc / 100.0, steps, left });
+        let after = |key: &str, end: char| -> Option<f64> {
+            line.split(key).nth(1)?.split(end).next()?.trim().parse::<f64>().ok()
+        };
+        let accuracy = after("test accuracy ", '%').map(|a| a / 100.0);
+        let bits_per_byte = after("test bits/byte ", ',');
+        accuracy.or(bits_per_byte)?;
+        return Some(Line::Finished { accuracy, bits_per_byte, steps, left });
     }
     None
 }
@@ -126,7 +140,8 @@ struct NodeProc {
     listen: Option<String>,
     http: Option<SocketAddr>,
     exit: Option<String>,
-    finished: Option<(f64, u64, bool)>,
+    /// Test accuracy, steps, left, test bits per byte.
+    finished: Option<(Option<f64>, u64, bool, Option<f64>)>,
     last: Option<serde_json::Value>,
     last_role: Option<(String, Vec<u64>)>,
     /// Stopped by `freeze`: not polled (it cannot answer) until killed.
@@ -139,6 +154,11 @@ impl NodeProc {
     }
 
     /// The step and total of the node's last status.
+    /// A number from the node's last `/status`.
+    fn last_num(&self, key: &str) -> Option<f64> {
+        self.last.as_ref()?.get(key)?.as_f64()
+    }
+
     fn progress(&self) -> Option<(u64, u64)> {
         let s = self.last.as_ref()?;
         Some((s.get("step")?.as_u64()?, s.get("total_steps")?.as_u64()?))
@@ -161,7 +181,9 @@ impl NodeProc {
                     }
                 }
                 Line::Http(h) => self.http = Some(h),
-                Line::Finished { accuracy, steps, left } => self.finished = Some((accuracy, steps, left)),
+                Line::Finished { accuracy, bits_per_byte, steps, left } => {
+                    self.finished = Some((accuracy, steps, left, bits_per_byte))
+                }
             }
         }
     }
@@ -177,8 +199,8 @@ fn still_training(n: &NodeProc) -> bool {
 fn training_state(n: &NodeProc) -> String {
     match (n.alive(), n.finished, n.progress()) {
         (false, _, _) => format!("it is not running: {}", n.exit.as_deref().unwrap_or("stopped")),
-        (true, Some((_, steps, true)), _) => format!("it left after {steps} steps"),
-        (true, Some((_, steps, false)), _) => format!("it finished its {steps} steps"),
+        (true, Some((_, steps, true, _)), _) => format!("it left after {steps} steps"),
+        (true, Some((_, steps, false, _)), _) => format!("it finished its {steps} steps"),
         (true, None, Some((step, total))) => format!("it is at step {step} of {total}"),
         (true, None, None) => "no status yet".into(),
     }
@@ -851,7 +873,8 @@ impl Testnet<'_> {
                 peer_id: n.peer_id.clone().unwrap_or_default(),
                 exit: n.exit.clone().unwrap_or_else(|| "unknown".into()),
                 killed: n.exit.as_deref() == Some("killed"),
-                final_accuracy: n.finished.map(|f| f.0),
+                final_accuracy: n.finished.and_then(|f| f.0),
+                final_bits_per_byte: n.finished.and_then(|f| f.3),
                 steps: n.finished.map(|f| f.1),
                 left: n.finished.is_some_and(|f| f.2),
                 resumed_at_step: n.last.as_ref().and_then(|s| s.get("resumed_at_step")).and_then(|v| v.as_u64()),
@@ -859,6 +882,13 @@ impl Testnet<'_> {
                     .filter(|m| self.opts.report_dir.join(m).is_file()),
                 arch: self.scenario.node_spec(n.index).arch.to_string(),
                 profile: self.scenario.node_spec(n.index).profile,
+                bytes_out: n.last_num("bytes_out").map(|b| b as u64),
+                bytes_in: n.last_num("bytes_in").map(|b| b as u64),
+                utilization: n
+                    .last_num("compute_secs")
+                    .zip(n.last_num("step_secs"))
+                    .and_then(|(c, s)| (s > 0.0).then(|| (c / s).min(1.0))),
+                link_mbps: self.scenario.node_spec(n.index).link_mbps,
             })
             .collect()
     }
@@ -880,11 +910,16 @@ impl Testnet<'_> {
         println!("report: {}", opts.report_dir.display());
         for n in &summary.nodes {
             println!(
-                "  {}: {} {}{}",
+                "  {}: {} {}{}{}",
                 n.name,
                 n.exit,
-                n.final_accuracy.map_or(String::new(), |a| format!("test accuracy {:.2}%", a * 100.0)),
-                n.resumed_at_step.map_or(String::new(), |s| format!(", resumed from checkpoints at step {s}"))
+                match (n.final_accuracy, n.final_bits_per_byte) {
+                    (Some(a), _) => format!("test accuracy {:.2}%", a * 100.0),
+                    (None, Some(b)) => format!("test bits/byte {b:.3}"),
+                    (None, None) => String::new(),
+                },
+                n.resumed_at_step.map_or(String::new(), |s| format!(", resumed from checkpoints at step {s}")),
+                traffic(n)
             );
         }
         match end {
@@ -998,6 +1033,19 @@ trait Launcher {
     fn resources(&self, pid: u32) -> Option<(u64, u64, u64)>;
 }
 
+/// A node's bytes, utilization and link for the run's last lines (empty
+/// without a `/status`).
+fn traffic(n: &NodeOutcome) -> String {
+    let (Some(out), Some(r#in)) = (n.bytes_out, n.bytes_in) else { return String::new() };
+    format!(
+        ", {:.1} MB out, {:.1} MB in{}{}",
+        out as f64 / 1e6,
+        r#in as f64 / 1e6,
+        n.utilization.map_or(String::new(), |u| format!(", utilization {u:.2}")),
+        n.link_mbps.map_or(String::new(), |m| format!(", {m} Mbit/s link"))
+    )
+}
+
 /// The launcher of `opts.backend`, with whatever it needs made (networks).
 fn launcher_for(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Box<dyn Launcher>> {
     Ok(match &opts.backend {
@@ -1007,11 +1055,17 @@ fn launcher_for(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<Box<dy
 }
 
 /// `shoal node` processes on loopback; a node with `arch = "aarch64"` runs
-/// the aarch64 binary under user-mode emulation.
+/// the aarch64 binary under user-mode emulation. With `network = "netns"`,
+/// each node runs in a network namespace of its own on a bridge, its
+/// `link_mbps` kept by the kernel ([`Netns`]).
 struct ProcessLauncher {
     report_dir: PathBuf,
     shoal_bin: PathBuf,
     aarch64_bin: Option<PathBuf>,
+    /// `network = "netns"`: the bridge and the nodes' namespaces.
+    netns: Option<Netns>,
+    /// Each node's `link_mbps` (netns only), by index.
+    links: Vec<(usize, f64)>,
 }
 
 impl ProcessLauncher {
@@ -1029,10 +1083,21 @@ impl ProcessLauncher {
                 scenario.name
             );
         }
+        let netns = match scenario.network {
+            Network::Loopback => None,
+            Network::Netns if scenario.has_arch(Arch::Aarch64) => bail!(
+                "scenario {}: network = \"netns\" runs native nodes only (an aarch64 node runs under qemu)",
+                scenario.name
+            ),
+            Network::Netns => Some(Netns::new().with_context(|| format!("scenario {}", scenario.name))?),
+        };
+        let links = scenario.overrides.iter().filter_map(|(i, s)| s.link_mbps.map(|m| (*i, m))).collect();
         Ok(ProcessLauncher {
             report_dir: opts.report_dir.clone(),
             shoal_bin: opts.shoal_bin.clone(),
             aarch64_bin: opts.aarch64_bin.clone(),
+            netns,
+            links,
         })
     }
 
@@ -1067,13 +1132,21 @@ impl Launcher for ProcessLauncher {
         Ok(std::fs::canonicalize(&d).unwrap_or(d).display().to_string())
     }
 
-    fn command(&mut self, _i: usize, args: &NodeArgs) -> anyhow::Result<Command> {
+    fn command(&mut self, i: usize, args: &NodeArgs) -> anyhow::Result<Command> {
         let name = &args.name;
-        let mut cmd = self.program(name, args.arch)?;
+        let (mut cmd, host) = match self.netns.as_mut() {
+            Some(n) => {
+                let mbps = self.links.iter().find(|(k, _)| *k == i).map(|(_, m)| *m);
+                n.ensure(i, mbps).with_context(|| format!("{name}'s namespace"))?;
+                (n.command(i, &self.shoal_bin), n.address(i)?)
+            }
+            None => (self.program(name, args.arch)?, "127.0.0.1".to_string()),
+        };
         cmd.arg("node")
             .arg("--config")
             .arg(&args.config)
-            .args(["--name", name, "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--control"])
+            .args(["--name", name, "--listen", &format!("/ip4/{host}/tcp/0"), "--http", &format!("{host}:0")])
+            .arg("--control")
             .args(args.mdns_flag())
             .arg("--identity")
             .arg(self.report_dir.join("keys").join(format!("{name}.key")))
@@ -1413,9 +1486,16 @@ mod tests {
         assert!(matches!(parse_line("peer id 12D3KooW"), Some(Line::PeerId(p)) if p == "12D3KooW"));
         assert!(matches!(parse_line("status on http://127.0.0.1:4000/"), Some(Line::Http(a)) if a.port() == 4000));
         let f = parse_line("node1: finished 300 steps, test accuracy 96.38%, owned shards [1, 2]");
-        assert!(
-            matches!(f, Some(Line::Finished { steps: 300, left: false, accuracy }) if (accuracy - 0.9638).abs() < 1e-9)
-        );
+        assert!(matches!(
+            f,
+            Some(Line::Finished { steps: 300, left: false, accuracy: Some(a), bits_per_byte: None })
+                if (a - 0.9638).abs() < 1e-9
+        ));
+        let f = parse_line("node2: finished 300 steps, test bits/byte 3.215, owned shards [0]");
+        assert!(matches!(
+            f,
+            Some(Line::Finished { steps: 300, accuracy: None, bits_per_byte: Some(b), .. }) if (b - 3.215).abs() < 1e-9
+        ));
         let f = parse_line("node3: left after 60 steps, test accuracy 95.00%");
         assert!(matches!(f, Some(Line::Finished { steps: 60, left: true, .. })));
         assert!(parse_line("2026 INFO something").is_none());

@@ -109,8 +109,10 @@ pub struct NodeOutcome {
     /// `exited`, `killed`, `failed: ...`.
     pub exit: String,
     pub killed: bool,
-    /// From the node's last line; `None` if killed.
+    /// From the node's last line; `None` if killed (or a language model).
     pub final_accuracy: Option<f64>,
+    /// A language model's test bits per byte, from its last line.
+    pub final_bits_per_byte: Option<f64>,
     pub steps: Option<u64>,
     pub left: bool,
     /// Resumed from checkpoints after a full stop, at this step (its last
@@ -123,6 +125,14 @@ pub struct NodeOutcome {
     pub arch: String,
     /// The config preset it ran with (`edge`), if any.
     pub profile: Option<String>,
+    /// Shard bytes it sent and received (pushes, pulls and the states it
+    /// served), from its last `/status`.
+    pub bytes_out: Option<u64>,
+    pub bytes_in: Option<u64>,
+    /// Compute time over step time, from its last `/status`.
+    pub utilization: Option<f64>,
+    /// Its link's rate each way under `network = "netns"`, in Mbit/s.
+    pub link_mbps: Option<f64>,
 }
 
 /// Memory of one node process (one life: a restarted node is a new one).
@@ -278,6 +288,73 @@ fn font() -> bool {
             plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
         })
     })
+}
+
+/// A labelled point of [`plot_points`]: its name, x and y.
+pub type LabelledPoint = (String, f64, f64);
+
+/// `points` as labelled dots on a log-scaled x axis, written as a PNG (the
+/// bytes-against-loss plot of `shoal bench comm --workload llama`). Without
+/// a font on the machine, the dots are drawn without their text.
+pub fn plot_points(path: &Path, title: &str, axes: (&str, &str), points: &[LabelledPoint]) -> anyhow::Result<()> {
+    draw_points(path, title, axes, points).map_err(|e| anyhow::anyhow!("plotting {}: {e}", path.display()))
+}
+
+/// `x` with an SI prefix: 1.5 k, 20 M, 3 G.
+fn si(x: f64) -> String {
+    let (v, unit) = match x.abs() {
+        a if a >= 1e9 => (x / 1e9, "G"),
+        a if a >= 1e6 => (x / 1e6, "M"),
+        a if a >= 1e3 => (x / 1e3, "k"),
+        _ => (x, ""),
+    };
+    let v = format!("{v:.3}");
+    format!("{} {unit}", v.trim_end_matches('0').trim_end_matches('.')).trim_end().to_string()
+}
+
+fn draw_points(
+    path: &Path,
+    title: &str,
+    (x_desc, y_desc): (&str, &str),
+    points: &[LabelledPoint],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let text = font();
+    let positive = || points.iter().filter(|p| p.1 > 0.0 && p.1.is_finite() && p.2.is_finite());
+    let (x_min, x_max) = positive().fold((f64::MAX, f64::MIN), |(lo, hi), p| (lo.min(p.1), hi.max(p.1)));
+    let (y_min, y_max) = positive().fold((f64::MAX, f64::MIN), |(lo, hi), p| (lo.min(p.2), hi.max(p.2)));
+    if x_min > x_max {
+        return Err("no point to plot".into());
+    }
+    let pad = ((y_max - y_min) * 0.1).max(0.01);
+    let root = BitMapBackend::new(path, (1200, 700)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut b = ChartBuilder::on(&root);
+    b.margin(20);
+    if text {
+        b.caption(title, ("sans-serif", 22)).x_label_area_size(40).y_label_area_size(60);
+    }
+    let mut chart = b.build_cartesian_2d((x_min / 2.0..x_max * 4.0).log_scale(), (y_min - pad)..(y_max + 3.0 * pad))?;
+    if text {
+        chart.configure_mesh().x_desc(x_desc).y_desc(y_desc).x_label_formatter(&|x| si(*x)).draw()?;
+    }
+    // Labels of points at about the same height step up, one line each.
+    let mut placed: Vec<(f64, f64)> = Vec::new();
+    for (i, (name, x, y)) in positive().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart.draw_series(std::iter::once(Circle::new((*x, *y), 6, color.filled())))?;
+        if text {
+            let mut at = *y + pad * 0.25;
+            // Within a decade to the side, a label may overlap.
+            while placed.iter().any(|(py, px)| (py - at).abs() < pad * 0.3 && (px / x).log10().abs() < 1.0) {
+                at += pad * 0.35;
+            }
+            placed.push((at, *x));
+            let style = ("sans-serif", 14).into_font().color(&BLACK);
+            chart.draw_series(std::iter::once(Text::new(name.clone(), (*x * 1.08, at), style)))?;
+        }
+    }
+    root.present()?;
+    Ok(())
 }
 
 /// Height of each panel of `plot.png`, in pixels.
@@ -486,6 +563,13 @@ mod tests {
             samples_per_sec: 0.0,
             rounds_forced: 0,
         }
+    }
+
+    #[test]
+    fn si_prefixes_trim_their_zeros() {
+        assert_eq!(super::si(1e6), "1 M");
+        assert_eq!(super::si(1.5e9), "1.5 G");
+        assert_eq!(super::si(250.0), "250");
     }
 
     #[test]

@@ -6,6 +6,9 @@
 //! time_limit_secs = 600     # the whole testnet is stopped after this
 //! discovery = "bootstrap"   # or "mdns": no bootstrap addresses (docker backend)
 //!                           # or "relay": see [relay] (docker backend)
+//! network = "loopback"      # or "netns": each node in a network namespace,
+//!                           # on a bridge, its link_mbps kept by tc tbf
+//!                           # (process backend, root; see crate::netns)
 //!
 //! [node_config]             # a node config (see testnet/node.example.toml)
 //! training = { steps = 1200, eval_every = 100 }
@@ -21,6 +24,7 @@
 //! arch = "aarch64"          # run the aarch64 binary under qemu (process backend)
 //! config = { compression = { push = "int8" } }  # merged over node_config
 //! max_peak_rss_mib = 64     # check: the node's peak resident memory
+//! link_mbps = 20            # network = "netns": the node's link, each way
 //!
 //! [relay]                   # with discovery = "relay" only
 //! node = 0                  # serves as the relay, on both networks (node 0 only)
@@ -115,6 +119,20 @@ pub struct NodeSpec {
     /// (`[node.config]`, same layout as the node's config file).
     pub config: toml::Table,
     pub arch: Arch,
+    /// With `network = "netns"`: the node's link rate each way, in Mbit/s,
+    /// kept by the kernel (none: unshaped).
+    pub link_mbps: Option<f64>,
+}
+
+/// Where the process backend's nodes talk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Network {
+    /// Every node on the host's loopback.
+    #[default]
+    Loopback,
+    /// Each node in a network namespace of its own, on a bridge, its
+    /// `link_mbps` kept by `tc tbf` (needs root; [`crate::netns`]).
+    Netns,
 }
 
 /// The architecture a node's `shoal` binary is built for.
@@ -267,6 +285,8 @@ pub struct Scenario {
     pub discovery: Discovery,
     /// With [`Discovery::Relay`]: which node relays and which are far.
     pub relay: Option<RelaySpec>,
+    /// Where the nodes talk (process backend).
+    pub network: Network,
     pub time_limit: Duration,
     /// Passed to every node as its config file (then overridden per node).
     pub node_config: toml::Table,
@@ -325,6 +345,7 @@ struct RawScenario {
     nodes: Spanned<i64>,
     run_id: Option<String>,
     discovery: Option<Spanned<String>>,
+    network: Option<Spanned<String>>,
     relay: Option<Spanned<RawRelay>>,
     time_limit_secs: Option<Spanned<f64>>,
     #[serde(default)]
@@ -367,6 +388,7 @@ struct RawNode {
     config: toml::Table,
     arch: Option<Spanned<String>>,
     max_peak_rss_mib: Option<Spanned<f64>>,
+    link_mbps: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -426,12 +448,14 @@ impl Scenario {
         checks.max_peak_rss = peak_limits;
         let discovery = src.discovery(raw.discovery.as_ref())?;
         let relay = src.relay(&raw, discovery, nodes)?;
+        let network = src.network(&raw, discovery)?;
         Ok(Scenario {
             name: name.to_string(),
             nodes,
             run_id: raw.run_id.unwrap_or_else(|| format!("testnet-{name}")),
             discovery,
             relay,
+            network,
             time_limit: Duration::from_secs_f64(time_limit),
             node_config: raw.node_config,
             overrides,
@@ -776,6 +800,13 @@ impl Source<'_> {
                 return Err(self.err(a.span(), format!("arch = \"{other}\" is not one of: native, aarch64")))
             }
         };
+        let link_mbps = match &r.link_mbps {
+            None => None,
+            Some(m) if m.get_ref().is_finite() && (0.01..=100_000.0).contains(m.get_ref()) => Some(*m.get_ref()),
+            Some(m) => {
+                return Err(self.err(m.span(), format!("link_mbps = {} must be from 0.01 to 100000", m.get_ref())))
+            }
+        };
         Ok(NodeSpec {
             batch_size,
             slowdown,
@@ -784,7 +815,35 @@ impl Source<'_> {
             profile,
             config: r.config.clone(),
             arch,
+            link_mbps,
         })
+    }
+
+    /// `network`: loopback (the default) or netns, which shapes each
+    /// node's `link_mbps` and needs bootstrap discovery; `link_mbps`
+    /// needs netns.
+    fn network(&self, raw: &RawScenario, discovery: Discovery) -> Result<Network, ScenarioError> {
+        let network = match raw.network.as_ref().map(|n| (n, n.get_ref().as_str())) {
+            None | Some((_, "loopback")) => Network::Loopback,
+            Some((n, "netns")) if discovery != Discovery::Bootstrap => {
+                return Err(self.err(n.span(), "network = \"netns\" needs discovery = \"bootstrap\"".into()))
+            }
+            Some((_, "netns")) => Network::Netns,
+            Some((n, other)) => {
+                return Err(self.err(n.span(), format!("network = \"{other}\" is not one of: loopback, netns")))
+            }
+        };
+        if network == Network::Loopback {
+            if let Some(m) = raw.node.iter().find_map(|n| n.get_ref().link_mbps.as_ref()) {
+                return Err(self.err(
+                    m.span(),
+                    "link_mbps needs network = \"netns\" (loopback has no link to shape; faults.link_mbps \
+                     emulates one inside each node)"
+                        .into(),
+                ));
+            }
+        }
+        Ok(network)
     }
 
     /// The `[checks]` table (without the per-node peaks, which `[[node]]` sets).
@@ -1185,6 +1244,24 @@ action = "add"
         ] {
             let e = parse(&format!("nodes = 3\n[[event]]\n{at}\naction = \"kill\"\nnode = 2\n")).err();
             assert!(e.as_ref().is_some_and(|e| e.message.contains(msg)), "{at}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn shaped_links_need_namespaces_and_a_sane_rate() {
+        let s = parse("nodes = 2\nnetwork = \"netns\"\n[[node]]\nindex = 1\nlink_mbps = 20\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.network, Network::Netns);
+        assert_eq!((s.node_spec(0).link_mbps, s.node_spec(1).link_mbps), (None, Some(20.0)));
+        assert_eq!(parse("nodes = 2\n").map(|s| s.network).ok(), Some(Network::Loopback));
+        for (text, line, msg) in [
+            ("nodes = 2\n[[node]]\nindex = 1\nlink_mbps = 20\n", 4, "needs network = \"netns\""),
+            ("nodes = 2\nnetwork = \"netns\"\n[[node]]\nindex = 1\nlink_mbps = 0\n", 5, "from 0.01"),
+            ("nodes = 2\nnetwork = \"wifi\"\n", 2, "not one of: loopback, netns"),
+            ("nodes = 2\ndiscovery = \"mdns\"\nnetwork = \"netns\"\n", 3, "needs discovery = \"bootstrap\""),
+        ] {
+            let e = parse(text).err().map(|e| (e.line, e.message));
+            assert!(e.as_ref().is_some_and(|(l, m)| *l == line && m.contains(msg)), "{text}: {e:?}");
         }
     }
 }

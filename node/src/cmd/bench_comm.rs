@@ -250,6 +250,9 @@ pub fn run(mut args: BenchCommArgs) -> anyhow::Result<()> {
     if llama {
         return crate::cmd::bench_comm_llama::run(args);
     }
+    if args.plot.is_some() {
+        anyhow::bail!("--plot draws bytes against loss for --workload llama; the mlp workload prints its table");
+    }
     if args.text.is_some() {
         anyhow::bail!("--text is the corpus of --workload llama; the mlp workload trains on images");
     }

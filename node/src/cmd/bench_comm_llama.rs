@@ -9,7 +9,9 @@
 //! - DiLoCo (`local_steps`): H local AdamW steps, then the round's
 //!   pseudo-gradient pushed and the owners' outer Nesterov step pulled;
 //! - the same with int8 pushes, with SparseLoCo-class pushes (top-k per
-//!   chunk, 2-bit values, error feedback), and with those and bf16 pulls.
+//!   chunk, 2-bit values, error feedback), and with those and bf16 pulls;
+//! - delta pulls (`local_steps.delta`): the owners send each round's update,
+//!   int8, SparseLoCo-class or top-k, in place of the shard.
 //!
 //! Each case reports the payload bytes the workers pushed and pulled over
 //! the network (all nodes, both directions), the held-out loss at the end,
@@ -62,10 +64,13 @@ struct Case {
     /// The owners' outer learning rate and Nesterov momentum (none:
     /// DiLoCo's 0.7 and 0.9).
     outer: Option<(f64, f64)>,
+    /// Delta pulls (`local_steps.delta`): how the owners send each round's
+    /// update; `None` pulls whole shards.
+    delta: PushCompression,
 }
 
 const fn case(name: &'static str, local_steps: u64, push: PushCompression, pull: PullCompression) -> Case {
-    Case { name, local_steps, push, pull, recommended: false, outer: None }
+    Case { name, local_steps, push, pull, recommended: false, outer: None, delta: PushCompression::None }
 }
 
 /// The cases, the first of which (dense) is every other's baseline.
@@ -81,10 +86,32 @@ fn cases() -> Vec<Case> {
         case("diloco H=30", H, Push::None, Pull::None),
         Case { outer: avg, ..case("diloco H=30 avg", H, Push::None, Pull::None) },
         Case { outer: avg, ..case("diloco H=30 avg int8", H, Push::Int8, Pull::None) },
-        Case { outer: avg, recommended: true, ..case("diloco H=30 avg int8 bf16-pull", H, Push::Int8, Pull::Bf16) },
+        Case { outer: avg, ..case("diloco H=30 avg int8 bf16-pull", H, Push::Int8, Pull::Bf16) },
         Case { outer: avg, ..case("sparseloco H=30", H, sparse, Pull::None) },
         Case { outer: avg, ..case("sparseloco H=30 bf16-pull", H, sparse, Pull::Bf16) },
         Case { outer: avg, ..case("sparseloco 5% H=30 bf16-pull", H, Push::SparseLoCo { fraction: 0.05 }, Pull::Bf16) },
+        Case {
+            outer: avg,
+            delta: Push::Int8,
+            recommended: true,
+            ..case("diloco H=30 avg int8 delta-int8", H, Push::Int8, Pull::None)
+        },
+        Case { outer: avg, delta: sparse, ..case("sparseloco H=30 delta-sparse", H, sparse, Pull::None) },
+        Case {
+            outer: avg,
+            delta: Push::SparseLoCo { fraction: 0.05 },
+            ..case("sparseloco 5% H=30 delta-sparse 5%", H, Push::SparseLoCo { fraction: 0.05 }, Pull::None)
+        },
+        Case {
+            outer: avg,
+            delta: Push::SparseLoCo { fraction: 0.05 },
+            ..case("sparseloco 5% H=15 delta-sparse 5%", 15, Push::SparseLoCo { fraction: 0.05 }, Pull::None)
+        },
+        Case {
+            outer: avg,
+            delta: Push::TopK { fraction: SPARSE },
+            ..case("topk 1.5% H=30 delta-topk 1.5%", H, Push::TopK { fraction: SPARSE }, Pull::None)
+        },
     ]
 }
 
@@ -100,6 +127,8 @@ struct Outcome {
     /// Compute time over step time, all workers' steps.
     utilization: f64,
     wall_secs: f64,
+    /// Delta pulls that did not lead to the owners' shard (all nodes).
+    delta_mismatches: u64,
 }
 
 async fn measure(cfg: NodeConfig) -> anyhow::Result<Outcome> {
@@ -107,9 +136,11 @@ async fn measure(cfg: NodeConfig) -> anyhow::Result<Outcome> {
     let reports = Cluster::start(&ClusterSpec::new(NODES, cfg)).await?.wait().await?;
     let wall_secs = started.elapsed().as_secs_f64();
     let (mut bytes, mut loss, mut bpb, mut compute, mut step) = (0u64, 0.0, 0.0, 0.0, 0.0);
+    let mut delta_mismatches = 0;
     for r in &reports {
         let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
         bytes += s.bytes_out + s.bytes_in;
+        delta_mismatches += s.delta_mismatches;
         loss += f64::from(r.loss);
         bpb += f64::from(r.bits_per_byte.unwrap_or(f32::NAN));
         compute += s.compute_secs;
@@ -122,6 +153,7 @@ async fn measure(cfg: NodeConfig) -> anyhow::Result<Outcome> {
         bits_per_byte: bpb / n,
         utilization: if step > 0.0 { compute / step } else { 0.0 },
         wall_secs,
+        delta_mismatches,
     })
 }
 
@@ -142,14 +174,23 @@ fn case_config(args: &BenchCommArgs, text: &std::path::Path, case: &Case, mbps: 
     // Fixed owners: every case moves the same shards between the same nodes.
     cfg.roles.elastic = false;
     cfg.sync.policy = SyncPolicy::Bsp;
-    cfg.local_steps = LocalStepsConfig::per_round(case.local_steps).map(|l| match case.outer {
-        Some((outer_lr, outer_momentum)) => LocalStepsConfig { outer_lr, outer_momentum, ..l },
-        None => l,
+    cfg.local_steps = LocalStepsConfig::per_round(case.local_steps).map(|l| {
+        let l = LocalStepsConfig { delta: case.delta, ..l };
+        match case.outer {
+            Some((outer_lr, outer_momentum)) => LocalStepsConfig { outer_lr, outer_momentum, ..l },
+            None => l,
+        }
     });
     cfg.compression = CompressionConfig { push: case.push, pull: case.pull };
     cfg.faults.link_mbps = mbps;
     cfg.faults.link_latency_ms = if mbps > 0.0 { args.latency_ms } else { 0.0 };
     cfg
+}
+
+/// The owners' outer rate and momentum in `case` (none without local steps).
+fn cfg_outer(case: &Case) -> Option<(f64, f64)> {
+    let l = LocalStepsConfig::per_round(case.local_steps)?;
+    Some(case.outer.unwrap_or((l.outer_lr, l.outer_momentum)))
 }
 
 fn batch(args: &BenchCommArgs) -> usize {
@@ -204,6 +245,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
         batch(&args),
         args.steps,
     );
+    let mut points: Vec<shoal_testnet::report::LabelledPoint> = Vec::new();
     let rows = rt.block_on(async {
         let mut rows = Vec::new();
         for &mbps in &args.links {
@@ -231,9 +273,20 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
                     m.wall_secs,
                     if c.recommended { "  (recommended)" } else { "" }
                 );
+                let label = if args.links.len() > 1 { format!("{} ({mbps} Mbit/s)", c.name) } else { c.name.into() };
+                points.push((label, m.bytes_total as f64, m.val_loss));
+                if m.delta_mismatches > 0 {
+                    println!(
+                        "  {} delta pulls did not match the owners' shards (each pulled it whole)",
+                        m.delta_mismatches
+                    );
+                }
+                let outer = cfg_outer(c);
                 rows.push(serde_json::json!({
                     "name": c.name, "link_mbps": mbps, "local_steps": c.local_steps,
-                    "push": c.push.to_string(), "pull": c.pull.to_string(),
+                    "push": c.push.to_string(), "pull": c.pull.to_string(), "delta": c.delta.to_string(),
+                    "outer_lr": outer.map(|o| o.0), "outer_momentum": outer.map(|o| o.1),
+                    "delta_mismatches": m.delta_mismatches,
                     "bytes_total": m.bytes_total, "fewer_bytes_than_dense": fewer,
                     "val_loss": m.val_loss, "val_loss_vs_dense": worse, "bits_per_byte": m.bits_per_byte,
                     "utilization": m.utilization, "wall_secs": m.wall_secs, "recommended": c.recommended,
@@ -247,6 +300,16 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
          directions. val loss: the nodes' mean held-out loss (nats per byte) at the end; vs dense: relative. \
          util: compute time over step time, all workers."
     );
+    if let Some(path) = &args.plot {
+        let title = format!("{NODES} nodes, {} steps: bytes on the wire against held-out loss", args.steps);
+        shoal_testnet::report::plot_points(
+            path,
+            &title,
+            ("bytes, all nodes (log)", "held-out loss, nats/byte"),
+            &points,
+        )?;
+        println!("plot written to {}", path.display());
+    }
     write_json(
         args.json.as_deref(),
         &serde_json::json!({

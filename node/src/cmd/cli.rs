@@ -719,6 +719,10 @@ pub struct BenchCommArgs {
     /// learnt by heart).
     #[arg(long)]
     pub text: Option<PathBuf>,
+    /// llama: also draw bytes against held-out loss, one dot per case and
+    /// link, as a PNG to this file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Also write the numbers as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
