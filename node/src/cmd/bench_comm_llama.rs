@@ -213,6 +213,39 @@ fn chosen(args: &BenchCommArgs) -> anyhow::Result<Vec<Case>> {
         .collect())
 }
 
+/// One case's line of the table (and a note of any delta mismatch), and
+/// its JSON row; `base` is dense's outcome on the same link.
+#[allow(clippy::print_stdout)] // The CLI's own output.
+fn report_case(c: &Case, mbps: f64, m: &Outcome, base: &Outcome) -> serde_json::Value {
+    let fewer = base.bytes_total as f64 / m.bytes_total.max(1) as f64;
+    let worse = m.val_loss / base.val_loss - 1.0;
+    println!(
+        "{:<34} {:>12} {:>9.1}x {:>9.4} {:>+8.2}% {:>10.3} {:>8.3} {:>7.1}{}",
+        c.name,
+        m.bytes_total,
+        fewer,
+        m.val_loss,
+        100.0 * worse,
+        m.bits_per_byte,
+        m.utilization,
+        m.wall_secs,
+        if c.recommended { "  (recommended)" } else { "" }
+    );
+    if m.delta_mismatches > 0 {
+        println!("  {} delta pulls did not match the owners' shards (each pulled it whole)", m.delta_mismatches);
+    }
+    let outer = cfg_outer(c);
+    serde_json::json!({
+        "name": c.name, "link_mbps": mbps, "local_steps": c.local_steps,
+        "push": c.push.to_string(), "pull": c.pull.to_string(), "delta": c.delta.to_string(),
+        "outer_lr": outer.map(|o| o.0), "outer_momentum": outer.map(|o| o.1),
+        "delta_mismatches": m.delta_mismatches,
+        "bytes_total": m.bytes_total, "fewer_bytes_than_dense": fewer,
+        "val_loss": m.val_loss, "val_loss_vs_dense": worse, "bits_per_byte": m.bits_per_byte,
+        "utilization": m.utilization, "wall_secs": m.wall_secs, "recommended": c.recommended,
+    })
+}
+
 /// `shoal bench comm --workload llama`.
 #[allow(clippy::print_stdout)] // The CLI's own output.
 pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
@@ -259,38 +292,9 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<()> {
             for c in &cases {
                 let m = measure(case_config(&args, &text, c, mbps, rows.len())).await?;
                 let base = *dense.get_or_insert(m);
-                let fewer = base.bytes_total as f64 / m.bytes_total.max(1) as f64;
-                let worse = m.val_loss / base.val_loss - 1.0;
-                println!(
-                    "{:<34} {:>12} {:>9.1}x {:>9.4} {:>+8.2}% {:>10.3} {:>8.3} {:>7.1}{}",
-                    c.name,
-                    m.bytes_total,
-                    fewer,
-                    m.val_loss,
-                    100.0 * worse,
-                    m.bits_per_byte,
-                    m.utilization,
-                    m.wall_secs,
-                    if c.recommended { "  (recommended)" } else { "" }
-                );
                 let label = if args.links.len() > 1 { format!("{} ({mbps} Mbit/s)", c.name) } else { c.name.into() };
                 points.push((label, m.bytes_total as f64, m.val_loss));
-                if m.delta_mismatches > 0 {
-                    println!(
-                        "  {} delta pulls did not match the owners' shards (each pulled it whole)",
-                        m.delta_mismatches
-                    );
-                }
-                let outer = cfg_outer(c);
-                rows.push(serde_json::json!({
-                    "name": c.name, "link_mbps": mbps, "local_steps": c.local_steps,
-                    "push": c.push.to_string(), "pull": c.pull.to_string(), "delta": c.delta.to_string(),
-                    "outer_lr": outer.map(|o| o.0), "outer_momentum": outer.map(|o| o.1),
-                    "delta_mismatches": m.delta_mismatches,
-                    "bytes_total": m.bytes_total, "fewer_bytes_than_dense": fewer,
-                    "val_loss": m.val_loss, "val_loss_vs_dense": worse, "bits_per_byte": m.bits_per_byte,
-                    "utilization": m.utilization, "wall_secs": m.wall_secs, "recommended": c.recommended,
-                }));
+                rows.push(report_case(c, mbps, &m, &base));
             }
         }
         anyhow::Ok(rows)
