@@ -453,9 +453,10 @@ pub struct ShardState {
     /// Parameters, or with `delta` the update to add to them.
     pub params: Payload,
     /// `None`: `params` are the shard. Else `params` decode to the update
-    /// from version `delta.base` to `version`: the puller adds it, value by
-    /// value in f32, to the copy it holds of `base` (the `have` it sent),
-    /// and the sum hashes to `delta.hash` ([`crate::payload::params_hash`]).
+    /// from version `delta.base` to `version`: the puller adds it to the
+    /// copy it holds of `base` (the `have` it sent) with
+    /// [`crate::Payload::add_scaled_into`] at weight 1, and the sum hashes
+    /// to `delta.hash` ([`crate::payload::params_hash`]).
     pub delta: Option<DeltaOf>,
 }
 

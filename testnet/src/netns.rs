@@ -7,9 +7,10 @@
 //! (`faults.link_latency_ms`): these machines have no `sch_netem`.
 //!
 //! Nothing here touches the host's own interfaces: the namespaces, the
-//! bridge and every veth are made here and go when the launcher is dropped, IPv6 is off on
-//! all of them (so the kernel sends no neighbour discovery of its own), and
-//! the nodes' mDNS stays off (the scenario's discovery is bootstrap).
+//! bridge and every veth are made here and go when the launcher is
+//! dropped, IPv6 is off on all of them (so the kernel sends no neighbour
+//! discovery of its own), and the nodes' mDNS stays off (the scenario's
+//! discovery is bootstrap).
 //! Needs root and iproute2.
 
 use std::process::Command;
@@ -142,9 +143,9 @@ impl Netns {
         if let Some(mbps) = mbps {
             // What the node sends queues on its own end; what it receives
             // on the hub's.
+            let tbf = tbf_args(mbps);
             for (netns, dev) in [(ns.as_str(), "eth0"), (self.hub.as_str(), hub_end.as_str())] {
                 let mut args = vec!["netns", "exec", netns, "tc", "qdisc", "add", "dev", dev];
-                let tbf = tbf_args(mbps);
                 args.extend(tbf.iter().map(String::as_str));
                 ip(&args)?;
             }

@@ -82,14 +82,18 @@ enum Line {
     PeerId(String),
     Listen(String),
     Http(SocketAddr),
-    /// The node's last line: a classifier's test accuracy (a fraction) or
-    /// a language model's test bits per byte.
-    Finished {
-        accuracy: Option<f64>,
-        bits_per_byte: Option<f64>,
-        steps: u64,
-        left: bool,
-    },
+    Finished(Finished),
+}
+
+/// A node's last line: how many steps it ran, whether it left, and a
+/// classifier's test accuracy (a fraction) or a language model's test bits
+/// per byte.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Finished {
+    accuracy: Option<f64>,
+    bits_per_byte: Option<f64>,
+    steps: u64,
+    left: bool,
 }
 
 /// Parse one line of `shoal node` stdout.
@@ -115,7 +119,7 @@ fn parse_line(line: &str) -> Option<Line> {
         let accuracy = after("test accuracy ", '%').map(|a| a / 100.0);
         let bits_per_byte = after("test bits/byte ", ',');
         accuracy.or(bits_per_byte)?;
-        return Some(Line::Finished { accuracy, bits_per_byte, steps, left });
+        return Some(Line::Finished(Finished { accuracy, bits_per_byte, steps, left }));
     }
     None
 }
@@ -140,8 +144,7 @@ struct NodeProc {
     listen: Option<String>,
     http: Option<SocketAddr>,
     exit: Option<String>,
-    /// Test accuracy, steps, left, test bits per byte.
-    finished: Option<(Option<f64>, u64, bool, Option<f64>)>,
+    finished: Option<Finished>,
     last: Option<serde_json::Value>,
     last_role: Option<(String, Vec<u64>)>,
     /// Stopped by `freeze`: not polled (it cannot answer) until killed.
@@ -181,9 +184,7 @@ impl NodeProc {
                     }
                 }
                 Line::Http(h) => self.http = Some(h),
-                Line::Finished { accuracy, bits_per_byte, steps, left } => {
-                    self.finished = Some((accuracy, steps, left, bits_per_byte))
-                }
+                Line::Finished(f) => self.finished = Some(f),
             }
         }
     }
@@ -199,8 +200,8 @@ fn still_training(n: &NodeProc) -> bool {
 fn training_state(n: &NodeProc) -> String {
     match (n.alive(), n.finished, n.progress()) {
         (false, _, _) => format!("it is not running: {}", n.exit.as_deref().unwrap_or("stopped")),
-        (true, Some((_, steps, true, _)), _) => format!("it left after {steps} steps"),
-        (true, Some((_, steps, false, _)), _) => format!("it finished its {steps} steps"),
+        (true, Some(Finished { steps, left: true, .. }), _) => format!("it left after {steps} steps"),
+        (true, Some(Finished { steps, left: false, .. }), _) => format!("it finished its {steps} steps"),
         (true, None, Some((step, total))) => format!("it is at step {step} of {total}"),
         (true, None, None) => "no status yet".into(),
     }
@@ -227,6 +228,8 @@ struct NodeArgs {
     /// Its config file, written from the scenario.
     config: PathBuf,
     arch: Arch,
+    /// Its link each way under `network = "netns"`, in Mbit/s.
+    link_mbps: Option<f64>,
     /// On the far network of a relay scenario.
     far: bool,
     /// The relay node of a relay scenario.
@@ -361,6 +364,7 @@ impl Testnet<'_> {
             name: format!("node{i}"),
             config,
             arch: self.scenario.node_spec(i).arch,
+            link_mbps: self.scenario.node_spec(i).link_mbps,
             far,
             relay_server: self.scenario.relay.as_ref().is_some_and(|r| r.node == i),
             no_mdns: self.scenario.discovery != Discovery::Mdns,
@@ -873,10 +877,10 @@ impl Testnet<'_> {
                 peer_id: n.peer_id.clone().unwrap_or_default(),
                 exit: n.exit.clone().unwrap_or_else(|| "unknown".into()),
                 killed: n.exit.as_deref() == Some("killed"),
-                final_accuracy: n.finished.and_then(|f| f.0),
-                final_bits_per_byte: n.finished.and_then(|f| f.3),
-                steps: n.finished.map(|f| f.1),
-                left: n.finished.is_some_and(|f| f.2),
+                final_accuracy: n.finished.and_then(|f| f.accuracy),
+                final_bits_per_byte: n.finished.and_then(|f| f.bits_per_byte),
+                steps: n.finished.map(|f| f.steps),
+                left: n.finished.is_some_and(|f| f.left),
                 resumed_at_step: n.last.as_ref().and_then(|s| s.get("resumed_at_step")).and_then(|v| v.as_u64()),
                 model: Some(format!("models/{}.safetensors", n.name))
                     .filter(|m| self.opts.report_dir.join(m).is_file()),
@@ -1064,8 +1068,6 @@ struct ProcessLauncher {
     aarch64_bin: Option<PathBuf>,
     /// `network = "netns"`: the bridge and the nodes' namespaces.
     netns: Option<Netns>,
-    /// Each node's `link_mbps` (netns only), by index.
-    links: Vec<(usize, f64)>,
 }
 
 impl ProcessLauncher {
@@ -1091,13 +1093,11 @@ impl ProcessLauncher {
             ),
             Network::Netns => Some(Netns::new().with_context(|| format!("scenario {}", scenario.name))?),
         };
-        let links = scenario.overrides.iter().filter_map(|(i, s)| s.link_mbps.map(|m| (*i, m))).collect();
         Ok(ProcessLauncher {
             report_dir: opts.report_dir.clone(),
             shoal_bin: opts.shoal_bin.clone(),
             aarch64_bin: opts.aarch64_bin.clone(),
             netns,
-            links,
         })
     }
 
@@ -1136,8 +1136,7 @@ impl Launcher for ProcessLauncher {
         let name = &args.name;
         let (mut cmd, host) = match self.netns.as_mut() {
             Some(n) => {
-                let mbps = self.links.iter().find(|(k, _)| *k == i).map(|(_, m)| *m);
-                n.ensure(i, mbps).with_context(|| format!("{name}'s namespace"))?;
+                n.ensure(i, args.link_mbps).with_context(|| format!("{name}'s namespace"))?;
                 (n.command(i, &self.shoal_bin), n.address(i)?)
             }
             None => (self.program(name, args.arch)?, "127.0.0.1".to_string()),
@@ -1488,16 +1487,17 @@ mod tests {
         let f = parse_line("node1: finished 300 steps, test accuracy 96.38%, owned shards [1, 2]");
         assert!(matches!(
             f,
-            Some(Line::Finished { steps: 300, left: false, accuracy: Some(a), bits_per_byte: None })
+            Some(Line::Finished(Finished { steps: 300, left: false, accuracy: Some(a), bits_per_byte: None }))
                 if (a - 0.9638).abs() < 1e-9
         ));
         let f = parse_line("node2: finished 300 steps, test bits/byte 3.215, owned shards [0]");
         assert!(matches!(
             f,
-            Some(Line::Finished { steps: 300, accuracy: None, bits_per_byte: Some(b), .. }) if (b - 3.215).abs() < 1e-9
+            Some(Line::Finished(Finished { steps: 300, accuracy: None, bits_per_byte: Some(b), .. }))
+                if (b - 3.215).abs() < 1e-9
         ));
         let f = parse_line("node3: left after 60 steps, test accuracy 95.00%");
-        assert!(matches!(f, Some(Line::Finished { steps: 60, left: true, .. })));
+        assert!(matches!(f, Some(Line::Finished(Finished { steps: 60, left: true, .. }))));
         assert!(parse_line("2026 INFO something").is_none());
     }
 }

@@ -41,7 +41,7 @@ use crate::ops::faults::hold;
 use crate::ops::logging::short;
 use crate::policy::backoff::Backoff;
 use crate::policy::compress::{factored_push, ErrorFeedback, PushCompression};
-use crate::policy::delta::{self, ShardDelta};
+use crate::policy::delta::ShardDelta;
 use crate::policy::exchange::{self, ExchangeAction, PullAnswer, PushAnswer, ShardExchange};
 use crate::policy::explore::PaceMeter;
 use crate::policy::fit::{permille, rebalanced, BatchFit};
@@ -242,7 +242,7 @@ enum Values {
         from: PeerId,
     },
     /// Delta pulls: the update from `base` to the version, checked on
-    /// arrival, added to the worker's copy ([`delta::apply`]).
+    /// arrival ([`received_delta`]), added to the worker's copy.
     Delta(Arc<ShardDelta>),
 }
 
@@ -270,9 +270,8 @@ impl Values {
                 if d.base != held {
                     return Ok(false);
                 }
-                let mut update = vec![0.0; out.len()];
-                d.payload.decode_into(&mut update).context("an update")?;
-                delta::apply(out, &update);
+                // The owner's own addition (`DeltaLog::record`).
+                d.payload.add_scaled_into(out, 1.0).context("an update")?;
                 return Ok(params_hash(out) == d.hash);
             }
         }
@@ -491,12 +490,8 @@ fn push_answer(pushed: anyhow::Result<Pushed>) -> PushAnswer<PeerId, Values> {
 fn exchanged(x: shoal_protocol::Exchanged, from: PeerId) -> anyhow::Result<Pushed> {
     Ok(match x.state {
         Some(s) if s.delta.is_some() => {
-            let shard = x.accepted.shard;
-            s.params.verify().with_context(|| format!("the update of shard {shard} that {from} sent"))?;
-            let hash = s.delta.map_or(0, |d| d.hash);
-            let base = s.delta.map_or(0, |d| d.base);
-            let d = ShardDelta { base, version: s.version, payload: s.params, hash };
-            Pushed::State { version: s.version, params: Values::Delta(Arc::new(d)) }
+            let version = s.version;
+            Pushed::State { version, params: Values::Delta(received_delta(s, from)?) }
         }
         Some(s) => {
             let payload = s
@@ -507,6 +502,15 @@ fn exchanged(x: shoal_protocol::Exchanged, from: PeerId) -> anyhow::Result<Pushe
         }
         None => Pushed::Reply(PushReply::Accepted { version: x.accepted.version, staleness: x.accepted.staleness }),
     })
+}
+
+/// A shard state that carries a round's update (delta pulls), as the
+/// worker keeps it: checked on arrival (checksum, finiteness), so a bad one
+/// fails this attempt. The caller has seen `s.delta` set.
+fn received_delta(s: shoal_protocol::ShardState, from: PeerId) -> anyhow::Result<Arc<ShardDelta>> {
+    let d = s.delta.context("a whole shard where an update was expected")?;
+    s.params.verify().with_context(|| format!("the update of shard {} that {from} sent", s.shard))?;
+    Ok(Arc::new(ShardDelta { base: d.base, version: s.version, payload: s.params, hash: d.hash }))
 }
 
 /// `params` copied into `spare`'s buffer when nothing else holds it any
@@ -1722,17 +1726,10 @@ impl Worker {
             ShardResponse::ShardState(s) => {
                 hold(self.faults.receive_delay(s.params.byte_len())).await;
                 self.moved(0, s.params.byte_len());
-                match s.delta {
-                    Some(d) => {
-                        s.params.verify().with_context(|| format!("the update of shard {shard} that {owner} sent"))?;
-                        PullReply::Delta(Arc::new(ShardDelta {
-                            base: d.base,
-                            version: s.version,
-                            payload: s.params,
-                            hash: d.hash,
-                        }))
-                    }
-                    None => PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) },
+                if s.delta.is_some() {
+                    PullReply::Delta(received_delta(s, owner)?)
+                } else {
+                    PullReply::State { version: s.version, params: Arc::new(s.params.decode()?) }
                 }
             }
             ShardResponse::NotReady { current_version, .. } => PullReply::NotReady { current_version },
@@ -1900,7 +1897,7 @@ mod tests {
         let base: Vec<f32> = (0..300).map(|i| (i as f32 * 0.1).sin()).collect();
         let update: Vec<f32> = (0..300).map(|i| if i % 7 == 0 { 0.03 } else { 0.0 }).collect();
         let mut owner = base.clone();
-        delta::apply(&mut owner, &update);
+        Payload::encode(&update, Encoding::F32)?.add_scaled_into(&mut owner, 1.0)?;
         let answer = |hash: u64| shoal_protocol::Exchanged {
             accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
             state: Some(shoal_protocol::ShardState {

@@ -174,23 +174,20 @@ fn case_config(args: &BenchCommArgs, text: &std::path::Path, case: &Case, mbps: 
     // Fixed owners: every case moves the same shards between the same nodes.
     cfg.roles.elastic = false;
     cfg.sync.policy = SyncPolicy::Bsp;
-    cfg.local_steps = LocalStepsConfig::per_round(case.local_steps).map(|l| {
-        let l = LocalStepsConfig { delta: case.delta, ..l };
-        match case.outer {
-            Some((outer_lr, outer_momentum)) => LocalStepsConfig { outer_lr, outer_momentum, ..l },
-            None => l,
-        }
-    });
+    cfg.local_steps = local_steps_of(case);
     cfg.compression = CompressionConfig { push: case.push, pull: case.pull };
     cfg.faults.link_mbps = mbps;
     cfg.faults.link_latency_ms = if mbps > 0.0 { args.latency_ms } else { 0.0 };
     cfg
 }
 
-/// The owners' outer rate and momentum in `case` (none without local steps).
-fn cfg_outer(case: &Case) -> Option<(f64, f64)> {
-    let l = LocalStepsConfig::per_round(case.local_steps)?;
-    Some(case.outer.unwrap_or((l.outer_lr, l.outer_momentum)))
+/// The `[local_steps]` table of `case` (none for a step-by-step case).
+fn local_steps_of(case: &Case) -> Option<LocalStepsConfig> {
+    let l = LocalStepsConfig { delta: case.delta, ..LocalStepsConfig::per_round(case.local_steps)? };
+    Some(match case.outer {
+        Some((outer_lr, outer_momentum)) => LocalStepsConfig { outer_lr, outer_momentum, ..l },
+        None => l,
+    })
 }
 
 fn batch(args: &BenchCommArgs) -> usize {
@@ -234,7 +231,7 @@ fn report_case(c: &Case, mbps: f64, m: &Outcome, base: &Outcome) -> serde_json::
     if m.delta_mismatches > 0 {
         println!("  {} delta pulls did not match the owners' shards (each pulled it whole)", m.delta_mismatches);
     }
-    let outer = cfg_outer(c);
+    let outer = local_steps_of(c).map(|l| (l.outer_lr, l.outer_momentum));
     serde_json::json!({
         "name": c.name, "link_mbps": mbps, "local_steps": c.local_steps,
         "push": c.push.to_string(), "pull": c.pull.to_string(), "delta": c.delta.to_string(),

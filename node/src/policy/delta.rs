@@ -6,8 +6,10 @@
 //! keeps an update it did not send: once the outer optimizer has moved the
 //! shard, [`DeltaLog::record`] compresses the move (plus what earlier
 //! rounds' compression left out, error feedback on the owner's side), puts
-//! the shard back where it was and adds the decoded update with
-//! [`apply`], the one addition the workers run too. What the encoding
+//! the shard back where it was and adds the encoded update to it with
+//! [`Payload::add_scaled_into`] at weight 1, the one addition the workers
+//! run too (a sparse update touches only its kept entries on both sides,
+//! so even a `-0.0` stays as it was). What the encoding
 //! dropped waits in the residual for the next round. A reply carries
 //! [`shoal_protocol::payload::params_hash`] of the result, so a worker that
 //! added the update to anything else finds out and pulls the whole shard.
@@ -58,7 +60,14 @@ impl DeltaLog {
             return;
         };
         params.copy_from_slice(before);
-        apply(params, &sent.values);
+        if sent.payload.add_scaled_into(params, 1.0).is_err() {
+            // Not for a payload just encoded from finite values; were it
+            // so, the move stands and pullers take the whole shard.
+            for ((p, b), u) in params.iter_mut().zip(before).zip(&update) {
+                *p = b + u;
+            }
+            return;
+        }
         self.last = Some(Arc::new(ShardDelta {
             base: version.saturating_sub(1),
             version,
@@ -76,14 +85,6 @@ impl DeltaLog {
     /// What compression has left out so far (the residual's values).
     pub fn owed(&self) -> &[f32] {
         self.feedback.residual(0)
-    }
-}
-
-/// Add an update to a shard's values, value by value in f32: the owner and
-/// every worker run this same addition, so equal inputs give equal bits.
-pub fn apply(params: &mut [f32], update: &[f32]) {
-    for (p, u) in params.iter_mut().zip(update) {
-        *p += u;
     }
 }
 
@@ -113,16 +114,15 @@ mod tests {
                 // The optimizer's move: the same step on the owner's shard
                 // and on a copy that is never compressed.
                 let target = moved(&before, version as u32);
-                let step: Vec<f32> = target.iter().zip(&before).map(|(t, b)| t - b).collect();
-                apply(&mut optimizer_path, &step);
+                for ((p, t), b) in optimizer_path.iter_mut().zip(&target).zip(&before) {
+                    *p += t - b;
+                }
                 owner.copy_from_slice(&target);
                 log.record(&before, &mut owner, version);
                 assert!(log.from(version, version).is_none(), "no update from the version it leads to");
                 let d = log.from(version - 1, version).unwrap();
                 assert_eq!((d.base, d.version), (version - 1, version));
-                let mut update = vec![0.0; worker.len()];
-                d.payload.decode_into(&mut update).unwrap();
-                apply(&mut worker, &update);
+                d.payload.add_scaled_into(&mut worker, 1.0).unwrap();
                 assert_eq!(params_hash(&worker), d.hash, "{compression} round {version}");
                 assert!(worker.iter().zip(&owner).all(|(w, o)| w.to_bits() == o.to_bits()));
             }
