@@ -802,15 +802,16 @@ fn bench_json(args: &[&str]) -> (String, String, serde_json::Value) {
 }
 
 /// `shoal bench exchange` on a small model: every worker's push and pull
-/// moves (n-1)/n of the model each way in f32, the compressed case moves
-/// well under half of that, and both report a rate.
+/// moves (n-1)/n of the model each way in f32, the compressed cases move
+/// well under half of that, and all report a rate. Owners make a pass per
+/// dense push and a bounded few for a round of sparse ones.
 #[test]
 fn bench_exchange_moves_the_bytes_an_all_reduce_would() {
     let (out, raw, v) = bench_json(&["bench", "exchange", "--mb", "2", "--steps", "3", "--shards", "8"]);
     let model = v["model_bytes"].as_f64().unwrap_or(0.0);
     assert!((model - 2e6).abs() < 2e3, "the model is about 2 MB: {model}");
     let cases = v["cases"].as_array().cloned().unwrap_or_default();
-    assert_eq!(cases.len(), 2, "{raw}");
+    assert_eq!(cases.len(), 3, "{raw}");
     let wire = |i: usize| cases[i]["wire_bytes_per_step"].as_f64().unwrap_or(0.0);
     // 4 workers, each pushing and pulling 3/4 of the model: 6 models per
     // step, plus the payloads' few header bytes.
@@ -818,6 +819,14 @@ fn bench_exchange_moves_the_bytes_an_all_reduce_would() {
     assert!(f32_wire >= 6.0 * model && f32_wire < 6.0 * model * 1.01, "f32 wire {f32_wire} for a {model}-byte model");
     // int8 pushes (1.016 B per value) and bf16 pulls (2 B): about 0.38x.
     assert!(wire(1) < 0.45 * f32_wire, "compressed {} against f32 {f32_wire}", wire(1));
+    // Sparse pushes (1.5% of the entries, 2.25 B each) and bf16 pulls.
+    assert!(wire(2) < 0.3 * f32_wire, "sparse {} against f32 {f32_wire}", wire(2));
+    let passes = |i: usize| cases[i]["owner_passes_per_step"].as_f64().unwrap_or(0.0);
+    // Each of the 4 dense pushes taken in and added, then the update
+    // zeroed and the optimizer's loop.
+    assert!(passes(0) >= 10.0 - 1e-9, "f32 rounds took {} passes", passes(0));
+    // The same loops over the update, and 1.5% of the shard per push.
+    assert!((2.0..3.0).contains(&passes(2)), "sparse rounds took {} passes", passes(2));
     for c in &cases {
         let rate = c["effective_gb_per_s"].as_f64().unwrap_or(0.0);
         assert!(rate.is_finite() && rate > 0.0, "{c}");

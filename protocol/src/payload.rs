@@ -649,19 +649,39 @@ impl Payload {
     pub fn add_scaled_into(&self, acc: &mut [f32], weight: f32) -> Result<()> {
         self.check_out_len(acc.len())?;
         self.check_body()?;
+        self.add_body_scaled(acc, weight)
+    }
+
+    /// [`Self::add_scaled_into`] after its checks: only the stored values
+    /// are visited (a sparse tensor's kept entries).
+    fn add_body_scaled(&self, acc: &mut [f32], weight: f32) -> Result<()> {
+        self.for_each_stored(|start, chunk| {
+            for (a, v) in acc[start..start + chunk.len()].iter_mut().zip(chunk) {
+                *a += weight * v;
+            }
+        })
+    }
+
+    /// Calls `f(start, values)` for the values the body stores, in index
+    /// order: consecutive chunks of a dense or factored tensor, one kept
+    /// entry at a time of a sparse one (every entry not stored is zero).
+    /// Each value is checked finite first. `check_body` must have passed.
+    fn for_each_stored(&self, mut f: impl FnMut(usize, &[f32])) -> Result<()> {
         match self.meta.dtype()? {
-            Dtype::TopK => self.for_each_sparse(|i, v| acc[i] += weight * v),
-            Dtype::Sparse2 => self.for_each_sparse2(|i, v| acc[i] += weight * v),
-            Dtype::Factors => self.for_each_factored(|start, chunk| {
-                for (a, v) in acc[start..start + chunk.len()].iter_mut().zip(chunk) {
-                    *a += weight * v;
-                }
-            }),
-            dtype => self.for_each_dense_chunk(dtype, |start, chunk| {
-                for (a, v) in acc[start..start + chunk.len()].iter_mut().zip(chunk) {
-                    *a += weight * v;
-                }
-            }),
+            Dtype::TopK => self.for_each_sparse(|i, v| f(i, &[v])),
+            Dtype::Sparse2 => self.for_each_sparse2(|i, v| f(i, &[v])),
+            Dtype::Factors => self.for_each_factored(f),
+            dtype => self.for_each_dense_chunk(dtype, f),
+        }
+    }
+
+    /// How many values the body stores: `numel` for a dense or factored
+    /// tensor, the kept entries of a sparse one. What a pass over the
+    /// stored values costs, in elements.
+    pub fn stored(&self) -> u64 {
+        match self.meta.dtype() {
+            Ok(Dtype::TopK | Dtype::Sparse2) => self.meta.nnz,
+            _ => self.meta.numel,
         }
     }
 
@@ -889,6 +909,13 @@ impl Verified {
     pub fn decode_into(&self, out: &mut [f32]) -> Result<()> {
         self.0.check_out_len(out.len())?;
         self.0.decode_body_into(out, false)
+    }
+
+    /// Calls `f(start, values)` for the stored values in index order
+    /// (dense chunks, or a sparse tensor's kept entries one at a time),
+    /// without reading the body for its checksum again.
+    pub fn for_each_stored(&self, f: impl FnMut(usize, &[f32])) -> Result<()> {
+        self.0.for_each_stored(f)
     }
 }
 

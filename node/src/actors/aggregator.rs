@@ -63,6 +63,7 @@ use crate::ops::logging::short;
 use crate::ops::tasks::NodeTasks;
 use crate::policy::backoff::Backoff;
 use crate::policy::compress::PushCompression;
+use crate::policy::contribution::Contribution;
 use crate::policy::placement::Placement;
 use crate::policy::robust::Robust;
 use crate::policy::schedule::LrSchedule;
@@ -344,7 +345,7 @@ impl AggregatorActor {
         shard: u32,
         base_version: u64,
         samples: u32,
-        grad: Vec<f32>,
+        grad: Contribution,
     ) -> Option<(PushReply, bool)> {
         let now = self.now_ms();
         let core = self.cores.get_mut(&shard)?;
@@ -369,7 +370,7 @@ impl AggregatorActor {
             info!(shard, from = before, to = core.version(), %worker,
                   "restored shard: numbering moved to the workers' (rounds its lost owner applied)");
         }
-        report_rejections(&self.status, &self.suspects, shard, core);
+        report_core(&self.status, &self.suspects, shard, core);
         Some((out, bumped))
     }
 
@@ -654,7 +655,7 @@ impl AggregatorActor {
         for (&shard, core) in self.cores.iter_mut() {
             // An empty worker set is ignored there.
             core.set_workers(new.workers.iter().copied());
-            report_rejections(&self.status, &self.suspects, shard, core);
+            report_core(&self.status, &self.suspects, shard, core);
         }
         let lost: Vec<u32> = self.cores.keys().copied().filter(|&s| new.owner(s) != Some(me)).collect();
         for shard in lost {
@@ -938,7 +939,7 @@ impl AggregatorActor {
                     "BSP round closed without every worker's gradient"
                 );
                 self.status.record(StatusEvent::RoundForced);
-                report_rejections(&self.status, &self.suspects, shard, core);
+                report_core(&self.status, &self.suspects, shard, core);
                 closed.push(shard);
             }
         }
@@ -1066,16 +1067,12 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
     }
 }
 
-/// Reports the contributions the norm check dropped on `shard`: each to
-/// the status counters, and a warning when a worker becomes a suspect,
+/// Reports what a core has to report after a push, a view change or a
+/// closed round: the contributions the norm check dropped on `shard`, each
+/// to the status counters, with a warning when a worker becomes a suspect,
 /// which then joins the suspects this node gossips (the first
-/// `MAX_SUSPECTS`).
-fn report_rejections(
-    status: &StatusHandle,
-    suspects: &watch::Sender<Vec<PeerId>>,
-    shard: u32,
-    core: &mut ShardCore<PeerId>,
-) {
+/// `MAX_SUSPECTS`); and the steps it took with their passes over the shard.
+fn report_core(status: &StatusHandle, suspects: &watch::Sender<Vec<PeerId>>, shard: u32, core: &mut ShardCore<PeerId>) {
     for r in core.take_rejections() {
         if let Some(agreement) = r.agreement {
             if r.streak == SUSPECT_AFTER {
@@ -1100,6 +1097,10 @@ fn report_rejections(
             });
         }
         status.record(StatusEvent::Rejected { peer: r.worker, suspect: r.suspect() });
+    }
+    let (steps, passes) = core.take_work();
+    if steps > 0 {
+        status.record(StatusEvent::OwnerWork { steps, passes });
     }
 }
 

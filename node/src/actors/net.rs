@@ -38,6 +38,7 @@ use crate::handles::handoff::from_wire;
 use crate::handles::membership::Heard;
 use crate::handles::net::{ModelSnapshot, NetCommand, NetError, NetworkHandle, Routes};
 use crate::ops::faults::hold;
+use crate::policy::contribution::Contribution;
 use crate::policy::delta::ShardDelta;
 use crate::policy::health::PathLatency;
 
@@ -669,7 +670,7 @@ impl NetworkActor {
                     // Peers can agree on the roster a moment before we do: ask them to retry.
                     return now(wire_error(ErrorCode::Busy, "training has not started on this node yet"));
                 };
-                let grad = match p.grad.decode() {
+                let grad = match Contribution::decode(&p.grad) {
                     Ok(g) => g,
                     Err(e) => return now(ShardResponse::error(&e)),
                 };
@@ -851,7 +852,7 @@ fn serve_push_pull(
         // Peers can agree on the roster a moment before we do: ask them to retry.
         return now(wire_error(ErrorCode::Busy, "training has not started on this node yet"));
     };
-    let grad = match p.push.grad.decode() {
+    let grad = match Contribution::decode(&p.push.grad) {
         Ok(g) => g,
         Err(e) => return now(ShardResponse::error(&e)),
     };

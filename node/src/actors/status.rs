@@ -110,6 +110,10 @@ impl StatusActor {
                 self.mark("left", format!("left after step {step}"));
             }
             StatusEvent::DeltaMismatch => s.delta_mismatches += 1,
+            StatusEvent::OwnerWork { steps, passes } => {
+                s.owner_steps += steps;
+                s.owner_passes += passes;
+            }
             StatusEvent::RoundForced => {
                 s.rounds_forced += 1;
                 self.mark("forced_round", "a BSP round closed at its timeout".into());

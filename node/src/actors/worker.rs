@@ -41,6 +41,7 @@ use crate::ops::faults::hold;
 use crate::ops::logging::short;
 use crate::policy::backoff::Backoff;
 use crate::policy::compress::{factored_push, ErrorFeedback, PushCompression};
+use crate::policy::contribution::Contribution;
 use crate::policy::delta::ShardDelta;
 use crate::policy::exchange::{self, ExchangeAction, PullAnswer, PushAnswer, ShardExchange};
 use crate::policy::explore::PaceMeter;
@@ -1396,7 +1397,12 @@ impl Worker {
         grad: &Outgoing<'_>,
     ) -> anyhow::Result<PushReply> {
         if owner == self.me {
-            return self.aggregator.push(self.me, shard, base, samples, grad.values.to_vec()).await;
+            // A sparse push goes as its kept entries, as it would arrive.
+            let contribution = match &grad.payload {
+                Some(p) if p.stored() < p.numel() => Contribution::decode(p)?,
+                _ => grad.values.to_vec().into(),
+            };
+            return self.aggregator.push(self.me, shard, base, samples, contribution).await;
         }
         let push = self.push_grad(shard, base, step, samples, grad)?;
         let bytes = push.grad.byte_len();

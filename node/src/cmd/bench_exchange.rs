@@ -21,7 +21,7 @@ use crate::policy::compress::{CompressionConfig, PullCompression, PushCompressio
 const MAX_MB: f64 = 10_000.0;
 
 /// The cases `--cases` can name.
-const CASES: [&str; 2] = ["f32", "int8"];
+const CASES: [&str; 3] = ["f32", "int8", "sparse"];
 
 /// A case's printed name, run id and encodings; `None` for a name not in
 /// [`CASES`].
@@ -32,6 +32,11 @@ fn case(name: &str) -> Option<(&'static str, &'static str, CompressionConfig)> {
             "int8+EF push + bf16 pull",
             "exchange-int8",
             CompressionConfig { push: PushCompression::Int8, pull: PullCompression::Bf16 },
+        )),
+        "sparse" => Some((
+            "sparseloco 1.5% push + bf16",
+            "exchange-sparse",
+            CompressionConfig { push: PushCompression::SparseLoCo { fraction: 0.015 }, pull: PullCompression::Bf16 },
         )),
         _ => None,
     }
@@ -52,6 +57,9 @@ struct Measured {
     /// Payload bytes all workers pushed plus pulled in one step.
     wire_bytes_per_step: f64,
     model_bytes: f64,
+    /// The owners' passes over a shard per optimizer step (mean over
+    /// every owner's steps; `ShardCore::take_work`).
+    owner_passes_per_step: f64,
 }
 
 impl Measured {
@@ -109,6 +117,7 @@ async fn measure(
     let reports = Cluster::start(&ClusterSpec::new(args.nodes, cfg)).await?.wait().await?;
     let model_bytes = reports.first().map(|r| r.params.len() * 4).unwrap_or(0) as f64;
     let (mut comm, mut step, mut bytes, mut steps) = (0.0, 0.0, 0.0, 0u64);
+    let (mut owner_steps, mut owner_passes) = (0u64, 0.0);
     for r in &reports {
         let s = r.status.as_ref().ok_or_else(|| anyhow::anyhow!("{} has no status", r.name))?;
         if s.step != args.steps {
@@ -118,6 +127,8 @@ async fn measure(
         step += s.step_secs;
         bytes += (s.bytes_out + s.bytes_in) as f64;
         steps += s.step;
+        owner_steps += s.owner_steps;
+        owner_passes += s.owner_passes;
     }
     let steps = steps.max(1) as f64;
     Ok(Measured {
@@ -125,6 +136,7 @@ async fn measure(
         step_secs: step / steps,
         wire_bytes_per_step: bytes / args.steps as f64,
         model_bytes,
+        owner_passes_per_step: owner_passes / owner_steps.max(1) as f64,
     })
 }
 
@@ -168,39 +180,44 @@ pub fn run(args: BenchExchangeArgs) -> anyhow::Result<()> {
         let raw = shoal_protocol::bench::raw_tcp_transfer(wire, 3).await?.as_secs_f64();
         let raw_gb_per_s = model_bytes / raw / 1e9;
         println!(
-            "{:<26} {:>10} {:>10} {:>14} {:>12} {:>10}",
-            "case", "step ms", "comm ms", "wire MB/step", "model GB/s", "x raw TCP"
+            "{:<28} {:>10} {:>10} {:>14} {:>12} {:>10} {:>13}",
+            "case", "step ms", "comm ms", "wire MB/step", "model GB/s", "x raw TCP", "owner passes"
         );
         println!(
-            "{:<26} {:>10} {:>10.1} {:>14.1} {:>12.3} {:>9.2}x",
+            "{:<28} {:>10} {:>10.1} {:>14.1} {:>12.3} {:>9.2}x {:>13}",
             "raw TCP (one connection)",
             "",
             raw * 1e3,
             wire as f64 / 1e6,
             raw_gb_per_s,
-            1.0
+            1.0,
+            ""
         );
         let mut cases = Vec::new();
         for (name, m) in measured {
             println!(
-                "{:<26} {:>10.1} {:>10.1} {:>14.1} {:>12.3} {:>9.2}x",
+                "{:<28} {:>10.1} {:>10.1} {:>14.1} {:>12.3} {:>9.2}x {:>13.2}",
                 name,
                 m.step_secs * 1e3,
                 m.comm_secs * 1e3,
                 m.wire_bytes_per_step / 1e6,
                 m.effective_gb_per_s(),
-                m.effective_gb_per_s() / raw_gb_per_s
+                m.effective_gb_per_s() / raw_gb_per_s,
+                m.owner_passes_per_step
             );
             cases.push(serde_json::json!({
                 "case": name, "step_secs": m.step_secs, "comm_secs": m.comm_secs,
                 "wire_bytes_per_step": m.wire_bytes_per_step,
                 "effective_gb_per_s": m.effective_gb_per_s(),
                 "over_raw_tcp": m.effective_gb_per_s() / raw_gb_per_s,
+                "owner_passes_per_step": m.owner_passes_per_step,
             }));
         }
         println!(
             "model GB/s: the model's bytes over a worker's push + pull time per step (mean over workers and steps); \
-             raw TCP: an f32 step's wire bytes (2 (n-1) x the model) through one loopback connection"
+             raw TCP: an f32 step's wire bytes (2 (n-1) x the model) through one loopback connection; \
+             owner passes: loops over a shard an owner ran per step (taking pushes in, norms, the mean, the optimizer; \
+             a sparse push's loop counts its kept entries)"
         );
         write_json(
             args.json.as_deref(),

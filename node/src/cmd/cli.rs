@@ -672,9 +672,10 @@ pub struct BenchExchangeArgs {
     /// Shards the model is split into.
     #[arg(long, default_value_t = 16)]
     pub shards: u32,
-    /// Cases to run: `f32` (lossless) and `int8` (int8 pushes with error
-    /// feedback, bf16 pulls).
-    #[arg(long, value_delimiter = ',', default_value = "f32,int8")]
+    /// Cases to run: `f32` (lossless), `int8` (int8 pushes with error
+    /// feedback, bf16 pulls) and `sparse` (`sparseloco:0.015` pushes, bf16
+    /// pulls).
+    #[arg(long, value_delimiter = ',', default_value = "f32,int8,sparse")]
     pub cases: Vec<String>,
     /// Also write the numbers as JSON to this file.
     #[arg(long)]

@@ -11,6 +11,7 @@ use shoal_protocol::HandoffKind;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::handles::handoff::ShardState;
+use crate::policy::contribution::Contribution;
 use crate::policy::delta::ShardDelta;
 
 /// Answer to a push.
@@ -118,7 +119,7 @@ pub(crate) enum AggCommand {
         shard: u32,
         base_version: u64,
         samples: u32,
-        grad: Vec<f32>,
+        grad: Contribution,
         reply: oneshot::Sender<PushReply>,
         /// Dropped unanswered unless the push is accepted.
         then_pull: Option<ThenPull>,
@@ -221,8 +222,9 @@ impl AggregatorHandle {
         shard: u32,
         base_version: u64,
         samples: u32,
-        grad: Vec<f32>,
+        grad: impl Into<Contribution>,
     ) -> anyhow::Result<PushReply> {
+        let grad = grad.into();
         self.ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply, then_pull: None }).await
     }
 
@@ -249,7 +251,7 @@ impl AggregatorHandle {
         shard: u32,
         base_version: u64,
         samples: u32,
-        grad: Vec<f32>,
+        grad: Contribution,
     ) -> Result<oneshot::Receiver<PushReply>, Busy> {
         self.try_ask(|reply| AggCommand::Push { worker, shard, base_version, samples, grad, reply, then_pull: None })
     }
@@ -261,7 +263,7 @@ impl AggregatorHandle {
     pub fn try_push_pull(
         &self,
         worker: PeerId,
-        push: (u32, u64, u32, Vec<f32>),
+        push: (u32, u64, u32, Contribution),
         wait: Duration,
         have: Option<u64>,
     ) -> Result<(oneshot::Receiver<PushReply>, oneshot::Receiver<PullReply>), Busy> {

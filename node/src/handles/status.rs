@@ -135,6 +135,11 @@ pub struct StatusSnapshot {
     /// Delta pulls whose update did not lead to the owner's shard (its
     /// base or its hash): each was followed by a pull of the whole shard.
     pub delta_mismatches: u64,
+    /// Optimizer steps this node's shards took, and their passes over
+    /// the shard in all (`ShardCore::take_work`): the mean is the owner's
+    /// memory traffic per round, in shards.
+    pub owner_steps: u64,
+    pub owner_passes: f64,
     /// Aggregators in this node's current placement.
     pub aggregators: usize,
     /// Exploration of the number of aggregators: every trial, keep and
@@ -251,6 +256,12 @@ pub enum StatusEvent {
     VersionRegression(u64),
     /// A delta pull's update did not match this worker's copy.
     DeltaMismatch,
+    /// A shard of this node's took `steps` steps, making `passes` passes
+    /// over the shard for them.
+    OwnerWork {
+        steps: u64,
+        passes: f64,
+    },
     PushAccepted(PeerId),
     /// An owner's norm check dropped a gradient of `peer`; `suspect` once it
     /// has happened several times in a row.

@@ -135,6 +135,12 @@ pub fn metrics_text(s: &StatusSnapshot, faults: &Faults) -> String {
         "Delta pulls whose update did not lead to the owner's shard (each pulled the shard whole).",
         s.delta_mismatches,
     );
+    m.counter("owner_steps_total", "Optimizer steps this node's shards took.", s.owner_steps);
+    m.gauge(
+        "owner_passes",
+        "Passes over the shard this node's shards made for their steps so far (loops over a shard's length).",
+        s.owner_passes,
+    );
     m.gauge("aggregators", "Shard owners in this node's placement.", s.aggregators as f64);
     let mut explored: Vec<(&str, f64)> = Vec::new();
     for e in &s.exploration {

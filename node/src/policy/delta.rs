@@ -52,12 +52,14 @@ impl DeltaLog {
     /// `params` `before` plus the update as it will be sent, and keep that
     /// update for the pulls of `version - 1`. If the update cannot be
     /// encoded (a value that is not finite), the move stands as it is and
-    /// no update is kept: pullers get the whole shard.
-    pub fn record(&mut self, before: &[f32], params: &mut [f32], version: u64) {
+    /// no update is kept: pullers get the whole shard. Returns the
+    /// elements its loops visited (see [`crate::policy::sync::ShardCore::take_work`]).
+    pub fn record(&mut self, before: &[f32], params: &mut [f32], version: u64) -> u64 {
         self.last = None;
+        let len = params.len() as u64;
         let update: Vec<f32> = params.iter().zip(before).map(|(p, b)| p - b).collect();
         let Ok(sent) = self.feedback.compress(0, &update, self.compression.encoding(update.len())) else {
-            return;
+            return 4 * len;
         };
         params.copy_from_slice(before);
         if sent.payload.add_scaled_into(params, 1.0).is_err() {
@@ -66,14 +68,19 @@ impl DeltaLog {
             for ((p, b), u) in params.iter_mut().zip(before).zip(&update) {
                 *p = b + u;
             }
-            return;
+            return 8 * len;
         }
+        let stored = sent.payload.stored();
         self.last = Some(Arc::new(ShardDelta {
             base: version.saturating_sub(1),
             version,
             payload: sent.payload,
             hash: params_hash(params),
         }));
+        // The update; the residual's sum, encoding, decoding (a sparse one
+        // zeroed, then its entries) and difference; the copy back, the
+        // addition (its entries) and the hash.
+        7 * len + 2 * stored
     }
 
     /// The update to send a puller that holds version `have` exactly, when

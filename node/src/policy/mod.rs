@@ -5,6 +5,7 @@
 pub mod assign;
 pub mod backoff;
 pub mod compress;
+pub mod contribution;
 pub mod delta;
 pub mod exchange;
 pub mod explore;

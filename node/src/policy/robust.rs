@@ -212,21 +212,68 @@ impl Agreement {
     }
 }
 
-/// L2 norm, accumulated in f64. Eight running sums, one per lane, so that
-/// the loop vectorises (one sum carried through every element cannot: each
-/// addition waits for the last); an owner takes the norm of every gradient
-/// pushed to it.
+/// L2 norm, accumulated in f64 ([`SumSquares`]); an owner takes the norm
+/// of every gradient pushed to it.
 pub fn norm(g: &[f32]) -> f32 {
-    const LANES: usize = 8;
-    let mut acc = [0f64; LANES];
-    let mut chunks = g.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += f64::from(x) * f64::from(x);
+    let mut s = SumSquares::new(g.len());
+    s.add(0, g);
+    s.norm()
+}
+
+/// The sum of squares behind [`norm`], fed in pieces in index order: a
+/// dense gradient in one piece or in chunks, a sparse one entry by entry.
+/// Eight running sums, one per lane (element `i` goes to lane `i % 8`), so
+/// that the loop over a whole piece vectorises (one sum carried through
+/// every element cannot: each addition waits for the last); the last
+/// `len % 8` elements go to a sum of their own. A lane sees its elements
+/// in the same order however they are cut into pieces, and an entry left
+/// out adds nothing, so a sparse gradient's sum is its densified one's,
+/// bit for bit.
+#[derive(Debug, Clone)]
+pub struct SumSquares {
+    lanes: [f64; LANES],
+    tail: f64,
+    /// Where the tail begins.
+    body: usize,
+}
+
+const LANES: usize = 8;
+
+impl SumSquares {
+    pub fn new(len: usize) -> SumSquares {
+        SumSquares { lanes: [0.0; LANES], tail: 0.0, body: len - len % LANES }
+    }
+
+    /// Adds the squares of `values`, the elements from index `start` on.
+    pub fn add(&mut self, start: usize, values: &[f32]) {
+        let split = self.body.saturating_sub(start).min(values.len());
+        let (body, tail) = values.split_at(split);
+        if start.is_multiple_of(LANES) {
+            let mut chunks = body.chunks_exact(LANES);
+            for c in &mut chunks {
+                for (a, &x) in self.lanes.iter_mut().zip(c) {
+                    *a += f64::from(x) * f64::from(x);
+                }
+            }
+            let done = body.len() - chunks.remainder().len();
+            self.add_each(start + done, chunks.remainder());
+        } else {
+            self.add_each(start, body);
+        }
+        for &x in tail {
+            self.tail += f64::from(x) * f64::from(x);
         }
     }
-    let tail: f64 = chunks.remainder().iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-    (acc.iter().sum::<f64>() + tail).sqrt() as f32
+
+    fn add_each(&mut self, start: usize, values: &[f32]) {
+        for (i, &x) in values.iter().enumerate() {
+            self.lanes[(start + i) % LANES] += f64::from(x) * f64::from(x);
+        }
+    }
+
+    pub fn norm(&self) -> f32 {
+        (self.lanes.iter().sum::<f64>() + self.tail).sqrt() as f32
+    }
 }
 
 /// The median of `xs` (the mean of the two middle values for an even
@@ -300,6 +347,28 @@ pub fn combine(rule: Aggregation, grads: &[(&[f32], f32)], out: &mut [f32]) {
                 out.iter_mut().zip(&step).for_each(|(v, s)| *v += s);
             }
         }
+    }
+}
+
+/// The passes over the shard [`combine`] makes for `n` gradients with
+/// `rule`: each loop over the shard's coordinates is one, times the
+/// gradients it reads (a per-coordinate rule's loop reads all `n`).
+pub fn passes(rule: Aggregation, n: usize) -> u64 {
+    let n = n as u64;
+    match rule {
+        // Zeroing `out`, then a loop adding each gradient.
+        Aggregation::Mean => 1 + n,
+        // Zeroing, then one loop reading every gradient's coordinate.
+        Aggregation::TrimmedMean { .. } | Aggregation::Median => 1 + n,
+        // A loop for each pair's distance (two gradients), one for each
+        // mixed gradient (its `m` neighbours), then the trimmed mean.
+        Aggregation::Nnm { trim } => {
+            let m = n - assumed_bad(trim, n as usize) as u64;
+            n * n.saturating_sub(1) + n * m + 1 + n
+        }
+        // The median, then each iteration: the step zeroed, a loop per
+        // gradient for its distance and one for its step, `out` moved.
+        Aggregation::CenteredClip { .. } => 1 + n + CLIP_ITERATIONS as u64 * (2 + 2 * n),
     }
 }
 
@@ -526,6 +595,26 @@ mod tests {
         assert_eq!(norm(&[3.0, 4.0]), 5.0);
         assert_eq!(norm(&[0.0; 17]), 0.0);
         assert!(norm(&[1.0, f32::NAN]).is_nan());
+    }
+
+    #[test]
+    fn a_norm_fed_in_pieces_or_entry_by_entry_is_the_whole_vectors_bit_for_bit() {
+        let mut rng = shoal_models::rng::DetRng::new(11);
+        for n in [5usize, 8, 1029, 4099] {
+            let dense: Vec<f32> = (0..n).map(|_| rng.uniform(-3.0, 3.0)).collect();
+            let mut pieces = SumSquares::new(n);
+            for (c, chunk) in dense.chunks(1024).enumerate() {
+                pieces.add(c * 1024, chunk);
+            }
+            assert_eq!(pieces.norm().to_bits(), norm(&dense).to_bits(), "n {n}: chunks");
+            // A sparse gradient: every third entry kept, the rest zero.
+            let sparse: Vec<f32> = dense.iter().enumerate().map(|(i, &x)| if i % 3 == 0 { x } else { 0.0 }).collect();
+            let mut entries = SumSquares::new(n);
+            for (i, &x) in sparse.iter().enumerate().filter(|(_, &x)| x != 0.0) {
+                entries.add(i, &[x]);
+            }
+            assert_eq!(entries.norm().to_bits(), norm(&sparse).to_bits(), "n {n}: entries");
+        }
     }
 
     #[test]

@@ -39,8 +39,9 @@ use std::sync::Arc;
 use shoal_models::{Optimizer, OptimizerState};
 
 use crate::policy::compress::PushCompression;
+use crate::policy::contribution::Contribution;
 use crate::policy::delta::{DeltaLog, ShardDelta};
-use crate::policy::robust::{self, Agreement, NormWindow, Robust};
+use crate::policy::robust::{self, Aggregation, Agreement, NormWindow, Robust};
 use crate::policy::schedule::LrSchedule;
 
 /// Rejections in a row after which a worker is reported as a suspect.
@@ -201,7 +202,7 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     policy: SyncPolicy,
     workers: BTreeMap<K, WorkerClock>,
     /// BSP round in progress: (samples, gradient) per worker.
-    round: BTreeMap<K, (u32, Vec<f32>)>,
+    round: BTreeMap<K, (u32, Contribution)>,
     /// When the BSP round in progress got its first gradient (ms).
     round_opened_ms: Option<u64>,
     max_staleness: u64,
@@ -232,6 +233,20 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     catch_up_disabled: bool,
     /// Delta pulls ([`ShardCore::with_delta`]): each step's update as sent.
     delta: Option<DeltaLog>,
+    /// Elements visited since [`ShardCore::take_work`] last took them.
+    work: Work,
+}
+
+/// What a core's rounds cost in passes over its shard: every element each
+/// loop over the shard, a push or the update visits (a sparse push's kept
+/// entries only), counted where the loop runs.
+#[derive(Debug, Clone, Copy, Default)]
+struct Work {
+    /// Elements visited in the round in progress.
+    open: u64,
+    /// Steps taken, and the elements visited for them.
+    steps: u64,
+    visited: u64,
 }
 
 impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
@@ -263,6 +278,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             backup: 0,
             catch_up_disabled: false,
             delta: None,
+            work: Work::default(),
         }
     }
 
@@ -374,13 +390,29 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             // base / 100), so this cannot be refused.
             let _ = self.optimizer.set_lr(s.lr_at(self.schedule_step()));
         }
+        let len = self.params.len() as u64;
         let before = self.delta.as_ref().map(|_| self.params.clone());
+        // The clone, then the optimizer's one fused loop.
+        self.work.open += len * u64::from(before.is_some()) + len;
         if self.optimizer.step(&mut self.params, grad).is_ok() {
             self.version += 1;
             if let (Some(log), Some(before)) = (self.delta.as_mut(), before) {
-                log.record(&before, &mut self.params, self.version);
+                self.work.open += log.record(&before, &mut self.params, self.version);
             }
         }
+        self.work.steps += 1;
+        self.work.visited += std::mem::take(&mut self.work.open);
+    }
+
+    /// The steps taken since the last call, and their passes over the
+    /// shard in all: every loop the owner ran for them (taking each push
+    /// in, norms, combining, the optimizer, the delta's encoding), each
+    /// element it visited counted once, over the shard's length.
+    pub fn take_work(&mut self) -> (u64, f64) {
+        let Work { steps, visited, .. } = self.work;
+        self.work.steps = 0;
+        self.work.visited = 0;
+        (steps, visited as f64 / self.params.len().max(1) as f64)
     }
 
     pub fn version(&self) -> u64 {
@@ -425,12 +457,15 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         worker: &K,
         base_version: u64,
         samples: u32,
-        mut grad: Vec<f32>,
+        grad: impl Into<Contribution>,
         now_ms: u64,
     ) -> PushOutcome {
+        let mut grad = grad.into();
         if grad.len() != self.params.len() {
             return PushOutcome::BadLength { expected: self.params.len(), got: grad.len() };
         }
+        // Taken in: the decode on arrival.
+        self.work.open += grad.stored() as u64;
         let min_before = self.min_clock();
         let Some(w) = self.workers.get(worker) else { return PushOutcome::UnknownWorker };
         let lead = w.clock.saturating_sub(min_before);
@@ -479,6 +514,10 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                 // up to BSP's sample-weighted mean. Lengths were checked above,
                 // so the step cannot fail on size.
                 let k = self.robust.norm_check;
+                let len = self.params.len() as u64;
+                // Densified if sparse, the norm, the weighting.
+                self.work.open += len * (u64::from(grad.stored() < grad.len()) + u64::from(k > 0.0) + 1);
+                let mut grad = grad.into_dense();
                 if k > 0.0 {
                     let n = robust::norm(&grad);
                     let (passed, median) = self.window.admit(n, k);
@@ -597,7 +636,9 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let round = std::mem::take(&mut self.round);
         self.round_opened_ms = None;
         let k = self.robust.norm_check;
-        let norms: Vec<f32> = if k > 0.0 { round.values().map(|(_, g)| robust::norm(g)).collect() } else { Vec::new() };
+        let norms: Vec<f32> = if k > 0.0 { round.values().map(|(_, g)| g.norm()).collect() } else { Vec::new() };
+        let stored: u64 = round.values().map(|(_, g)| g.stored() as u64).sum();
+        self.work.open += stored * u64::from(k > 0.0);
         let outliers = robust::norm_outliers(&norms, k);
         let median = (!norms.is_empty()).then(|| robust::median(&mut norms.clone()));
         if median.is_some() {
@@ -618,26 +659,29 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         robust::keep_lowest(&mut excluded, round.len() / 3);
         if median.is_some() || min_agreement.is_some() {
             for (i, (w, (_, g))) in round.iter().enumerate() {
-                let norm = norms.get(i).copied().unwrap_or_else(|| robust::norm(g));
+                let norm = norms.get(i).copied().unwrap_or_else(|| g.norm());
                 let passed = !outliers.contains(&i) && excluded[i].is_none();
                 self.judge(w, passed, norm, median.unwrap_or(0.0), excluded[i]);
             }
         }
-        let kept: Vec<(&[f32], f32)> = round
+        let kept: Vec<(&Contribution, f32)> = round
             .values()
             .enumerate()
             .filter(|(i, _)| !outliers.contains(i) && excluded[*i].is_none())
-            .map(|(_, (n, g))| (g.as_slice(), *n as f32))
+            .map(|(_, (n, g))| (g, *n as f32))
             .collect();
-        let mut update = vec![0.0f32; self.params.len()];
+        let len = self.params.len();
+        let mut update = vec![0.0f32; len];
+        self.work.open += len as u64;
         if !kept.is_empty() {
-            robust::combine(self.robust.aggregation, &kept, &mut update);
+            self.work.open += combine(self.robust.aggregation, &kept, &mut update);
             if min_agreement.is_some() {
                 // Every worker's, those left out included: one that comes
                 // to agree again is let back in.
                 for (w, (_, g)) in &round {
-                    self.agreement.entry(w.clone()).or_default().observe(robust::agreement(g, &update));
+                    self.agreement.entry(w.clone()).or_default().observe(robust::agreement(&g.dense(), &update));
                 }
+                self.work.open += 3 * (len * round.len()) as u64;
             }
         }
         self.step(&update);
@@ -707,6 +751,27 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         }
         ((wait / me).floor() as u64).min(max_r)
     }
+}
+
+/// Combines a round's kept gradients into `update` (zeros) with `rule`,
+/// and returns the elements visited. The mean adds each push as it is held,
+/// weighted by its samples, in worker order, so a sparse push costs its
+/// kept entries and every owner sums in the same order; the rules that
+/// sort coordinates read every push dense.
+fn combine(rule: Aggregation, kept: &[(&Contribution, f32)], update: &mut [f32]) -> u64 {
+    if rule == Aggregation::Mean {
+        // As robust::combine's mean: the same weights, the same additions.
+        let total: f64 = kept.iter().map(|(_, w)| f64::from(*w)).sum();
+        for (g, w) in kept {
+            g.add_scaled_into(update, (f64::from(*w) / total) as f32);
+        }
+        return kept.iter().map(|(g, _)| g.stored() as u64).sum();
+    }
+    let dense: Vec<_> = kept.iter().map(|(g, w)| (g.dense(), *w)).collect();
+    let grads: Vec<(&[f32], f32)> = dense.iter().map(|(g, w)| (g.as_ref(), *w)).collect();
+    robust::combine(rule, &grads, update);
+    let densified = kept.iter().filter(|(g, _)| g.stored() < g.len()).count();
+    (robust::passes(rule, kept.len()) + densified as u64) * update.len() as u64
 }
 
 #[cfg(test)]
@@ -1020,6 +1085,63 @@ mod tests {
         assert!(matches!(core.push(&"a", 3, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { version: 1, .. }));
         assert_eq!(core.push(&"z", 1, 1, vec![1.0, 1.0], 0), PushOutcome::UnknownWorker);
         assert_eq!(core.push(&"a", 1, 1, vec![1.0], 0), PushOutcome::BadLength { expected: 2, got: 1 });
+    }
+
+    /// Sparse pushes are added as they are held: a round of them costs the
+    /// owner a bounded number of passes over the shard however many
+    /// workers push, where dense pushes cost one more pass each, and the
+    /// shard ends on the same bits as when every push is densified first.
+    #[test]
+    fn owners_add_sparse_pushes_in_a_bounded_number_of_passes_to_the_densified_bits() {
+        use shoal_protocol::{Encoding, Payload};
+        let len = 50_000;
+        let encoding = PushCompression::SparseLoCo { fraction: 0.015 }.encoding(len);
+        let mut passes = Vec::new();
+        for n in [2usize, 8] {
+            let workers: Vec<usize> = (0..n).collect();
+            let sparse_of = |w: usize| {
+                let mut rng = shoal_models::rng::DetRng::new(w as u64 + 1);
+                let g: Vec<f32> = (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect();
+                Payload::encode(&g, encoding).expect("encodes")
+            };
+            // The norm check on: every push's norm is taken.
+            let core = || {
+                ShardCore::new(vec![0.5; len], sgd_of(len), 0, SyncPolicy::Bsp, workers.clone())
+                    .with_robust(Robust::default())
+            };
+            let (mut held, mut densified) = (core(), core());
+            for &w in &workers {
+                let payload = sparse_of(w);
+                let c = Contribution::decode(&payload).expect("decodes");
+                assert!(matches!(c, Contribution::Sparse { .. }));
+                assert!(matches!(held.push(&w, 0, 1 + w as u32, c, 0), PushOutcome::Accepted { .. }));
+                let dense = payload.decode().expect("decodes");
+                assert!(matches!(densified.push(&w, 0, 1 + w as u32, dense, 0), PushOutcome::Accepted { .. }));
+            }
+            assert_eq!((held.version(), densified.version()), (1, 1));
+            assert!(held.params().iter().zip(densified.params()).all(|(a, b)| a.to_bits() == b.to_bits()));
+            let (steps, sparse) = held.take_work();
+            let (_, dense) = densified.take_work();
+            assert_eq!(steps, 1);
+            // The update zeroed and the optimizer's loop, plus each push's
+            // kept entries (1.5%) taken in, normed and added.
+            assert!((2.0..2.0 + 3.0 * 0.02 * n as f64).contains(&sparse), "{n} sparse pushes: {sparse} passes");
+            // Each dense push taken in, normed and added.
+            assert!(dense >= 2.0 + 3.0 * n as f64, "{n} dense pushes: {dense} passes");
+            assert_eq!(held.take_work(), (0, 0.0), "taken");
+            passes.push(sparse);
+        }
+        assert!(passes[1] - passes[0] < 0.5, "6 more sparse pushes cost {} passes", passes[1] - passes[0]);
+        // The rules that sort coordinates read every push dense.
+        let mut median = ShardCore::new(vec![0.0; 4], sgd_of(4), 0, SyncPolicy::Bsp, [0, 1, 2])
+            .with_robust(Robust { aggregation: Aggregation::Median, ..Robust::default() });
+        for w in 0..3 {
+            let p = Payload::encode(&[w as f32, 0.0, 1.0, 0.0], Encoding::TopK { k: 2 }).expect("encodes");
+            median.push(&w, 0, 1, Contribution::decode(&p).expect("decodes"), 0);
+        }
+        assert_eq!(median.params(), &[-1.0, 0.0, -1.0, 0.0]);
+        let (_, p) = median.take_work();
+        assert!(p >= 2.0 + 3.0 + 4.0, "densified 3 times, then the median: {p}");
     }
 
     /// A seeded simulation: workers of very different speeds push and pull
