@@ -27,6 +27,8 @@ struct TrainerActor {
     /// The tensor work runs on the CPU, on one thread (the loop's, in a
     /// pool of one), so that thread's CPU time is the work's.
     alone: bool,
+    /// Seconds spent loading posted parameters since the last gradients.
+    load_secs: f64,
 }
 
 /// Start the thread that trains `model` (built deterministically from the
@@ -46,7 +48,7 @@ pub fn spawn(
     // On a GPU the thread's CPU time is kernel launches and however the
     // driver waits, not the work.
     let alone = pool.current_num_threads() == 1 && device.is_cpu();
-    let actor = TrainerActor { model, data, train: None, receiver, alone };
+    let actor = TrainerActor { model, data, train: None, receiver, alone, load_secs: 0.0 };
     let thread = std::thread::Builder::new()
         .name(format!("trainer-{name}"))
         .spawn(move || pool.install(move || actor.run()))
@@ -59,10 +61,15 @@ impl TrainerActor {
         while let Some(cmd) = self.receiver.blocking_recv() {
             match cmd {
                 TrainerCommand::Gradients { indices, factored, cpu_time, reply } => {
-                    let _ = reply.send(self.gradients(&indices, factored, cpu_time));
+                    let g = self.gradients(&indices, factored, cpu_time);
+                    let load_secs = std::mem::take(&mut self.load_secs);
+                    let _ = reply.send(g.map(|g| Gradients { load_secs, ..g }));
                 }
                 TrainerCommand::SetParams { params, reply } => {
-                    let _ = reply.send(self.model.set_parameters(&params).map_err(Into::into));
+                    let started = std::time::Instant::now();
+                    let loaded = self.model.set_parameters(&params).map_err(Into::into);
+                    self.load_secs += started.elapsed().as_secs_f64();
+                    let _ = reply.send(loaded);
                 }
                 TrainerCommand::Evaluate { reply } => {
                     let _ = reply.send(self.model.evaluate(&self.data.test, 512).map_err(Into::into));
@@ -90,7 +97,14 @@ impl TrainerActor {
             anyhow::bail!("loss became {}; lower the learning rate", out.loss);
         }
         let cpu_time = cpu_start.and_then(|start| Some(crate::ops::threads::thread_cpu_time()?.saturating_sub(start)));
-        Ok(Gradients { loss: out.loss, samples: out.samples, grads: out.grads, factors: out.factors, cpu_time })
+        Ok(Gradients {
+            loss: out.loss,
+            samples: out.samples,
+            grads: out.grads,
+            factors: out.factors,
+            cpu_time,
+            load_secs: 0.0,
+        })
     }
 }
 

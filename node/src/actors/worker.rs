@@ -36,7 +36,7 @@ use crate::handles::aggregator::{AggregatorHandle, PullReply, PushReply};
 use crate::handles::membership::{MembershipHandle, ViewSnapshot};
 use crate::handles::net::{ModelSnapshot, NetError, NetworkHandle};
 use crate::handles::status::{StatusEvent, StatusHandle};
-use crate::handles::trainer::{Gradients, TrainerHandle};
+use crate::handles::trainer::{Gradients, PostedParams, TrainerHandle};
 use crate::ops::faults::hold;
 use crate::ops::logging::short;
 use crate::policy::backoff::Backoff;
@@ -385,6 +385,9 @@ struct StepLoop {
     pace: PaceMeter,
     /// The snapshot a step replaced: its buffer takes the next step's copy.
     spare: Option<Arc<Vec<f32>>>,
+    /// The parameters the last step handed to the trainer, loaded there
+    /// before the next step's gradients ([`Worker::publish`]).
+    posted: Option<PostedParams>,
 }
 
 /// A step's own figures, reported once its model is loaded
@@ -514,6 +517,15 @@ fn received_delta(s: shoal_protocol::ShardState, from: PeerId) -> anyhow::Result
     Ok(Arc::new(ShardDelta { base: d.base, version: s.version, payload: s.params, hash: d.hash }))
 }
 
+/// Whether the parameters the last step handed to the trainer loaded (an
+/// error stops the run, as a failed load always did).
+async fn loaded(run: &mut StepLoop) -> anyhow::Result<()> {
+    match run.posted.take() {
+        Some(p) => p.loaded().await.context("loading the parameters into the trainer"),
+        None => Ok(()),
+    }
+}
+
 /// `params` copied into `spare`'s buffer when nothing else holds it any
 /// more (the snapshot a step replaced, once the trainer has loaded it), or
 /// else into a fresh one: one model-sized allocation less per step, and no
@@ -573,10 +585,12 @@ impl Worker {
         while step < steps {
             if *self.leave.borrow() {
                 info!(step, "leaving: no further steps");
+                loaded(&mut run).await?;
                 return Ok(Ran { params: run.params, steps: step, left: true });
             }
             step = self.step(routing, &mut mode, &mut run, step).await?;
         }
+        loaded(&mut run).await?;
         if matches!(mode, StepMode::Gossip { .. }) {
             self.gossip_consensus(routing, steps, &mut run.params).await?;
             self.membership.set_self(|me| me.step = steps);
@@ -627,6 +641,7 @@ impl Worker {
             report,
             pace: Default::default(),
             spare: None,
+            posted: None,
         };
         Ok((mode, run))
     }
@@ -647,7 +662,9 @@ impl Worker {
         // The gradients are pushed (or applied): their buffer takes the
         // next step's.
         self.trainer.recycle(g.grads);
-        let apply = self.publish(run, version).await?;
+        // Loading the parameters, done by the trainer before these
+        // gradients, counts here, with handing over the new ones.
+        let apply = self.publish(run, version).await? + g.load_secs;
         // Fault injection: the bad peers that push what they see applied
         // (nothing on an honest node's step).
         let byzantine = self.config.faults.byzantine;
@@ -659,11 +676,12 @@ impl Worker {
         // the next step's compute, if that took longer).
         let comm = match exchange_secs {
             Some(x) => x + apply,
-            None => comm_started.elapsed().as_secs_f64(),
+            None => comm_started.elapsed().as_secs_f64() + g.load_secs,
         };
         self.report_step(&mut run.pace, &figures, comm, apply);
         let t = &self.config.training;
         if t.eval_every > 0 && (step + 1).is_multiple_of(t.eval_every) && step + 1 < t.steps {
+            loaded(run).await?;
             let e = self.trainer.evaluate().await?;
             self.status.record(StatusEvent::Evaluated(e));
             debug!(step = step + 1, accuracy = e.accuracy, bits_per_byte = e.bits_per_byte, "evaluated");
@@ -677,6 +695,7 @@ impl Worker {
     /// the share of its nominal batch the step trained on).
     async fn gradients(&self, run: &mut StepLoop, step: u64) -> anyhow::Result<(Gradients, f64, Option<u16>)> {
         if let Some((g, secs)) = run.prefetched.take() {
+            loaded(run).await?;
             return Ok((g, secs, None));
         }
         let size = match run.fit.as_mut() {
@@ -684,6 +703,8 @@ impl Worker {
             None => None,
         };
         let (g, secs) = self.compute(step, &mut run.batches, &mut run.momentum, size.map(|(n, _)| n)).await?;
+        // Answered before those gradients: no wait.
+        loaded(run).await?;
         let mut share = None;
         if let (Some(fit), Some((_, nominal))) = (run.fit.as_mut(), size) {
             fit.observe(g.samples, secs * 1e6);
@@ -796,13 +817,17 @@ impl Worker {
         Ok(version)
     }
 
-    /// Load the step's parameters into the trainer and publish a copy on
+    /// Hand the step's parameters to the trainer and publish a copy on
     /// the snapshot watch (into the buffer of the snapshot it replaces).
-    /// Returns the seconds it took.
+    /// The trainer loads them before the next step's gradients, in the
+    /// same hand-over to its thread; whether they loaded is checked when
+    /// those gradients come back ([`loaded`]). Returns the seconds it
+    /// took here.
     async fn publish(&self, run: &mut StepLoop, version: u64) -> anyhow::Result<f64> {
         let set_started = Instant::now();
+        loaded(run).await?;
         let params = Arc::new(copy_into(run.spare.take(), &run.params));
-        self.trainer.set_params(params.clone()).await?;
+        run.posted = Some(self.trainer.post_params(params.clone()).await?);
         run.spare = Some(self.snapshot.send_replace(ModelSnapshot { version, params }).params);
         Ok(set_started.elapsed().as_secs_f64())
     }
@@ -968,9 +993,12 @@ impl Worker {
             // not the time it waited for a core that other nodes on this
             // host held (a slower machine of its own would not wait for
             // them); else the wall time.
-            self.faults.stretch_compute(g.cpu_time.unwrap_or_else(|| started.elapsed())).await;
+            let wall = started.elapsed().saturating_sub(Duration::from_secs_f64(g.load_secs));
+            self.faults.stretch_compute(g.cpu_time.unwrap_or(wall)).await;
         }
-        Ok((g, started.elapsed().as_secs_f64()))
+        // The parameters the trainer loaded first are the last step's load.
+        let secs = (started.elapsed().as_secs_f64() - g.load_secs).max(0.0);
+        Ok((g, secs))
     }
 
     /// The other training workers' paces, from their heartbeats (those

@@ -88,9 +88,10 @@ pub struct StatusSnapshot {
     /// `step_secs`).
     pub compute_secs: f64,
     pub comm_secs: f64,
-    /// The part of `comm_secs` after the last shard arrived: loading the
-    /// new parameters into the model. Under BSP the next forward pass waits
-    /// for it; it is all that applying shards as they arrive could hide.
+    /// The part of `comm_secs` after the last shard arrived: copying the
+    /// new parameters out for the snapshot and handing them to the
+    /// trainer, which loads them into the model first thing in the next
+    /// step's gradient call (counted in `compute_secs` since 2026-12-06).
     pub apply_secs: f64,
     /// Seconds from the start of each step to its end, summed (evaluations
     /// excluded).

@@ -19,6 +19,10 @@ pub struct Gradients {
     /// the OS reports it, and the work ran on that one thread (the CPU
     /// device with one compute thread); `None` otherwise.
     pub cpu_time: Option<std::time::Duration>,
+    /// Seconds the trainer spent loading parameters posted since the last
+    /// gradients ([`TrainerHandle::post_params`]): part of the call's wall
+    /// time, not of the gradients' compute.
+    pub load_secs: f64,
 }
 
 /// The trainer thread's mailbox.
@@ -28,6 +32,19 @@ pub(crate) enum TrainerCommand {
     Evaluate { reply: oneshot::Sender<anyhow::Result<Evaluation>> },
     LoadTrain { rows: Vec<usize>, reply: oneshot::Sender<anyhow::Result<usize>> },
     Recycle { grads: Vec<f32> },
+}
+
+/// Parameters handed to the trainer with [`TrainerHandle::post_params`].
+#[must_use = "the parameters may have failed to load"]
+#[derive(Debug)]
+pub struct PostedParams(oneshot::Receiver<anyhow::Result<()>>);
+
+impl PostedParams {
+    /// Whether they loaded. Once a command sent after them was answered,
+    /// this does not wait.
+    pub async fn loaded(self) -> anyhow::Result<()> {
+        self.0.await.map_err(|_| anyhow::anyhow!("trainer thread dropped the parameters"))?
+    }
 }
 
 /// Cloneable handle to the trainer thread.
@@ -71,6 +88,20 @@ impl TrainerHandle {
     /// Never waits: when the mailbox is full the buffer is dropped.
     pub fn recycle(&self, grads: Vec<f32>) {
         let _ = self.sender.try_send(TrainerCommand::Recycle { grads });
+    }
+
+    /// [`Self::set_params`] without waiting for the trainer: the
+    /// parameters are loaded before any command sent after them (the
+    /// trainer answers in order), so a step's loading and the next step's
+    /// gradients are one hand-over to the trainer thread, not two. The
+    /// outcome is in the [`PostedParams`].
+    pub async fn post_params(&self, params: Arc<Vec<f32>>) -> anyhow::Result<PostedParams> {
+        let (reply, rx) = oneshot::channel();
+        self.sender
+            .send(TrainerCommand::SetParams { params, reply })
+            .await
+            .map_err(|_| anyhow::anyhow!("trainer thread has stopped"))?;
+        Ok(PostedParams(rx))
     }
 
     /// Load new parameters (flat, `ParamLayout` order) into the model.
