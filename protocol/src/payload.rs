@@ -648,13 +648,7 @@ impl Payload {
     /// contribution.
     pub fn add_scaled_into(&self, acc: &mut [f32], weight: f32) -> Result<()> {
         self.check_out_len(acc.len())?;
-        self.check_body()?;
-        self.add_body_scaled(acc, weight)
-    }
-
-    /// [`Self::add_scaled_into`] after its checks: only the stored values
-    /// are visited (a sparse tensor's kept entries).
-    fn add_body_scaled(&self, acc: &mut [f32], weight: f32) -> Result<()> {
+        // Only the stored values are visited (a sparse tensor's kept entries).
         self.for_each_stored(|start, chunk| {
             for (a, v) in acc[start..start + chunk.len()].iter_mut().zip(chunk) {
                 *a += weight * v;
@@ -664,9 +658,12 @@ impl Payload {
 
     /// Calls `f(start, values)` for the values the body stores, in index
     /// order: consecutive chunks of a dense or factored tensor, one kept
-    /// entry at a time of a sparse one (every entry not stored is zero).
-    /// Each value is checked finite first. `check_body` must have passed.
-    fn for_each_stored(&self, mut f: impl FnMut(usize, &[f32])) -> Result<()> {
+    /// entry at a time of a sparse one (every entry not stored is zero),
+    /// after the checksum; each value is checked finite and each index in
+    /// order before `f` sees it, so one pass both checks and reads. On an
+    /// error `f` may have seen part of the values.
+    pub fn for_each_stored(&self, mut f: impl FnMut(usize, &[f32])) -> Result<()> {
+        self.check_body()?;
         match self.meta.dtype()? {
             Dtype::TopK => self.for_each_sparse(|i, v| f(i, &[v])),
             Dtype::Sparse2 => self.for_each_sparse2(|i, v| f(i, &[v])),
@@ -909,13 +906,6 @@ impl Verified {
     pub fn decode_into(&self, out: &mut [f32]) -> Result<()> {
         self.0.check_out_len(out.len())?;
         self.0.decode_body_into(out, false)
-    }
-
-    /// Calls `f(start, values)` for the stored values in index order
-    /// (dense chunks, or a sparse tensor's kept entries one at a time),
-    /// without reading the body for its checksum again.
-    pub fn for_each_stored(&self, f: impl FnMut(usize, &[f32])) -> Result<()> {
-        self.0.for_each_stored(f)
     }
 }
 

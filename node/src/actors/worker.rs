@@ -1886,12 +1886,10 @@ mod tests {
         Ok(())
     }
 
-    #[test]
-    fn wire_values_land_in_their_range_and_bad_ones_fail_on_arrival() -> anyhow::Result<()> {
-        let from = PeerId::random();
-        let values: Vec<f32> = (0..300).map(|i| i as f32 * 0.25 - 7.0).collect();
-        // Shard 3's round 7 taken, its version 8 sent back.
-        let answer = |params: Payload| shoal_protocol::Exchanged {
+    /// Shard 3's round 7 taken, its version 8 sent back as `params` (the
+    /// update from `delta`'s base, if any).
+    fn round_7_answer(params: Payload, delta: Option<shoal_protocol::DeltaOf>) -> shoal_protocol::Exchanged {
+        shoal_protocol::Exchanged {
             accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
             state: Some(shoal_protocol::ShardState {
                 run: RunId::default(),
@@ -1899,10 +1897,17 @@ mod tests {
                 version: 8,
                 epoch: 0,
                 params,
-                delta: None,
+                delta,
             }),
             held_ms: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn wire_values_land_in_their_range_and_bad_ones_fail_on_arrival() -> anyhow::Result<()> {
+        let from = PeerId::random();
+        let values: Vec<f32> = (0..300).map(|i| i as f32 * 0.25 - 7.0).collect();
+        let answer = |params| round_7_answer(params, None);
         for encoding in [Encoding::F32, Encoding::Bf16] {
             let payload = Payload::encode(&values, encoding)?;
             let expect = payload.decode()?;
@@ -1932,17 +1937,9 @@ mod tests {
         let update: Vec<f32> = (0..300).map(|i| if i % 7 == 0 { 0.03 } else { 0.0 }).collect();
         let mut owner = base.clone();
         Payload::encode(&update, Encoding::F32)?.add_scaled_into(&mut owner, 1.0)?;
-        let answer = |hash: u64| shoal_protocol::Exchanged {
-            accepted: shoal_protocol::Accepted { shard: 3, version: 7, staleness: 0 },
-            state: Some(shoal_protocol::ShardState {
-                run: RunId::default(),
-                shard: 3,
-                version: 8,
-                epoch: 0,
-                params: Payload::encode(&update, Encoding::F32).expect("finite"),
-                delta: Some(shoal_protocol::DeltaOf { base: 7, hash }),
-            }),
-            held_ms: 0,
+        let answer = |hash| {
+            let update = Payload::encode(&update, Encoding::F32).expect("finite");
+            round_7_answer(update, Some(shoal_protocol::DeltaOf { base: 7, hash }))
         };
         let Pushed::State { version, params } = exchanged(answer(params_hash(&owner)), from)? else {
             panic!("no state")

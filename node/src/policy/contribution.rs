@@ -38,8 +38,8 @@ impl From<Vec<f32>> for Contribution {
 
 impl Contribution {
     /// A pushed payload, checked (checksum, finiteness, index order) and
-    /// taken out of the frame: a sparse one as its kept entries, any other
-    /// decoded whole.
+    /// taken out of the frame in the same pass: a sparse one as its kept
+    /// entries, any other decoded whole.
     pub fn decode(payload: &Payload) -> Result<Contribution, ProtocolError> {
         let len = usize::try_from(payload.numel())
             .map_err(|_| ProtocolError::InvalidTensor("numel does not fit in memory".into()))?;
@@ -47,7 +47,7 @@ impl Contribution {
             Dtype::TopK | Dtype::Sparse2 => {
                 let kept = payload.stored() as usize;
                 let (mut indices, mut values) = (Vec::with_capacity(kept), Vec::with_capacity(kept));
-                payload.clone().verified()?.for_each_stored(|i, v| {
+                payload.for_each_stored(|i, v| {
                     // One entry at a time, and every index is below `numel`
                     // (checked), so it fits a u32 as the wire's does.
                     indices.push(i as u32);
