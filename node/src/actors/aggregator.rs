@@ -1068,7 +1068,8 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
 }
 
 /// Reports what a core has to report after a push, a view change or a
-/// closed round: the contributions the norm check dropped on `shard`, each
+/// closed round: the contributions the norm, repeat and contribution
+/// checks dropped on `shard`, each
 /// to the status counters, with a warning when a worker becomes a suspect,
 /// which then joins the suspects this node gossips (the first
 /// `MAX_SUSPECTS`); and the steps it took with their passes over the shard.
@@ -1081,6 +1082,11 @@ fn report_core(status: &StatusHandle, suspects: &watch::Sender<Vec<PeerId>>, sha
             } else {
                 debug!(shard, worker = %short(&r.worker), agreement, "gradient left out by the contribution check");
             }
+        } else if r.repeat && r.streak == SUSPECT_AFTER {
+            warn!(shard, worker = %short(&r.worker), norm = r.norm, streak = r.streak,
+                  "suspect worker: its gradients repeat its earlier pushes bit for bit (replayed), round after round");
+        } else if r.repeat {
+            debug!(shard, worker = %short(&r.worker), norm = r.norm, "gradient rejected: it repeats an earlier push");
         } else if r.streak == SUSPECT_AFTER {
             warn!(shard, worker = %short(&r.worker), norm = r.norm, median = r.median, streak = r.streak,
                   "suspect worker: its gradients were rejected by the norm check, round after round");

@@ -359,10 +359,15 @@ pub fn inputs_from_view(
 ) -> (Vec<Member>, BTreeMap<PeerId, f64>) {
     // A peer still joining (fetching the model) takes no part until it
     // announces itself ready. Only at the very start of a run (this node has
-    // not finished a step) may a peer that still says `Joining` but already
-    // proposes the agreed roster count: it is a member a heartbeat late. Later
-    // such a peer is a member restarted with the same identity, now joining.
-    let starting = me.step == 0;
+    // not finished a step, or its model has not moved from version 0: no
+    // round has been applied) may a peer that still says `Joining` but
+    // already proposes the agreed roster count: it is a member a heartbeat
+    // late. Later such a peer is a member restarted with the same identity,
+    // now joining. (With local steps a node is 10 steps in within
+    // milliseconds; judged by its step alone, a member whose `Worker`
+    // heartbeat had not arrived yet left the placement and came back, and
+    // shards moved twice at the start of a 64-node run.)
+    let starting = me.step == 0 || me.model_version == 0;
     let live: Vec<_> = view
         .live(now_ms, timeout_ms)
         .into_iter()

@@ -61,7 +61,13 @@ pub struct Rejection<K> {
     pub agreement: Option<f32>,
     /// This worker's rejections in a row, this one included.
     pub streak: u32,
+    /// Dropped as a repeat: its norm equals, bit for bit, the norm of one
+    /// of this worker's last [`REPEAT_MEMORY`] pushes (a replayed gradient).
+    pub repeat: bool,
 }
+
+/// Pushes per worker whose norms the repeat check remembers.
+pub const REPEAT_MEMORY: usize = 16;
 
 impl<K> Rejection<K> {
     /// Rejected [`SUSPECT_AFTER`] times in a row or more.
@@ -191,6 +197,12 @@ struct WorkerClock {
     iter_ms: Option<f64>,
     /// Samples behind the worker's latest push.
     last_samples: Option<u32>,
+    /// BSP: the first round (version) that waits for this worker. A worker
+    /// that came into the view after the core was built is awaited from the
+    /// round after the one in progress: its push into that round may have
+    /// come before this owner counted it, and been dropped, and it has gone
+    /// on to the next.
+    from_version: u64,
 }
 
 /// One shard as its owner holds it.
@@ -213,6 +225,9 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     window: NormWindow,
     /// Rejections in a row, per worker.
     streaks: BTreeMap<K, u32>,
+    /// The bits of each worker's last [`REPEAT_MEMORY`] nonzero push norms
+    /// (norm check on): the repeat check.
+    recent_norms: BTreeMap<K, std::collections::VecDeque<u32>>,
     /// Each worker's moving agreement with the rounds' aggregates (BSP,
     /// contribution check on).
     agreement: BTreeMap<K, Agreement>,
@@ -270,6 +285,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             robust: Robust { aggregation: robust::Aggregation::Mean, norm_check: 0.0, min_agreement: None },
             window: NormWindow::default(),
             streaks: BTreeMap::new(),
+            recent_norms: BTreeMap::new(),
             agreement: BTreeMap::new(),
             rejections: Vec::new(),
             round_median_norm: None,
@@ -305,8 +321,21 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     }
 
     /// BSP: how many pushes close a round.
+    /// Whether the BSP round in progress waits for this worker.
+    fn awaited(&self, w: &WorkerClock) -> bool {
+        w.from_version <= self.version
+    }
+
     fn quorum(&self) -> usize {
-        self.workers.len().saturating_sub(self.backup).max(1)
+        self.workers.values().filter(|w| self.awaited(w)).count().saturating_sub(self.backup).max(1)
+    }
+
+    /// BSP: the round in progress holds a push of every awaited worker (all
+    /// but `backup` of them). Pushes of workers it does not wait for yet
+    /// count in its mean, not towards closing it.
+    fn round_complete(&self) -> bool {
+        let awaited = self.round.keys().filter(|k| self.workers.get(*k).is_some_and(|w| self.awaited(w))).count();
+        !self.round.is_empty() && awaited >= self.quorum()
     }
 
     /// This core was restored from a copy that may be older than the
@@ -354,7 +383,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
 
     /// Records whether `worker`'s contribution passed; `agreement`: left
     /// out by the contribution check, with this moving agreement.
-    fn judge(&mut self, worker: &K, passed: bool, norm: f32, median: f32, agreement: Option<f32>) {
+    fn judge(&mut self, worker: &K, passed: bool, norm: f32, median: f32, agreement: Option<f32>, repeat: bool) {
         if passed {
             self.streaks.remove(worker);
             return;
@@ -362,7 +391,25 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let streak = self.streaks.entry(worker.clone()).or_default();
         *streak += 1;
         let streak = *streak;
-        self.rejections.push(Rejection { worker: worker.clone(), norm, median, agreement, streak });
+        self.rejections.push(Rejection { worker: worker.clone(), norm, median, agreement, streak, repeat });
+    }
+
+    /// Whether `norm` repeats, bit for bit, the norm of one of `worker`'s
+    /// last [`REPEAT_MEMORY`] pushes; remembers it. An honest worker's
+    /// gradients differ from step to step (another batch, another model),
+    /// and so do their norms; a replayed gradient has its first push's
+    /// norm every time. Zero (a shard no sample touched) is never a repeat.
+    fn repeats(&mut self, worker: &K, norm: f32) -> bool {
+        if norm == 0.0 {
+            return false;
+        }
+        let seen = self.recent_norms.entry(worker.clone()).or_default();
+        let repeat = seen.contains(&norm.to_bits());
+        if seen.len() == REPEAT_MEMORY {
+            seen.pop_front();
+        }
+        seen.push_back(norm.to_bits());
+        repeat
     }
 
     /// Follow `schedule`: before each optimizer step the rate is set for the
@@ -500,7 +547,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let version = self.version;
         match self.policy {
             SyncPolicy::Bsp => {
-                if self.round.len() >= self.quorum() {
+                if self.round_complete() {
                     self.apply_round();
                     // A quorum of the workers (all of them without backup
                     // workers) pushed here: the numbering is settled.
@@ -520,8 +567,9 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                 let mut grad = grad.into_dense();
                 if k > 0.0 {
                     let n = robust::norm(&grad);
-                    let (passed, median) = self.window.admit(n, k);
-                    self.judge(worker, passed, n, median, None);
+                    let repeat = self.repeats(worker, n);
+                    let (passed, median) = if repeat { (false, self.window.median()) } else { self.window.admit(n, k) };
+                    self.judge(worker, passed, n, median, None, repeat);
                     if !passed {
                         return PushOutcome::Accepted { version, staleness: lead };
                     }
@@ -570,23 +618,27 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     /// Replace the set of workers (the live members of the view). Workers
     /// that left are dropped, with any gradient they put into the BSP round;
     /// new ones start at the slowest clock so they are not counted as far
-    /// behind. A BSP round that now has every remaining worker is applied.
+    /// behind, and BSP awaits them from the round after the one in progress
+    /// (`WorkerClock::from_version`). A BSP round that now has every
+    /// awaited worker is applied.
     pub fn set_workers(&mut self, live: impl IntoIterator<Item = K>) {
         let live: std::collections::BTreeSet<K> = live.into_iter().collect();
         if live.is_empty() {
             return;
         }
         let min = self.min_clock();
+        let from_version = self.version + 1;
         self.workers.retain(|k, _| live.contains(k));
         self.round.retain(|k, _| live.contains(k));
         self.streaks.retain(|k, _| live.contains(k));
+        self.recent_norms.retain(|k, _| live.contains(k));
         if self.round.is_empty() {
             self.round_opened_ms = None;
         }
         for k in live {
-            self.workers.entry(k).or_insert_with(|| WorkerClock { clock: min, ..WorkerClock::default() });
+            self.workers.entry(k).or_insert_with(|| WorkerClock { clock: min, from_version, ..WorkerClock::default() });
         }
-        if self.policy == SyncPolicy::Bsp && !self.round.is_empty() && self.round.len() >= self.quorum() {
+        if self.policy == SyncPolicy::Bsp && self.round_complete() {
             self.apply_round();
             self.catch_up_room = 0;
         }
@@ -610,7 +662,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         if self.policy != SyncPolicy::Bsp || self.round.is_empty() || now_ms.saturating_sub(opened) < timeout_ms {
             return None;
         }
-        let missing = self.workers.len().saturating_sub(self.round.len());
+        let missing = self.workers.iter().filter(|(k, w)| self.awaited(w) && !self.round.contains_key(*k)).count();
         self.apply_round();
         Some(missing)
     }
@@ -639,7 +691,11 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let norms: Vec<f32> = if k > 0.0 { round.values().map(|(_, g)| g.norm()).collect() } else { Vec::new() };
         let stored: u64 = round.values().map(|(_, g)| g.stored() as u64).sum();
         self.work.open += stored * u64::from(k > 0.0);
-        let outliers = robust::norm_outliers(&norms, k);
+        let mut outliers = robust::norm_outliers(&norms, k);
+        let keys: Vec<K> = round.keys().cloned().collect();
+        let repeats: Vec<usize> =
+            norms.iter().enumerate().filter(|(i, n)| self.repeats(&keys[*i], **n)).map(|(i, _)| i).collect();
+        outliers.extend(repeats.iter().copied());
         let median = (!norms.is_empty()).then(|| robust::median(&mut norms.clone()));
         if median.is_some() {
             self.round_median_norm = median;
@@ -661,7 +717,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             for (i, (w, (_, g))) in round.iter().enumerate() {
                 let norm = norms.get(i).copied().unwrap_or_else(|| g.norm());
                 let passed = !outliers.contains(&i) && excluded[i].is_none();
-                self.judge(w, passed, norm, median.unwrap_or(0.0), excluded[i]);
+                self.judge(w, passed, norm, median.unwrap_or(0.0), excluded[i], repeats.contains(&i));
             }
         }
         let kept: Vec<(&Contribution, f32)> = round
@@ -967,8 +1023,13 @@ mod tests {
         let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, min_agreement: None };
         let ids = ["a", "b", "c", "d"];
         let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ids).with_robust(robust);
+        let honest = [[1.0, 2.0], [3.0, 2.0], [2.0, 2.0]];
         for round in 0..3u64 {
-            for (w, g) in [("a", [1.0, 2.0]), ("b", [3.0, 2.0]), ("c", [2.0, 2.0]), ("d", [-2000.0, 2000.0])] {
+            // The honest gradients move from worker to worker, so that none
+            // repeats its own (which the repeat check would drop).
+            let r = round as usize;
+            let pushes = [("a", honest[r % 3]), ("b", honest[(r + 1) % 3]), ("c", honest[(r + 2) % 3])];
+            for (w, g) in pushes.into_iter().chain([("d", [-2000.0, 2000.0])]) {
                 assert!(matches!(core.push(&w, round, 1, g.to_vec(), 0), PushOutcome::Accepted { .. }));
             }
             assert_eq!(core.version(), round + 1);
@@ -1035,6 +1096,76 @@ mod tests {
         assert!((20..29).contains(&last), "let back in once it agrees again: {left_out:?}");
     }
 
+    /// A worker that replays one gradient every round (`replay`): its norm
+    /// repeats bit for bit, so from its second push on the repeat check
+    /// drops it and the round applies the others' mean; the third drop in
+    /// a row names it a suspect. Honest gradients, different every round,
+    /// are never dropped, and neither is a zero gradient (a shard no sample
+    /// touched), however often it comes.
+    #[test]
+    fn a_replayed_gradient_is_dropped_from_its_second_push_on() {
+        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, min_agreement: None };
+        let mut core =
+            ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ["a", "b", "c", "z"]).with_robust(robust);
+        for round in 0..5u64 {
+            let x = round as f32;
+            let before = core.params().to_vec();
+            core.push(&"a", round, 1, vec![1.0 + x, 2.0], 0);
+            core.push(&"b", round, 1, vec![2.0, 1.0 + x], 0);
+            core.push(&"z", round, 1, vec![0.0, 0.0], 0);
+            core.push(&"c", round, 1, vec![5.0, 5.0], 0);
+            let r = core.take_rejections();
+            let step: Vec<f32> = before.iter().zip(core.params()).map(|(b, a)| b - a).collect();
+            if round == 0 {
+                assert!(r.is_empty(), "{r:?}");
+                assert_eq!(step, [2.0, 2.0], "lr 1: the mean of all four");
+                continue;
+            }
+            assert_eq!(r.len(), 1, "round {round}: {r:?}");
+            assert!(r[0].repeat && r[0].worker == "c", "{r:?}");
+            assert_eq!((r[0].streak, r[0].suspect()), (round as u32, round >= SUSPECT_AFTER as u64));
+            let m = (3.0 + x) / 3.0;
+            assert!(step.iter().all(|s| (s - m).abs() < 1e-6), "round {round}: {step:?}, not the mean of a, b and z");
+        }
+        // Under ASP each push is checked on arrival the same way.
+        let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Asp, ["a"])
+            .with_robust(Robust { norm_check: 10.0, ..robust });
+        core.push(&"a", 0, 1, vec![3.0], 0);
+        core.push(&"a", 1, 1, vec![3.0], 0);
+        let r = core.take_rejections();
+        assert_eq!((r.len(), r[0].repeat, core.version()), (1, true, 1), "{r:?}");
+    }
+
+    /// A worker that comes into the view while a BSP round is open is
+    /// awaited from the next round: its push into this one may have been
+    /// dropped before the owner counted it (the joiner has gone on), so
+    /// waiting for it would hold the round to its timeout. A push it does
+    /// make into the open round counts in the mean, not towards closing it.
+    #[test]
+    fn a_worker_new_to_the_view_is_awaited_from_the_next_round() {
+        let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b"]);
+        core.push(&"a", 0, 1, vec![1.0], 0);
+        core.set_workers(["a", "b", "c"]);
+        assert_eq!(core.version(), 0, "b has not pushed");
+        core.push(&"c", 0, 1, vec![4.0], 0);
+        assert_eq!(core.version(), 0, "c's push does not stand in for b's");
+        core.push(&"b", 0, 1, vec![1.0], 0);
+        assert_eq!(core.version(), 1, "closed without waiting for anyone else");
+        assert_eq!(core.params(), &[-2.0], "the mean of all three pushes");
+        // From round 1 on, c is awaited like the others.
+        core.push(&"a", 1, 1, vec![1.0], 0);
+        core.push(&"b", 1, 1, vec![1.0], 0);
+        assert_eq!(core.version(), 1, "waits for c");
+        core.push(&"c", 1, 1, vec![1.0], 0);
+        assert_eq!(core.version(), 2);
+        // A newcomer while no push is in: awaited from the next round too.
+        core.set_workers(["a", "b", "c", "d"]);
+        for w in ["a", "b", "c"] {
+            core.push(&w, 2, 1, vec![1.0], 0);
+        }
+        assert_eq!(core.version(), 3);
+    }
+
     #[test]
     fn bsp_rounds_combine_with_the_robust_rule() {
         let rule = robust::Aggregation::Median;
@@ -1055,7 +1186,8 @@ mod tests {
         let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, min_agreement: None };
         let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Asp, ["a", "b"]).with_robust(robust);
         for i in 0..robust::WARMUP {
-            core.push(&"a", i, 1, vec![1.0], 0);
+            // Not the same gradient twice: the repeat check would drop it.
+            core.push(&"a", i, 1, vec![1.0 + i as f32 / 64.0], 0);
         }
         let v = core.version();
         assert_eq!(core.push(&"b", v, 1, vec![500.0], 0), PushOutcome::Accepted { version: v, staleness: 0 });
@@ -1212,16 +1344,20 @@ mod tests {
         core.set_workers(["a", "b"]);
         assert_eq!(core.version(), 1);
         assert_eq!(core.params(), &[-3.0, -3.0]);
-        // d joins at the slowest clock and is waited for from the next round on.
+        // d joins at the slowest clock and is waited for from the round after
+        // the current one (its push into this one may have been dropped).
         core.set_workers(["a", "b", "d"]);
         assert_eq!(core.clock(&"d"), core.clock(&"a"));
         assert!(matches!(core.push(&"a", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
         assert!(matches!(core.push(&"b", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
-        assert_eq!(core.version(), 1, "waiting for d");
-        assert!(matches!(core.push(&"d", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
-        assert_eq!(core.version(), 2);
+        assert_eq!(core.version(), 2, "round 1 does not wait for d");
+        assert!(matches!(core.push(&"a", 2, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
+        assert!(matches!(core.push(&"b", 2, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 2, "waiting for d");
+        assert!(matches!(core.push(&"d", 2, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 3);
         let (params, state, version) = core.export();
-        assert_eq!((params.as_slice(), version, state.step), (core.params(), 2, 2));
+        assert_eq!((params.as_slice(), version, state.step), (core.params(), 3, 3));
     }
 
     #[test]
