@@ -397,6 +397,47 @@ fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<
     Ok(())
 }
 
+/// 64 `shoal node` processes on this host (testnet/scenarios/swarm64.toml):
+/// 13 of them (20%) are killed one at a time while 13 fresh nodes join.
+/// Every event lands, every survivor and every joiner trains to the end
+/// and reaches the accuracy bar, no BSP round is forced outside the grace
+/// after a kill, and after each kill and each join every live node's view
+/// holds the same members within the bound. The report gives every node's
+/// peak memory and each agreement's time.
+#[test]
+#[ignore = "64 processes for minutes; .ci/run runs it"]
+fn a_swarm_of_64_processes_with_a_fifth_churned_converges_and_agrees() -> anyhow::Result<()> {
+    let path = repo().join("testnet/scenarios/swarm64.toml");
+    let scenario = shoal_testnet::scenario::Scenario::from_file(&path)?;
+    let (_report, summary) = run_testnet(&[], &path)?;
+    let checks = &summary["checks"];
+    assert_eq!(checks["failures"].as_array().map(Vec::len), Some(0), "{checks}");
+    let faults = summary["faults"].as_array().cloned().unwrap_or_default();
+    let kills = faults.iter().filter(|f| f["action"].as_str().is_some_and(|a| a.starts_with("kill"))).count();
+    let adds = faults.iter().filter(|f| f["action"] == "add a node").count();
+    assert_eq!((kills, adds), (13, 13), "{faults:?}");
+    assert!(faults.iter().all(|f| !f["outcome"].as_str().unwrap_or("failed").starts_with("failed")), "{faults:?}");
+    // 64 - 13 survivors and 13 joiners, each to the last step, each over the bar.
+    let min = scenario.checks.min_accuracy.unwrap_or(1.0);
+    let nodes = summary["nodes"].as_array().cloned().unwrap_or_default();
+    let done: Vec<&serde_json::Value> = nodes.iter().filter(|n| n["exit"] == "exited").collect();
+    assert_eq!(done.len(), 64, "{nodes:?}");
+    for n in &done {
+        assert!(n["final_accuracy"].as_f64().is_some_and(|a| a >= min), "{n}");
+    }
+    // Each change's agreement and each node's peak memory are in the report.
+    let agreement = summary["view_agreement"].as_array().cloned().unwrap_or_default();
+    assert_eq!(agreement.len(), 26, "{agreement:?}");
+    let limit = scenario.checks.views_agree_within_secs.unwrap_or(0.0);
+    for a in &agreement {
+        assert!(a["agreed_after_secs"].as_f64().is_some_and(|t| t > 0.0 && t <= limit), "{a}");
+        assert!(a["live"].as_u64().is_some_and(|l| (63..=64).contains(&l)), "{a}");
+    }
+    let peaks = summary["peak_rss"].as_object().cloned().unwrap_or_default();
+    assert_eq!(peaks.len(), 77, "every process of the run: {peaks:?}");
+    Ok(())
+}
+
 /// Whether network namespaces can be made here (root and iproute2); a skip
 /// says why, and under `SHOAL_REQUIRE_NETNS` (`.ci/run` as root) there is
 /// no skip.

@@ -9,6 +9,12 @@
 //! no_forced_rounds = true      # no BSP round is closed by its timeout
 //! accuracy_within_points = 0.5 # survivors' mean accuracy within 0.5 points of a fault-free run
 //! max_accuracy_drop_points = 0.5 # or: at most 0.5 points below it (any amount above)
+//! min_accuracy = 0.9           # every survivor's final test accuracy is at least 90%
+//! max_node_peak_rss_mib = 200  # every node process's peak resident memory (VmHWM)
+//! kill_grace_secs = 30         # rounds forced within 30 s after a kill are counted, not failed
+//! views_agree_within_secs = 60 # after each kill, restart, add or leave, every live node's
+//!                              # placement holds the same members, every live node,
+//!                              # within 60 s (changes that overlap settle together)
 //!
 //! [[node]]
 //! index = 3
@@ -117,14 +123,18 @@ pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> Ch
     r.rss = rss;
     r.rss_not_judged = short;
     let heals: Vec<f64> = run.faults.iter().filter(|f| f.action.starts_with("heal")).map(|f| f.secs).collect();
+    let kills: Vec<f64> = run.faults.iter().filter(|f| f.failure).map(|f| f.secs).collect();
+    let within = |times: &[f64], secs: f64, grace: f64| times.iter().any(|t| secs >= *t && secs <= t + grace);
     let mut unexcused: Vec<(String, f64, u64)> = Vec::new();
     for s in &run.samples {
         r.rounds_forced.entry(s.node.clone()).or_insert(0);
     }
     for (node, secs, n) in forced_rounds(&run.samples) {
         *r.rounds_forced.entry(node.clone()).or_insert(0) += n;
-        if heals.iter().any(|h| secs >= *h && secs <= h + HEAL_GRACE_SECS) {
+        if within(&heals, secs, HEAL_GRACE_SECS) {
             r.rounds_forced_after_heal += n;
+        } else if within(&kills, secs, checks.kill_grace_secs) {
+            r.rounds_forced_after_kill += n;
         } else {
             unexcused.push((node, secs, n));
         }
@@ -137,14 +147,61 @@ pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> Ch
         for (node, secs, n) in &unexcused {
             r.failures.push(format!(
                 "rounds: {node} closed {n} BSP round(s) at the round timeout (seen at {secs:.0} s, not within \
-                 {HEAL_GRACE_SECS} s after a partition healed)"
+                 {HEAL_GRACE_SECS} s after a partition healed{})",
+                if checks.kill_grace_secs > 0.0 {
+                    format!(" or {} s after a kill", checks.kill_grace_secs)
+                } else {
+                    String::new()
+                }
             ));
         }
     }
     if checks.needs_fault_free_run() {
         accuracy_failures(checks, &mut r);
     }
+    survivor_failures(checks, run, &mut r);
+    view_failures(checks, run, &mut r);
     r
+}
+
+/// `min_accuracy`: every node that trained to the end reached it.
+fn survivor_failures(checks: &Checks, run: &Summary, r: &mut CheckReport) {
+    let Some(min) = checks.min_accuracy else { return };
+    let survivors: Vec<_> = run.nodes.iter().filter(|n| n.exit == "exited" && !n.left).collect();
+    if survivors.is_empty() {
+        r.failures.push("accuracy: no node trained to the end".into());
+    }
+    for n in survivors {
+        match n.final_accuracy {
+            Some(a) if a >= min => {}
+            Some(a) => r.failures.push(format!(
+                "accuracy: {} ended at {:.2}% (every survivor must reach {:.2}%)",
+                n.name,
+                a * 100.0,
+                min * 100.0
+            )),
+            None => r.failures.push(format!("accuracy: {} trained to the end but reported no accuracy", n.name)),
+        }
+    }
+}
+
+/// `views_agree_within_secs`: after each change of membership the views
+/// agreed, soon enough and before the next change.
+fn view_failures(checks: &Checks, run: &Summary, r: &mut CheckReport) {
+    let Some(limit) = checks.views_agree_within_secs else { return };
+    for v in &run.view_agreement {
+        match v.agreed_after_secs {
+            Some(t) if t <= limit => {}
+            Some(t) => r.failures.push(format!(
+                "views: after `{}` at {:.0} s the views agreed on the members only {t:.1} s later (limit {limit} s)",
+                v.action, v.at_secs
+            )),
+            None => r.failures.push(format!(
+                "views: after `{}` at {:.0} s the views never agreed on the members again before the end",
+                v.action, v.at_secs
+            )),
+        }
+    }
 }
 
 /// The memory checks: growth after warm-up and peak resident memory.
@@ -168,6 +225,19 @@ fn memory_failures(checks: &Checks, run: &Summary, r: &mut CheckReport) {
                 g.from_secs,
                 mib(g.peak_bytes),
                 max * 100.0
+            ));
+        }
+    }
+    if let Some(max) = checks.max_node_peak_rss {
+        if run.peak_rss.is_empty() {
+            r.failures
+                .push("memory: no node has a resource sample (max_node_peak_rss_mib needs the process backend)".into());
+        }
+        for (node, &p) in run.peak_rss.iter().filter(|(_, &p)| p > max) {
+            r.failures.push(format!(
+                "memory: {node} peaked at {:.1} MiB resident (limit for every node {:.1} MiB)",
+                mib(p),
+                mib(max)
             ));
         }
     }
@@ -220,7 +290,7 @@ fn mib(bytes: u64) -> f64 {
 }
 
 /// The report in a few lines, for the terminal.
-pub fn describe(r: &CheckReport) -> String {
+pub fn describe(r: &CheckReport, run: &Summary) -> String {
     let mut out = String::new();
     if let Some(worst) = r.rss.iter().max_by(|a, b| a.growth.total_cmp(&b.growth)) {
         out += &format!(
@@ -236,10 +306,35 @@ pub fn describe(r: &CheckReport) -> String {
     for (node, peak) in &r.peak_rss {
         out += &format!("peak resident memory of {node}: {:.1} MiB\n", mib(*peak));
     }
+    if let Some((node, peak)) = run.peak_rss.iter().max_by_key(|(_, &p)| p) {
+        let mut peaks: Vec<u64> = run.peak_rss.values().copied().collect();
+        peaks.sort_unstable();
+        out += &format!(
+            "peak resident memory of {} node processes: median {:.1} MiB, largest {:.1} MiB ({node})\n",
+            peaks.len(),
+            mib(peaks[peaks.len() / 2]),
+            mib(*peak)
+        );
+    }
+    let agreed: Vec<f64> = run.view_agreement.iter().filter_map(|v| v.agreed_after_secs).collect();
+    if !run.view_agreement.is_empty() {
+        out += &format!(
+            "views agreed after {} of {} changes of membership, the slowest in {} s\n",
+            agreed.len(),
+            run.view_agreement.len(),
+            agreed
+                .iter()
+                .copied()
+                .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))))
+                .map_or("-".into(), |t| format!("{t:.1}"))
+        );
+    }
     out += &format!(
-        "rounds closed at the timeout: {} ({} of them within {HEAL_GRACE_SECS} s after a partition healed)\n",
+        "rounds closed at the timeout: {} ({} of them within {HEAL_GRACE_SECS} s after a partition healed, {} \
+         within the grace after a kill)\n",
         r.rounds_forced.values().sum::<u64>(),
-        r.rounds_forced_after_heal
+        r.rounds_forced_after_heal,
+        r.rounds_forced_after_kill
     );
     if let Some(a) = r.survivors_accuracy {
         out += &format!("survivors' mean accuracy: {:.2}% ({})", a * 100.0, r.survivors.join(", "));
@@ -320,6 +415,9 @@ mod tests {
                 accuracy: None,
                 samples_per_sec: 0.0,
                 rounds_forced: *f,
+                role: "worker".into(),
+                members: None,
+                live: 0,
             })
             .collect();
         Summary {
@@ -333,6 +431,8 @@ mod tests {
             faults: vec![],
             samples,
             resources,
+            peak_rss: BTreeMap::new(),
+            view_agreement: vec![],
             checks: None,
         }
     }
@@ -447,6 +547,8 @@ mod tests {
             line: 0,
             action: "heal [[0, 1], [2, 3]]".into(),
             outcome: "healed".into(),
+            membership: false,
+            failure: false,
             steps_per_sec_before: None,
             steps_per_sec_after: None,
         };
@@ -458,5 +560,60 @@ mod tests {
         assert_eq!((r.rounds_forced.get("node1"), r.rounds_forced_after_heal), (Some(&2), 2));
         healed.faults = vec![heal(-100.0)];
         assert!(!judge(&rounds, &healed, None).passed());
+        // Within kill_grace_secs of a kill: counted and excused; without the grace: failed.
+        let mut kill = heal(0.2);
+        (kill.action, kill.membership, kill.failure) = ("kill node3".into(), true, true);
+        healed.faults = vec![kill];
+        assert!(!judge(&rounds, &healed, None).passed());
+        let graced = Checks { kill_grace_secs: 30.0, ..rounds };
+        let r = judge(&graced, &healed, None);
+        assert!(r.passed(), "{:?}", r.failures);
+        assert_eq!((r.rounds_forced_after_kill, r.rounds_forced_after_heal), (2, 0));
+    }
+
+    /// The swarm's checks: every survivor's accuracy, every node's peak
+    /// memory, and the views' agreement after each change of membership.
+    #[test]
+    fn every_survivor_every_node_and_every_change_is_judged() {
+        let nodes = vec![
+            outcome("node0", "exited", Some(0.95), false),
+            outcome("node1", "exited", Some(0.85), false),
+            outcome("node2", "killed", None, false),
+            outcome("node3", "exited", None, true),
+        ];
+        let mut run = summary(nodes, vec![], &[]);
+        run.peak_rss = [("node0".to_string(), 40 << 20), ("node64".to_string(), 90 << 20)].into();
+        let agreement = |after: Option<f64>| crate::report::ViewAgreement {
+            action: "add a node".into(),
+            secs: 10.0,
+            at_secs: 5.0,
+            agreed_after_secs: after,
+            live: after.map(|_| 3),
+        };
+        run.view_agreement = vec![agreement(Some(20.0)), agreement(Some(61.0)), agreement(None)];
+        let checks = Checks {
+            min_accuracy: Some(0.9),
+            max_node_peak_rss: Some(64 << 20),
+            views_agree_within_secs: Some(60.0),
+            ..Checks::default()
+        };
+        assert!(!checks.is_empty());
+        let r = judge(&checks, &run, None);
+        let f = r.failures.join("\n");
+        assert_eq!(r.failures.len(), 4, "{f}");
+        assert!(f.contains("node1 ended at 85.00% (every survivor must reach 90.00%)"), "{f}");
+        assert!(f.contains("node64 peaked at 90.0 MiB"), "{f}");
+        assert!(f.contains("agreed on the members only 61.0 s later (limit 60 s)"), "{f}");
+        assert!(f.contains("never agreed on the members again"), "{f}");
+        assert!(!f.contains("node0") && !f.contains("node2") && !f.contains("node3"), "{f}");
+        // Within every limit: passes, and the terminal summary gives the figures.
+        run.nodes[1].final_accuracy = Some(0.91);
+        run.peak_rss.remove("node64");
+        run.view_agreement.truncate(1);
+        let r = judge(&checks, &run, None);
+        assert!(r.passed(), "{:?}", r.failures);
+        let d = describe(&r, &run);
+        assert!(d.contains("peak resident memory of 1 node processes: median 40.0 MiB"), "{d}");
+        assert!(d.contains("views agreed after 1 of 1 changes of membership, the slowest in 20.0 s"), "{d}");
     }
 }

@@ -220,6 +220,9 @@ struct Testnet<'a> {
 const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 const POLL: Duration = Duration::from_millis(500);
+/// Bootstrap addresses a node is started with, at most (live nodes, lowest
+/// index first).
+const BOOTSTRAPS: usize = 3;
 
 /// What a node is started with, whichever backend runs it.
 struct NodeArgs {
@@ -337,16 +340,23 @@ impl Testnet<'_> {
     /// How node `i` finds the others: the same on every backend.
     fn node_args(&self, i: usize, config: PathBuf) -> anyhow::Result<NodeArgs> {
         let far = self.scenario.is_far(i);
-        let bootstrap: Option<String> = match self.scenario.discovery {
-            Discovery::Bootstrap => self.nodes.iter().filter(|n| n.alive() && n.index != i).find_map(|n| n.p2p_addr()),
-            Discovery::Relay if far => self.launcher.relay_far_addr(),
-            // Any live node this one can reach: not a far one.
-            Discovery::Relay => self
+        // Up to BOOTSTRAPS live nodes, so that a node added as another dies
+        // (a churning swarm) still finds the run.
+        let reachable = |n: &&NodeProc| n.alive() && n.index != i && !self.scenario.is_far(n.index);
+        let bootstrap: Vec<String> = match self.scenario.discovery {
+            Discovery::Bootstrap => self
                 .nodes
                 .iter()
-                .filter(|n| n.alive() && n.index != i && !self.scenario.is_far(n.index))
-                .find_map(|n| n.p2p_addr()),
-            Discovery::Mdns => None,
+                .filter(|n| n.alive() && n.index != i)
+                .filter_map(NodeProc::p2p_addr)
+                .take(BOOTSTRAPS)
+                .collect(),
+            Discovery::Relay if far => self.launcher.relay_far_addr().into_iter().collect(),
+            // Live nodes this one can reach: not far ones.
+            Discovery::Relay => {
+                self.nodes.iter().filter(reachable).filter_map(NodeProc::p2p_addr).take(BOOTSTRAPS).collect()
+            }
+            Discovery::Mdns => Vec::new(),
         };
         let mut peers: Vec<String> = bootstrap.into_iter().flat_map(|b| ["--bootstrap".into(), b]).collect();
         // The relay serves; every other node reserves on it, by the address
@@ -588,6 +598,9 @@ impl Testnet<'_> {
                 accuracy: num("last_accuracy"),
                 samples_per_sec: num("samples_per_sec").unwrap_or(0.0),
                 rounds_forced: num("rounds_forced").unwrap_or(0.0) as u64,
+                role: role.clone(),
+                members: s.get("placement_members").and_then(|e| e.as_str()).map(str::to_string),
+                live: num("placement_live").unwrap_or(0.0) as u64,
             });
             if n.last_role.as_ref() != Some(&(role.clone(), owned.clone())) {
                 roles.push(RoleRecord { secs: t, node: n.name.clone(), role: role.clone(), owned: owned.clone() });
@@ -789,6 +802,8 @@ impl Testnet<'_> {
                 line: ev.line,
                 action: ev.action.to_string(),
                 outcome: what,
+                membership: ev.action.changes_membership(),
+                failure: ev.action.is_failure(),
                 steps_per_sec_before: None,
                 steps_per_sec_after: None,
             });
@@ -862,6 +877,8 @@ impl Testnet<'_> {
                 line: 0,
                 action: format!("heal {groups:?}"),
                 outcome: what,
+                membership: false,
+                failure: false,
                 steps_per_sec_before: None,
                 steps_per_sec_after: None,
             });
@@ -1387,7 +1404,7 @@ pub fn run(opts: &RunOptions) -> anyhow::Result<Summary> {
         }
     };
     let report = checks::judge(&scenario.checks, &summary, fault_free.as_ref());
-    print!("\n{}", checks::describe(&report));
+    print!("\n{}", checks::describe(&report, &summary));
     let passed = report.passed();
     summary.checks = Some(report);
     summary.write_json(&opts.report_dir)?;

@@ -33,6 +33,13 @@ pub struct Sample {
     /// BSP rounds this node closed at the round timeout (`/status`
     /// `rounds_forced`; a restarted node counts from 0 again).
     pub rounds_forced: u64,
+    /// Its role (`/status` `role`: starting, joining, worker, aggregator,
+    /// leaving, done).
+    pub role: String,
+    /// The hash of the live members its placement counts, and their number
+    /// (`/status` `placement_members`, `placement_live`).
+    pub members: Option<String>,
+    pub live: u64,
 }
 
 /// One reading of one node process's resources (process backend; Linux
@@ -96,6 +103,10 @@ pub struct FaultRecord {
     pub line: usize,
     pub action: String,
     pub outcome: String,
+    /// A kill, freeze, restart, add or leave: who is in the run changed.
+    pub membership: bool,
+    /// A kill, freeze or stop: nodes went without a goodbye.
+    pub failure: bool,
     /// Mean steps/s per live node in the 10 s before and after.
     pub steps_per_sec_before: Option<f64>,
     pub steps_per_sec_after: Option<f64>,
@@ -151,6 +162,66 @@ pub struct RssGrowth {
     pub growth: f64,
 }
 
+/// How long the nodes' views took to agree after one change of membership.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ViewAgreement {
+    /// The event (`FaultRecord::action`) and when it ran (seconds since the
+    /// testnet started, and since training started).
+    pub action: String,
+    pub secs: f64,
+    pub at_secs: f64,
+    /// Seconds from the event to the first poll at which every live node's
+    /// placement held the same members, every live node; `None`:
+    /// not before the end of the run. Changes that overlap settle
+    /// together: an event's agreement is the first one after it, whatever
+    /// came in between.
+    pub agreed_after_secs: Option<f64>,
+    /// The live nodes that placement counted.
+    pub live: Option<u64>,
+}
+
+/// Whether one poll's samples (every live node, read at once) show agreed
+/// views: every node that still elects (not `done`, not `leaving`) has a
+/// placement over the same members, and counts every node that is not
+/// leaving. The count of the live nodes it agreed on, if it did.
+fn agreed(poll: &[&Sample]) -> Option<u64> {
+    let members = poll.iter().filter(|s| s.role != "leaving").count() as u64;
+    let mut electors = poll.iter().filter(|s| s.role != "leaving" && s.role != "done");
+    let first = electors.next()?;
+    let hash = first.members.as_ref()?;
+    let same = |s: &&&Sample| s.members.as_ref() == Some(hash) && s.live == members;
+    (same(&first) && electors.all(|s| same(&s))).then_some(members)
+}
+
+/// For each change of membership in `faults`, how long the views took to
+/// agree after it ([`agreed`], poll by poll; a poll is the samples that
+/// share one `secs`). Pure.
+pub fn view_agreements(faults: &[FaultRecord], samples: &[Sample]) -> Vec<ViewAgreement> {
+    let mut polls: BTreeMap<u64, Vec<&Sample>> = BTreeMap::new();
+    for s in samples {
+        polls.entry(s.secs.to_bits()).or_default().push(s);
+    }
+    let mut polls: Vec<(f64, Vec<&Sample>)> = polls.into_values().map(|p| (p[0].secs, p)).collect();
+    polls.sort_by(|a, b| a.0.total_cmp(&b.0));
+    // When each poll agreed, in order: each change's agreement is the first after it.
+    let agreements: Vec<(f64, u64)> = polls.iter().filter_map(|(t, p)| agreed(p).map(|live| (*t, live))).collect();
+    faults
+        .iter()
+        .filter(|f| f.membership)
+        .map(|f| {
+            // A poll at the event's own time was read before the event ran.
+            let found = agreements.iter().find(|(t, _)| *t > f.secs).map(|(t, live)| (t - f.secs, *live));
+            ViewAgreement {
+                action: f.action.clone(),
+                secs: f.secs,
+                at_secs: f.at_secs,
+                agreed_after_secs: found.map(|x| x.0),
+                live: found.map(|x| x.1),
+            }
+        })
+        .collect()
+}
+
 /// The verdict on a run, written into `summary.json` as `checks`.
 #[derive(Debug, Clone, Serialize, Default, PartialEq)]
 pub struct CheckReport {
@@ -166,6 +237,8 @@ pub struct CheckReport {
     /// Of those, the rounds forced within [`crate::checks::HEAL_GRACE_SECS`]
     /// after a partition healed: excused (see [`crate::checks::judge`]).
     pub rounds_forced_after_heal: u64,
+    /// And those forced within `kill_grace_secs` after a kill: excused.
+    pub rounds_forced_after_kill: u64,
     /// Mean final accuracy of the nodes that trained to the end (not killed,
     /// not left).
     pub survivors_accuracy: Option<f64>,
@@ -199,6 +272,11 @@ pub struct Summary {
     /// Each node process's memory and open files over time (process
     /// backend only; empty on docker).
     pub resources: Vec<ResourceSample>,
+    /// Each node's peak resident memory (`VmHWM`) over all its lives, in
+    /// bytes (process backend only).
+    pub peak_rss: BTreeMap<String, u64>,
+    /// How long the views took to agree after each change of membership.
+    pub view_agreement: Vec<ViewAgreement>,
     /// The verdict on the scenario's `[checks]`, if it has any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checks: Option<CheckReport>,
@@ -237,6 +315,7 @@ impl Summary {
             f.steps_per_sec_before = steps_per_sec(&grouped, f.secs - RATE_WINDOW_SECS, f.secs);
             f.steps_per_sec_after = steps_per_sec(&grouped, f.secs, f.secs + RATE_WINDOW_SECS);
         }
+        let view_agreement = view_agreements(&faults, &samples);
         Self {
             scenario: scenario.name.clone(),
             run_id: scenario.run_id.clone(),
@@ -248,12 +327,19 @@ impl Summary {
             faults,
             samples,
             resources: Vec::new(),
+            peak_rss: BTreeMap::new(),
+            view_agreement,
             checks: None,
         }
     }
 
     /// The resource samples the launcher took.
     pub fn with_resources(mut self, resources: Vec<ResourceSample>) -> Self {
+        self.peak_rss.clear();
+        for r in &resources {
+            let peak = self.peak_rss.entry(r.node.clone()).or_insert(0);
+            *peak = (*peak).max(r.peak_rss_bytes).max(r.rss_bytes);
+        }
         self.resources = resources;
         self
     }
@@ -562,6 +648,9 @@ mod tests {
             accuracy: Some(0.5),
             samples_per_sec: 0.0,
             rounds_forced: 0,
+            role: "worker".into(),
+            members: None,
+            live: 0,
         }
     }
 
@@ -587,6 +676,68 @@ mod tests {
         assert_eq!(steps_per_sec(&by_node(&s), 20.0, 30.0), None);
     }
 
+    fn change(secs: f64, action: &str) -> FaultRecord {
+        FaultRecord {
+            secs,
+            at_secs: secs,
+            at_step: None,
+            line: 1,
+            action: action.into(),
+            outcome: "ok".into(),
+            membership: true,
+            failure: action.starts_with("kill"),
+            steps_per_sec_before: None,
+            steps_per_sec_after: None,
+        }
+    }
+
+    /// One poll of three nodes: each with its (role, members hash, live).
+    fn poll(secs: f64, nodes: [(&str, Option<&str>, u64); 3]) -> Vec<Sample> {
+        nodes
+            .iter()
+            .enumerate()
+            .map(|(i, (role, members, live))| Sample {
+                role: role.to_string(),
+                members: members.map(str::to_string),
+                live: *live,
+                ..sample(secs, &format!("node{i}"), 1)
+            })
+            .collect()
+    }
+
+    /// Views agree at the first poll after a change where every node that
+    /// elects holds the same members, every node; a node still joining (no
+    /// placement), split members or a count that still holds a dead node
+    /// is not agreement; changes that overlap settle together.
+    #[test]
+    fn views_agree_at_the_first_poll_where_every_node_holds_every_live_node() {
+        let w = "worker";
+        let samples: Vec<Sample> = [
+            poll(1.0, [(w, Some("a"), 3), (w, Some("a"), 3), (w, Some("a"), 3)]),
+            // A kill at 1.5 s: the others still count the dead node (4 of 3 polled).
+            poll(2.0, [(w, Some("a"), 4), (w, Some("a"), 4), (w, Some("a"), 4)]),
+            poll(3.0, [(w, Some("b"), 3), (w, Some("a"), 4), ("joining", None, 0)]),
+            poll(4.0, [(w, Some("b"), 3), (w, Some("b"), 3), ("joining", None, 0)]),
+            poll(5.0, [(w, Some("c"), 3), ("aggregator", Some("c"), 3), (w, Some("c"), 3)]),
+            // A node that finished keeps its last placement and is not judged.
+            poll(6.0, [(w, Some("c"), 3), (w, Some("c"), 3), ("done", Some("old"), 2)]),
+        ]
+        .concat();
+        let faults = [
+            change(1.5, "kill node3"),
+            change(2.5, "add a node"),
+            change(5.5, "node9 leaves"),
+            change(7.0, "add a node"),
+        ];
+        let v = view_agreements(&faults, &samples);
+        let got: Vec<(Option<f64>, Option<u64>)> = v.iter().map(|v| (v.agreed_after_secs, v.live)).collect();
+        assert_eq!(got, vec![(Some(3.5), Some(3)), (Some(2.5), Some(3)), (Some(0.5), Some(3)), (None, None)]);
+        // Slow, partitioned and healed are not changes of membership.
+        let mut slow = change(1.5, "slow node1");
+        slow.membership = false;
+        assert!(view_agreements(&[slow], &samples).is_empty());
+    }
+
     #[test]
     fn the_report_is_written_with_a_png() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
@@ -599,6 +750,8 @@ mod tests {
             line: 3,
             action: "kill node1".into(),
             outcome: "ok".into(),
+            membership: true,
+            failure: true,
             steps_per_sec_before: None,
             steps_per_sec_after: None,
         };

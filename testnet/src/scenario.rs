@@ -49,6 +49,10 @@
 //! no_forced_rounds = true
 //! accuracy_within_points = 0.5   # also runs the scenario without events
 //! max_accuracy_drop_points = 0.5 # the same, one-sided: at most 0.5 points below
+//! min_accuracy = 0.9        # every survivor's final test accuracy
+//! max_node_peak_rss_mib = 200    # every node process's peak resident memory
+//! kill_grace_secs = 30      # rounds forced this soon after a kill are excused
+//! views_agree_within_secs = 60   # views agree on the members after each churn event
 //! ```
 //!
 //! An event that finds no training left to act on (its node, or every
@@ -211,6 +215,19 @@ pub enum Action {
     StartAll,
 }
 
+impl Action {
+    /// Whether it changes who is in the run: a kill, freeze, restart, add,
+    /// leave, or a stop or start of every node.
+    pub fn changes_membership(&self) -> bool {
+        !matches!(self, Action::Slow { .. } | Action::Partition { .. })
+    }
+
+    /// Whether nodes go without a goodbye: a kill, a freeze, a stop of every node.
+    pub fn is_failure(&self) -> bool {
+        matches!(self, Action::Kill { .. } | Action::Freeze { .. } | Action::StopAll)
+    }
+}
+
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -322,6 +339,19 @@ pub struct Checks {
     /// Largest allowed peak resident memory (`VmHWM`), in bytes, by node
     /// name (from `max_peak_rss_mib` of a `[[node]]` table).
     pub max_peak_rss: BTreeMap<String, u64>,
+    /// Largest allowed peak resident memory of every node process, joiners
+    /// included, in bytes (`max_node_peak_rss_mib`).
+    pub max_node_peak_rss: Option<u64>,
+    /// Rounds forced within this many seconds after a kill (or a freeze)
+    /// are counted, not failed: owners wait out the failure timeout for a
+    /// worker that died mid-round.
+    pub kill_grace_secs: f64,
+    /// Every survivor's final test accuracy (0 to 1) at least this.
+    pub min_accuracy: Option<f64>,
+    /// After each kill, restart, add or leave, every live node's placement
+    /// holds the same members, every live node, within this many seconds
+    /// (changes that overlap settle together).
+    pub views_agree_within_secs: Option<f64>,
 }
 
 impl Checks {
@@ -331,6 +361,9 @@ impl Checks {
             && self.accuracy_within_points.is_none()
             && self.max_accuracy_drop_points.is_none()
             && self.max_peak_rss.is_empty()
+            && self.max_node_peak_rss.is_none()
+            && self.min_accuracy.is_none()
+            && self.views_agree_within_secs.is_none()
     }
 
     /// Whether judging needs the same scenario run again without events.
@@ -373,6 +406,10 @@ struct RawChecks {
     no_forced_rounds: bool,
     accuracy_within_points: Option<Spanned<f64>>,
     max_accuracy_drop_points: Option<Spanned<f64>>,
+    max_node_peak_rss_mib: Option<Spanned<f64>>,
+    kill_grace_secs: Option<Spanned<f64>>,
+    min_accuracy: Option<Spanned<f64>>,
+    views_agree_within_secs: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -862,6 +899,11 @@ impl Source<'_> {
             accuracy_within_points: positive(&c.accuracy_within_points, "accuracy_within_points", 100.0)?,
             max_accuracy_drop_points: positive(&c.max_accuracy_drop_points, "max_accuracy_drop_points", 100.0)?,
             max_peak_rss: BTreeMap::new(),
+            max_node_peak_rss: positive(&c.max_node_peak_rss_mib, "max_node_peak_rss_mib", 1e6)?
+                .map(|m| (m * (1u64 << 20) as f64) as u64),
+            kill_grace_secs: positive(&c.kill_grace_secs, "kill_grace_secs", MAX_SECS)?.unwrap_or(0.0),
+            min_accuracy: positive(&c.min_accuracy, "min_accuracy", 1.0)?,
+            views_agree_within_secs: positive(&c.views_agree_within_secs, "views_agree_within_secs", MAX_SECS)?,
         };
         if checks.warmup_secs >= time_limit {
             return Err(self.err(
@@ -1169,7 +1211,8 @@ action = "add"
     #[test]
     fn checks_parse_and_bad_values_point_at_their_line() {
         let text = "nodes = 2\ntime_limit_secs = 300\n[checks]\nwarmup_secs = 60\nmax_rss_growth = 0.1\n\
-                    no_forced_rounds = true\naccuracy_within_points = 0.5\nmax_accuracy_drop_points = 0.25\n";
+                    no_forced_rounds = true\naccuracy_within_points = 0.5\nmax_accuracy_drop_points = 0.25\n\
+                    min_accuracy = 0.9\nmax_node_peak_rss_mib = 2\nkill_grace_secs = 30\nviews_agree_within_secs = 60\n";
         let s = parse(text).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             s.checks,
@@ -1180,6 +1223,10 @@ action = "add"
                 accuracy_within_points: Some(0.5),
                 max_accuracy_drop_points: Some(0.25),
                 max_peak_rss: BTreeMap::new(),
+                max_node_peak_rss: Some(2 << 20),
+                kill_grace_secs: 30.0,
+                min_accuracy: Some(0.9),
+                views_agree_within_secs: Some(60.0),
             }
         );
         let base = s.without_events();
@@ -1193,6 +1240,8 @@ action = "add"
         assert_eq!(e, Some(4), "a warm-up as long as the run is refused");
         let e = parse(&text.replace("no_forced_rounds", "no_forced_round")).err();
         assert!(e.as_ref().is_some_and(|e| e.message.contains("no_forced_round")), "{e:?}");
+        let e = parse(&text.replace("min_accuracy = 0.9", "min_accuracy = 90")).err().map(|e| (e.line, e.message));
+        assert_eq!(e, Some((9, "checks.min_accuracy = 90 must be from 0 to 1".into())));
     }
 
     #[test]

@@ -10,6 +10,8 @@ use shoal_protocol::Role;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use shoal_models::rng::stable_hash64;
+
 use crate::handles::membership::{MembershipHandle, ViewSnapshot};
 use crate::handles::status::{RoleView, StatusEvent, StatusHandle};
 use crate::ops::logging::short;
@@ -169,7 +171,13 @@ fn announce(
 ) {
     let owned = new.owned_by(me);
     let before = old.map(|o| o.owned_by(me));
-    status.record(StatusEvent::Aggregators(new.aggregators()));
+    let members: Vec<u8> = new.live.iter().flat_map(|p| p.to_bytes()).collect();
+    status.record(StatusEvent::Placement {
+        epoch: new.epoch,
+        aggregators: new.aggregators(),
+        members: stable_hash64(&members),
+        live: new.live.len(),
+    });
     let moved = old.is_none_or(|o| o.owners != new.owners);
     if moved {
         status.record(StatusEvent::Owners(new.owners.clone()));

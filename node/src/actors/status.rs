@@ -125,11 +125,8 @@ impl StatusActor {
                 s.step = step;
                 self.mark("resumed", format!("resumed from checkpoints at step {step}"));
             }
-            StatusEvent::Aggregators(k) => {
-                if s.aggregators != k {
-                    s.aggregators = k;
-                    self.mark("aggregators", format!("{k} aggregators"));
-                }
+            StatusEvent::Placement { epoch, aggregators, members, live } => {
+                self.on_placement(epoch, aggregators, members, live);
             }
             StatusEvent::Owners(owners) => {
                 let owners: Vec<String> = owners.iter().map(ToString::to_string).collect();
@@ -231,6 +228,18 @@ impl StatusActor {
         s.last_checkpoint_secs = Some(secs);
         let v = s.checkpoint_versions.entry(shard).or_default();
         *v = (*v).max(version);
+    }
+
+    /// A new placement: its epoch, members and aggregators.
+    fn on_placement(&mut self, epoch: u64, k: usize, members: u64, live: usize) {
+        let s = &mut self.snap;
+        s.placement_epoch = Some(format!("{epoch:016x}"));
+        s.placement_members = Some(format!("{members:016x}"));
+        s.placement_live = live;
+        if s.aggregators != k {
+            s.aggregators = k;
+            self.mark("aggregators", format!("{k} aggregators"));
+        }
     }
 
     /// A step trained on `samples` where the nominal batch is `nominal`:

@@ -143,6 +143,13 @@ pub struct StatusSnapshot {
     pub owner_passes: f64,
     /// Aggregators in this node's current placement.
     pub aggregators: usize,
+    /// The current placement's epoch (a hash of everything it was computed
+    /// from, in hex), the hash of the live members it counts (in hex: equal
+    /// on two nodes exactly when their views hold the same members) and
+    /// their number. `None` before the first placement.
+    pub placement_epoch: Option<String>,
+    pub placement_members: Option<String>,
+    pub placement_live: usize,
     /// Exploration of the number of aggregators: every trial, keep and
     /// revert this node decided (at most 1000 kept).
     pub exploration: Vec<ExploreRecord>,
@@ -278,7 +285,13 @@ pub enum StatusEvent {
         step: u64,
     },
     RoundForced,
-    Aggregators(usize),
+    /// A new placement: its epoch, its aggregators and its live members.
+    Placement {
+        epoch: u64,
+        aggregators: usize,
+        members: u64,
+        live: usize,
+    },
     /// A placement whose owners changed: `owners[shard]`.
     Owners(Vec<PeerId>),
     Explore {
