@@ -197,12 +197,6 @@ struct WorkerClock {
     iter_ms: Option<f64>,
     /// Samples behind the worker's latest push.
     last_samples: Option<u32>,
-    /// BSP: the first round (version) that waits for this worker. A worker
-    /// that came into the view after the core was built is awaited from the
-    /// round after the one in progress: its push into that round may have
-    /// come before this owner counted it, and been dropped, and it has gone
-    /// on to the next.
-    from_version: u64,
 }
 
 /// One shard as its owner holds it.
@@ -321,21 +315,14 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     }
 
     /// BSP: how many pushes close a round.
-    /// Whether the BSP round in progress waits for this worker.
-    fn awaited(&self, w: &WorkerClock) -> bool {
-        w.from_version <= self.version
-    }
-
     fn quorum(&self) -> usize {
-        self.workers.values().filter(|w| self.awaited(w)).count().saturating_sub(self.backup).max(1)
+        self.workers.len().saturating_sub(self.backup).max(1)
     }
 
-    /// BSP: the round in progress holds a push of every awaited worker (all
-    /// but `backup` of them). Pushes of workers it does not wait for yet
-    /// count in its mean, not towards closing it.
+    /// BSP: the round in progress holds a push of every worker (all but
+    /// `backup` of them).
     fn round_complete(&self) -> bool {
-        let awaited = self.round.keys().filter(|k| self.workers.get(*k).is_some_and(|w| self.awaited(w))).count();
-        !self.round.is_empty() && awaited >= self.quorum()
+        !self.round.is_empty() && self.round.len() >= self.quorum()
     }
 
     /// This core was restored from a copy that may be older than the
@@ -618,16 +605,13 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     /// Replace the set of workers (the live members of the view). Workers
     /// that left are dropped, with any gradient they put into the BSP round;
     /// new ones start at the slowest clock so they are not counted as far
-    /// behind, and BSP awaits them from the round after the one in progress
-    /// (`WorkerClock::from_version`). A BSP round that now has every
-    /// awaited worker is applied.
+    /// behind. A BSP round that now has every remaining worker is applied.
     pub fn set_workers(&mut self, live: impl IntoIterator<Item = K>) {
         let live: std::collections::BTreeSet<K> = live.into_iter().collect();
         if live.is_empty() {
             return;
         }
         let min = self.min_clock();
-        let from_version = self.version + 1;
         self.workers.retain(|k, _| live.contains(k));
         self.round.retain(|k, _| live.contains(k));
         self.streaks.retain(|k, _| live.contains(k));
@@ -636,7 +620,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             self.round_opened_ms = None;
         }
         for k in live {
-            self.workers.entry(k).or_insert_with(|| WorkerClock { clock: min, from_version, ..WorkerClock::default() });
+            self.workers.entry(k).or_insert_with(|| WorkerClock { clock: min, ..WorkerClock::default() });
         }
         if self.policy == SyncPolicy::Bsp && self.round_complete() {
             self.apply_round();
@@ -662,7 +646,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         if self.policy != SyncPolicy::Bsp || self.round.is_empty() || now_ms.saturating_sub(opened) < timeout_ms {
             return None;
         }
-        let missing = self.workers.iter().filter(|(k, w)| self.awaited(w) && !self.round.contains_key(*k)).count();
+        let missing = self.workers.len().saturating_sub(self.round.len());
         self.apply_round();
         Some(missing)
     }
@@ -1136,36 +1120,6 @@ mod tests {
         assert_eq!((r.len(), r[0].repeat, core.version()), (1, true, 1), "{r:?}");
     }
 
-    /// A worker that comes into the view while a BSP round is open is
-    /// awaited from the next round: its push into this one may have been
-    /// dropped before the owner counted it (the joiner has gone on), so
-    /// waiting for it would hold the round to its timeout. A push it does
-    /// make into the open round counts in the mean, not towards closing it.
-    #[test]
-    fn a_worker_new_to_the_view_is_awaited_from_the_next_round() {
-        let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b"]);
-        core.push(&"a", 0, 1, vec![1.0], 0);
-        core.set_workers(["a", "b", "c"]);
-        assert_eq!(core.version(), 0, "b has not pushed");
-        core.push(&"c", 0, 1, vec![4.0], 0);
-        assert_eq!(core.version(), 0, "c's push does not stand in for b's");
-        core.push(&"b", 0, 1, vec![1.0], 0);
-        assert_eq!(core.version(), 1, "closed without waiting for anyone else");
-        assert_eq!(core.params(), &[-2.0], "the mean of all three pushes");
-        // From round 1 on, c is awaited like the others.
-        core.push(&"a", 1, 1, vec![1.0], 0);
-        core.push(&"b", 1, 1, vec![1.0], 0);
-        assert_eq!(core.version(), 1, "waits for c");
-        core.push(&"c", 1, 1, vec![1.0], 0);
-        assert_eq!(core.version(), 2);
-        // A newcomer while no push is in: awaited from the next round too.
-        core.set_workers(["a", "b", "c", "d"]);
-        for w in ["a", "b", "c"] {
-            core.push(&w, 2, 1, vec![1.0], 0);
-        }
-        assert_eq!(core.version(), 3);
-    }
-
     #[test]
     fn bsp_rounds_combine_with_the_robust_rule() {
         let rule = robust::Aggregation::Median;
@@ -1344,20 +1298,16 @@ mod tests {
         core.set_workers(["a", "b"]);
         assert_eq!(core.version(), 1);
         assert_eq!(core.params(), &[-3.0, -3.0]);
-        // d joins at the slowest clock and is waited for from the round after
-        // the current one (its push into this one may have been dropped).
+        // d joins at the slowest clock and is waited for from the next round on.
         core.set_workers(["a", "b", "d"]);
         assert_eq!(core.clock(&"d"), core.clock(&"a"));
         assert!(matches!(core.push(&"a", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
         assert!(matches!(core.push(&"b", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
-        assert_eq!(core.version(), 2, "round 1 does not wait for d");
-        assert!(matches!(core.push(&"a", 2, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
-        assert!(matches!(core.push(&"b", 2, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
-        assert_eq!(core.version(), 2, "waiting for d");
-        assert!(matches!(core.push(&"d", 2, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
-        assert_eq!(core.version(), 3);
+        assert_eq!(core.version(), 1, "waiting for d");
+        assert!(matches!(core.push(&"d", 1, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(core.version(), 2);
         let (params, state, version) = core.export();
-        assert_eq!((params.as_slice(), version, state.step), (core.params(), 3, 3));
+        assert_eq!((params.as_slice(), version, state.step), (core.params(), 2, 2));
     }
 
     #[test]
