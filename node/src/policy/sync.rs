@@ -676,9 +676,9 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let stored: u64 = round.values().map(|(_, g)| g.stored() as u64).sum();
         self.work.open += stored * u64::from(k > 0.0);
         let mut outliers = robust::norm_outliers(&norms, k);
-        let keys: Vec<K> = round.keys().cloned().collect();
+        // Empty with the norm check off: no norms to compare.
         let repeats: Vec<usize> =
-            norms.iter().enumerate().filter(|(i, n)| self.repeats(&keys[*i], **n)).map(|(i, _)| i).collect();
+            round.keys().zip(&norms).enumerate().filter(|(_, (w, n))| self.repeats(w, **n)).map(|(i, _)| i).collect();
         outliers.extend(repeats.iter().copied());
         let median = (!norms.is_empty()).then(|| robust::median(&mut norms.clone()));
         if median.is_some() {
