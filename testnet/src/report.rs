@@ -234,8 +234,9 @@ pub struct CheckReport {
     pub peak_rss: BTreeMap<String, u64>,
     /// Rounds each node closed at the timeout (over all its lives).
     pub rounds_forced: BTreeMap<String, u64>,
-    /// Of those, the rounds forced within [`crate::checks::HEAL_GRACE_SECS`]
-    /// after a partition healed: excused (see [`crate::checks::judge`]).
+    /// Of those, the rounds forced during a partition or within
+    /// [`crate::checks::HEAL_GRACE_SECS`] after it healed: excused (see
+    /// [`crate::checks::judge`]).
     pub rounds_forced_after_heal: u64,
     /// And those forced within `kill_grace_secs` after a kill: excused.
     pub rounds_forced_after_kill: u64,

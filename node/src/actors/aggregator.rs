@@ -934,7 +934,8 @@ impl AggregatorActor {
                 warn!(
                     shard,
                     version = core.version(),
-                    missing,
+                    missing = missing.len(),
+                    workers = ?missing.iter().map(short).collect::<Vec<_>>(),
                     timeout_ms = self.cfg.round_timeout_ms,
                     "BSP round closed without every worker's gradient"
                 );

@@ -1363,7 +1363,11 @@ impl Worker {
                         },
                         None => self.push_alone(owner, shard, base, step, samples, grad, left).await,
                     };
-                    machine.on_push(owner, push_answer(answer));
+                    let answer = push_answer(answer);
+                    if !matches!(answer, PushAnswer::Served { .. } | PushAnswer::Accepted { .. }) {
+                        debug!(shard, step, base, %owner, answer = %answer.describe(), "push answered");
+                    }
+                    machine.on_push(owner, answer);
                 }
                 ExchangeAction::Pull { owner, min_version, after_push } => {
                     if after_push {
@@ -1379,6 +1383,9 @@ impl Worker {
                         Ok(PullReply::NotOwner { hint, .. }) => PullAnswer::NotOwner { hint },
                         Err(e) => PullAnswer::Failed(format!("{e:#}")),
                     };
+                    if !matches!(answer, PullAnswer::State { .. }) {
+                        debug!(shard, step, min_version, %owner, answer = %answer.describe(), "pull answered");
+                    }
                     machine.on_pull(owner, answer);
                 }
                 ExchangeAction::WaitForChange(at_most) => {

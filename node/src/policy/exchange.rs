@@ -85,6 +85,36 @@ pub enum PullAnswer<P, V> {
     Failed(String),
 }
 
+impl<P: Display, V> PushAnswer<P, V> {
+    /// The answer without its values, for a log line.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Served { version, .. } => format!("served version {version}"),
+            Self::Accepted { version } => format!("accepted at version {version}"),
+            Self::Stale { current_version } => format!("stale (current version {current_version})"),
+            Self::UnknownWorker => "unknown worker".into(),
+            Self::NotOwner { hint: Some(h) } => format!("not the owner (try {h})"),
+            Self::NotOwner { hint: None } => "not the owner".into(),
+            Self::Pending => "pending".into(),
+            Self::Invalid(m) => format!("invalid: {m}"),
+            Self::Failed(e) => format!("failed: {e}"),
+        }
+    }
+}
+
+impl<P: Display, V> PullAnswer<P, V> {
+    /// The answer without its values, for a log line.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::State { version, .. } => format!("version {version}"),
+            Self::NotReady { current_version } => format!("not ready (at version {current_version})"),
+            Self::NotOwner { hint: Some(h) } => format!("not the owner (try {h})"),
+            Self::NotOwner { hint: None } => "not the owner".into(),
+            Self::Failed(e) => format!("failed: {e}"),
+        }
+    }
+}
+
 /// Where the machine is between two actions.
 #[derive(Debug)]
 enum Phase<P, V> {

@@ -635,18 +635,18 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     }
 
     /// BSP: apply the round in progress with the gradients it has if it has
-    /// been open `timeout_ms` or longer. Returns how many workers it went
+    /// been open `timeout_ms` or longer. Returns the workers it went
     /// without. The missing workers' pushes are then `Stale`: they pull the
     /// new version and join the next round. This bounds how long a round can
     /// wait for a worker that will not push into it (after a partition heals,
     /// workers can be a round apart on different shards and wait on each
     /// other in a cycle).
-    pub fn close_overdue_round(&mut self, now_ms: u64, timeout_ms: u64) -> Option<usize> {
+    pub fn close_overdue_round(&mut self, now_ms: u64, timeout_ms: u64) -> Option<Vec<K>> {
         let opened = self.round_opened_ms?;
         if self.policy != SyncPolicy::Bsp || self.round.is_empty() || now_ms.saturating_sub(opened) < timeout_ms {
             return None;
         }
-        let missing = self.workers.len().saturating_sub(self.round.len());
+        let missing = self.workers.keys().filter(|w| !self.round.contains_key(*w)).cloned().collect();
         self.apply_round();
         Some(missing)
     }
@@ -1319,7 +1319,7 @@ mod tests {
         assert_eq!(core.round_deadline_ms(100), Some(110), "from the first gradient");
         assert_eq!(core.close_overdue_round(109, 100), None, "not yet");
         assert_eq!(core.version(), 0);
-        assert_eq!(core.close_overdue_round(110, 100), Some(1), "closed without c");
+        assert_eq!(core.close_overdue_round(110, 100), Some(vec!["c"]), "closed without c");
         assert_eq!(core.version(), 1);
         assert_eq!(core.params(), &[-3.0, -3.0], "the mean of what it had");
         assert_eq!(core.round_deadline_ms(100), None);
@@ -1329,7 +1329,7 @@ mod tests {
         assert_eq!(core.push(&"c", 0, 1, vec![9.0, 9.0], 120), PushOutcome::Stale { current_version: 1 });
         assert!(core.pull_ready(&"c", 1, 120));
         assert!(matches!(core.push(&"c", 1, 1, vec![0.0, 0.0], 130), PushOutcome::Accepted { .. }));
-        assert_eq!(core.close_overdue_round(10_000, 100), Some(2), "round 1 has only c so far");
+        assert_eq!(core.close_overdue_round(10_000, 100), Some(vec!["a", "b"]), "round 1 has only c so far");
     }
 
     #[test]
