@@ -918,25 +918,44 @@ async fn push_pull_answer(taken: Half<Taken>) -> ShardResponse {
 /// `Exchanged` without a state (their gradients count; the worker pulls
 /// them): a refusal (a shard that moved, a stale round) must reach the
 /// worker without waiting for the other shards' rounds, which may be
-/// waiting on this very worker's re-push elsewhere.
+/// waiting on this very worker's re-push elsewhere. The same holds once
+/// every push was taken: the first shard whose pull ends without a state
+/// (it was handed over after its push was taken, or its wait ran out)
+/// ends the batch, and the shards still waiting for their rounds are
+/// answered without a state too. Holding the moved shard's answer for
+/// them left the worker unable to push that shard to its new owner, whose
+/// round waited for it while the rounds here waited for workers stuck on
+/// that new owner's round: a cycle that only the round timeout broke (a
+/// join in a 4-node testnet, 2026-12-06).
 async fn push_pull_many_answers(taken: Vec<Half<Taken>>) -> Vec<ShardResponse> {
     let taken = futures::future::join_all(taken).await;
-    if taken.iter().all(|t| matches!(t, Taken::Accepted { .. })) {
-        return futures::future::join_all(taken.into_iter().map(|t| match t {
-            Taken::Accepted { answer, .. } => answer,
-            Taken::Answered(resp) => Box::pin(std::future::ready(resp)),
-        }))
-        .await;
-    }
-    taken
-        .into_iter()
-        .map(|t| match t {
-            Taken::Accepted { accepted, since, .. } => {
-                ShardResponse::Exchanged(Exchanged { accepted, held_ms: held_ms(since), state: None })
+    let refused = !taken.iter().all(|t| matches!(t, Taken::Accepted { .. }));
+    let mut out: Vec<Option<ShardResponse>> = (0..taken.len()).map(|_| None).collect();
+    let mut held = Vec::new();
+    let mut waiting = FuturesUnordered::new();
+    for (i, t) in taken.into_iter().enumerate() {
+        match t {
+            Taken::Accepted { accepted, since, answer } if !refused => {
+                held.push((i, accepted, since));
+                waiting.push(async move { (i, answer.await) });
             }
-            Taken::Answered(resp) => resp,
-        })
-        .collect()
+            Taken::Accepted { accepted, since, .. } => held.push((i, accepted, since)),
+            Taken::Answered(resp) => out[i] = Some(resp),
+        }
+    }
+    while let Some((i, resp)) = waiting.next().await {
+        let served = matches!(&resp, ShardResponse::Exchanged(x) if x.state.is_some());
+        out[i] = Some(resp);
+        if !served {
+            break;
+        }
+    }
+    for (i, accepted, since) in held {
+        if out[i].is_none() {
+            out[i] = Some(ShardResponse::Exchanged(Exchanged { accepted, held_ms: held_ms(since), state: None }));
+        }
+    }
+    out.into_iter().map(|r| r.unwrap_or_else(|| wire_error(ErrorCode::Internal, "no answer"))).collect()
 }
 
 /// The wire answer to a push.
@@ -1059,11 +1078,12 @@ mod tests {
         assert_eq!(cache.entries.lock().expect("not poisoned").len(), 1);
     }
 
-    /// A refusal in a batch is answered without waiting for the other
-    /// shards' rounds: the accepted entries go back without a state (their
-    /// gradients count, the worker pulls them).
+    /// A refusal in a batch, or a shard handed over after its push was
+    /// taken, is answered without waiting for the other shards' rounds: the
+    /// accepted entries go back without a state (their gradients count, the
+    /// worker pulls them).
     #[tokio::test]
-    async fn a_refusal_in_a_batch_is_answered_without_waiting_for_the_rounds() {
+    async fn a_refusal_or_a_moved_shard_in_a_batch_is_answered_without_waiting_for_the_rounds() {
         let accepted = Accepted { shard: 0, version: 7, staleness: 0 };
         let never: Half<ShardResponse> = Box::pin(futures::future::pending());
         let waiting: Half<Taken> = Box::pin(std::future::ready(Taken::Accepted {
@@ -1101,6 +1121,24 @@ mod tests {
             })
             .collect();
         assert_eq!(shards, vec![4, 2]);
+
+        // All accepted, one shard then handed over (its pull ends without
+        // a state) while the other's round waits: the batch is answered at
+        // once, the waiting shard without a state.
+        let held: Half<Taken> = Box::pin(std::future::ready(Taken::Accepted {
+            accepted: accepted.clone(),
+            since: Instant::now(),
+            answer: Box::pin(futures::future::pending()),
+        }));
+        let answers = tokio::time::timeout(Duration::from_secs(5), push_pull_many_answers(vec![held, state(1)]))
+            .await
+            .expect("not held for the waiting round");
+        assert!(
+            matches!(&answers[0], ShardResponse::Exchanged(Exchanged { accepted: a, state: None, .. }) if *a == accepted),
+            "{:?}",
+            answers[0]
+        );
+        assert!(matches!(&answers[1], ShardResponse::Exchanged(x) if x.accepted.shard == 1), "{:?}", answers[1]);
     }
 
     #[test]

@@ -124,6 +124,9 @@ enum Phase<P, V> {
     Wait,
     /// Pull from the owner that just took the push.
     PullFrom(P),
+    /// The owner does not count this node as a worker (yet): push to it
+    /// again after a wait, for a while, before giving the gradient up.
+    Unknown(P),
     /// The shard's next version is in, to be handed out.
     Done(Exchanged<V>),
     /// The exchange failed for good, to be reported.
@@ -164,6 +167,9 @@ pub struct ShardExchange<P, V> {
     /// The base the next push names (a BSP push that missed its round
     /// joins the round in progress).
     push_base: u64,
+    /// The time left before the deadline when the pushes answered
+    /// `UnknownWorker` stop being retried (set at the first such answer).
+    unknown_until: Option<Duration>,
     backoff: Backoff,
     /// The last failure, for the message at the deadline.
     last: String,
@@ -198,6 +204,7 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
             maybe_taken: false,
             dropped: false,
             push_base: base,
+            unknown_until: None,
             backoff,
             last: String::from("no attempt"),
         }
@@ -218,6 +225,20 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
             Phase::Wait => return ExchangeAction::WaitForChange(self.backoff.next_delay()),
             Phase::PullFrom(owner) => {
                 return ExchangeAction::Pull { owner, min_version: self.min_version, after_push: true }
+            }
+            Phase::Unknown(owner) => {
+                // A quarter of the exchange's time: an owner counts a new
+                // worker once its view holds it, a heartbeat or two later.
+                let until = *self.unknown_until.get_or_insert(left.saturating_sub(self.timeout / 4));
+                if left > until {
+                    // Then pushed to the same owner again (one that no
+                    // longer owns the shard names the one that does).
+                    self.hint = Some(owner);
+                    return ExchangeAction::WaitForChange(self.backoff.next_delay());
+                }
+                warn!(shard = self.shard, %owner, "the owner does not count this node as a worker; gradient dropped");
+                self.took(owner, 0);
+                return ExchangeAction::Pull { owner, min_version: self.min_version, after_push: true };
             }
             Phase::Done(x) => {
                 self.phase = Phase::Over;
@@ -309,8 +330,12 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
                 self.phase = Phase::PullFrom(owner);
             }
             PushAnswer::UnknownWorker => {
-                warn!(shard, %owner, "the owner does not count this node as a worker; gradient dropped");
-                self.took(owner, 0);
+                // A worker new to the run pushes before the owner's view
+                // holds it: dropping that gradient would leave the owner
+                // waiting, in the round it now counts this worker in, for
+                // a push that never comes (a round forced at its timeout).
+                self.last = format!("{owner} does not count this node as a worker");
+                self.phase = Phase::Unknown(owner);
             }
             PushAnswer::NotOwner { hint } => {
                 self.last = format!("{owner} does not own it");
@@ -537,11 +562,31 @@ mod tests {
     }
 
     #[test]
-    fn an_unknown_worker_pulls_whatever_is_current() {
+    fn an_unknown_worker_pushes_again_for_a_quarter_of_its_time_then_pulls_whatever_is_current() {
         let mut m = machine(SyncPolicy::Bsp, false, None);
         assert!(is_push(&next(&mut m, 1), 1, 5));
         m.on_push(1, PushAnswer::UnknownWorker);
-        assert!(is_pull(&next(&mut m, 1), 1, 0, true));
+        // The owner's view may not hold this node yet: wait, push again
+        // to the same owner, and this time it counts.
+        assert!(matches!(m.next(SECOND, || Some(1)), ExchangeAction::WaitForChange(_)));
+        assert!(is_push(&m.next(SECOND, || Some(1)), 1, 5));
+        m.on_push(1, PushAnswer::Accepted { version: 5 });
+        assert!(is_pull(&next(&mut m, 1), 1, 6, true));
+
+        // An owner that never counts it: after a quarter of the exchange's
+        // time (250 ms of 1 s here), the gradient is given up.
+        let mut m = machine(SyncPolicy::Bsp, false, None);
+        assert!(is_push(&next(&mut m, 1), 1, 5));
+        m.on_push(1, PushAnswer::UnknownWorker);
+        assert!(matches!(m.next(SECOND, || Some(1)), ExchangeAction::WaitForChange(_)));
+        assert!(is_push(&m.next(Duration::from_millis(900), || Some(1)), 1, 5));
+        m.on_push(1, PushAnswer::UnknownWorker);
+        assert!(matches!(m.next(Duration::from_millis(800), || Some(1)), ExchangeAction::WaitForChange(_)));
+        assert!(is_push(&m.next(Duration::from_millis(760), || Some(1)), 1, 5));
+        m.on_push(1, PushAnswer::UnknownWorker);
+        assert!(is_pull(&m.next(Duration::from_millis(750), || Some(1)), 1, 0, true));
+        m.on_pull(1, PullAnswer::State { version: 9, params: "v9" });
+        assert_eq!(done(next(&mut m, 1)).map(|x| x.version), Some(9));
     }
 
     #[test]
