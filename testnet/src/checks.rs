@@ -130,16 +130,17 @@ pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> Ch
     r.rss = rss;
     r.rss_not_judged = short;
     let heals: Vec<f64> = run.faults.iter().filter(|f| f.action.starts_with("heal")).map(|f| f.secs).collect();
-    // A partition's window: from its start to its heal (each side restores
-    // the other's shards from older copies meanwhile), then the grace.
-    let partitions: Vec<(f64, f64)> = run
+    // Each partition's window runs from its start to its heal (each side
+    // restores the other's shards from older copies meanwhile), and each
+    // heal's from the heal; both then for the grace.
+    let partitions = run
         .faults
         .iter()
         .filter(|f| f.action.starts_with("partition"))
-        .map(|f| (f.secs, heals.iter().copied().filter(|h| *h >= f.secs).fold(f64::INFINITY, f64::min)))
-        .collect();
+        .map(|f| (f.secs, heals.iter().copied().filter(|h| *h >= f.secs).fold(f64::INFINITY, f64::min)));
+    let windows: Vec<(f64, f64)> = partitions.chain(heals.iter().map(|h| (*h, *h))).collect();
     let partitioned =
-        |secs: f64| partitions.iter().any(|(from, healed)| secs >= *from && secs <= healed + HEAL_GRACE_SECS);
+        |secs: f64| windows.iter().any(|(from, healed)| secs >= *from && secs <= healed + HEAL_GRACE_SECS);
     let kills: Vec<f64> = run.faults.iter().filter(|f| f.failure).map(|f| f.secs).collect();
     let within = |times: &[f64], secs: f64, grace: f64| times.iter().any(|t| secs >= *t && secs <= t + grace);
     let mut unexcused: Vec<(String, f64, u64)> = Vec::new();
@@ -148,7 +149,7 @@ pub fn judge(checks: &Checks, run: &Summary, fault_free: Option<&Summary>) -> Ch
     }
     for (node, secs, n) in forced_rounds(&run.samples) {
         *r.rounds_forced.entry(node.clone()).or_insert(0) += n;
-        if within(&heals, secs, HEAL_GRACE_SECS) || partitioned(secs) {
+        if partitioned(secs) {
             r.rounds_forced_after_heal += n;
         } else if within(&kills, secs, checks.kill_grace_secs) {
             r.rounds_forced_after_kill += n;

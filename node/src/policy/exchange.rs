@@ -238,7 +238,7 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
                 }
                 warn!(shard = self.shard, %owner, "the owner does not count this node as a worker; gradient dropped");
                 self.took(owner, 0);
-                return ExchangeAction::Pull { owner, min_version: self.min_version, after_push: true };
+                return self.next(left, placement);
             }
             Phase::Done(x) => {
                 self.phase = Phase::Over;
