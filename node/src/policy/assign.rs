@@ -116,13 +116,13 @@ pub fn assign<K: AsRef<[u8]> + Clone + PartialEq>(
         load[i] += 1;
         owners.push(eligible[i].peer.clone());
     }
-    let mut digest = Vec::new();
-    digest.extend_from_slice(&num_shards.to_le_bytes());
+    // The hash of the shard count, then each candidate's id and weight, in
+    // order, fed piece by piece (the same hash as of their concatenation).
+    let mut digest = StableHasher::new().update(&num_shards.to_le_bytes());
     for c in &eligible {
-        digest.extend_from_slice(c.peer.as_ref());
-        digest.extend_from_slice(&c.weight.to_bits().to_le_bytes());
+        digest = digest.update(c.peer.as_ref()).update(&c.weight.to_bits().to_le_bytes());
     }
-    Some(Assignment { epoch: stable_hash64(&digest), owners })
+    Some(Assignment { epoch: digest.finish(), owners })
 }
 
 #[cfg(test)]

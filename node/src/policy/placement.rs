@@ -168,9 +168,13 @@ fn sorted(mut v: Vec<PeerId>) -> Vec<PeerId> {
     v
 }
 
-fn owners_of(candidates: &[Candidate<Vec<u8>>], shards: u32, max: usize) -> Option<(u64, Vec<PeerId>)> {
+fn owners_of<K: AsRef<[u8]> + Clone + PartialEq>(
+    candidates: &[Candidate<K>],
+    shards: u32,
+    max: usize,
+) -> Option<(u64, Vec<PeerId>)> {
     let a = assign(candidates, shards, AssignPolicy { max_aggregators: max })?;
-    let owners = a.owners.iter().map(|b| PeerId::from_bytes(b).ok()).collect::<Option<Vec<_>>>()?;
+    let owners = a.owners.iter().map(|b| PeerId::from_bytes(b.as_ref()).ok()).collect::<Option<Vec<_>>>()?;
     Some((a.epoch, owners))
 }
 
@@ -190,7 +194,8 @@ pub fn elect(
     policy: ElectPolicy,
 ) -> Option<Placement> {
     let mut members: Vec<&Member> = members.iter().collect();
-    members.sort_by_key(|m| m.peer.to_bytes());
+    // A peer's bytes are built once each, not at every comparison.
+    members.sort_by_cached_key(|m| m.peer.to_bytes());
     members.dedup_by_key(|m| m.peer);
     let capable: Vec<&Member> = members.iter().copied().filter(|m| m.can_aggregate && !m.leaving).collect();
     let capable_service: BTreeMap<PeerId, f64> =
@@ -221,7 +226,13 @@ pub fn elect(
         limit,
         eligible: candidates.len(),
         short_of_memory,
-        levels: levels.into_iter().filter(|(p, _)| candidates.iter().any(|c| c.peer == p.to_bytes())).collect(),
+        levels: levels
+            .into_iter()
+            .filter(|(p, _)| {
+                let bytes = p.to_bytes();
+                candidates.iter().any(|c| c.peer == bytes)
+            })
+            .collect(),
     })
 }
 
@@ -309,7 +320,13 @@ fn backups_of(a: &Assigned, shards: u32, max: usize) -> Vec<Option<PeerId>> {
     let mut backups: Vec<Option<PeerId>> = vec![None; shards as usize];
     for o in &sorted(a.owners.clone()) {
         let o_bytes = o.to_bytes();
-        let without: Vec<Candidate<Vec<u8>>> = a.candidates.iter().filter(|c| c.peer != o_bytes).cloned().collect();
+        // Borrowed ids: one placement per owner, so no copy of each.
+        let without: Vec<Candidate<&[u8]>> = a
+            .candidates
+            .iter()
+            .filter(|c| c.peer != o_bytes)
+            .map(|c| Candidate { peer: c.peer.as_slice(), weight: c.weight })
+            .collect();
         if let Some((_, next)) = owners_of(&without, shards, max) {
             for (s, owner) in a.owners.iter().enumerate() {
                 if owner == o {
