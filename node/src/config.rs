@@ -465,6 +465,13 @@ pub struct AggregationConfig {
     /// honest batch gradients late in training exceeded 20x the median of
     /// their round or window, and a tighter K dropped them.
     pub norm_check: Option<f32>,
+    /// The norm floor: owners also reject a gradient whose L2 norm is below
+    /// the same median divided by this, as a free-rider's push of zeros or
+    /// of a shrunken copy. 0 (the default) turns it off: an honest gradient
+    /// is zero on a shard that no sample of its batch touched (rows of an
+    /// embedding), so turn it on where every shard gets a gradient from
+    /// every batch. 0 or at least 1.
+    pub norm_floor: f32,
     /// Each worker pushes the moving average of its gradients,
     /// `m = b * m + (1 - b) * g`, instead of the raw gradient: with `b` near
     /// 0.9 the honest pushes vary far less, so the robust rules tell them
@@ -487,6 +494,7 @@ impl Default for AggregationConfig {
         Self {
             rule: crate::policy::robust::Aggregation::Mean,
             norm_check: None,
+            norm_floor: 0.0,
             worker_momentum: 0.0,
             min_agreement: None,
         }
@@ -1195,6 +1203,10 @@ impl NodeConfig {
         if !(k.is_finite() && (k == 0.0 || k >= 1.0)) {
             bail!("aggregation.norm_check must be 0 (off) or a factor of at least 1, got {k}");
         }
+        let f = self.aggregation.norm_floor;
+        if !(f.is_finite() && (f == 0.0 || f >= 1.0)) {
+            bail!("aggregation.norm_floor must be 0 (off) or a factor of at least 1, got {f}");
+        }
         Ok(())
     }
 
@@ -1294,6 +1306,11 @@ fn has_key(table: &toml::Table, path: &str) -> bool {
     parts.try_fold(first, |at, key| Some(at?.as_table()?.get(key))).flatten().is_some()
 }
 
+/// A factor that is off at 0, left out of [`RunAgreement`]'s hash then.
+fn is_off(x: &f32) -> bool {
+    *x == 0.0
+}
+
 /// What every peer of a run must agree on. Its hash goes in every
 /// heartbeat, and a peer whose hash differs is left out of the view (logged
 /// once as mismatched). Everything else in [`NodeConfig`] is the node's
@@ -1329,6 +1346,10 @@ pub struct RunAgreement {
     /// default under the sync policy (a config that leaves it out agrees
     /// with one that writes the default).
     pub norm_check: f32,
+    /// `aggregation.norm_floor`; left out of the hash when off, so a config
+    /// without it agrees with nodes that predate it.
+    #[serde(skip_serializing_if = "is_off")]
+    pub norm_floor: f32,
     pub worker_momentum: f32,
     /// `aggregation.min_agreement`; left out of the hash when off, so a
     /// config without it agrees with nodes that predate it.
@@ -1398,6 +1419,7 @@ impl RunAgreement {
             },
             aggregation: config.aggregation.rule,
             norm_check: config.norm_check_factor(),
+            norm_floor: config.aggregation.norm_floor,
             worker_momentum: config.aggregation.worker_momentum,
             min_agreement: config.aggregation.min_agreement,
             local_steps: config.local_steps,
@@ -1791,6 +1813,7 @@ mod tests {
         // written out is the same agreement.
         assert_eq!(hash(&|_| {})?, hash(&|c| c.aggregation.norm_check = Some(50.0))?);
         assert_ne!(hash(&|_| {})?, hash(&|c| c.aggregation.norm_check = Some(0.0))?);
+        assert_ne!(hash(&|_| {})?, hash(&|c| c.aggregation.norm_floor = 10.0)?);
         // The learning rate agreed is the one the optimizer runs.
         assert_eq!(hash(&|_| {})?, hash(&|c| c.training.lr = Some(OptimizerConfig::default_lr(OptimizerKind::Sgd)))?);
         // The idle share is a field like any other.
@@ -1868,6 +1891,7 @@ mod tests {
         // With every optional field set, so that each is listed.
         let mut config = NodeConfig::default();
         config.aggregation.min_agreement = Some(0.0);
+        config.aggregation.norm_floor = 10.0;
         config.sync.round_timeout_ms = 4_000;
         config.sync.backup_workers = 1;
         config.cluster.mode = Mode::Gossip;
@@ -2021,6 +2045,20 @@ mod tests {
         c.sync.policy = SyncPolicy::Asp;
         let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("aggregation.min_agreement") && e.contains("bsp"), "{e}");
+    }
+
+    #[test]
+    fn the_norm_floor_is_off_or_a_factor_of_at_least_one() {
+        let mut c = NodeConfig::default();
+        for ok in [0.0, 1.0, 10.0] {
+            c.aggregation.norm_floor = ok;
+            assert!(c.validate().is_ok(), "{ok}: {:?}", c.validate());
+        }
+        for bad in [0.5, -1.0, f32::NAN, f32::INFINITY] {
+            c.aggregation.norm_floor = bad;
+            let e = c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("aggregation.norm_floor"), "{bad}: {e}");
+        }
     }
 
     #[test]

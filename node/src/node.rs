@@ -584,6 +584,7 @@ fn aggregator_config(
         robust: crate::policy::robust::Robust {
             aggregation: config.aggregation.rule,
             norm_check: config.norm_check_factor(),
+            norm_floor: config.aggregation.norm_floor,
             min_agreement: config.aggregation.min_agreement,
         },
         ranges: plan.shards().iter().map(|s| s.range()).collect(),

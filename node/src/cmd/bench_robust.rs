@@ -8,8 +8,8 @@
 //! (`aggregation.worker_momentum = 0.9`), owners step plain SGD at rate 1.0
 //! with a cosine decay. The bad peers own no shard (an attacker that owned
 //! one could rewrite it; that is outside what aggregation rules defend), and
-//! the norm check is off unless `--norm-check` sets it, so each rule is
-//! measured alone.
+//! the norm check and floor are off unless `--norm-check` and `--norm-floor`
+//! set them, so each rule is measured alone.
 
 use anyhow::Context;
 
@@ -41,8 +41,9 @@ struct Case {
 }
 
 /// The cluster's config: the robust tests' setup for `steps` steps, with
-/// the owners' norm and contribution checks as `--norm-check` and
-/// `--min-agreement` set them, or (`checks` false) with neither.
+/// the owners' norm check, norm floor and contribution check as
+/// `--norm-check`, `--norm-floor` and `--min-agreement` set them, or
+/// (`checks` false) with none of them.
 fn config(run: &str, args: &BenchRobustArgs, rule: Aggregation, checks: bool) -> NodeConfig {
     let mut c = crate::cmd::bench::cluster_bench_config(run, args.steps, args.batch_size);
     c.training.optimizer = shoal_models::OptimizerKind::Sgd;
@@ -51,6 +52,7 @@ fn config(run: &str, args: &BenchRobustArgs, rule: Aggregation, checks: bool) ->
     c.training.lr_decay = crate::config::LrDecay::Cosine;
     c.aggregation.rule = rule;
     c.aggregation.norm_check = Some(if checks { args.norm_check } else { 0.0 });
+    c.aggregation.norm_floor = if checks { args.norm_floor } else { 0.0 };
     c.aggregation.worker_momentum = 0.9;
     c.aggregation.min_agreement = args.min_agreement.filter(|_| checks);
     c.cluster.shards = 8;
@@ -153,6 +155,9 @@ fn check(args: &BenchRobustArgs) -> anyhow::Result<()> {
     if !(args.norm_check == 0.0 || args.norm_check > 1.0) {
         anyhow::bail!("--norm-check {}: 0 (off) or a factor above 1", args.norm_check);
     }
+    if !(args.norm_floor == 0.0 || args.norm_floor >= 1.0) {
+        anyhow::bail!("--norm-floor {}: 0 (off) or a factor of at least 1", args.norm_floor);
+    }
     Ok(())
 }
 
@@ -165,13 +170,14 @@ pub fn run(args: BenchRobustArgs) -> anyhow::Result<()> {
     rt.block_on(async move {
         println!(
             "shoal bench robust: {} nodes on loopback TCP, {} of them bad (owning no shard), digits MLP, BSP, \
-             batch {} per node, {} steps, worker momentum 0.9, norm check {}, contribution check {}, \
-             {} cluster(s) per cell",
+             batch {} per node, {} steps, worker momentum 0.9, norm check {}, norm floor {}, \
+             contribution check {}, {} cluster(s) per cell",
             args.nodes,
             args.byzantine,
             args.batch_size,
             args.steps,
             if args.norm_check > 0.0 { format!("{}x the median", args.norm_check) } else { "off".into() },
+            if args.norm_floor > 0.0 { format!("the median / {}", args.norm_floor) } else { "off".into() },
             args.min_agreement.map_or("off".into(), |m| format!("below {m}")),
             args.runs,
         );
@@ -184,7 +190,7 @@ pub fn run(args: BenchRobustArgs) -> anyhow::Result<()> {
             runs_of(&base)
         );
         // And what the checks cost with every peer honest.
-        let checked = if args.norm_check > 0.0 || args.min_agreement.is_some() {
+        let checked = if args.norm_check > 0.0 || args.norm_floor > 0.0 || args.min_agreement.is_some() {
             let c = run_case(&args, Byzantine::None, Aggregation::Mean, true).await?;
             println!(
                 "fault-free (mean, with the checks): honest accuracy {:.2}% ({:.0} s, {} honest gradients rejected)  {}",
@@ -236,7 +242,8 @@ pub fn run(args: BenchRobustArgs) -> anyhow::Result<()> {
             args.json.as_deref(),
             &serde_json::json!({
                 "bench": "robust", "nodes": args.nodes, "byzantine": args.byzantine, "steps": args.steps,
-                "batch_size": args.batch_size, "norm_check": args.norm_check, "runs": args.runs,
+                "batch_size": args.batch_size, "norm_check": args.norm_check,
+                "norm_floor": args.norm_floor, "runs": args.runs,
                 "min_agreement": args.min_agreement,
                 "fault_free_accuracy": base.honest_accuracy,
                 "fault_free_with_checks": checked,

@@ -418,6 +418,9 @@ pub struct NodeArgs {
     /// Owners reject gradients over this many times the median norm (0: off; default: 50 under BSP, off otherwise).
     #[arg(long)]
     pub norm_check: Option<f32>,
+    /// Owners also reject gradients under the median norm divided by this, as pushes of zeros (0: off, the default).
+    #[arg(long)]
+    pub norm_floor: Option<f32>,
     /// Fault injection: push bad gradients: none, scale:F, sign_flip, random, zeros, stale:K, replay, copy or alie:Z.
     #[arg(long)]
     pub fault_byzantine: Option<crate::ops::faults::Byzantine>,
@@ -644,6 +647,9 @@ pub struct BenchRobustArgs {
     /// The owners' norm check (`aggregation.norm_check`): 0 is off, so that each rule is measured alone.
     #[arg(long, default_value_t = 0.0)]
     pub norm_check: f32,
+    /// The owners' norm floor (`aggregation.norm_floor`): 0 is off.
+    #[arg(long, default_value_t = 0.0)]
+    pub norm_floor: f32,
     /// The owners' contribution check (`aggregation.min_agreement`): leave out
     /// a worker whose gradients' moving cosine with the rounds' aggregates is
     /// below this. Off unless given.

@@ -142,6 +142,7 @@ pub const FLAGS: &[Flag] = &[
         path: "aggregation.norm_check",
         apply: |a, c| c.aggregation.norm_check = a.norm_check.or(c.aggregation.norm_check),
     },
+    plain!("--norm-floor", "aggregation.norm_floor", aggregation.norm_floor = norm_floor),
     plain!("--fault-byzantine", "faults.byzantine", faults.byzantine = fault_byzantine),
     plain!("--compress-push", "compression.push", compression.push = compress_push),
     plain!("--compress-pull", "compression.pull", compression.pull = compress_pull),

@@ -10,6 +10,12 @@
 //!   the shard's first [`WARMUP`] pushes) is rejected. It needs 3 or more
 //!   norms to compare with, so in BSP it never fires with fewer than 3
 //!   workers.
+//! - **Norm floor** (`aggregation.norm_floor = F`; off by default): the
+//!   other side of the same comparison. A gradient whose norm is below the
+//!   median divided by F is rejected: a free-rider pushing zeros, or a
+//!   shrunken copy, which the robust rules otherwise average in and which
+//!   shrinks every step. Off by default because an honest gradient can be
+//!   zero on a shard no sample of its batch touched (an embedding's rows).
 //! - **Rule** (`aggregation.rule`), BSP only:
 //!   - `mean`: the sample-weighted mean, as before;
 //!   - `trimmed_mean:F`: per coordinate, drop the `floor(F * n)` largest and
@@ -145,6 +151,9 @@ pub struct Robust {
     pub aggregation: Aggregation,
     /// K of the norm check; 0 turns it off.
     pub norm_check: f32,
+    /// F of the norm floor (a norm below the median / F is rejected); 0
+    /// turns it off.
+    pub norm_floor: f32,
     /// The contribution check (BSP): a worker whose pushes' moving
     /// agreement with the rounds' aggregates is below this is left out of
     /// the rounds until it rises again. `None`: off.
@@ -153,8 +162,22 @@ pub struct Robust {
 
 impl Default for Robust {
     fn default() -> Self {
-        Robust { aggregation: Aggregation::Mean, norm_check: 10.0, min_agreement: None }
+        Robust { aggregation: Aggregation::Mean, norm_check: 10.0, norm_floor: 0.0, min_agreement: None }
     }
+}
+
+impl Robust {
+    /// Whether the owner measures gradients' norms: the norm check or the
+    /// floor is on.
+    pub fn checks_norms(&self) -> bool {
+        self.norm_check > 0.0 || self.norm_floor > 0.0
+    }
+}
+
+/// Whether a norm `n` falls outside what `median` allows: above `k` times
+/// it (`k` > 0), below it divided by `floor` (`floor` > 0), or not finite.
+fn out_of_bounds(n: f32, median: f32, k: f32, floor: f32) -> bool {
+    !n.is_finite() || (k > 0.0 && n > k * median) || (floor > 0.0 && n * floor < median)
 }
 
 /// The weight of each round in a worker's moving agreement.
@@ -291,14 +314,15 @@ pub fn median(xs: &mut [f32]) -> f32 {
     }
 }
 
-/// Indices of `norms` above `k` times their median; none when `k` is 0 or
-/// there are fewer than [`MIN_NORMS`].
-pub fn norm_outliers(norms: &[f32], k: f32) -> Vec<usize> {
-    if k <= 0.0 || norms.len() < MIN_NORMS {
+/// Indices of `norms` above `k` times their median or below it divided by
+/// `floor` (each side off at 0), or not finite; none with both off or with
+/// fewer than [`MIN_NORMS`].
+pub fn norm_outliers(norms: &[f32], k: f32, floor: f32) -> Vec<usize> {
+    if (k <= 0.0 && floor <= 0.0) || norms.len() < MIN_NORMS {
         return Vec::new();
     }
-    let limit = k * median(&mut norms.to_vec());
-    norms.iter().enumerate().filter(|(_, &n)| n > limit || !n.is_finite()).map(|(i, _)| i).collect()
+    let m = median(&mut norms.to_vec());
+    norms.iter().enumerate().filter(|(_, &n)| out_of_bounds(n, m, k, floor)).map(|(i, _)| i).collect()
 }
 
 /// Combines gradients (each with its weight, the samples behind it) into
@@ -425,12 +449,13 @@ pub struct NormWindow {
 }
 
 impl NormWindow {
-    /// Whether a push of norm `n` passes with factor `k`, and the window's
-    /// median it was compared with (one sort per push); a passing norm
-    /// joins the window.
-    pub fn admit(&mut self, n: f32, k: f32) -> (bool, f32) {
+    /// Whether a push of norm `n` passes with factor `k` and floor `floor`
+    /// (each off at 0), and the window's median it was compared with (one
+    /// sort per push); a passing norm joins the window.
+    pub fn admit(&mut self, n: f32, k: f32, floor: f32) -> (bool, f32) {
         let median = self.median();
-        if k > 0.0 && (!n.is_finite() || (self.accepted >= WARMUP && n > k * median)) {
+        let on = k > 0.0 || floor > 0.0;
+        if on && (!n.is_finite() || (self.accepted >= WARMUP && out_of_bounds(n, median, k, floor))) {
             return (false, median);
         }
         self.accepted += 1;
@@ -453,7 +478,7 @@ mod tests {
 
     impl NormWindow {
         fn admit_ok(&mut self, n: f32, k: f32) -> bool {
-            self.admit(n, k).0
+            self.admit(n, k, 0.0).0
         }
     }
 
@@ -619,11 +644,11 @@ mod tests {
 
     #[test]
     fn the_norm_check_rejects_far_outliers_given_three_norms() {
-        assert_eq!(norm_outliers(&[1.0, 1.2, 0.9, 50.0], 10.0), vec![3]);
-        assert_eq!(norm_outliers(&[1.0, 1.2, 0.9, 5.0], 10.0), Vec::<usize>::new());
-        assert_eq!(norm_outliers(&[1.0, 50.0], 10.0), Vec::<usize>::new(), "two norms cannot be judged");
-        assert_eq!(norm_outliers(&[1.0, 1.0, 50.0], 0.0), Vec::<usize>::new(), "K = 0 turns it off");
-        assert_eq!(norm_outliers(&[1.0, 1.0, f32::NAN], 10.0), vec![2]);
+        assert_eq!(norm_outliers(&[1.0, 1.2, 0.9, 50.0], 10.0, 0.0), vec![3]);
+        assert_eq!(norm_outliers(&[1.0, 1.2, 0.9, 5.0], 10.0, 0.0), Vec::<usize>::new());
+        assert_eq!(norm_outliers(&[1.0, 50.0], 10.0, 0.0), Vec::<usize>::new(), "two norms cannot be judged");
+        assert_eq!(norm_outliers(&[1.0, 1.0, 50.0], 0.0, 0.0), Vec::<usize>::new(), "K = 0 turns it off");
+        assert_eq!(norm_outliers(&[1.0, 1.0, f32::NAN], 10.0, 0.0), vec![2]);
         assert!((norm(&[3.0, 4.0]) - 5.0).abs() < 1e-6);
 
         let mut w = NormWindow::default();
@@ -637,5 +662,27 @@ mod tests {
         assert!(!w.admit_ok(11.0, 10.0));
         assert!(w.admit_ok(9.0, 10.0));
         assert!(w.admit_ok(11.0, 0.0), "K = 0 admits everything");
+    }
+
+    #[test]
+    fn the_norm_floor_rejects_zeros_and_shrunken_pushes_and_only_when_on() {
+        // Seven honest norms about 1, three free-riders: zeros and a tenth.
+        let norms = [1.0, 1.1, 0.9, 1.2, 0.8, 1.0, 1.05, 0.0, 0.0, 0.05];
+        assert_eq!(norm_outliers(&norms, 10.0, 10.0), vec![7, 8, 9]);
+        assert_eq!(norm_outliers(&norms, 10.0, 0.0), Vec::<usize>::new(), "the floor is off at 0");
+        assert_eq!(norm_outliers(&norms, 0.0, 10.0), vec![7, 8, 9], "the floor works without the ceiling");
+        assert_eq!(norm_outliers(&[1.0, 0.5, 2.0], 0.0, 10.0), Vec::<usize>::new(), "honest spread passes");
+        // A majority of zeros has a median of 0: nothing is below it.
+        assert_eq!(norm_outliers(&[0.0, 0.0, 1.0], 0.0, 10.0), Vec::<usize>::new());
+
+        let mut w = NormWindow::default();
+        assert!(w.admit(0.0, 0.0, 10.0).0, "still warming up");
+        for _ in 0..WARMUP {
+            assert!(w.admit(1.0, 0.0, 10.0).0);
+        }
+        assert!(!w.admit(0.0, 0.0, 10.0).0);
+        assert!(!w.admit(0.09, 0.0, 10.0).0);
+        assert!(w.admit(0.11, 0.0, 10.0).0);
+        assert!(w.admit(0.0, 0.0, 0.0).0, "both off admits everything");
     }
 }

@@ -276,7 +276,12 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             round_opened_ms: None,
             max_staleness: 0,
             schedule: None,
-            robust: Robust { aggregation: robust::Aggregation::Mean, norm_check: 0.0, min_agreement: None },
+            robust: Robust {
+                aggregation: robust::Aggregation::Mean,
+                norm_check: 0.0,
+                norm_floor: 0.0,
+                min_agreement: None,
+            },
             window: NormWindow::default(),
             streaks: BTreeMap::new(),
             recent_norms: BTreeMap::new(),
@@ -547,15 +552,17 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                 // every worker's latest n), so one push from each worker adds
                 // up to BSP's sample-weighted mean. Lengths were checked above,
                 // so the step cannot fail on size.
-                let k = self.robust.norm_check;
+                let (k, floor) = (self.robust.norm_check, self.robust.norm_floor);
+                let checks = self.robust.checks_norms();
                 let len = self.params.len() as u64;
                 // Densified if sparse, the norm, the weighting.
-                self.work.open += len * (u64::from(grad.stored() < grad.len()) + u64::from(k > 0.0) + 1);
+                self.work.open += len * (u64::from(grad.stored() < grad.len()) + u64::from(checks) + 1);
                 let mut grad = grad.into_dense();
-                if k > 0.0 {
+                if checks {
                     let n = robust::norm(&grad);
                     let repeat = self.repeats(worker, n);
-                    let (passed, median) = if repeat { (false, self.window.median()) } else { self.window.admit(n, k) };
+                    let (passed, median) =
+                        if repeat { (false, self.window.median()) } else { self.window.admit(n, k, floor) };
                     self.judge(worker, passed, n, median, None, repeat);
                     if !passed {
                         return PushOutcome::Accepted { version, staleness: lead };
@@ -671,11 +678,11 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     fn apply_round(&mut self) {
         let round = std::mem::take(&mut self.round);
         self.round_opened_ms = None;
-        let k = self.robust.norm_check;
-        let norms: Vec<f32> = if k > 0.0 { round.values().map(|(_, g)| g.norm()).collect() } else { Vec::new() };
+        let checks = self.robust.checks_norms();
+        let norms: Vec<f32> = if checks { round.values().map(|(_, g)| g.norm()).collect() } else { Vec::new() };
         let stored: u64 = round.values().map(|(_, g)| g.stored() as u64).sum();
-        self.work.open += stored * u64::from(k > 0.0);
-        let mut outliers = robust::norm_outliers(&norms, k);
+        self.work.open += stored * u64::from(checks);
+        let mut outliers = robust::norm_outliers(&norms, self.robust.norm_check, self.robust.norm_floor);
         // Empty with the norm check off: no norms to compare.
         let repeats: Vec<usize> =
             round.keys().zip(&norms).enumerate().filter(|(_, (w, n))| self.repeats(w, **n)).map(|(i, _)| i).collect();
@@ -1004,7 +1011,8 @@ mod tests {
     /// rest is applied, and the third rejection in a row makes it a suspect.
     #[test]
     fn bsp_drops_a_far_gradient_from_the_round_and_reports_the_worker() {
-        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, min_agreement: None };
+        let robust =
+            Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, norm_floor: 0.0, min_agreement: None };
         let ids = ["a", "b", "c", "d"];
         let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ids).with_robust(robust);
         let honest = [[1.0, 2.0], [3.0, 2.0], [2.0, 2.0]];
@@ -1042,7 +1050,12 @@ mod tests {
     /// it is let back in.
     #[test]
     fn bsp_leaves_out_a_worker_that_disagrees_and_lets_it_back_once_it_agrees() {
-        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 0.0, min_agreement: Some(0.0) };
+        let robust = Robust {
+            aggregation: robust::Aggregation::Mean,
+            norm_check: 0.0,
+            norm_floor: 0.0,
+            min_agreement: Some(0.0),
+        };
         let ids = ["a", "b", "c", "d", "e"];
         let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ids).with_robust(robust);
         let honest = |w: &str, round: u64| {
@@ -1088,7 +1101,8 @@ mod tests {
     /// touched), however often it comes.
     #[test]
     fn a_replayed_gradient_is_dropped_from_its_second_push_on() {
-        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, min_agreement: None };
+        let robust =
+            Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, norm_floor: 0.0, min_agreement: None };
         let mut core =
             ShardCore::new(vec![0.0, 0.0], sgd(), 0, SyncPolicy::Bsp, ["a", "b", "c", "z"]).with_robust(robust);
         for round in 0..5u64 {
@@ -1126,6 +1140,7 @@ mod tests {
         let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b", "c"]).with_robust(Robust {
             aggregation: rule,
             norm_check: 0.0,
+            norm_floor: 0.0,
             min_agreement: None,
         });
         for (w, g) in [("a", 1.0f32), ("b", 2.0), ("c", -9.0)] {
@@ -1135,9 +1150,34 @@ mod tests {
         assert!(core.take_rejections().is_empty(), "K = 0: no norm check");
     }
 
+    /// A free-rider pushing zeros: with the norm floor its gradient is
+    /// rejected and the round is the mean of the other two, a full step;
+    /// without it the zeros shrink the step by a third.
+    #[test]
+    fn the_norm_floor_leaves_a_push_of_zeros_out_of_the_round() {
+        for (floor, want) in [(10.0f32, -2.0f32), (0.0, -4.0 / 3.0)] {
+            let robust = Robust {
+                aggregation: robust::Aggregation::Mean,
+                norm_check: 0.0,
+                norm_floor: floor,
+                min_agreement: None,
+            };
+            let mut core =
+                ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Bsp, ["a", "b", "free"]).with_robust(robust);
+            for (w, g) in [("a", 1.5f32), ("b", 2.5), ("free", 0.0)] {
+                core.push(&w, 0, 1, vec![g], 0);
+            }
+            assert!((core.params()[0] - want).abs() < 1e-6, "floor {floor}: {:?}", core.params());
+            let r = core.take_rejections();
+            let rejected: Vec<&str> = r.iter().map(|r| r.worker).collect();
+            assert_eq!(rejected, if floor > 0.0 { vec!["free"] } else { vec![] }, "floor {floor}");
+        }
+    }
+
     #[test]
     fn asp_checks_each_push_against_the_window_and_still_counts_its_clock() {
-        let robust = Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, min_agreement: None };
+        let robust =
+            Robust { aggregation: robust::Aggregation::Mean, norm_check: 10.0, norm_floor: 0.0, min_agreement: None };
         let mut core = ShardCore::new(vec![0.0], sgd_of(1), 0, SyncPolicy::Asp, ["a", "b"]).with_robust(robust);
         for i in 0..robust::WARMUP {
             // Not the same gradient twice: the repeat check would drop it.
