@@ -29,7 +29,7 @@ use cap::Cap;
 
 use shoal_models::rng::DetRng;
 use shoal_node::policy::health::ServiceTracker;
-use shoal_node::policy::placement::{elect, inputs_from_view, ElectPolicy, Own, Placement};
+use shoal_node::policy::placement::{elect, inputs_from_view, ElectPolicy, Member, Own, Placement};
 use shoal_node::policy::view::{SelfState, View};
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::PeerId;
@@ -67,6 +67,10 @@ struct SimNode {
     view: View,
     me: SelfState,
     placement: Option<Placement>,
+    /// The inputs of `placement`: as a node's election actor does, a node
+    /// elects again only when they change (the same placement, computed
+    /// once instead of at every heartbeat).
+    inputs: Option<(Vec<Member>, BTreeMap<PeerId, f64>)>,
     slow: bool,
     /// Serves 3.3x faster than the norm (capacity level 1, weight 2).
     fast: bool,
@@ -135,6 +139,7 @@ impl Sim {
                         finished: false,
                     },
                     placement: None,
+                    inputs: None,
                     slow: false,
                     fast: false,
                     tracker: ServiceTracker::default(),
@@ -213,8 +218,11 @@ impl Sim {
                 }
             }
             n.me.service = n.tracker.report(n.me.step, FORGET_STEPS);
-            let (members, service) = inputs_from_view(&n.view, &n.me, OWN, TOTAL_STEPS, now, TIMEOUT_MS);
-            n.placement = elect(&members, &service, SHARDS, ElectPolicy::default());
+            let inputs = inputs_from_view(&n.view, &n.me, OWN, TOTAL_STEPS, now, TIMEOUT_MS);
+            if n.inputs.as_ref() != Some(&inputs) {
+                let (members, service) = n.inputs.insert(inputs);
+                n.placement = elect(members, service, SHARDS, ElectPolicy::default());
+            }
             let owned = n.placement.as_ref().map(|p| p.owned_by(&n.id)).unwrap_or_default();
             n.me.role = if owned.is_empty() { Role::Worker } else { Role::Aggregator };
             n.me.owned_shards = owned;
@@ -305,6 +313,7 @@ fn run(seed: u64, count: usize, alone: bool) -> Report {
                     n.seq = 0;
                     n.view = View::new(n.id, true, 7);
                     n.placement = None;
+                    n.inputs = None;
                     n.me.role = Role::Worker;
                     n.me.owned_shards.clear();
                     n.me.pace.capacity_level = 0;
