@@ -1199,13 +1199,13 @@ impl NodeConfig {
                 bail!("training.momentum must be from 0 to below 1, with optimizer = \"sgd\" (got {m})");
             }
         }
-        let k = self.norm_check_factor();
-        if !(k.is_finite() && (k == 0.0 || k >= 1.0)) {
-            bail!("aggregation.norm_check must be 0 (off) or a factor of at least 1, got {k}");
-        }
-        let f = self.aggregation.norm_floor;
-        if !(f.is_finite() && (f == 0.0 || f >= 1.0)) {
-            bail!("aggregation.norm_floor must be 0 (off) or a factor of at least 1, got {f}");
+        for (key, v) in [
+            ("aggregation.norm_check", self.norm_check_factor()),
+            ("aggregation.norm_floor", self.aggregation.norm_floor),
+        ] {
+            if !(v.is_finite() && (v == 0.0 || v >= 1.0)) {
+                bail!("{key} must be 0 (off) or a factor of at least 1, got {v}");
+            }
         }
         Ok(())
     }
