@@ -398,14 +398,15 @@ fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<
 }
 
 /// 64 `shoal node` processes on this host (testnet/scenarios/swarm64.toml):
-/// 13 of them (20%) are killed one at a time while 13 fresh nodes join.
+/// 13 of them (20%) are killed in five waves of 2 or 3 while 13 fresh
+/// nodes join in the same waves.
 /// Every event lands, every survivor and every joiner trains to the end
 /// and reaches the accuracy bar, no BSP round is forced outside the grace
 /// after a kill, and after each kill and each join every live node's view
 /// holds the same members within the bound. The report gives every node's
 /// peak memory and each agreement's time.
 #[test]
-#[ignore = "64 processes for 5 minutes: not in .ci/run yet (2 passing runs so far; docs/operations.md, swarm64)"]
+#[ignore = "64 processes for 4 to 11 minutes; not in .ci/run: its outcome depends on the host's speed (docs/operations.md, swarm64)"]
 fn a_swarm_of_64_processes_with_a_fifth_churned_converges_and_agrees() -> anyhow::Result<()> {
     let path = repo().join("testnet/scenarios/swarm64.toml");
     let scenario = shoal_testnet::scenario::Scenario::from_file(&path)?;
