@@ -20,7 +20,7 @@ use shoal_protocol::config::{is_circuit_addr, is_local_only};
 use shoal_protocol::libp2p::multiaddr::Protocol;
 use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use shoal_protocol::libp2p::swarm::dial_opts::DialOpts;
-use shoal_protocol::libp2p::swarm::SwarmEvent;
+use shoal_protocol::libp2p::swarm::{ConnectionId, SwarmEvent};
 use shoal_protocol::libp2p::{dcutr, gossipsub, identify, kad, mdns, ping, relay, Multiaddr, PeerId, Swarm};
 use shoal_protocol::{
     frame, membership_topic, validate_gossip, validate_request_fields, validate_response_fields, Accepted, DeltaOf,
@@ -40,7 +40,7 @@ use crate::handles::net::{ModelSnapshot, NetCommand, NetError, NetworkHandle, Ro
 use crate::ops::faults::hold;
 use crate::policy::contribution::Contribution;
 use crate::policy::delta::ShardDelta;
-use crate::policy::health::PathLatency;
+use crate::policy::health::{PathLatency, StalledConnections, STALLED_AFTER_TIMEOUTS};
 
 /// Everything the network actor needs besides the swarm.
 #[derive(Debug)]
@@ -80,6 +80,7 @@ pub fn spawn(swarm: Swarm<ShoalBehaviour>, parts: NetworkParts, tasks: &crate::o
         receiver,
         parts,
         outbound: HashMap::new(),
+        stalls: StalledConnections::default(),
         dials: HashMap::new(),
         failed: FailedPeers::default(),
         responses: FuturesUnordered::new(),
@@ -95,7 +96,11 @@ struct NetworkActor {
     receiver: mpsc::Receiver<NetCommand>,
     parts: NetworkParts,
     topic: gossipsub::IdentTopic,
-    outbound: HashMap<OutboundRequestId, oneshot::Sender<Result<ShardResponse, NetError>>>,
+    /// Each request in flight: its caller's reply, and when it was sent.
+    outbound: HashMap<OutboundRequestId, (oneshot::Sender<Result<ShardResponse, NetError>>, Instant)>,
+    /// Connections whose requests time out in a row: closed once stalled,
+    /// so that the next request dials a fresh one.
+    stalls: StalledConnections<ConnectionId>,
     dials: HashMap<PeerId, DialWaiters>,
     /// Peers the failure detector declared dead. A request to one that is
     /// not connected fails at once instead of dialling it: a frozen or
@@ -264,7 +269,7 @@ impl NetworkActor {
                     return;
                 }
                 let id = self.swarm.behaviour_mut().send_request(&peer, req);
-                self.outbound.insert(id, reply);
+                self.outbound.insert(id, (reply, Instant::now()));
             }
             NetCommand::Publish { msg } => {
                 let limits = self.parts.config.limits.clone();
@@ -367,7 +372,12 @@ impl NetworkActor {
                     let _ = reply.send(Err(NetError::Dial { addr, reason: error.to_string() }));
                 }
             }
-            SwarmEvent::ConnectionClosed { peer_id, num_established: 0, .. } => self.disconnected(peer_id),
+            SwarmEvent::ConnectionClosed { peer_id, connection_id, num_established, .. } => {
+                self.stalls.forget(connection_id);
+                if num_established == 0 {
+                    self.disconnected(peer_id);
+                }
+            }
             SwarmEvent::Behaviour(ShoalBehaviourEvent::Ping(ping::Event { peer, result: Ok(rtt), .. })) => {
                 if let Ok(mut paths) = self.paths.lock() {
                     paths.record(peer, rtt.as_secs_f64() * 1e6);
@@ -463,10 +473,11 @@ impl NetworkActor {
 
     fn shard_event(&mut self, ev: request_response::Event<ShardRequest, ShardResponse>) {
         match ev {
-            request_response::Event::Message { peer, message, .. } => match message {
+            request_response::Event::Message { peer, message, connection_id } => match message {
                 request_response::Message::Request { request, channel, .. } => self.inbound(peer, request, channel),
                 request_response::Message::Response { request_id, response } => {
-                    if let Some(reply) = self.outbound.remove(&request_id) {
+                    self.stalls.answered(connection_id);
+                    if let Some((reply, _)) = self.outbound.remove(&request_id) {
                         // Fields here; a shard state's body is checked by the
                         // decode that copies it out, as for requests.
                         let checked = validate_response_fields(&response, &self.parts.ctx).map_err(|e| {
@@ -477,7 +488,7 @@ impl NetworkActor {
                     }
                 }
             },
-            request_response::Event::OutboundFailure { peer, request_id, error, .. } => {
+            request_response::Event::OutboundFailure { peer, request_id, error, connection_id } => {
                 // A peer this node knows by id (from gossip) but cannot
                 // dial: it may have reached the bootstrap peer after this
                 // node's one Kademlia bootstrap. Look it up, so that the
@@ -488,8 +499,27 @@ impl NetworkActor {
                         kad.get_closest_peers(peer);
                     }
                 }
-                if let Some(reply) = self.outbound.remove(&request_id) {
-                    let _ = reply.send(Err(NetError::Request { peer, reason: error.to_string() }));
+                let sent = self.outbound.remove(&request_id);
+                let timed_out = matches!(error, request_response::OutboundFailure::Timeout);
+                let reason = match (&sent, timed_out) {
+                    // libp2p says "waiting for a response" for both of its
+                    // limits: opening the stream (10 s) and the whole
+                    // exchange (`timeouts`).
+                    (Some((_, at)), true) => format!(
+                        "no answer: timed out after {:.1} s (libp2p gives a stream 10 s to open, the whole \
+                         exchange {} s)",
+                        at.elapsed().as_secs_f64(),
+                        self.parts.config.timeouts.whole_exchange(&self.parts.config.limits).as_secs()
+                    ),
+                    _ => error.to_string(),
+                };
+                if timed_out && self.stalls.timed_out(connection_id) {
+                    warn!(%peer, "{STALLED_AFTER_TIMEOUTS} requests in a row timed out on one connection to the \
+                                  peer: closing it, so that the next request dials a fresh one");
+                    self.swarm.close_connection(connection_id);
+                }
+                if let Some((reply, _)) = sent {
+                    let _ = reply.send(Err(NetError::Request { peer, reason }));
                 }
             }
             request_response::Event::InboundFailure { peer, error, .. } => {

@@ -354,6 +354,62 @@ impl PathLatency {
     }
 }
 
+/// Requests in a row that time out on one connection, with no answer
+/// between them, before [`StalledConnections`] calls it stalled.
+pub const STALLED_AFTER_TIMEOUTS: u32 = 2;
+
+/// Connections on which requests stopped getting through: each
+/// connection's timed-out requests since its last answer.
+///
+/// One overloaded connection can stall while the same peer's others carry
+/// traffic: in the 64-process swarm on a slow 2-core host, a worker's
+/// pushes to one owner each hit libp2p's 10 s limit on opening a stream,
+/// one after another for a whole minute, while the owner took the other
+/// 61 workers' pushes (docs/operations.md, swarm64). Every retry went down
+/// the same connection. Once [`STALLED_AFTER_TIMEOUTS`] requests in a row
+/// time out on it, the network actor closes it, and the next request
+/// dials a fresh one. Generic over the connection's id, so that it stays
+/// free of libp2p.
+#[derive(Debug, Clone)]
+pub struct StalledConnections<C> {
+    timeouts: std::collections::HashMap<C, u32>,
+}
+
+impl<C> Default for StalledConnections<C> {
+    fn default() -> Self {
+        Self { timeouts: std::collections::HashMap::new() }
+    }
+}
+
+impl<C: std::hash::Hash + Eq + Copy> StalledConnections<C> {
+    /// A request on `conn` timed out. True when `conn` is now stalled
+    /// (the caller closes it); its count starts again.
+    pub fn timed_out(&mut self, conn: C) -> bool {
+        let n = self.timeouts.entry(conn).or_default();
+        *n += 1;
+        if *n < STALLED_AFTER_TIMEOUTS {
+            return false;
+        }
+        self.timeouts.remove(&conn);
+        true
+    }
+
+    /// An answer came on `conn`: it carries traffic.
+    pub fn answered(&mut self, conn: C) {
+        self.timeouts.remove(&conn);
+    }
+
+    /// `conn` closed.
+    pub fn forget(&mut self, conn: C) {
+        self.timeouts.remove(&conn);
+    }
+
+    /// Connections with a timed-out request and no answer since.
+    pub fn suspect(&self) -> usize {
+        self.timeouts.len()
+    }
+}
+
 /// An owner's service time from a request's round trip in µs (less any time
 /// the owner reported holding the answer): the round trip less the path's
 /// own latency ([`PathLatency::floor`]), never below zero.
@@ -827,5 +883,26 @@ mod tests {
         }
         let avg = t.report(31, 100)[0].micros_per_mib;
         assert!(avg > 300.0 && avg < 550.0, "{avg}");
+    }
+
+    #[test]
+    fn a_connection_is_stalled_after_timeouts_in_a_row_and_an_answer_clears_it() {
+        let mut s = StalledConnections::default();
+        // One timeout is not a stall; an answer between two clears it.
+        assert!(!s.timed_out(1u64));
+        s.answered(1);
+        assert!(!s.timed_out(1));
+        assert_eq!(s.suspect(), 1);
+        // Another connection's timeouts count on their own.
+        assert!(!s.timed_out(2));
+        assert!(s.timed_out(1), "two in a row on connection 1");
+        // Closed: its count starts again (a reused id is a new connection).
+        assert_eq!(s.suspect(), 1);
+        assert!(!s.timed_out(1));
+        s.forget(1);
+        s.forget(2);
+        assert_eq!(s.suspect(), 0);
+        assert!(!s.timed_out(2));
+        assert!(s.timed_out(2));
     }
 }
