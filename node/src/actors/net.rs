@@ -500,22 +500,35 @@ impl NetworkActor {
                     }
                 }
                 let sent = self.outbound.remove(&request_id);
+                let whole = self.parts.config.timeouts.whole_exchange(&self.parts.config.limits);
+                // libp2p says "waiting for a response" for both of its
+                // limits: opening the stream (10 s) and the whole exchange
+                // (`timeouts`); the time waited tells them apart.
+                let waited = sent.as_ref().map(|(_, at)| at.elapsed());
                 let timed_out = matches!(error, request_response::OutboundFailure::Timeout);
-                let reason = match (&sent, timed_out) {
-                    // libp2p says "waiting for a response" for both of its
-                    // limits: opening the stream (10 s) and the whole
-                    // exchange (`timeouts`).
-                    (Some((_, at)), true) => format!(
-                        "no answer: timed out after {:.1} s (libp2p gives a stream 10 s to open, the whole \
-                         exchange {} s)",
-                        at.elapsed().as_secs_f64(),
-                        self.parts.config.timeouts.whole_exchange(&self.parts.config.limits).as_secs()
+                let opening = timed_out && waited.is_some_and(|w| w < whole / 2);
+                let reason = match waited {
+                    Some(w) if opening => format!(
+                        "no answer: the stream did not open within libp2p's 10 s (waited {:.1} s)",
+                        w.as_secs_f64()
                     ),
+                    Some(w) if timed_out => {
+                        format!(
+                            "no answer within the whole exchange's {} s (waited {:.1} s)",
+                            whole.as_secs(),
+                            w.as_secs_f64()
+                        )
+                    }
                     _ => error.to_string(),
                 };
-                if timed_out && self.stalls.timed_out(connection_id) {
-                    warn!(%peer, "{STALLED_AFTER_TIMEOUTS} requests in a row timed out on one connection to the \
-                                  peer: closing it, so that the next request dials a fresh one");
+                if timed_out && self.stalls.timed_out(connection_id, opening) {
+                    let why = if opening {
+                        "a stream did not open".to_string()
+                    } else {
+                        format!("{STALLED_AFTER_TIMEOUTS} requests in a row timed out")
+                    };
+                    warn!(%peer, "{why} on one connection to the peer: closing it, so that the next request \
+                                  dials a fresh one");
                     self.swarm.close_connection(connection_id);
                 }
                 if let Some((reply, _)) = sent {

@@ -354,8 +354,10 @@ impl PathLatency {
     }
 }
 
-/// Requests in a row that time out on one connection, with no answer
-/// between them, before [`StalledConnections`] calls it stalled.
+/// Requests in a row that run out the whole exchange's time on one
+/// connection, with no answer between them, before [`StalledConnections`]
+/// calls it stalled. A stream that does not even open in time (libp2p
+/// gives it 10 s) stalls the connection at once.
 pub const STALLED_AFTER_TIMEOUTS: u32 = 2;
 
 /// Connections on which requests stopped getting through: each
@@ -366,10 +368,14 @@ pub const STALLED_AFTER_TIMEOUTS: u32 = 2;
 /// pushes to one owner each hit libp2p's 10 s limit on opening a stream,
 /// one after another for a whole minute, while the owner took the other
 /// 61 workers' pushes (docs/operations.md, swarm64). Every retry went down
-/// the same connection. Once [`STALLED_AFTER_TIMEOUTS`] requests in a row
-/// time out on it, the network actor closes it, and the next request
-/// dials a fresh one. Generic over the connection's id, so that it stays
-/// free of libp2p.
+/// the same connection. Once a stream fails to open on it, or
+/// [`STALLED_AFTER_TIMEOUTS`] requests in a row time out on it, the
+/// network actor closes it, and the next request dials a fresh one. At
+/// once for a stream that did not open: waiting for a second one put the
+/// new connection 20 s or more after the stall began, and a BSP round
+/// waiting for that worker's push was closed by its 30 s timeout first
+/// (swarm64 on 1.1 cores). Generic over the connection's id, so that it
+/// stays free of libp2p.
 #[derive(Debug, Clone)]
 pub struct StalledConnections<C> {
     timeouts: std::collections::HashMap<C, u32>,
@@ -382,9 +388,14 @@ impl<C> Default for StalledConnections<C> {
 }
 
 impl<C: std::hash::Hash + Eq + Copy> StalledConnections<C> {
-    /// A request on `conn` timed out. True when `conn` is now stalled
-    /// (the caller closes it); its count starts again.
-    pub fn timed_out(&mut self, conn: C) -> bool {
+    /// A request on `conn` timed out: `opening` when its stream did not
+    /// open. True when `conn` is now stalled (the caller closes it); its
+    /// count starts again.
+    pub fn timed_out(&mut self, conn: C, opening: bool) -> bool {
+        if opening {
+            self.timeouts.remove(&conn);
+            return true;
+        }
         let n = self.timeouts.entry(conn).or_default();
         *n += 1;
         if *n < STALLED_AFTER_TIMEOUTS {
@@ -888,21 +899,26 @@ mod tests {
     #[test]
     fn a_connection_is_stalled_after_timeouts_in_a_row_and_an_answer_clears_it() {
         let mut s = StalledConnections::default();
-        // One timeout is not a stall; an answer between two clears it.
-        assert!(!s.timed_out(1u64));
+        // One whole-exchange timeout is not a stall; an answer between two clears it.
+        assert!(!s.timed_out(1u64, false));
         s.answered(1);
-        assert!(!s.timed_out(1));
+        assert!(!s.timed_out(1, false));
         assert_eq!(s.suspect(), 1);
         // Another connection's timeouts count on their own.
-        assert!(!s.timed_out(2));
-        assert!(s.timed_out(1), "two in a row on connection 1");
+        assert!(!s.timed_out(2, false));
+        assert!(s.timed_out(1, false), "two in a row on connection 1");
         // Closed: its count starts again (a reused id is a new connection).
         assert_eq!(s.suspect(), 1);
-        assert!(!s.timed_out(1));
+        assert!(!s.timed_out(1, false));
         s.forget(1);
         s.forget(2);
         assert_eq!(s.suspect(), 0);
-        assert!(!s.timed_out(2));
-        assert!(s.timed_out(2));
+        assert!(!s.timed_out(2, false));
+        assert!(s.timed_out(2, false));
+        // A stream that did not open stalls its connection at once.
+        assert!(s.timed_out(3, true));
+        assert!(!s.timed_out(4, false));
+        assert!(s.timed_out(4, true));
+        assert_eq!(s.suspect(), 0);
     }
 }
