@@ -61,6 +61,9 @@ pub struct NetworkParts {
     pub faults: std::sync::Arc<crate::ops::faults::Faults>,
 }
 
+/// The caller of an outbound request.
+type ReplyTo = oneshot::Sender<Result<ShardResponse, NetError>>;
+
 /// Callers waiting for a dial to a peer: the address tried and the reply.
 type DialWaiters = Vec<(Multiaddr, oneshot::Sender<Result<PeerId, NetError>>)>;
 
@@ -96,8 +99,8 @@ struct NetworkActor {
     receiver: mpsc::Receiver<NetCommand>,
     parts: NetworkParts,
     topic: gossipsub::IdentTopic,
-    /// Each request in flight: its caller's reply, and when it was sent.
-    outbound: HashMap<OutboundRequestId, (oneshot::Sender<Result<ShardResponse, NetError>>, Instant)>,
+    /// Each request in flight: its caller's reply, its peer, and when it was sent.
+    outbound: HashMap<OutboundRequestId, (ReplyTo, PeerId, Instant)>,
     /// Connections whose requests time out in a row: closed once stalled,
     /// so that the next request dials a fresh one.
     stalls: StalledConnections<ConnectionId>,
@@ -269,7 +272,7 @@ impl NetworkActor {
                     return;
                 }
                 let id = self.swarm.behaviour_mut().send_request(&peer, req);
-                self.outbound.insert(id, (reply, Instant::now()));
+                self.outbound.insert(id, (reply, peer, Instant::now()));
             }
             NetCommand::Publish { msg } => {
                 let limits = self.parts.config.limits.clone();
@@ -477,7 +480,7 @@ impl NetworkActor {
                 request_response::Message::Request { request, channel, .. } => self.inbound(peer, request, channel),
                 request_response::Message::Response { request_id, response } => {
                     self.stalls.answered(connection_id);
-                    if let Some((reply, _)) = self.outbound.remove(&request_id) {
+                    if let Some((reply, ..)) = self.outbound.remove(&request_id) {
                         // Fields here; a shard state's body is checked by the
                         // decode that copies it out, as for requests.
                         let checked = validate_response_fields(&response, &self.parts.ctx).map_err(|e| {
@@ -504,9 +507,15 @@ impl NetworkActor {
                 // libp2p says "waiting for a response" for both of its
                 // limits: opening the stream (10 s) and the whole exchange
                 // (`timeouts`); the time waited tells them apart.
-                let waited = sent.as_ref().map(|(_, at)| at.elapsed());
+                let waited = sent.as_ref().map(|(_, _, at)| at.elapsed());
                 let timed_out = matches!(error, request_response::OutboundFailure::Timeout);
                 let opening = timed_out && waited.is_some_and(|w| w < whole / 2);
+                // A stream can also wait to open behind a large transfer to
+                // the same peer on a slow link: with another request to the
+                // peer in flight, the connection may be busy rather than
+                // stalled, and a failed opening counts as a timeout instead
+                // of closing the connection (and that transfer) at once.
+                let busy = self.outbound.values().any(|(_, p, _)| *p == peer);
                 let reason = match waited {
                     Some(w) if opening => format!(
                         "no answer: the stream did not open within libp2p's 10 s (waited {:.1} s)",
@@ -521,7 +530,7 @@ impl NetworkActor {
                     }
                     _ => error.to_string(),
                 };
-                if timed_out && self.stalls.timed_out(connection_id, opening) {
+                if timed_out && self.stalls.timed_out(connection_id, opening && !busy) {
                     let why = if opening {
                         "a stream did not open".to_string()
                     } else {
@@ -531,7 +540,7 @@ impl NetworkActor {
                                   dials a fresh one");
                     self.swarm.close_connection(connection_id);
                 }
-                if let Some((reply, _)) = sent {
+                if let Some((reply, ..)) = sent {
                     let _ = reply.send(Err(NetError::Request { peer, reason }));
                 }
             }

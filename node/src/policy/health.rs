@@ -389,8 +389,9 @@ impl<C> Default for StalledConnections<C> {
 
 impl<C: std::hash::Hash + Eq + Copy> StalledConnections<C> {
     /// A request on `conn` timed out: `opening` when its stream did not
-    /// open. True when `conn` is now stalled (the caller closes it); its
-    /// count starts again.
+    /// open (and nothing else was in flight to the peer, which could have
+    /// held it up). True when `conn` is now stalled (the caller closes
+    /// it); its count starts again.
     pub fn timed_out(&mut self, conn: C, opening: bool) -> bool {
         if opening {
             self.timeouts.remove(&conn);
