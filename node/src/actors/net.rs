@@ -61,8 +61,13 @@ pub struct NetworkParts {
     pub faults: std::sync::Arc<crate::ops::faults::Faults>,
 }
 
-/// The caller of an outbound request.
-type ReplyTo = oneshot::Sender<Result<ShardResponse, NetError>>;
+/// An outbound request in flight.
+struct InFlight {
+    /// Its caller's reply.
+    reply: oneshot::Sender<Result<ShardResponse, NetError>>,
+    peer: PeerId,
+    sent: Instant,
+}
 
 /// Callers waiting for a dial to a peer: the address tried and the reply.
 type DialWaiters = Vec<(Multiaddr, oneshot::Sender<Result<PeerId, NetError>>)>;
@@ -99,8 +104,7 @@ struct NetworkActor {
     receiver: mpsc::Receiver<NetCommand>,
     parts: NetworkParts,
     topic: gossipsub::IdentTopic,
-    /// Each request in flight: its caller's reply, its peer, and when it was sent.
-    outbound: HashMap<OutboundRequestId, (ReplyTo, PeerId, Instant)>,
+    outbound: HashMap<OutboundRequestId, InFlight>,
     /// Connections whose requests time out in a row: closed once stalled,
     /// so that the next request dials a fresh one.
     stalls: StalledConnections<ConnectionId>,
@@ -272,7 +276,7 @@ impl NetworkActor {
                     return;
                 }
                 let id = self.swarm.behaviour_mut().send_request(&peer, req);
-                self.outbound.insert(id, (reply, peer, Instant::now()));
+                self.outbound.insert(id, InFlight { reply, peer, sent: Instant::now() });
             }
             NetCommand::Publish { msg } => {
                 let limits = self.parts.config.limits.clone();
@@ -480,7 +484,7 @@ impl NetworkActor {
                 request_response::Message::Request { request, channel, .. } => self.inbound(peer, request, channel),
                 request_response::Message::Response { request_id, response } => {
                     self.stalls.answered(connection_id);
-                    if let Some((reply, ..)) = self.outbound.remove(&request_id) {
+                    if let Some(InFlight { reply, .. }) = self.outbound.remove(&request_id) {
                         // Fields here; a shard state's body is checked by the
                         // decode that copies it out, as for requests.
                         let checked = validate_response_fields(&response, &self.parts.ctx).map_err(|e| {
@@ -503,44 +507,11 @@ impl NetworkActor {
                     }
                 }
                 let sent = self.outbound.remove(&request_id);
-                let whole = self.parts.config.timeouts.whole_exchange(&self.parts.config.limits);
-                // libp2p says "waiting for a response" for both of its
-                // limits: opening the stream (10 s) and the whole exchange
-                // (`timeouts`); the time waited tells them apart.
-                let waited = sent.as_ref().map(|(_, _, at)| at.elapsed());
-                let timed_out = matches!(error, request_response::OutboundFailure::Timeout);
-                let opening = timed_out && waited.is_some_and(|w| w < whole / 2);
-                // A stream can also wait to open behind a large transfer to
-                // the same peer on a slow link: with another request to the
-                // peer in flight, the connection may be busy rather than
-                // stalled, and a failed opening counts as a timeout instead
-                // of closing the connection (and that transfer) at once.
-                let busy = self.outbound.values().any(|(_, p, _)| *p == peer);
-                let reason = match waited {
-                    Some(w) if opening => format!(
-                        "no answer: the stream did not open within libp2p's 10 s (waited {:.1} s)",
-                        w.as_secs_f64()
-                    ),
-                    Some(w) if timed_out => {
-                        format!(
-                            "no answer within the whole exchange's {} s (waited {:.1} s)",
-                            whole.as_secs(),
-                            w.as_secs_f64()
-                        )
-                    }
+                let reason = match (&error, &sent) {
+                    (request_response::OutboundFailure::Timeout, Some(f)) => self.timed_out(f, connection_id),
                     _ => error.to_string(),
                 };
-                if timed_out && self.stalls.timed_out(connection_id, opening && !busy) {
-                    let why = if opening {
-                        "a stream did not open".to_string()
-                    } else {
-                        format!("{STALLED_AFTER_TIMEOUTS} requests in a row timed out")
-                    };
-                    warn!(%peer, "{why} on one connection to the peer: closing it, so that the next request \
-                                  dials a fresh one");
-                    self.swarm.close_connection(connection_id);
-                }
-                if let Some((reply, ..)) = sent {
+                if let Some(InFlight { reply, .. }) = sent {
                     let _ = reply.send(Err(NetError::Request { peer, reason }));
                 }
             }
@@ -548,6 +519,39 @@ impl NetworkActor {
                 debug!(%peer, %error, "inbound request failed");
             }
             _ => {}
+        }
+    }
+
+    /// A request on `connection` timed out: the connection is closed if
+    /// it stalled ([`StalledConnections`]). Returns the caller's error text.
+    /// libp2p says "waiting for a response" for both of its limits, opening
+    /// the stream (10 s) and the whole exchange (`timeouts`); the time
+    /// waited tells them apart.
+    fn timed_out(&mut self, request: &InFlight, connection: ConnectionId) -> String {
+        let whole = self.parts.config.timeouts.whole_exchange(&self.parts.config.limits);
+        let waited = request.sent.elapsed();
+        let opening = waited < whole / 2;
+        // A stream can also wait to open behind a large transfer to the
+        // same peer on a slow link: with another request to the peer in
+        // flight, the connection may be busy rather than stalled, and a
+        // failed opening counts as a timeout instead of closing the
+        // connection (and that transfer) at once.
+        let at_once = opening && !self.outbound.values().any(|f| f.peer == request.peer);
+        if self.stalls.timed_out(connection, at_once) {
+            let why = if at_once {
+                "a stream did not open".to_string()
+            } else {
+                format!("{STALLED_AFTER_TIMEOUTS} requests in a row timed out")
+            };
+            warn!(peer = %request.peer, "{why} on one connection to the peer: closing it, so that the next \
+                                         request dials a fresh one");
+            self.swarm.close_connection(connection);
+        }
+        let secs = waited.as_secs_f64();
+        if opening {
+            format!("no answer: the stream did not open within libp2p's 10 s (waited {secs:.1} s)")
+        } else {
+            format!("no answer within the whole exchange's {} s (waited {secs:.1} s)", whole.as_secs())
         }
     }
 

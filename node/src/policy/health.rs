@@ -354,10 +354,10 @@ impl PathLatency {
     }
 }
 
-/// Requests in a row that run out the whole exchange's time on one
-/// connection, with no answer between them, before [`StalledConnections`]
-/// calls it stalled. A stream that does not even open in time (libp2p
-/// gives it 10 s) stalls the connection at once.
+/// Requests in a row that time out on one connection, with no answer
+/// between them, before [`StalledConnections`] calls it stalled. A stream
+/// that does not even open in time (libp2p gives it 10 s) while nothing
+/// else to the peer is in flight stalls the connection at once.
 pub const STALLED_AFTER_TIMEOUTS: u32 = 2;
 
 /// Connections on which requests stopped getting through: each
@@ -388,12 +388,12 @@ impl<C> Default for StalledConnections<C> {
 }
 
 impl<C: std::hash::Hash + Eq + Copy> StalledConnections<C> {
-    /// A request on `conn` timed out: `opening` when its stream did not
-    /// open (and nothing else was in flight to the peer, which could have
-    /// held it up). True when `conn` is now stalled (the caller closes
-    /// it); its count starts again.
-    pub fn timed_out(&mut self, conn: C, opening: bool) -> bool {
-        if opening {
+    /// A request on `conn` timed out: `at_once` when its stream did not
+    /// open and nothing else was in flight to the peer, which could have
+    /// held it up. True when `conn` is now stalled (the caller closes it);
+    /// its count starts again.
+    pub fn timed_out(&mut self, conn: C, at_once: bool) -> bool {
+        if at_once {
             self.timeouts.remove(&conn);
             return true;
         }
@@ -417,7 +417,8 @@ impl<C: std::hash::Hash + Eq + Copy> StalledConnections<C> {
     }
 
     /// Connections with a timed-out request and no answer since.
-    pub fn suspect(&self) -> usize {
+    #[cfg(test)]
+    fn suspect(&self) -> usize {
         self.timeouts.len()
     }
 }
