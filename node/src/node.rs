@@ -12,6 +12,7 @@ use shoal_models::{
     data, Evaluation, Model, ModelConfig, ModelFile, ModelMeta, ShardCheckpoint, ShardDir, ShardOf, ShardPlan,
     TrainableModel,
 };
+use shoal_protocol::frame::GossipSigner;
 use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::{Multiaddr, PeerId};
 use shoal_protocol::{build_swarm_with, Capabilities, Device, ProtocolConfig, Role, RunId, ValidationContext};
@@ -461,6 +462,7 @@ fn spawn_network(
     let plan = &training.plan;
     let mut proto = config.network.clone();
     proto.run_id = run.clone();
+    let signer = GossipSigner::new(&keypair)?;
     let swarm = build_swarm_with(&proto, keypair, tasks.clone())?;
     let ctx = ValidationContext::new(run.clone(), plan.len() as u32, proto.limits.clone(), &proto.timeouts)
         .with_shard_numel(plan.shards().iter().map(|s| s.len() as u64).collect());
@@ -480,6 +482,7 @@ fn spawn_network(
             capacity: c.channel_capacity,
             optimizer: config.owner_optimizer(),
             faults: faults.clone(),
+            signer,
         },
         tasks,
     );

@@ -249,15 +249,16 @@ impl ShoalBehaviour {
         self.shard.send_request(peer, req)
     }
 
-    /// Encodes (checking the gossip size limit) and publishes on the run's
-    /// membership topic.
+    /// Encodes (checking the gossip size limit), signs and publishes on the
+    /// run's membership topic.
     pub fn publish(
         &mut self,
         topic: &IdentTopic,
         msg: &GossipMessage,
+        signer: &frame::GossipSigner,
         limits: &crate::config::Limits,
     ) -> Result<MessageId> {
-        let data = frame::encode_gossip(msg, limits)?;
+        let data = frame::encode_gossip(msg, signer, limits)?;
         self.gossipsub.publish(topic.clone(), data).map_err(|e| match e {
             gossipsub::PublishError::NoPeersSubscribedToTopic => ProtocolError::NoGossipPeers,
             other => ProtocolError::Publish(other.to_string()),
@@ -277,9 +278,13 @@ impl ShoalBehaviour {
 fn gossipsub_config(cfg: &ProtocolConfig) -> Result<gossipsub::Config> {
     gossipsub::ConfigBuilder::default()
         .heartbeat_interval(Duration::from_millis(cfg.gossip.heartbeat_ms))
-        // Signed messages, checked by gossipsub: the source of a heartbeat
-        // is authenticated, so validation can compare it to `Heartbeat::peer`.
-        .validation_mode(ValidationMode::Strict)
+        // Gossipsub's envelope carries no source, sequence number or
+        // signature: Shoal signs the message itself (frame::encode_gossip),
+        // and the node checks that signature once per message, after
+        // gossipsub's duplicate cache, where gossipsub would check its own
+        // on every copy. The signer is authenticated, so validation can
+        // compare it to `Heartbeat::peer`.
+        .validation_mode(ValidationMode::Anonymous)
         // Nothing is forwarded until the node has validated it.
         .validate_messages()
         .message_id_fn(content_message_id)
@@ -307,7 +312,7 @@ fn build_behaviour(
             .with_max_pending_incoming(Some(limits.max_pending_incoming)),
     );
 
-    let mut gossipsub = gossipsub::Behaviour::new(MessageAuthenticity::Signed(keypair.clone()), gossipsub_config(cfg)?)
+    let mut gossipsub = gossipsub::Behaviour::new(MessageAuthenticity::Anonymous, gossipsub_config(cfg)?)
         .map_err(|e| ProtocolError::Config(format!("gossipsub: {e}")))?;
     gossipsub
         .subscribe(&membership_topic(&cfg.run_id))

@@ -31,11 +31,12 @@ pub struct Limits {
     pub max_header_bytes: u32,
     /// Most elements in one tensor. Default 64 Mi elements (256 MiB of f32).
     pub max_tensor_elements: u64,
-    /// Largest serialized gossip message (heartbeat or announcement) accepted
-    /// or published. Default 4 KiB: heartbeats are designed to fit.
+    /// Largest serialized gossip message (heartbeat or announcement, its
+    /// prefix and body; the 96-byte signature comes on top) accepted or
+    /// published. Default 4 KiB: heartbeats are designed to fit.
     pub max_gossip_bytes: u32,
-    /// Gossipsub `max_transmit_size`: the gossip payload plus the protobuf
-    /// envelope and signature (about 200 bytes). Default 16 KiB, so a full
+    /// Gossipsub `max_transmit_size`: the gossip payload (signature
+    /// included) plus the protobuf envelope. Default 16 KiB, so a full
     /// heartbeat is never dropped while a peer cannot push megabyte messages
     /// through the membership topic.
     pub gossip_transmit_bytes: u32,
@@ -181,7 +182,7 @@ pub struct Discovery {
     /// mDNS on the LAN. Default on; turn off in tests and on networks where
     /// multicast is unwelcome.
     pub mdns: bool,
-    /// Kademlia (protocol `/shoal/kad/10.0.0`, server mode) so bootstrap peers
+    /// Kademlia (protocol `/shoal/kad/11.0.0`, server mode) so bootstrap peers
     /// lead to the rest of the cluster. Default on.
     pub kademlia: bool,
     /// Relay client, so a node behind NAT can be reached through a relay.
@@ -305,7 +306,7 @@ impl ProtocolConfig {
         }
         if l.max_gossip_bytes < 1024 || l.gossip_transmit_bytes < l.max_gossip_bytes + 512 {
             return bad("limits.max_gossip_bytes must be >= 1024 and gossip_transmit_bytes >= max_gossip_bytes + 512 \
-                 (room for the gossipsub envelope)"
+                 (room for the signature and the gossipsub envelope)"
                 .into());
         }
         if l.max_concurrent_streams == 0 || l.max_established == 0 || l.max_established_per_peer == 0 {

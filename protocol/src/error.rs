@@ -135,6 +135,13 @@ pub enum ProtocolError {
         /// Peer id authenticated by the transport.
         actual: Box<PeerId>,
     },
+    /// A gossip message whose signature is not valid for the key it names
+    /// (a forged or corrupted message).
+    #[error("gossip message signed by {signer}: the signature does not match the message")]
+    BadSignature {
+        /// The peer whose key the message names (boxed: keeps the error small).
+        signer: Box<PeerId>,
+    },
     /// A field with an invalid value (count over a limit, empty, negative...).
     #[error("invalid field {field}: {reason}")]
     InvalidField {
@@ -211,6 +218,7 @@ impl ProtocolError {
             ProtocolError::InvalidRunId(_) => "invalid_run_id",
             ProtocolError::ShardOutOfRange { .. } => "shard_out_of_range",
             ProtocolError::SenderMismatch { .. } => "sender_mismatch",
+            ProtocolError::BadSignature { .. } => "bad_signature",
             ProtocolError::InvalidField { .. } => "invalid_field",
             ProtocolError::Undecodable { .. } => "undecodable",
             ProtocolError::NoGossipPeers => "no_gossip_peers",

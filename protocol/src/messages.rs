@@ -148,7 +148,7 @@ impl std::str::FromStr for RunId {
 }
 
 // ---------------------------------------------------------------------------
-// Requests on /shoal/shard/10.0.0
+// Requests on /shoal/shard/11.0.0
 // ---------------------------------------------------------------------------
 
 /// A worker's gradient contribution for one shard.
@@ -316,7 +316,7 @@ pub struct Probe {
     pub padding: Payload,
 }
 
-/// A request on `/shoal/shard/10.0.0`.
+/// A request on `/shoal/shard/11.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardRequest {
     /// Variant 0.
@@ -549,7 +549,7 @@ impl From<&ProtocolError> for WireError {
     }
 }
 
-/// A response on `/shoal/shard/10.0.0`.
+/// A response on `/shoal/shard/11.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardResponse {
     /// Variant 0: the push was accepted.

@@ -37,7 +37,10 @@ use futures::io::Cursor;
 use proptest::prelude::Rng;
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
-use shoal_protocol::frame::{self, FramePrefix, PREFIX_LEN};
+use shoal_protocol::frame::{
+    self, FramePrefix, GossipSigner, SignedGossip, GOSSIP_MAGIC, GOSSIP_SIGNATURE_LEN, PREFIX_LEN,
+};
+use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::request_response::Codec;
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::messages::HasPayloads;
@@ -158,7 +161,12 @@ fn mutate(rng: &mut TestRng, f: &mut Vec<u8>, other: &[u8]) {
 }
 
 /// Valid frames of every message variant, labelled `kind/variant`.
-fn corpus(runner: &mut TestRunner, limits: &Limits, per_strategy: usize) -> Vec<(String, Vec<u8>)> {
+fn corpus(
+    runner: &mut TestRunner,
+    limits: &Limits,
+    signer: &GossipSigner,
+    per_strategy: usize,
+) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
     for _ in 0..per_strategy {
         let req = strategies::request().new_tree(runner).unwrap().current();
@@ -172,7 +180,7 @@ fn corpus(runner: &mut TestRunner, limits: &Limits, per_strategy: usize) -> Vec<
                 format!("announce_{}", format!("{a:?}").split([' ', '{', '(']).next().unwrap_or("?").to_lowercase())
             }
         };
-        out.push((format!("gossip/{kind}"), frame::encode_gossip(&msg, limits).unwrap()));
+        out.push((format!("gossip/{kind}"), frame::encode_gossip(&msg, signer, limits).unwrap()));
     }
     out
 }
@@ -266,7 +274,14 @@ fn payloads(t: &mut Tally, stage: &'static str, ps: Vec<&Payload>) {
 }
 
 /// Every decoder and validator on one frame.
-fn run_frame(data: &[u8], base: &ValidationContext, codec: &mut ShardCodec, stranger: &PeerId, t: &mut Tally) {
+fn run_frame(
+    data: &[u8],
+    base: &ValidationContext,
+    codec: &mut ShardCodec,
+    stranger: &PeerId,
+    signer: &GossipSigner,
+    t: &mut Tally,
+) {
     let limits = &base.limits;
     if let Ok(p) = <[u8; PREFIX_LEN]>::try_from(data.get(..PREFIX_LEN).unwrap_or(&[])) {
         t.add("prefix", &FramePrefix::parse(&p));
@@ -292,9 +307,18 @@ fn run_frame(data: &[u8], base: &ValidationContext, codec: &mut ShardCodec, stra
         payloads(t, "response_payload", resp.payloads());
     }
 
-    let msg = frame::decode_gossip(data, limits);
-    t.add("gossip", &msg);
-    if let Ok(msg) = msg {
+    // A mutated gossip message fails its signature; sealed again (as a
+    // peer could sign anything with its own key), it reaches the decoder
+    // and the validator.
+    t.add("gossip", &frame::decode_gossip(data, limits));
+    let resealed = data.starts_with(&GOSSIP_MAGIC).then(|| {
+        frame::decode_gossip(&signer.seal(data[..data.len().saturating_sub(GOSSIP_SIGNATURE_LEN)].to_vec()), limits)
+    });
+    if let Some(msg) = &resealed {
+        t.add("gossip_resealed", msg);
+    }
+    if let Some(Ok(SignedGossip { message: msg, .. })) = resealed {
+        // Validated as if signed by the sender it claims.
         let ctx = matching(base, Some(msg.run()), None);
         let source = match &msg {
             GossipMessage::Heartbeat(h) => h.peer,
@@ -334,7 +358,9 @@ fn a_million_random_and_mutated_frames_never_panic_or_overallocate() {
     let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes));
 
     let limits = fuzz_limits();
-    let corpus = corpus(&mut runner, &limits, 400);
+    // A fixed key, so that a seed replays the same bytes.
+    let signer = GossipSigner::new(&Keypair::ed25519_from_bytes(seed_bytes).unwrap()).unwrap();
+    let corpus = corpus(&mut runner, &limits, &signer, 400);
     let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
     for (k, _) in &corpus {
         *kinds.entry(k.as_str()).or_default() += 1;
@@ -409,7 +435,7 @@ fn a_million_random_and_mutated_frames_never_panic_or_overallocate() {
             f
         };
         largest_frame = largest_frame.max(data.len());
-        let r = catch_unwind(AssertUnwindSafe(|| run_frame(&data, &ctx, &mut codec, &stranger, &mut tally)));
+        let r = catch_unwind(AssertUnwindSafe(|| run_frame(&data, &ctx, &mut codec, &stranger, &signer, &mut tally)));
         if r.is_err() && panicked.len() < 5 {
             panicked.push(data);
         }
@@ -455,6 +481,8 @@ fn a_million_random_and_mutated_frames_never_panic_or_overallocate() {
         assert!(tally.get(stage, "ok") < total, "{stage} rejected nothing");
     }
     assert!(tally.get("validate_request_stranger", "sender_mismatch") > 0, "a forged sender was never caught");
+    assert!(tally.get("gossip", "bad_signature") > 0, "a mutated gossip message was never caught by its signature");
+    assert!(tally.get("gossip", "ok") < tally.get("gossip_resealed", "ok"), "resealing let no more gossip through");
     assert!(tally.get("request_payload", "checksum_mismatch") > 0, "a corrupted tensor body was never caught");
     assert_eq!(codec.in_flight_read_bytes(), 0, "the codec's read budget leaked");
 }

@@ -12,6 +12,7 @@ use std::time::Duration;
 use common::*;
 use futures::StreamExt;
 use shoal_protocol::libp2p::gossipsub;
+use shoal_protocol::libp2p::identity::Keypair;
 use shoal_protocol::libp2p::swarm::SwarmEvent;
 use shoal_protocol::libp2p::PeerId;
 use shoal_protocol::*;
@@ -53,19 +54,21 @@ async fn eight_swarms_see_each_others_heartbeats() {
     let mut swarms = Vec::new();
     let mut addrs = Vec::new();
     for _ in 0..NODES {
-        let mut s = swarm(&cfg);
+        let key = Keypair::generate_ed25519();
+        let signer = frame::GossipSigner::new(&key).unwrap();
+        let mut s = build_swarm(&cfg, key).unwrap();
         addrs.push(tokio::time::timeout(WAIT, listen_addr(&mut s)).await.unwrap());
-        swarms.push(s);
+        swarms.push((s, signer));
     }
-    let ids: Vec<PeerId> = swarms.iter().map(|s| *s.local_peer_id()).collect();
-    for (i, s) in swarms.iter_mut().enumerate() {
+    let ids: Vec<PeerId> = swarms.iter().map(|(s, _)| *s.local_peer_id()).collect();
+    for (i, (s, _)) in swarms.iter_mut().enumerate() {
         s.dial(addrs[(i + 1) % NODES].clone()).unwrap();
     }
 
     // Each node reports (receiver, sender) for every valid heartbeat it gets.
     let (tx, mut rx) = mpsc::channel::<(PeerId, PeerId)>(4096);
     let mut tasks = Vec::new();
-    for mut s in swarms {
+    for (mut s, signer) in swarms {
         let tx = tx.clone();
         let cfg = cfg.clone();
         tasks.push(tokio::spawn(async move {
@@ -81,14 +84,17 @@ async fn eight_swarms_see_each_others_heartbeats() {
                     _ = tick.tick() => {
                         seq += 1;
                         // Fails with InsufficientPeers until subscriptions are known.
-                        let _ = s.behaviour_mut().publish(&topic, &heartbeat(me, seq), &cfg.limits);
+                        let _ = s.behaviour_mut().publish(&topic, &heartbeat(me, seq), &signer, &cfg.limits);
                     }
                     ev = s.select_next_some() => {
                         if let SwarmEvent::Behaviour(ShoalBehaviourEvent::Gossipsub(gossipsub::Event::Message {
                             propagation_source, message_id, message,
                         })) = ev {
-                            let verdict = frame::decode_gossip(&message.data, &cfg.limits)
-                                .and_then(|m| validate_gossip(&m, message.source.as_ref(), &ctx).map(|()| m));
+                            // Gossipsub's envelope is anonymous: the signer is Shoal's.
+                            assert_eq!(message.source, None);
+                            let verdict = frame::decode_gossip(&message.data, &cfg.limits).and_then(|m| {
+                                validate_gossip(&m.message, Some(&m.signer), &ctx).map(|()| m.message)
+                            });
                             s.behaviour_mut().report_gossip(&message_id, &propagation_source, verdict.is_ok());
                             if let Ok(GossipMessage::Heartbeat(hb)) = verdict {
                                 let _ = tx.try_send((me, hb.peer));

@@ -19,6 +19,10 @@ fn limits() -> Limits {
     Limits::default()
 }
 
+fn signer() -> frame::GossipSigner {
+    frame::GossipSigner::new(&Keypair::generate_ed25519()).unwrap()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -38,9 +42,12 @@ proptest! {
 
     #[test]
     fn gossip_round_trips(msg in gossip()) {
-        let bytes = frame::encode_gossip(&msg, &limits()).unwrap();
-        prop_assert!(bytes.len() <= 4096);
-        prop_assert_eq!(frame::decode_gossip(&bytes, &limits()).unwrap(), msg);
+        let signer = signer();
+        let bytes = frame::encode_gossip(&msg, &signer, &limits()).unwrap();
+        prop_assert!(bytes.len() <= 4096 + frame::GOSSIP_SIGNATURE_LEN);
+        let back = frame::decode_gossip(&bytes, &limits()).unwrap();
+        prop_assert_eq!(back.message, msg);
+        prop_assert_eq!(back.signer, signer.peer());
     }
 
     #[test]
@@ -152,8 +159,9 @@ fn largest_heartbeat_fits_in_4_kib() {
         suspects: (0..MAX_SUSPECTS).map(|_| peer()).collect(),
         finished: true,
     };
-    let bytes = frame::encode_gossip(&GossipMessage::Heartbeat(hb), &limits()).unwrap();
-    assert!(bytes.len() <= 4096, "maximal heartbeat is {} bytes", bytes.len());
+    // The signature's 96 bytes come on top of the limit.
+    let bytes = frame::encode_gossip(&GossipMessage::Heartbeat(hb), &signer(), &limits()).unwrap();
+    assert!(bytes.len() <= 4096 + frame::GOSSIP_SIGNATURE_LEN, "maximal heartbeat is {} bytes", bytes.len());
 }
 
 #[test]
@@ -196,8 +204,8 @@ fn wrong_kind_and_magic_are_rejected() {
 fn gossip_of_another_version_is_refused() {
     let leaving = Announcement::Leaving { run: RunId::default(), peer: PeerId::random(), incarnation: 3 };
     let msg = GossipMessage::Announce(leaving);
-    let bytes = frame::encode_gossip(&msg, &limits()).unwrap();
-    assert_eq!(frame::decode_gossip(&bytes, &limits()).unwrap(), msg, "our version decodes");
+    let bytes = frame::encode_gossip(&msg, &signer(), &limits()).unwrap();
+    assert_eq!(frame::decode_gossip(&bytes, &limits()).unwrap().message, msg, "our version decodes");
     for theirs in [WIRE_VERSION - 1, WIRE_VERSION + 1] {
         let mut other = bytes.clone();
         other[2..4].copy_from_slice(&theirs.to_le_bytes());
@@ -212,7 +220,7 @@ fn documented_example_frame_is_stable() {
     let req = ShardRequest::StateSync(StateSync { run: RunId::new("demo").unwrap(), shard: 3, min_version: 300 });
     let bytes = frame::encode_request(&req, &limits()).unwrap().to_vec();
     let expected: Vec<u8> = vec![
-        0x53, 0x48, 0x0a, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 10, kind 1, reserved
+        0x53, 0x48, 0x0b, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 11, kind 1, reserved
         0x09, 0x00, 0x00, 0x00, // header_len 9
         0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // body_len 0
         0x03, // ShardRequest variant 3 = StateSync

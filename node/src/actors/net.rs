@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use shoal_protocol::config::{is_circuit_addr, is_local_only};
+use shoal_protocol::frame::GossipSigner;
 use shoal_protocol::libp2p::multiaddr::Protocol;
 use shoal_protocol::libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use shoal_protocol::libp2p::swarm::dial_opts::DialOpts;
@@ -59,6 +60,8 @@ pub struct NetworkParts {
     /// Fault injection: answer every push and pull this node serves as an
     /// owner this much later (`faults.delay_ms`). Zero in production.
     pub faults: std::sync::Arc<crate::ops::faults::Faults>,
+    /// Signs this node's gossip with its identity key.
+    pub signer: GossipSigner,
 }
 
 /// An outbound request in flight.
@@ -280,7 +283,7 @@ impl NetworkActor {
             }
             NetCommand::Publish { msg } => {
                 let limits = self.parts.config.limits.clone();
-                if let Err(e) = self.swarm.behaviour_mut().publish(&self.topic, &msg, &limits) {
+                if let Err(e) = self.swarm.behaviour_mut().publish(&self.topic, &msg, &self.parts.signer, &limits) {
                     // Normal before the mesh forms; the next heartbeat retries.
                     debug!(error = %e, "gossip publish");
                 }
@@ -801,8 +804,11 @@ impl NetworkActor {
     }
 
     fn gossip(&mut self, source: PeerId, id: gossipsub::MessageId, message: gossipsub::Message) {
+        // The first copy only: gossipsub's duplicate cache drops the
+        // others before they get here, so each message's signature is
+        // checked once.
         let decoded = frame::decode_gossip(&message.data, &self.parts.config.limits)
-            .and_then(|m| validate_gossip(&m, message.source.as_ref(), &self.parts.ctx).map(|()| m));
+            .and_then(|m| validate_gossip(&m.message, Some(&m.signer), &self.parts.ctx).map(|()| m.message));
         match decoded {
             Ok(GossipMessage::Heartbeat(hb)) => {
                 self.swarm.behaviour_mut().report_gossip(&id, &source, true);
@@ -1248,9 +1254,11 @@ mod tests {
         cfg.discovery.mdns = false;
         // Short, so that the dials this test expects to hang end soon.
         cfg.timeouts.handshake_ms = 300;
-        let mut swarm = build_swarm(&cfg, Keypair::generate_ed25519())?;
+        let key = Keypair::generate_ed25519();
+        let signer = GossipSigner::new(&key)?;
+        let mut swarm = build_swarm(&cfg, key)?;
         swarm.add_peer_address(peer, addr);
-        let net = spawn_test_actor(swarm, cfg, &run);
+        let net = spawn_test_actor(swarm, signer, cfg, &run);
         let pull = || {
             ShardRequest::PullShard(PullShard {
                 run: run.clone(),
@@ -1353,17 +1361,26 @@ mod tests {
             ..Default::default()
         };
         cfg.discovery.mdns = false;
-        Ok(spawn_test_actor_with(build_swarm(&cfg, Keypair::generate_ed25519())?, cfg, run, faults))
+        let key = Keypair::generate_ed25519();
+        let signer = GossipSigner::new(&key)?;
+        Ok(spawn_test_actor_with(build_swarm(&cfg, key)?, signer, cfg, run, faults))
     }
 
-    /// A network actor over `swarm` with no routes.
-    fn spawn_test_actor(swarm: Swarm<ShoalBehaviour>, cfg: ProtocolConfig, run: &RunId) -> NetworkHandle {
-        spawn_test_actor_with(swarm, cfg, run, Arc::new(crate::ops::faults::Faults::default()))
+    /// A network actor over `swarm` (signing its gossip with `signer`, the
+    /// swarm's key) with no routes.
+    fn spawn_test_actor(
+        swarm: Swarm<ShoalBehaviour>,
+        signer: GossipSigner,
+        cfg: ProtocolConfig,
+        run: &RunId,
+    ) -> NetworkHandle {
+        spawn_test_actor_with(swarm, signer, cfg, run, Arc::new(crate::ops::faults::Faults::default()))
     }
 
     /// [`spawn_test_actor`] with these injected faults.
     fn spawn_test_actor_with(
         swarm: Swarm<ShoalBehaviour>,
+        signer: GossipSigner,
         cfg: ProtocolConfig,
         run: &RunId,
         faults: Arc<crate::ops::faults::Faults>,
@@ -1384,6 +1401,7 @@ mod tests {
                 capacity: 16,
                 optimizer: shoal_models::OptimizerConfig::new(shoal_models::OptimizerKind::Sgd, 0.1),
                 faults,
+                signer,
             },
             &crate::ops::tasks::NodeTasks::new(),
         )

@@ -27,8 +27,8 @@ fuzz_target!(|data: &[u8]| {
             let _ = p.decode();
         }
     }
-    if let Ok(msg) = frame::decode_gossip(data, &limits) {
-        let _ = shoal_protocol::validate_gossip(&msg, Some(&peer), &ctx);
+    if let Ok(signed) = frame::decode_gossip(data, &limits) {
+        let _ = shoal_protocol::validate_gossip(&signed.message, Some(&signed.signer), &ctx);
     }
     let mut codec = ShardCodec::default();
     let mut cursor = futures::io::Cursor::new(data.to_vec());
