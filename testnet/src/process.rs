@@ -572,6 +572,11 @@ impl Testnet<'_> {
     }
 
     /// Read every live node's status; record samples and role changes.
+    ///
+    /// The pages are read at once, one thread each: read in turn, 64 nodes
+    /// on an overloaded host took 10 to 20 s a poll, so a sample stamped
+    /// with the poll's time could be that much older than what it read,
+    /// and the events the timeline applied after the poll later still.
     fn poll(&mut self, t: f64, samples: &mut Vec<Sample>, roles: &mut Vec<RoleRecord>) {
         for n in self.nodes.iter_mut() {
             n.drain_lines();
@@ -581,8 +586,25 @@ impl Testnet<'_> {
                     n.child = None;
                 }
             }
-            let (true, false, Some(addr)) = (n.alive(), n.frozen, n.http) else { continue };
-            let Ok(s) = http::get_json(addr, "/status", HTTP_TIMEOUT) else { continue };
+        }
+        let targets: Vec<(usize, SocketAddr)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| match (n.alive(), n.frozen, n.http) {
+                (true, false, Some(addr)) => Some((i, addr)),
+                _ => None,
+            })
+            .collect();
+        let read: Vec<(usize, serde_json::Value)> = std::thread::scope(|scope| {
+            let readers: Vec<_> = targets
+                .iter()
+                .map(|&(i, addr)| scope.spawn(move || (i, http::get_json(addr, "/status", HTTP_TIMEOUT))))
+                .collect();
+            readers.into_iter().filter_map(|r| r.join().ok()).filter_map(|(i, r)| Some((i, r.ok()?))).collect()
+        });
+        for (i, s) in read {
+            let n = &mut self.nodes[i];
             let num = |k: &str| s.get(k).and_then(serde_json::Value::as_f64);
             let role = s.get("role").and_then(|r| r.as_str()).unwrap_or("?").to_string();
             let owned: Vec<u64> = s
@@ -778,7 +800,10 @@ impl Testnet<'_> {
                 break;
             }
             p.next_event += 1;
-            p.last_event = Some(t);
+            // The time the event is applied, not the poll's: the checks
+            // measure from it (kill grace, view agreement).
+            let now = self.secs();
+            p.last_event = Some(now);
             let missed = self.no_training_for(&ev.action);
             let outcome = match &missed {
                 Some(why) => Err(anyhow::anyhow!("missed: {why}")),
@@ -788,13 +813,13 @@ impl Testnet<'_> {
                 Ok(m) => m.clone(),
                 Err(e) => format!("failed: {e:#}"),
             };
-            println!("[{:>6.1} s] {ev}: {what}", t - t0);
+            println!("[{:>6.1} s] {ev}: {what}", now - t0);
             if let Some(why) = missed {
                 p.missed.push(format!("{ev}: {why}"));
             }
             p.faults.push(FaultRecord {
-                secs: t,
-                at_secs: t - t0,
+                secs: now,
+                at_secs: now - t0,
                 at_step: match ev.at {
                     At::Step(n) => Some(n),
                     At::Secs(_) | At::After(_) => None,
@@ -865,14 +890,15 @@ impl Testnet<'_> {
         let due: Vec<Vec<Vec<usize>>> = p.heals.iter().filter(|h| h.0 <= t).map(|h| h.1.clone()).collect();
         p.heals.retain(|h| h.0 > t);
         for groups in due {
+            let now = self.secs();
             let what = match self.set_partition(&groups, false) {
                 Ok(()) => "healed".to_string(),
                 Err(e) => format!("heal failed: {e:#}"),
             };
-            println!("[{:>6.1} s] partition {groups:?}: {what}", t - t0);
+            println!("[{:>6.1} s] partition {groups:?}: {what}", now - t0);
             p.faults.push(FaultRecord {
-                secs: t,
-                at_secs: t - t0,
+                secs: now,
+                at_secs: now - t0,
                 at_step: None,
                 line: 0,
                 action: format!("heal {groups:?}"),
