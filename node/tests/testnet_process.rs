@@ -406,7 +406,7 @@ fn soak_every_fault_with_bounded_memory_and_no_forced_round() -> anyhow::Result<
 /// holds the same members within the bound. The report gives every node's
 /// peak memory and each agreement's time.
 #[test]
-#[ignore = "64 processes for 4 to 11 minutes; not in .ci/run: its outcome depends on the host's speed (docs/operations.md, swarm64)"]
+#[ignore = "64 processes for 3 to 10 minutes; not in .ci/run: its outcome depends on the host's speed (docs/operations.md, swarm64)"]
 fn a_swarm_of_64_processes_with_a_fifth_churned_converges_and_agrees() -> anyhow::Result<()> {
     let path = repo().join("testnet/scenarios/swarm64.toml");
     let scenario = shoal_testnet::scenario::Scenario::from_file(&path)?;
