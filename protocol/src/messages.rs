@@ -794,7 +794,7 @@ impl CheckpointOffer {
 pub struct Heartbeat {
     /// Run id.
     pub run: RunId,
-    /// Sender; must equal the gossip message's signed source.
+    /// Sender; must equal the gossip message's signer (frame::decode_gossip).
     pub peer: PeerId,
     /// Changes each time the process starts (e.g. start time in ms), so a
     /// restarted node is told apart from its previous life.
