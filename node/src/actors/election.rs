@@ -16,7 +16,9 @@ use crate::handles::membership::{MembershipHandle, ViewSnapshot};
 use crate::handles::status::{RoleView, StatusEvent, StatusHandle};
 use crate::ops::logging::short;
 use crate::policy::explore::{Decision, ExplorePolicy, Explorer};
-use crate::policy::placement::{elect, inputs_from_view, observation, ElectPolicy, Own, Placement};
+use crate::policy::placement::{
+    elect, inputs_from_view, observation, without_unused_measures, ElectPolicy, Own, Placement,
+};
 use crate::policy::view::SelfState;
 
 /// Settings of the election actor.
@@ -63,8 +65,9 @@ async fn run(
         let (inputs, over) = {
             let snap = view.borrow_and_update();
             let mine = me.borrow_and_update();
-            let inputs =
+            let mut inputs =
                 inputs_from_view(&snap.view, &mine, cfg.own, cfg.total_steps, snap.now_ms, cfg.failure_timeout_ms);
+            without_unused_measures(&mut inputs.0, &mut inputs.1, cfg.policy);
             (inputs, mine.finished)
         };
         // The run is over for this node (it said `finished`: every peer has

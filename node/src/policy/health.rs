@@ -41,6 +41,18 @@ pub struct HealthPolicy {
     pub min_excess_micros_per_step: f64,
 }
 
+impl HealthPolicy {
+    /// No measurement can move a shard (elastic roles off,
+    /// `RolesConfig::health_policy`): no owner is ever a straggler, every
+    /// capacity level stays 0 and gossiped rates cap nothing.
+    pub fn is_inert(&self) -> bool {
+        self.demote_ratio == f64::INFINITY
+            && self.restore_ratio == f64::INFINITY
+            && self.min_excess_micros_per_mib == f64::INFINITY
+            && self.min_excess_micros_per_step == f64::INFINITY
+    }
+}
+
 impl Default for HealthPolicy {
     fn default() -> Self {
         Self { demote_ratio: 3.0, restore_ratio: 1.5, min_excess_micros_per_mib: 0.0, min_excess_micros_per_step: 0.0 }

@@ -366,6 +366,22 @@ pub struct Own {
 /// The election's inputs from this node's view: live peers that take part
 /// in the run plus itself, and
 /// the median service time of every owner over all reports (its own included).
+/// The election's inputs without what cannot move a shard under `policy`.
+/// Under an inert health policy (elastic roles off) the owners' service
+/// times and the members' measured rates cannot change the placement, but
+/// they change at nearly every heartbeat, and the election runs again
+/// whenever its inputs change: in a 64-node swarm that was about a tenth of
+/// every node's CPU. Left out, the election runs when the membership does.
+pub fn without_unused_measures(members: &mut [Member], service: &mut BTreeMap<PeerId, f64>, policy: ElectPolicy) {
+    if !policy.health.is_inert() {
+        return;
+    }
+    service.clear();
+    for m in members {
+        m.capacity = Capacity { device: m.capacity.device, ..Capacity::default() };
+    }
+}
+
 pub fn inputs_from_view(
     view: &View,
     me: &SelfState,
@@ -482,6 +498,50 @@ mod tests {
                 capacity: Capacity::default(),
             })
             .collect()
+    }
+
+    /// Under an inert health policy (elastic roles off) service times and
+    /// measured rates do not change the placement, so the election may
+    /// leave them out of its inputs; under the default policy they do.
+    #[test]
+    fn under_an_inert_policy_measures_do_not_change_the_placement() {
+        let inert = ElectPolicy {
+            health: HealthPolicy {
+                demote_ratio: f64::INFINITY,
+                restore_ratio: f64::INFINITY,
+                min_excess_micros_per_mib: f64::INFINITY,
+                min_excess_micros_per_step: f64::INFINITY,
+            },
+            owner_shard_bytes: 0,
+        };
+        assert!(inert.health.is_inert() && !HealthPolicy::default().is_inert());
+        let mut m = members(12);
+        for (i, x) in m.iter_mut().enumerate() {
+            let f = (i + 1) as f32;
+            x.serving = i % 3 != 0;
+            x.capacity = Capacity {
+                device: if i % 4 == 0 { Device::Cuda } else { Device::Cpu },
+                compute_samples_per_sec: 100.0 * f * f,
+                net_bytes_per_sec: 1e6 / f,
+                compute_micros: 1e3 * f,
+            };
+        }
+        // Owners 1x to 64x the fastest one's service time.
+        let service: BTreeMap<PeerId, f64> =
+            m.iter().enumerate().map(|(i, x)| (x.peer, 100.0 * f64::from(1u32 << (i % 7)))).collect();
+        let (mut bare, mut no_service) = (m.clone(), service.clone());
+        without_unused_measures(&mut bare, &mut no_service, inert);
+        assert!(no_service.is_empty());
+        let with = elect(&m, &service, 16, inert);
+        assert!(with.is_some());
+        assert_eq!(with, elect(&bare, &no_service, 16, inert));
+        // Under the default policy the same measures move shards, and the
+        // inputs are left as they are.
+        let elastic = ElectPolicy::default();
+        assert_ne!(elect(&m, &service, 16, elastic), elect(&bare, &no_service, 16, elastic));
+        let (mut kept, mut kept_service) = (m.clone(), service.clone());
+        without_unused_measures(&mut kept, &mut kept_service, elastic);
+        assert_eq!((kept, kept_service), (m, service));
     }
 
     #[test]
