@@ -220,6 +220,11 @@ struct Testnet<'a> {
 const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 const POLL: Duration = Duration::from_millis(500);
+/// The pause between polls grows by this much per live node: the pages are
+/// read at once, so without it 64 nodes would each answer twice a second
+/// (read in turn, a poll of 64 took seconds), and every answer takes a
+/// node's CPU from its training.
+const POLL_PER_NODE: Duration = Duration::from_millis(25);
 /// Bootstrap addresses a node is started with, at most (live nodes, lowest
 /// index first).
 const BOOTSTRAPS: usize = 3;
@@ -780,7 +785,8 @@ impl Testnet<'_> {
                 return (p, End::TimedOut);
             }
             // The poll interval of the live table and the timeline.
-            std::thread::sleep(POLL);
+            let live = self.nodes.iter().filter(|n| n.alive()).count() as u32;
+            std::thread::sleep(POLL.max(POLL_PER_NODE * live));
         }
     }
 
