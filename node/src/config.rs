@@ -432,12 +432,7 @@ impl RolesConfig {
     pub fn health_policy(&self, params: usize, shards: usize) -> crate::policy::health::HealthPolicy {
         use crate::policy::health::HealthPolicy;
         if !self.elastic {
-            return HealthPolicy {
-                demote_ratio: f64::INFINITY,
-                restore_ratio: f64::INFINITY,
-                min_excess_micros_per_mib: f64::INFINITY,
-                min_excess_micros_per_step: f64::INFINITY,
-            };
+            return HealthPolicy::inert();
         }
         let shard_mib = (params as f64 * 4.0 / shards.max(1) as f64) / (1024.0 * 1024.0);
         HealthPolicy {

@@ -42,14 +42,22 @@ pub struct HealthPolicy {
 }
 
 impl HealthPolicy {
-    /// No measurement can move a shard (elastic roles off,
-    /// `RolesConfig::health_policy`): no owner is ever a straggler, every
-    /// capacity level stays 0 and gossiped rates cap nothing.
+    /// The policy under which no measurement can move a shard (elastic
+    /// roles off, `RolesConfig::health_policy`): no owner is ever a
+    /// straggler, every capacity level stays 0 and gossiped rates cap
+    /// nothing.
+    pub fn inert() -> HealthPolicy {
+        HealthPolicy {
+            demote_ratio: f64::INFINITY,
+            restore_ratio: f64::INFINITY,
+            min_excess_micros_per_mib: f64::INFINITY,
+            min_excess_micros_per_step: f64::INFINITY,
+        }
+    }
+
+    /// Whether this is [`HealthPolicy::inert`].
     pub fn is_inert(&self) -> bool {
-        self.demote_ratio == f64::INFINITY
-            && self.restore_ratio == f64::INFINITY
-            && self.min_excess_micros_per_mib == f64::INFINITY
-            && self.min_excess_micros_per_step == f64::INFINITY
+        *self == HealthPolicy::inert()
     }
 }
 

@@ -505,15 +505,7 @@ mod tests {
     /// leave them out of its inputs; under the default policy they do.
     #[test]
     fn under_an_inert_policy_measures_do_not_change_the_placement() {
-        let inert = ElectPolicy {
-            health: HealthPolicy {
-                demote_ratio: f64::INFINITY,
-                restore_ratio: f64::INFINITY,
-                min_excess_micros_per_mib: f64::INFINITY,
-                min_excess_micros_per_step: f64::INFINITY,
-            },
-            owner_shard_bytes: 0,
-        };
+        let inert = ElectPolicy { health: HealthPolicy::inert(), owner_shard_bytes: 0 };
         assert!(inert.health.is_inert() && !HealthPolicy::default().is_inert());
         let mut m = members(12);
         for (i, x) in m.iter_mut().enumerate() {
