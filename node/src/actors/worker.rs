@@ -388,6 +388,9 @@ struct StepLoop {
     /// The parameters the last step handed to the trainer, loaded there
     /// before the next step's gradients ([`Worker::publish`]).
     posted: Option<PostedParams>,
+    /// An exchange with the owners has completed: the model is the run's
+    /// own, not a copy fetched or resumed (see [`Worker::exchange_all`]).
+    exchanged: bool,
 }
 
 /// A step's own figures, reported once its model is loaded
@@ -642,6 +645,7 @@ impl Worker {
             pace: Default::default(),
             spare: None,
             posted: None,
+            exchanged: false,
         };
         Ok((mode, run))
     }
@@ -743,7 +747,8 @@ impl Worker {
     async fn pull_exchange(&self, run: &mut StepLoop, g: &Gradients, step: u64) -> anyhow::Result<(u64, Option<f64>)> {
         let steps = self.config.training.steps;
         let pushed = (g.samples as u32, &g.grads[..], &g.factors[..]);
-        let exchange = self.exchange_all(step, &mut run.versions, pushed, &mut run.params, &mut run.feedback);
+        let first = !run.exchanged;
+        let exchange = self.exchange_all(step, first, &mut run.versions, pushed, &mut run.params, &mut run.feedback);
         let (version, secs) = if self.config.sync.overlap && step + 1 < steps {
             // Step t+1's gradients, on the parameters of step t-1, while
             // step t's pushes and pulls are on the wire. The owners' clock
@@ -761,6 +766,7 @@ impl Worker {
         } else {
             (exchange.await?, None)
         };
+        run.exchanged = true;
         self.after_exchange(step, &run.feedback, &mut run.report);
         Ok((version, secs))
     }
@@ -809,8 +815,11 @@ impl Worker {
             run.params.copy_from_slice(&local.start);
         }
         let n = u32::try_from(local.samples).unwrap_or(u32::MAX);
+        let first = !run.exchanged;
+        let pushed = (n, &pseudo[..], &[][..]);
         let version =
-            self.exchange_all(step, &mut run.versions, (n, &pseudo, &[]), &mut run.params, &mut run.feedback).await?;
+            self.exchange_all(step, first, &mut run.versions, pushed, &mut run.params, &mut run.feedback).await?;
+        run.exchanged = true;
         self.after_exchange(step, &run.feedback, &mut run.report);
         local.start.copy_from_slice(&run.params);
         local.samples = 0;
@@ -1174,9 +1183,19 @@ impl Worker {
     /// `sfb`, each shard's payload carries the fully connected layers'
     /// factors where they are smaller, and a local owner gets the exact
     /// gradient. `pushed`: the samples, the gradient, and its factors.
+    ///
+    /// `first_exchange`: this worker's first since it started. Its model
+    /// came from donors or a checkpoint, and can be a round old on some
+    /// shards and current on others; a push that missed its round is then
+    /// dropped and the current version pulled (as always with backup
+    /// workers), not given to the round in progress (`ShardExchange`):
+    /// that put it a round ahead on those shards and in step on the rest,
+    /// and two joiners that way waited on each other until the round
+    /// timeout (the schedule explorer's finding 4).
     async fn exchange_all(
         &self,
         step: u64,
+        first_exchange: bool,
         versions: &mut [u64],
         pushed: (u32, &[f32], &[LayerFactors]),
         params: &mut [f32],
@@ -1207,6 +1226,7 @@ impl Worker {
                 Ok(Outgoing { values: std::borrow::Cow::Owned(c.values), payload: Some(c.payload), have })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let drop_stale = self.backup_mode() || first_exchange;
         let (batches, mut firsts) = self.batches();
         let batched = batches.into_iter().map(|(owner, idx, outcomes)| {
             let shards = self.plan.shards();
@@ -1215,7 +1235,7 @@ impl Worker {
             self.push_pull_many(owner, step, samples, items, outcomes)
         });
         let exchanges = self.plan.shards().iter().zip(&outgoing).zip(firsts.iter_mut()).map(|((shard, out), first)| {
-            self.exchange(shard.id, step, versions[shard.id as usize], samples, out, first.take())
+            self.exchange(shard.id, step, versions[shard.id as usize], samples, out, drop_stale, first.take())
         });
         // Together: a batched shard's exchange waits for its batch's answer,
         // and the owners answer only once every worker's pushes (this one's
@@ -1333,6 +1353,8 @@ impl Worker {
     /// version, following the shard wherever the placement moves it: the
     /// I/O of the pure [`ShardExchange`] machine, which decides each next
     /// action (and documents why a BSP gradient may be pushed twice).
+    /// `drop_stale`: see [`Worker::exchange_all`].
+    #[allow(clippy::too_many_arguments)]
     async fn exchange(
         &self,
         shard: u32,
@@ -1340,6 +1362,7 @@ impl Worker {
         base: u64,
         samples: u32,
         grad: &Outgoing<'_>,
+        drop_stale: bool,
         mut first: Option<FirstAttempt>,
     ) -> anyhow::Result<Exchanged> {
         let started = Instant::now();
@@ -1348,7 +1371,7 @@ impl Worker {
         let mut placement = self.placement.clone();
         let batched = first.as_ref().map(|f| f.owner);
         let mut machine =
-            ShardExchange::new(shard, base, self.policy(), self.backup_mode(), timeout, batched, placement_backoff());
+            ShardExchange::new(shard, base, self.policy(), drop_stale, timeout, batched, placement_backoff());
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let action = machine.next(left, || placement.borrow_and_update().clone().and_then(|p| p.owner(shard)));

@@ -31,7 +31,8 @@ use crate::policy::sync::SyncPolicy;
 pub struct Exchanged<V> {
     pub version: u64,
     pub params: V,
-    /// The push missed its round and was dropped (`sync.backup_workers`).
+    /// The push missed its round and was dropped (`sync.backup_workers`, a
+    /// worker's first exchange).
     pub dropped: bool,
 }
 
@@ -143,8 +144,9 @@ pub struct ShardExchange<P, V> {
     /// The version the gradient was computed on.
     base: u64,
     policy: SyncPolicy,
-    /// BSP with backup workers: a push that missed its round is dropped.
-    backup: bool,
+    /// BSP: a push that missed its round is dropped, not given to the
+    /// round in progress (backup workers; a worker's first exchange).
+    drop_stale: bool,
     /// The request timeout, for the message when it runs out.
     timeout: Duration,
     phase: Phase<P, V>,
@@ -177,14 +179,16 @@ pub struct ShardExchange<P, V> {
 
 impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
     /// The exchange of `shard`'s gradient computed on version `base`, with
-    /// `timeout` to run (the caller's deadline). `first`: the owner the
-    /// first push went to in a batch, if it did. `backoff`: the waits for a
-    /// placement change between retries.
+    /// `timeout` to run (the caller's deadline). `drop_stale`: a push that
+    /// missed its round is dropped and the current version pulled (see
+    /// [`ShardExchange::on_push`]). `first`: the owner the first push went
+    /// to in a batch, if it did. `backoff`: the waits for a placement
+    /// change between retries.
     pub fn new(
         shard: u32,
         base: u64,
         policy: SyncPolicy,
-        backup: bool,
+        drop_stale: bool,
         timeout: Duration,
         first: Option<P>,
         backoff: Backoff,
@@ -193,7 +197,7 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
             shard,
             base,
             policy,
-            backup,
+            drop_stale,
             timeout,
             phase: Phase::Route,
             first,
@@ -295,12 +299,21 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
             PushAnswer::Accepted { version } => {
                 self.took(owner, self.policy.pull_after_push(version));
             }
-            PushAnswer::Stale { current_version } if !self.ever_taken && !self.maybe_taken && self.backup => {
+            PushAnswer::Stale { current_version } if !self.ever_taken && !self.maybe_taken && self.drop_stale => {
                 // Backup workers: the round was applied without this
                 // gradient, as it may be. It is dropped; this worker pulls
                 // the current version and skips ahead to the round in
                 // progress. No round waits for it.
-                debug!(shard, base, current_version, "push missed its round; dropped (backup worker)");
+                // A worker's first exchange (a joiner, a resumed node): its
+                // model came from a copy that can be a round old on some
+                // shards and current on others. Given to the round in
+                // progress, the gradient put it a round ahead of the others
+                // on those shards and in step on the rest, and two such
+                // joiners waited on each other in a cycle that only the
+                // round timeout broke (the schedule explorer's finding 4).
+                // Dropped, the worker pulls the current version: its next
+                // step is in the round in progress on every shard.
+                debug!(shard, base, current_version, "push missed its round; dropped");
                 self.dropped = true;
                 self.took(owner, current_version);
             }
@@ -311,7 +324,8 @@ impl<P: Copy + Eq + Display, V> ShardExchange<P, V> {
                 // instead: skipping a round on one shard while in step on
                 // the others would leave this worker a round apart on
                 // different shards, and rounds that wait on each other in a
-                // cycle.
+                // cycle. (Dropped here instead, one run of the 4-node
+                // partition testnet forced every round after the heal.)
                 debug!(shard, base, current_version, "push missed its round; joining the current one");
                 self.push_base = current_version;
             }
@@ -408,9 +422,9 @@ mod tests {
 
     const SECOND: Duration = Duration::from_secs(1);
 
-    fn machine(policy: SyncPolicy, backup: bool, first: Option<u8>) -> Machine {
+    fn machine(policy: SyncPolicy, drop_stale: bool, first: Option<u8>) -> Machine {
         let backoff = Backoff::seeded(Duration::from_millis(10), Duration::from_millis(500), 1);
-        ShardExchange::new(7, 5, policy, backup, SECOND, first, backoff)
+        ShardExchange::new(7, 5, policy, drop_stale, SECOND, first, backoff)
     }
 
     /// The next action with the placement naming `owner`.
@@ -547,8 +561,10 @@ mod tests {
         assert!(is_pull(&next(&mut m, 1), 1, 9, true));
     }
 
+    /// With `drop_stale` (backup workers, a worker's first exchange), a
+    /// push that missed its round is dropped and the current version pulled.
     #[test]
-    fn a_backup_workers_late_push_is_dropped_and_never_pushed_again() {
+    fn a_late_push_with_drop_stale_is_dropped_and_never_pushed_again() {
         let mut m = machine(SyncPolicy::Bsp, true, None);
         assert!(is_push(&next(&mut m, 1), 1, 5));
         m.on_push(1, PushAnswer::Stale { current_version: 8 });

@@ -84,8 +84,12 @@
 //! Not covered: the other sync policies, backup workers, overlap, the
 //! checkpoints and resume, replicas sent as a run goes (a crash stores one
 //! up to three versions old at the new owner), partitions (two live views
-//! that disagree for long), joiners, gossip mode, and the real election
-//! (owners are drawn at random). Request deadlines are infinite: the
+//! that disagree for long), gossip mode, and the real election
+//! (owners are drawn at random). Joiners are modelled simply: a joiner
+//! comes into the placement, starts once every node has taken that
+//! placement up (the real worker retries an `UnknownWorker` answer for a
+//! while), from a training worker's copy, versions and step, and is then a
+//! worker like the others. Request deadlines are infinite: the
 //! exchange never gives up, so a run that is stuck stays stuck.
 //!
 //! # Findings (issue 47)
@@ -113,6 +117,20 @@
 //! 3. With catch-up, issue 16's cycle still forms when no surviving worker
 //!    that will push again got the crashed owner's newest version of every
 //!    shard: nobody pushes against the newer numbering.
+//! 4. (Fixed.) A push refused as `Stale` that no owner ever took is given
+//!    to the round in progress, and so was a worker's first. A joiner's
+//!    copy can be a round old on some shards and current on others (a
+//!    donor serves its model as of its last pull): rejoining put it a round
+//!    ahead of the others on those shards and in step on the rest, and two
+//!    joiners a round apart on different shards waited on each other until
+//!    the round timeout. So did the joiners of the 64-process swarm whose
+//!    first pushes were `Stale`. Now a worker's first exchange drops such a
+//!    gradient and pulls the current version (as backup workers always
+//!    did): its next step is in the round in progress on every shard.
+//!    Later exchanges still rejoin (after a partition heals that is what
+//!    keeps workers in step; partitions are not modelled here). A refusal
+//!    whose answer is lost drops the gradient the same way (the retry
+//!    cannot tell it from a push its round took, finding 1).
 //!
 //! # Replaying a seed
 //!
@@ -410,6 +428,11 @@ struct Agg {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
+    /// A node that joins the run later: not in the placement yet, or in it
+    /// and waiting for every node to take up that placement (an owner
+    /// answers a push from a worker its view does not hold `UnknownWorker`,
+    /// which the real worker retries for a quarter of its time).
+    Joining,
     Training,
     Left,
     Finished,
@@ -430,6 +453,10 @@ struct Slot {
 #[derive(Debug)]
 struct WorkerState {
     phase: Phase,
+    /// A joiner: the placement it came into.
+    joined_in: Option<usize>,
+    /// An exchange of this worker has completed.
+    exchanged: bool,
     step: u64,
     leave: bool,
     slots: Vec<Slot>,
@@ -479,11 +506,16 @@ struct Faults {
 #[derive(Debug, Clone, Copy)]
 struct Setup {
     workers: usize,
+    /// Nodes that join while the run trains (after the `workers`).
+    joiners: usize,
     shards: usize,
     steps: u64,
     push_pull: bool,
     batch: bool,
     catch_up: bool,
+    /// A worker's first exchange gives a push that missed its round to the
+    /// round in progress, as every exchange does (before finding 4).
+    rejoin: bool,
     /// Every shard starts at one owner (the shape of issue 16).
     colocated: bool,
     faults: Faults,
@@ -509,6 +541,19 @@ struct Stats {
     /// Transfers that met a stopped node and were kept by their sender to
     /// pass on (finding 2's first step).
     bounced: u32,
+    joins: u32,
+    /// Gradients dropped after a lost answer to a `Stale` refusal.
+    refused_dropped: u32,
+    /// Gradients refused as `Stale`, never taken, and dropped (finding 4).
+    stale_dropped: u32,
+}
+
+impl Setup {
+    /// Every node, joiners too: the length of the parameters (one entry
+    /// per node, see [`gradient`]).
+    fn nodes(&self) -> usize {
+        self.workers + self.joiners
+    }
 }
 
 impl Stats {
@@ -524,6 +569,9 @@ impl Stats {
         self.twice += o.twice;
         self.rejoins += o.rejoins;
         self.bounced += o.bounced;
+        self.joins += o.joins;
+        self.refused_dropped += o.refused_dropped;
+        self.stale_dropped += o.stale_dropped;
     }
 }
 
@@ -537,6 +585,10 @@ enum Event {
     Exit(Node),
     Forget(Node),
     Expire(Node, usize),
+    /// A joiner comes into the placement.
+    Join(Node),
+    /// A joiner every node counts fetches the model and starts training.
+    Start(Node),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -575,6 +627,9 @@ struct World {
     /// Pushes (shard, gradient) of which an attempt failed at the worker:
     /// taken or not, the worker cannot tell.
     blind: BTreeSet<(usize, Grad)>,
+    /// Pushes (shard, gradient) refused as `Stale` while no core had
+    /// applied them.
+    refused: BTreeSet<(usize, Grad)>,
     /// The newest version per shard and lineage epoch.
     high: BTreeMap<(usize, u32), u64>,
     /// The last restore epoch per shard.
@@ -600,7 +655,7 @@ impl World {
     fn new(seed: u64, make: MakeSetup, verbose: bool) -> Result<Self, String> {
         let mut rng = StdRng::seed_from_u64(seed);
         let setup = make(&mut rng);
-        let (nw, ns) = (setup.workers, setup.shards);
+        let (nw, ns, total) = (setup.workers, setup.shards, setup.workers + setup.joiners);
         let one = rng.random_range(0..nw);
         let owners: Vec<Node> = (0..ns).map(|_| if setup.colocated { one } else { rng.random_range(0..nw) }).collect();
         let all: BTreeSet<Node> = (0..nw).collect();
@@ -608,14 +663,16 @@ impl World {
         let span = 10 * nw * ns * setup.steps as usize;
         let mut fault_at: Vec<usize> = (0..setup.faults.count).map(|_| rng.random_range(0..span)).collect();
         fault_at.sort_unstable();
-        let blank = Pulled { params: vec![0.0; nw], lineage: Lineage::default(), epoch: 0 };
-        let nodes = (0..nw)
-            .map(|_| NodeState {
+        let blank = Pulled { params: vec![0.0; total], lineage: Lineage::default(), epoch: 0 };
+        let nodes = (0..total)
+            .map(|n| NodeState {
                 alive: true,
                 seen: 0,
                 agg: Agg::default(),
                 worker: WorkerState {
-                    phase: Phase::Training,
+                    phase: if n < nw { Phase::Training } else { Phase::Joining },
+                    joined_in: None,
+                    exchanged: false,
                     step: 0,
                     leave: false,
                     slots: Vec::new(),
@@ -640,12 +697,13 @@ impl World {
             discarded: BTreeSet::new(),
             counted: BTreeSet::new(),
             blind: BTreeSet::new(),
+            refused: BTreeSet::new(),
             high: BTreeMap::new(),
             epochs: vec![0; ns],
             applied: vec![BTreeSet::new(); ns],
             left_at: BTreeMap::new(),
             stranded: false,
-            received: vec![vec![0; ns]; nw],
+            received: vec![vec![0; ns]; total],
             lost_versions: BTreeMap::new(),
             progressed: false,
             idle: 0,
@@ -654,8 +712,9 @@ impl World {
         };
         note!(world, "setup {setup:?}, owners {owners:?}");
         for (s, &o) in owners.iter().enumerate() {
-            let optimizer = sgd(nw)?.state().clone();
-            let snap = Snapshot { version: 0, params: vec![0.0; nw], optimizer, lineage: Lineage::default(), epoch: 0 };
+            let optimizer = sgd(total)?.state().clone();
+            let snap =
+                Snapshot { version: 0, params: vec![0.0; total], optimizer, lineage: Lineage::default(), epoch: 0 };
             world.install(o, s, snap, Vec::new(), false)?;
         }
         for w in 0..nw {
@@ -667,7 +726,9 @@ impl World {
     /// Runs to the end: every worker done, or a failed check.
     fn run(&mut self) -> Result<(), String> {
         loop {
-            if self.nodes.iter().all(|n| !n.alive || n.worker.phase != Phase::Training) {
+            // A joiner that has not come in by the time every worker is
+            // done never will (a node joins a run that trains).
+            if self.nodes.iter().all(|n| !n.alive || n.worker.phase != Phase::Training) && !self.joining() {
                 self.stats.events = self.events;
                 return self.final_check();
             }
@@ -740,6 +801,17 @@ impl World {
                 ev.push((Event::Exit(n), 1));
             }
             parked += node.agg.parked.len();
+            if node.worker.phase == Phase::Joining {
+                match node.worker.joined_in {
+                    None if self.nodes.iter().any(|x| x.alive && x.worker.phase == Phase::Training) => {
+                        ev.push((Event::Join(n), 1));
+                    }
+                    Some(at) if self.nodes.iter().all(|x| !x.alive || x.seen >= at) => {
+                        ev.push((Event::Start(n), 2));
+                    }
+                    _ => {}
+                }
+            }
         }
         // A stopped node leaves the view a failure timeout later, when every
         // node has long heard that it was leaving.
@@ -839,6 +911,8 @@ impl World {
                 self.expire(n, i);
                 Ok(())
             }
+            Event::Join(n) => self.join(n),
+            Event::Start(n) => self.start_joiner(n),
         }
     }
 
@@ -937,14 +1011,16 @@ impl World {
             batches.retain(|_, shards| shards.len() >= 2);
         }
         let versions = self.nodes[w].worker.versions.clone();
-        let seed = self.seed;
+        // As `Worker::exchange_all`: a worker's first exchange drops a push
+        // that missed its round (finding 4).
+        let (seed, drop_stale) = (self.seed, !self.nodes[w].worker.exchanged && !self.setup.rejoin);
         let slots = (0..self.setup.shards)
             .map(|s| {
                 let first = batches.iter().find(|(_, v)| v.contains(&s)).map(|(o, _)| *o);
                 let ms = Duration::from_millis;
                 let backoff = Backoff::seeded(ms(10), ms(500), seed ^ (w * 131 + s) as u64);
                 let machine =
-                    ShardExchange::new(s as u32, versions[s], SyncPolicy::Bsp, false, NO_DEADLINE, first, backoff);
+                    ShardExchange::new(s as u32, versions[s], SyncPolicy::Bsp, drop_stale, NO_DEADLINE, first, backoff);
                 Slot { machine, waiting: None, done: None, unknown: false }
             })
             .collect();
@@ -1009,6 +1085,7 @@ impl World {
         }
         let worker = &mut self.nodes[w].worker;
         worker.step += 1;
+        worker.exchanged = true;
         if worker.step >= self.setup.steps {
             // Its heartbeat reaches the last step: owners wait for it no more.
             worker.phase = Phase::Finished;
@@ -1025,6 +1102,64 @@ impl World {
         Ok(())
     }
 
+    /// A joiner not yet started, or not yet in the placement while some
+    /// worker still trains.
+    fn joining(&self) -> bool {
+        let training = self.nodes.iter().any(|x| x.alive && x.worker.phase == Phase::Training);
+        self.nodes
+            .iter()
+            .any(|x| x.alive && x.worker.phase == Phase::Joining && (x.worker.joined_in.is_some() || training))
+    }
+
+    /// Joiner `n` comes into the view: the next placement counts it as a
+    /// worker and may move shards to it. The owners await it from its
+    /// first push they take (`ShardCore::set_workers`).
+    fn join(&mut self, n: Node) -> Result<(), String> {
+        self.stats.joins += 1;
+        note!(self, "n{n} joins");
+        let churn = self.churn();
+        self.reelect(None, |p, rng| {
+            p.workers.insert(n);
+            p.live.insert(n);
+            let eligible = p.eligible();
+            for o in p.owners.iter_mut() {
+                if rng.random_bool(churn / 2.0) {
+                    *o = eligible[rng.random_range(0..eligible.len())];
+                }
+            }
+        })?;
+        self.nodes[n].worker.joined_in = Some(self.placements.len() - 1);
+        Ok(())
+    }
+
+    /// Every node counts joiner `n`: it takes a donor's model (a training
+    /// worker's last pulled copy, its versions and its step, as
+    /// `join::start_step` maps them) and starts its first step. With no
+    /// worker training any more, the run is over before it starts.
+    fn start_joiner(&mut self, n: Node) -> Result<(), String> {
+        let donors: Vec<Node> = (0..self.nodes.len())
+            .filter(|&d| d != n && self.nodes[d].alive && self.nodes[d].worker.phase == Phase::Training)
+            .collect();
+        let Some(&d) = donors.get(self.rng.random_range(0..donors.len().max(1))) else {
+            note!(self, "n{n}: the run ended before it started");
+            self.nodes[n].worker.phase = Phase::Finished;
+            return self.reelect(Some(n), |p, _| {
+                p.workers.remove(&n);
+            });
+        };
+        let (versions, pulled, step) = {
+            let w = &self.nodes[d].worker;
+            (w.versions.clone(), w.pulled.clone(), w.step)
+        };
+        note!(self, "n{n} starts from n{d}'s model at step {step}, versions {versions:?}");
+        self.progressed = true;
+        self.received[n] = versions.clone();
+        let worker = &mut self.nodes[n].worker;
+        (worker.versions, worker.pulled, worker.step, worker.phase) = (versions, pulled, step, Phase::Training);
+        self.start_step(n);
+        Ok(())
+    }
+
     /// What worker `w` pulled for shard `s` after pushing step `k`.
     fn check_pulled(&mut self, w: Node, s: usize, k: u64, unknown: bool, x: Exchanged<Pulled>) -> Result<(), String> {
         let worker = &self.nodes[w].worker;
@@ -1038,6 +1173,21 @@ impl World {
         let key = (s, (w, k));
         if x.params.lineage.all.contains(&(w, k)) {
             self.counted.insert(key);
+        } else if x.dropped {
+            // Refused as `Stale` by every owner it went to, and never taken:
+            // dropped, and the worker pulled the version then current
+            // (finding 4).
+            if self.applied[s].contains(&(w, k)) {
+                return Err(format!("w{w} shard {s}: step {k} was dropped as stale, yet an owner applied it"));
+            }
+            self.stats.stale_dropped += 1;
+        } else if self.refused.contains(&key) && self.blind.contains(&key) && !self.applied[s].contains(&(w, k)) {
+            // A push refused as `Stale` (its model was a round old: a
+            // joiner's fetched copy), the answer lost. The retry, refused
+            // again, cannot tell that from a push its round took, so the
+            // worker pulls and the gradient is dropped, as in finding 4.
+            self.stats.refused_dropped += 1;
+            note!(self, "  (w{w} shard {s}: step {k} refused as stale, the answer lost: dropped)");
         } else if !self.discarded.contains(&key) {
             return Err(format!(
                 "w{w} shard {s}: step {k}'s gradient is not in v{} it pulled (lost update): {:?}",
@@ -1208,7 +1358,7 @@ impl World {
         };
         let clock = held.core.clock(&w);
         let skipped = held.core.skipped();
-        let g = gradient(grad, self.setup.workers);
+        let g = gradient(grad, self.setup.nodes());
         let pushed = g.clone();
         let now = self.events as u64;
         let out = self.core_op(n, shard, Some((grad, &pushed)), |c| c.push(&w, base, 1, g, now))?;
@@ -1222,6 +1372,9 @@ impl World {
             if counted && matches!(out, Some(PushOutcome::Stale { .. })) {
                 self.stats.rejoins += 1;
                 note!(self, "  (n{n} shard {shard}: {grad:?} counted already, its answer lost: refused as stale)");
+            }
+            if !self.applied[shard].contains(&grad) && matches!(out, Some(PushOutcome::Stale { .. })) {
+                self.refused.insert((shard, grad));
             }
         }
         note!(self, "  n{n} shard {shard}: push of {grad:?} on v{base} -> {out:?}");
@@ -1440,7 +1593,7 @@ impl World {
         let worker = &self.nodes[n].worker;
         let version = worker.versions.iter().copied().min().unwrap_or(0);
         let pulled = worker.pulled[shard].clone();
-        let optimizer = sgd(self.setup.workers)?.state().clone();
+        let optimizer = sgd(self.setup.nodes())?.state().clone();
         let snap = Snapshot { version, params: pulled.params, optimizer, lineage: pulled.lineage, epoch: pulled.epoch };
         note!(self, "n{n} shard {shard}: from the worker copy at v{version}");
         self.install(n, shard, snap, Vec::new(), true)
@@ -1983,11 +2136,13 @@ const ALL: [Kind; 4] = [Kind::Unexplained, Kind::LostAnswerCycle, Kind::Uncovere
 fn base(rng: &mut StdRng) -> Setup {
     Setup {
         workers: rng.random_range(2..=5),
+        joiners: 0,
         shards: rng.random_range(1..=3),
         steps: rng.random_range(3..=6),
         push_pull: rng.random_bool(0.7),
         batch: rng.random_bool(0.5),
         catch_up: true,
+        rejoin: false,
         colocated: false,
         faults: Faults::default(),
     }
@@ -2135,4 +2290,51 @@ fn finding_three_a_restore_no_worker_can_catch_up_leaves_rounds_in_a_cycle() {
     let ex = explore(name, RESTORE_SEEDS, restore_cycle, &[Kind::UncoveredRestore]);
     let Some(found) = ex.first(Kind::UncoveredRestore) else { panic!("{name}: not found in {} seeds", ex.runs) };
     eprintln!("found after {} seeds\n{}", ex.runs, report(name, found, restore_cycle));
+}
+
+/// Nodes that join while the run trains: one or two, into two to four
+/// workers, with lost messages, moved shards or a leave in some runs.
+fn joins(rng: &mut StdRng) -> Setup {
+    let mut s = base(rng);
+    s.workers = rng.random_range(2..=4);
+    s.joiners = rng.random_range(1..=2);
+    s.steps = rng.random_range(4..=8);
+    let (loss, moves, leave) = (rng.random_bool(0.3), rng.random_bool(0.3), rng.random_bool(0.2));
+    let count = if loss || moves || leave { rng.random_range(1..=3) } else { 0 };
+    s.faults = Faults { loss, moves, leave, count, ..Faults::default() };
+    s
+}
+
+/// Nodes join while the run trains, with losses, moves and leaves
+/// around them: a joiner comes into the placement (shards may move to it),
+/// every owner counts it, it starts from a training worker's model, and
+/// from then on it is a worker like the others. No round is left to the
+/// timeout, no gradient is lost or counted twice, no version goes back.
+/// Joiners' copies a round old come up (`stale_dropped`).
+#[test]
+fn joiners_break_nothing() {
+    let name = "joins";
+    let ex = explore(name, JOIN_SEEDS, joins, &ALL);
+    assert_only(name, &ex, joins, &[]);
+    assert!(ex.stats.joins > 3000 && ex.stats.stale_dropped > 100, "{:?}", ex.stats);
+}
+
+/// The seeds of the joiner tests.
+const JOIN_SEEDS: Range<u64> = 0..3000;
+
+fn joins_rejoining(rng: &mut StdRng) -> Setup {
+    Setup { rejoin: true, ..joins(rng) }
+}
+
+/// Finding 4, found again: with a stale push given to the round in
+/// progress, the same seeds leave rounds that only the timeout closes.
+#[test]
+fn rejoining_the_round_in_progress_the_explorer_finds_finding_four() {
+    let name = "joins, rejoining";
+    let ex = explore(name, JOIN_SEEDS, joins_rejoining, &[Kind::Unexplained]);
+    let Some(found) = ex.first(Kind::Unexplained) else { panic!("{name}: none of {} seeds found it", ex.runs) };
+    let text = report(name, found, joins_rejoining);
+    let message = found.result.as_ref().err().map_or("", |f| f.message.as_str());
+    assert!(message.starts_with("no progress possible"), "{text}");
+    eprintln!("found after {} seeds\n{text}", ex.runs);
 }
