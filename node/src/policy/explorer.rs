@@ -1112,8 +1112,8 @@ impl World {
     }
 
     /// Joiner `n` comes into the view: the next placement counts it as a
-    /// worker and may move shards to it. The owners await it from its
-    /// first push they take (`ShardCore::set_workers`).
+    /// worker and may move shards to it; each owner awaits it from the
+    /// moment it takes that placement up (`ShardCore::set_workers`).
     fn join(&mut self, n: Node) -> Result<(), String> {
         self.stats.joins += 1;
         note!(self, "n{n} joins");
