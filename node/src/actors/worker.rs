@@ -747,8 +747,8 @@ impl Worker {
     async fn pull_exchange(&self, run: &mut StepLoop, g: &Gradients, step: u64) -> anyhow::Result<(u64, Option<f64>)> {
         let steps = self.config.training.steps;
         let pushed = (g.samples as u32, &g.grads[..], &g.factors[..]);
-        let first = !run.exchanged;
-        let exchange = self.exchange_all(step, first, &mut run.versions, pushed, &mut run.params, &mut run.feedback);
+        let exchange =
+            self.exchange_all(step, &mut run.exchanged, &mut run.versions, pushed, &mut run.params, &mut run.feedback);
         let (version, secs) = if self.config.sync.overlap && step + 1 < steps {
             // Step t+1's gradients, on the parameters of step t-1, while
             // step t's pushes and pulls are on the wire. The owners' clock
@@ -766,7 +766,6 @@ impl Worker {
         } else {
             (exchange.await?, None)
         };
-        run.exchanged = true;
         self.after_exchange(step, &run.feedback, &mut run.report);
         Ok((version, secs))
     }
@@ -815,11 +814,10 @@ impl Worker {
             run.params.copy_from_slice(&local.start);
         }
         let n = u32::try_from(local.samples).unwrap_or(u32::MAX);
-        let first = !run.exchanged;
         let pushed = (n, &pseudo[..], &[][..]);
-        let version =
-            self.exchange_all(step, first, &mut run.versions, pushed, &mut run.params, &mut run.feedback).await?;
-        run.exchanged = true;
+        let version = self
+            .exchange_all(step, &mut run.exchanged, &mut run.versions, pushed, &mut run.params, &mut run.feedback)
+            .await?;
         self.after_exchange(step, &run.feedback, &mut run.report);
         local.start.copy_from_slice(&run.params);
         local.samples = 0;
@@ -1184,18 +1182,19 @@ impl Worker {
     /// factors where they are smaller, and a local owner gets the exact
     /// gradient. `pushed`: the samples, the gradient, and its factors.
     ///
-    /// `first_exchange`: this worker's first since it started. Its model
-    /// came from donors or a checkpoint, and can be a round old on some
-    /// shards and current on others; a push that missed its round is then
-    /// dropped and the current version pulled (as always with backup
-    /// workers), not given to the round in progress (`ShardExchange`):
-    /// that put it a round ahead on those shards and in step on the rest,
-    /// and two joiners that way waited on each other until the round
-    /// timeout (the schedule explorer's finding 4).
+    /// `exchanged_before`: an exchange has completed before (set here once
+    /// this one has). Without one, this is the worker's first since it
+    /// started: its model came from donors or a checkpoint, and can be a
+    /// round old on some shards and current on others, so a push that
+    /// missed its round is dropped and the current version pulled (as
+    /// always with backup workers), not given to the round in progress
+    /// (`ShardExchange`): that put it a round ahead on those shards and in
+    /// step on the rest, and two joiners that way waited on each other
+    /// until the round timeout (the schedule explorer's finding 4).
     async fn exchange_all(
         &self,
         step: u64,
-        first_exchange: bool,
+        exchanged_before: &mut bool,
         versions: &mut [u64],
         pushed: (u32, &[f32], &[LayerFactors]),
         params: &mut [f32],
@@ -1226,7 +1225,7 @@ impl Worker {
                 Ok(Outgoing { values: std::borrow::Cow::Owned(c.values), payload: Some(c.payload), have })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let drop_stale = self.backup_mode() || first_exchange;
+        let drop_stale = self.backup_mode() || !*exchanged_before;
         let (batches, mut firsts) = self.batches();
         let batched = batches.into_iter().map(|(owner, idx, outcomes)| {
             let shards = self.plan.shards();
@@ -1288,6 +1287,7 @@ impl Worker {
             let share = dropped_len as f64 / self.plan.total_len().max(1) as f64;
             self.status.record(StatusEvent::DroppedPushes { samples: f64::from(samples) * share });
         }
+        *exchanged_before = true;
         Ok(versions.iter().copied().min().unwrap_or(0))
     }
 

@@ -803,7 +803,7 @@ impl World {
             parked += node.agg.parked.len();
             if node.worker.phase == Phase::Joining {
                 match node.worker.joined_in {
-                    None if self.nodes.iter().any(|x| x.alive && x.worker.phase == Phase::Training) => {
+                    None if self.training() => {
                         ev.push((Event::Join(n), 1));
                     }
                     Some(at) if self.nodes.iter().all(|x| !x.alive || x.seen >= at) => {
@@ -1105,10 +1105,15 @@ impl World {
     /// A joiner not yet started, or not yet in the placement while some
     /// worker still trains.
     fn joining(&self) -> bool {
-        let training = self.nodes.iter().any(|x| x.alive && x.worker.phase == Phase::Training);
+        let training = self.training();
         self.nodes
             .iter()
             .any(|x| x.alive && x.worker.phase == Phase::Joining && (x.worker.joined_in.is_some() || training))
+    }
+
+    /// Some live worker still trains.
+    fn training(&self) -> bool {
+        self.nodes.iter().any(|x| x.alive && x.worker.phase == Phase::Training)
     }
 
     /// Joiner `n` comes into the view: the next placement counts it as a
