@@ -301,6 +301,7 @@ async fn a_node_joins_mid_run_fetches_the_model_from_several_peers_and_its_gradi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_leaves_cleanly_hands_off_its_shards_and_loses_nothing() -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
     let _beside_others = ALONE.read().await;
     let mut base = elastic_config("elastic-leave");
     base.roles.elastic = false;

@@ -15,7 +15,10 @@
 //! - a shard it gains is installed from that transfer; if the old owner is
 //!   dead (not live in the placement) or silent past `handoff_timeout`, from
 //!   the freshest replica this node holds, or else from its own worker copy
-//!   of the model with a fresh optimizer state;
+//!   of the model with a fresh optimizer state. A dead old owner is not
+//!   waited for, unless this node's own transfer of the shard is still on
+//!   the wire (to a leaver that stopped before this view heard it leave):
+//!   that send comes back undelivered with the newest copy;
 //! - every `replica_every` versions an owned shard is copied to its backup
 //!   (`Handoff::Replica`), the node that takes it over if this one dies.
 //!
@@ -159,7 +162,7 @@ pub fn spawn(
         tasks: tasks.clone(),
         held: held_tx,
         suspects: suspects_tx,
-        transfers: 0,
+        sending: BTreeMap::new(),
         me_tx: sender.downgrade(),
         receiver,
         cores: BTreeMap::new(),
@@ -210,8 +213,8 @@ struct AggregatorActor {
     held: watch::Sender<Held>,
     /// Workers marked as suspects since start, for this node's heartbeat.
     suspects: watch::Sender<Vec<PeerId>>,
-    /// Transfers in flight.
-    transfers: usize,
+    /// Transfers in flight, per shard.
+    sending: BTreeMap<u32, usize>,
     /// Per shard: the version last checkpointed, and when.
     written: BTreeMap<u32, (u64, Instant)>,
     /// Checkpointed states to install or pass on at the first placement.
@@ -229,7 +232,7 @@ impl AggregatorActor {
         let now = Held {
             shards: self.cores.len(),
             pending: self.pending.len(),
-            transfers: self.transfers,
+            transfers: self.sending.values().sum(),
             kept: self.stored.values().filter(|s| s.transfer).count(),
         };
         self.held.send_if_modified(|h| std::mem::replace(h, now) != now);
@@ -309,9 +312,7 @@ impl AggregatorActor {
                 let _ = reply.send(r);
                 self.release_ready();
             }
-            AggCommand::TransferDone => {
-                self.transfers = self.transfers.saturating_sub(1);
-            }
+            AggCommand::TransferDone { shard } => self.sent(shard),
             AggCommand::TransferFailed { to, hops, state } => self.transfer_failed(to, hops, state),
             AggCommand::ReplicaDone { shard } => {
                 self.replicating.remove(&shard);
@@ -420,8 +421,8 @@ impl AggregatorActor {
     /// copy goes on at once: that placement has already been taken up, so
     /// none would come to pass it on, and the retry timer may be long.
     fn transfer_failed(&mut self, to: PeerId, hops: u64, state: ShardState) {
-        self.transfers = self.transfers.saturating_sub(1);
         let (shard, version) = (state.shard, state.version);
+        self.sent(shard);
         warn!(shard, version, "transfer undelivered; keeping it to pass on to the shard's owner");
         self.store(state, true, hops);
         let now = Instant::now();
@@ -431,6 +432,16 @@ impl AggregatorActor {
         }
         if moved {
             self.retry_kept_transfers(now);
+        }
+    }
+
+    /// A transfer of `shard` sent from here was answered or given up.
+    fn sent(&mut self, shard: u32) {
+        if let Some(n) = self.sending.get_mut(&shard) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.sending.remove(&shard);
+            }
         }
     }
 
@@ -472,8 +483,15 @@ impl AggregatorActor {
 
     /// Keep a copy unless a newer one is already kept. A transfer at the
     /// hop limit is passed on again after [`AggregatorConfig::transfer_retry`].
+    /// A replica of the same version as a kept transfer does not replace it:
+    /// an owner's last replica and its transfer race on the wire, and a
+    /// transfer turned into a replica would make this node, once its
+    /// placement names it, wait out the handoff timeout for a transfer it
+    /// already has and then count a restore from a replica.
     fn store(&mut self, state: ShardState, transfer: bool, hops: u64) {
-        let newer = self.stored.get(&state.shard).is_none_or(|s| state.version >= s.state.version);
+        let newer = self.stored.get(&state.shard).is_none_or(|s| {
+            state.version > s.state.version || (state.version == s.state.version && (transfer || !s.transfer))
+        });
         if newer {
             let retry_at = (transfer && hops >= MAX_TRANSFER_HOPS).then(|| Instant::now() + self.cfg.transfer_retry);
             self.stored.insert(state.shard, Stored { state, transfer, hops, retry_at });
@@ -710,6 +728,14 @@ impl AggregatorActor {
                     debug!(shard, "joined mid-run: waiting for the shard's transfer");
                     self.pending.insert(shard, deadline);
                 }
+                // This node's own send of the shard is still under way (a
+                // transfer forwarded to an owner that has stopped since, as
+                // a leaver does at once): it carries a newer copy than any
+                // stored here, and comes back if undelivered.
+                Some(p) if (p == me || !new.is_live(&p)) && self.sending.contains_key(&shard) => {
+                    debug!(shard, "waiting for this node's own transfer of the shard to be answered");
+                    self.pending.insert(shard, deadline);
+                }
                 Some(p) if p == me || !new.is_live(&p) => self.restore(shard),
                 Some(p) => {
                     debug!(shard, from = %p, "waiting for the shard's transfer");
@@ -844,7 +870,7 @@ impl AggregatorActor {
     /// serving). `hops`: see [`shoal_protocol::Handoff::hops`].
     fn spawn_send(&mut self, to: PeerId, kind: HandoffKind, hops: u64, state: ShardState) {
         if kind == HandoffKind::Transfer {
-            self.transfers += 1;
+            *self.sending.entry(state.shard).or_default() += 1;
         }
         let net = self.net.clone();
         let back = self.me_tx.clone();
@@ -860,7 +886,7 @@ impl AggregatorActor {
                     }
                     AggCommand::ReplicaDone { shard }
                 }
-                (HandoffKind::Transfer, Ok(())) => AggCommand::TransferDone,
+                (HandoffKind::Transfer, Ok(())) => AggCommand::TransferDone { shard },
                 (HandoffKind::Transfer, Err(e)) => {
                     warn!(shard, %to, error = %format!("{e:#}"), "transfer failed");
                     AggCommand::TransferFailed { to, hops, state }
@@ -1289,6 +1315,52 @@ mod tests {
             .expect("the shard installed within 10 s")
             .expect("aggregator running");
         node.agg.stats().await.first().map(|s| s.version).expect("one shard served")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_arriving_after_a_kept_transfer_of_the_same_version_leaves_it_a_transfer() {
+        // The owner's last replica and its transfer race on the wire. Had
+        // the replica replaced the kept transfer, `b`'s placement (the old
+        // owner still live) would wait out the handoff timeout (30 s here)
+        // for a transfer it already had, then count a restore from a replica.
+        let (b, old) = (PeerId::random(), PeerId::random());
+        let (nodes, _log) = start(&[b]);
+        // Before any placement: kept.
+        hand(&nodes[0], old, 0, state(5)).await;
+        let rx = nodes[0].agg.try_handoff(old, HandoffKind::Replica, 0, state(5)).expect("aggregator has room");
+        assert!(matches!(rx.await.expect("aggregator answers"), HandoffReply::Ack { version: 5 }));
+        // A round trip: the actor has published what it holds since.
+        assert!(nodes[0].agg.stats().await.is_empty(), "nothing served yet");
+        assert_eq!(nodes[0].agg.held().borrow().kept, 1, "still kept as a transfer");
+        nodes[0].placement.send_replace(Some(placement(b, &[b, old])));
+        assert_eq!(installed(&nodes[0]).await, 5, "installed as the handed-over shard, without a wait");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_owner_whose_view_loses_the_leaver_waits_for_its_own_forward_rather_than_an_older_replica() {
+        // The CI failure of 2026-12-07 (`a_node_leaves_cleanly_...`): the
+        // leaver handed its shard to `b` and stopped 13 ms after announcing
+        // its leave, before `b`'s view heard of it. `b`, still naming the
+        // leaver, forwarded the transfer back to it, and that send kept
+        // failing for the handoff timeout. Meanwhile the failure timeout
+        // dropped the leaver from `b`'s view: `b` became the owner and,
+        // the old owner not live, restored from its replica, older than
+        // the copy its own send still carried.
+        let (b, leaver) = (PeerId::random(), PeerId::random());
+        let (nodes, _log) = start_among(&[b], &[leaver], Duration::from_secs(60), Duration::from_secs(2));
+        let rx = nodes[0].agg.try_handoff(leaver, HandoffKind::Replica, 0, state(4)).expect("aggregator has room");
+        assert!(matches!(rx.await.expect("aggregator answers"), HandoffReply::Ack { version: 4 }));
+        let first = placement(leaver, &[b, leaver]);
+        nodes[0].placement.send_replace(Some(first.clone()));
+        taken_up(&nodes[0], b, first.epoch).await;
+        hand(&nodes[0], leaver, 0, state(5)).await;
+        let mut held = nodes[0].agg.held();
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.transfers == 1))
+            .await
+            .expect("the forward to the leaver under way within 10 s")
+            .expect("aggregator running");
+        nodes[0].placement.send_replace(Some(placement(b, &[b])));
+        assert_eq!(installed(&nodes[0]).await, 5, "the copy its send carried, not the replica");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -142,7 +142,9 @@ pub(crate) enum AggCommand {
         reply: oneshot::Sender<HandoffReply>,
     },
     /// A spawned transfer was acknowledged.
-    TransferDone,
+    TransferDone {
+        shard: u32,
+    },
     /// A spawned transfer could not be delivered: keep it, to pass on.
     TransferFailed {
         /// The peer it could not reach.

@@ -131,6 +131,17 @@
 //!    keeps workers in step; partitions are not modelled here). A refusal
 //!    whose answer is lost drops the gradient the same way (the retry
 //!    cannot tell it from a push its round took, finding 1).
+//! 5. (Fixed.) A leaver stops as soon as its transfers are answered, and
+//!    its last gossip can die with it (the CI failure of 2026-12-07). A
+//!    node that never heard it leave forwards the transfer back to it, as
+//!    finding 2, and the send fails only after the handoff timeout; the
+//!    failure timeout drops the leaver from that node's view first, and
+//!    the placement then makes the node the owner with the old owner gone:
+//!    it restored from an older copy while the newest one was still in its
+//!    own send, and the rounds only that copy held were lost. Now an owner
+//!    waits for its own transfer of the shard still on the wire (the
+//!    aggregator's `sending`), which installs it when it comes back. The
+//!    leave setups let the leave go unheard (`Faults::unheard_leave`).
 //!
 //! # Replaying a seed
 //!
@@ -500,6 +511,12 @@ struct Faults {
     /// A leaver that stops may lose the answers it has not delivered yet
     /// (those it sent as it handed its shards off).
     abrupt_exit: bool,
+    /// A leaver's announcement may reach some node only after the failure
+    /// timeout has dropped the stopped leaver from that node's view (it
+    /// stops as soon as its transfers are answered, and its last gossip can
+    /// die with it): that node goes from a placement naming the leaver an
+    /// owner straight to one without it.
+    unheard_leave: bool,
     count: u32,
 }
 
@@ -516,6 +533,9 @@ struct Setup {
     /// A worker's first exchange gives a push that missed its round to the
     /// round in progress, as every exchange does (before finding 4).
     rejoin: bool,
+    /// A new owner whose old owner is gone restores the shard even while
+    /// its own transfer of it is on the wire (before finding 5).
+    restore_beside_own_send: bool,
     /// Every shard starts at one owner (the shape of issue 16).
     colocated: bool,
     faults: Faults,
@@ -546,6 +566,9 @@ struct Stats {
     refused_dropped: u32,
     /// Gradients refused as `Stale`, never taken, and dropped (finding 4).
     stale_dropped: u32,
+    /// Shards a new owner awaited from its own transfer still on the wire
+    /// instead of restoring them, the old owner gone (finding 5).
+    own_awaited: u32,
 }
 
 impl Setup {
@@ -572,6 +595,7 @@ impl Stats {
         self.joins += o.joins;
         self.refused_dropped += o.refused_dropped;
         self.stale_dropped += o.stale_dropped;
+        self.own_awaited += o.own_awaited;
     }
 }
 
@@ -814,9 +838,10 @@ impl World {
             }
         }
         // A stopped node leaves the view a failure timeout later, when every
-        // node has long heard that it was leaving.
+        // node has long heard that it was leaving (unless its announcement
+        // may go unheard).
         for (&n, &at) in &self.left_at {
-            let heard = self.nodes.iter().all(|x| !x.alive || x.seen >= at);
+            let heard = self.setup.faults.unheard_leave || self.nodes.iter().all(|x| !x.alive || x.seen >= at);
             if !self.nodes[n].alive && self.placements[latest].live.contains(&n) && heard {
                 ev.push((Event::Forget(n), 1));
             }
@@ -1578,9 +1603,17 @@ impl World {
             }
             let previous = old.owners[s];
             let kept = agg.stored.get(&s).is_some_and(|st| st.transfer);
-            if kept || previous == n || !new.live.contains(&previous) {
+            // Its own transfer of the shard still on the wire (`sending`):
+            // wait for it to arrive or come back rather than restore.
+            let sending =
+                self.flight.iter().any(|m| m.from == n && matches!(m.body, Body::Transfer { shard, .. } if shard == s));
+            let gone = previous == n || !new.live.contains(&previous);
+            if kept || (gone && (!sending || self.setup.restore_beside_own_send)) {
                 self.restore(n, s)?;
             } else {
+                if gone {
+                    self.stats.own_awaited += 1;
+                }
                 self.nodes[n].agg.pending.insert(s);
             }
         }
@@ -2148,6 +2181,7 @@ fn base(rng: &mut StdRng) -> Setup {
         batch: rng.random_bool(0.5),
         catch_up: true,
         rejoin: false,
+        restore_beside_own_send: false,
         colocated: false,
         faults: Faults::default(),
     }
@@ -2188,8 +2222,9 @@ fn restore_cycle_without_catch_up(rng: &mut StdRng) -> Setup {
 fn leaves(rng: &mut StdRng) -> Setup {
     let mut s = base(rng);
     s.workers = rng.random_range(3..=5);
-    let (moves, abrupt_exit) = (rng.random_bool(0.3), rng.random_bool(0.5));
-    s.faults = Faults { leave: true, moves, abrupt_exit, count: rng.random_range(1..=2), ..Faults::default() };
+    let (moves, abrupt_exit, unheard_leave) = (rng.random_bool(0.3), rng.random_bool(0.5), rng.random_bool(0.5));
+    s.faults =
+        Faults { leave: true, moves, abrupt_exit, unheard_leave, count: rng.random_range(1..=2), ..Faults::default() };
     s
 }
 
@@ -2285,6 +2320,25 @@ fn finding_two_fixed_a_leaver_that_stops_strands_no_transfer() {
     let ex = explore(name, 0..5000, leaves, &ALL);
     assert_only(name, &ex, leaves, &[]);
     assert!(ex.stats.bounced > 0, "no transfer met a stopped node: {:?}", ex.stats);
+    // Finding 5's situation comes up too, and loses nothing.
+    assert!(ex.stats.own_awaited > 0, "no owner awaited its own transfer: {:?}", ex.stats);
+}
+
+fn leaves_restoring_beside_own_send(rng: &mut StdRng) -> Setup {
+    Setup { restore_beside_own_send: true, ..leaves(rng) }
+}
+
+/// Finding 5, found again: with a restore while the node's own transfer of
+/// the shard is on the wire, the seeds of finding 2 lose applied rounds.
+#[test]
+fn restoring_beside_its_own_send_the_explorer_finds_finding_five() {
+    let name = "leaves, restoring beside the own send";
+    let ex = explore(name, 0..5000, leaves_restoring_beside_own_send, &[Kind::StrandedTransfer]);
+    let Some(found) = ex.first(Kind::StrandedTransfer) else { panic!("{name}: none of {} seeds found it", ex.runs) };
+    let text = report(name, found, leaves_restoring_beside_own_send);
+    let message = found.result.as_ref().err().map_or("", |f| f.message.as_str());
+    assert!(message.contains("a restore from an older copy"), "{text}");
+    eprintln!("found after {} seeds\n{text}", ex.runs);
 }
 
 /// Finding 3, pinned: with catch-up on, restored rounds still wait in a
