@@ -1307,6 +1307,21 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), seen).await.expect("the placement taken up within 10 s");
     }
 
+    /// `node`'s view names `leaver` the owner, among `live`; `leaver` hands
+    /// it version 5, which it forwards back. Returns once that send is
+    /// under way.
+    async fn forwarding_back(node: &Node, leaver: PeerId, live: &[PeerId]) {
+        let first = placement(leaver, live);
+        node.placement.send_replace(Some(first.clone()));
+        taken_up(node, node.me, first.epoch).await;
+        hand(node, leaver, 0, state(5)).await;
+        let mut held = node.agg.held();
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.transfers == 1))
+            .await
+            .expect("the forward to the leaver under way within 10 s")
+            .expect("aggregator running");
+    }
+
     /// Wait until `node` serves a shard, and return its version.
     async fn installed(node: &Node) -> u64 {
         let mut held = node.agg.held();
@@ -1350,15 +1365,7 @@ mod tests {
         let (nodes, _log) = start_among(&[b], &[leaver], Duration::from_secs(60), Duration::from_secs(2));
         let rx = nodes[0].agg.try_handoff(leaver, HandoffKind::Replica, 0, state(4)).expect("aggregator has room");
         assert!(matches!(rx.await.expect("aggregator answers"), HandoffReply::Ack { version: 4 }));
-        let first = placement(leaver, &[b, leaver]);
-        nodes[0].placement.send_replace(Some(first.clone()));
-        taken_up(&nodes[0], b, first.epoch).await;
-        hand(&nodes[0], leaver, 0, state(5)).await;
-        let mut held = nodes[0].agg.held();
-        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.transfers == 1))
-            .await
-            .expect("the forward to the leaver under way within 10 s")
-            .expect("aggregator running");
+        forwarding_back(&nodes[0], leaver, &[b, leaver]).await;
         nodes[0].placement.send_replace(Some(placement(b, &[b])));
         assert_eq!(installed(&nodes[0]).await, 5, "the copy its send carried, not the replica");
     }
@@ -1416,16 +1423,8 @@ mod tests {
         // `c` then, not after the retry timer (60 s here).
         let (a, leaver, c) = (PeerId::random(), PeerId::random(), PeerId::random());
         let (nodes, mut log) = start_among(&[a, c], &[leaver], Duration::from_secs(60), Duration::from_secs(3));
-        let first = placement(leaver, &[a, leaver, c]);
-        nodes[0].placement.send_replace(Some(first.clone()));
-        taken_up(&nodes[0], a, first.epoch).await;
         nodes[1].placement.send_replace(Some(placement(c, &[a, c])));
-        hand(&nodes[0], leaver, 0, state(5)).await;
-        let mut held = nodes[0].agg.held();
-        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.transfers == 1))
-            .await
-            .expect("the forward to the leaver under way within 10 s")
-            .expect("aggregator running");
+        forwarding_back(&nodes[0], leaver, &[a, leaver, c]).await;
         let moved = placement(c, &[a, c]);
         nodes[0].placement.send_replace(Some(moved.clone()));
         taken_up(&nodes[0], a, moved.epoch).await;
