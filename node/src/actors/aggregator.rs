@@ -1354,7 +1354,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_owner_whose_view_loses_the_leaver_waits_for_its_own_forward_rather_than_an_older_replica() {
         // The CI failure of 2026-12-07 (`a_node_leaves_cleanly_...`): the
-        // leaver handed its shard to `b` and stopped 13 ms after announcing
+        // leaver handed its shard to `b` and stopped some 25 ms after announcing
         // its leave, before `b`'s view heard of it. `b`, still naming the
         // leaver, forwarded the transfer back to it, and that send kept
         // failing for the handoff timeout. Meanwhile the failure timeout
