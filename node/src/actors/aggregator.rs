@@ -728,15 +728,18 @@ impl AggregatorActor {
                     debug!(shard, "joined mid-run: waiting for the shard's transfer");
                     self.pending.insert(shard, deadline);
                 }
-                // This node's own send of the shard is still under way (a
-                // transfer forwarded to an owner that has stopped since, as
-                // a leaver does at once): it carries a newer copy than any
-                // stored here, and comes back if undelivered.
-                Some(p) if (p == me || !new.is_live(&p)) && self.sending.contains_key(&shard) => {
-                    debug!(shard, "waiting for this node's own transfer of the shard to be answered");
-                    self.pending.insert(shard, deadline);
+                // This node's own send of the shard may still be under way
+                // (a transfer forwarded to an owner that has stopped since,
+                // as a leaver does at once): it carries a newer copy than
+                // any stored here, and comes back if undelivered.
+                Some(p) if p == me || !new.is_live(&p) => {
+                    if self.sending.contains_key(&shard) {
+                        debug!(shard, "waiting for this node's own transfer of the shard to be answered");
+                        self.pending.insert(shard, deadline);
+                    } else {
+                        self.restore(shard);
+                    }
                 }
-                Some(p) if p == me || !new.is_live(&p) => self.restore(shard),
                 Some(p) => {
                     debug!(shard, from = %p, "waiting for the shard's transfer");
                     self.pending.insert(shard, deadline);

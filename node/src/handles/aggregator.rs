@@ -143,6 +143,7 @@ pub(crate) enum AggCommand {
     },
     /// A spawned transfer was acknowledged.
     TransferDone {
+        /// The shard it carried.
         shard: u32,
     },
     /// A spawned transfer could not be delivered: keep it, to pass on.

@@ -866,7 +866,15 @@ impl World {
         agg.cores.is_empty()
             && agg.pending.is_empty()
             && !agg.stored.values().any(|st| st.transfer)
-            && !self.flight.iter().any(|m| m.from == n && matches!(m.body, Body::Transfer { .. }))
+            && self.sending(n).next().is_none()
+    }
+
+    /// The shards of `n`'s transfers on the wire (the aggregator's `sending`).
+    fn sending(&self, n: Node) -> impl Iterator<Item = usize> + '_ {
+        self.flight.iter().filter_map(move |m| match m.body {
+            Body::Transfer { shard, .. } if m.from == n => Some(shard),
+            _ => None,
+        })
     }
 
     fn random_expiry(&mut self) -> Event {
@@ -1605,8 +1613,7 @@ impl World {
             let kept = agg.stored.get(&s).is_some_and(|st| st.transfer);
             // Its own transfer of the shard still on the wire (`sending`):
             // wait for it to arrive or come back rather than restore.
-            let sending =
-                self.flight.iter().any(|m| m.from == n && matches!(m.body, Body::Transfer { shard, .. } if shard == s));
+            let sending = self.sending(n).any(|shard| shard == s);
             let gone = previous == n || !new.live.contains(&previous);
             if kept || (gone && (!sending || self.setup.restore_beside_own_send)) {
                 self.restore(n, s)?;
