@@ -386,8 +386,11 @@ async fn build(config: NodeConfig, keypair: Keypair, tasks: &NodeTasks) -> anyho
         aggregator_config(&config, &id, &training.plan, &proto, disk.as_ref()),
         status.clone(),
         net.clone(),
-        election.subscribe(),
-        snapshot.subscribe(),
+        aggregator::Inputs {
+            placement: election.subscribe(),
+            snapshot: snapshot.subscribe(),
+            workers_hold: workers_hold(&membership, training.plan.len(), tasks),
+        },
         tasks,
     );
     gossip_suspects(&aggregator, &membership, tasks);
@@ -614,6 +617,27 @@ fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle,
             gossiped.set_self(|s| s.suspects = now);
         }
     });
+}
+
+/// Per shard, the newest version a live worker holds (this node's own or
+/// a peer's, from the heartbeats in the view), for the aggregator: a
+/// restored owner takes it up ([`crate::policy::sync::ShardCore::take_up`]).
+fn workers_hold(membership: &MembershipHandle, shards: usize, tasks: &NodeTasks) -> watch::Receiver<Vec<u64>> {
+    let (tx, rx) = watch::channel(vec![0; shards]);
+    let (mut view, mut me) = (membership.subscribe(), membership.subscribe_self());
+    tasks.spawn(async move {
+        loop {
+            tokio::select! {
+                r = view.changed() => if r.is_err() { break },
+                r = me.changed() => if r.is_err() { break },
+                () = tx.closed() => break,
+            }
+            let newest =
+                view.borrow_and_update().view.newest_shard_versions(&me.borrow_and_update().shard_versions, shards);
+            tx.send_if_modified(|v| std::mem::replace(v, newest) != *v);
+        }
+    });
+    rx
 }
 
 /// Serve the HTTP endpoint, unless `http.listen` turns it off.

@@ -288,7 +288,7 @@ fn gossipsub_config(cfg: &ProtocolConfig) -> Result<gossipsub::Config> {
         // Nothing is forwarded until the node has validated it.
         .validate_messages()
         .message_id_fn(content_message_id)
-        // Deliberate: heartbeats are <= 4 KiB; see Limits::gossip_transmit_bytes.
+        // Deliberate: heartbeats are <= 8 KiB; see Limits::gossip_transmit_bytes.
         .max_transmit_size(cfg.limits.gossip_transmit_bytes as usize)
         .duplicate_cache_time(Duration::from_millis(cfg.gossip.duplicate_cache_ms))
         .build()

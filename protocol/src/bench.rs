@@ -90,9 +90,9 @@ pub struct WireReport {
     pub options: WireBenchOptions,
     /// Raw tokio TCP loopback (the baseline, ratio 1.0).
     pub raw_tcp: TransferResult,
-    /// `/shoal/shard/11.0.0` over TCP + noise + yamux.
+    /// `/shoal/shard/12.0.0` over TCP + noise + yamux.
     pub tcp_noise_yamux: TransferResult,
-    /// `/shoal/shard/11.0.0` over QUIC.
+    /// `/shoal/shard/12.0.0` over QUIC.
     pub quic: Option<TransferResult>,
     /// memcpy baselines for `codec_elements` f32.
     pub memcpy: Memcpy,

@@ -1,4 +1,4 @@
-//! The request-response codec for [`SHARD_PROTOCOL`] (`/shoal/shard/11.0.0`).
+//! The request-response codec for [`SHARD_PROTOCOL`] (`/shoal/shard/12.0.0`).
 //!
 //! Framing lives in [`crate::frame`]; this module only moves frames over a
 //! stream with size checks before allocation and size-scaled deadlines:

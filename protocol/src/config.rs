@@ -33,7 +33,8 @@ pub struct Limits {
     pub max_tensor_elements: u64,
     /// Largest serialized gossip message (heartbeat or announcement, its
     /// prefix and body; the 96-byte signature comes on top) accepted or
-    /// published. Default 4 KiB: heartbeats are designed to fit.
+    /// published. Default 8 KiB: heartbeats are designed to fit (the
+    /// largest legal one, with 256 shards' versions, is under 4.3 KiB).
     pub max_gossip_bytes: u32,
     /// Gossipsub `max_transmit_size`: the gossip payload (signature
     /// included) plus the protobuf envelope. Default 16 KiB, so a full
@@ -62,7 +63,7 @@ impl Default for Limits {
             max_response_bytes: 256 * MIB,
             max_header_bytes: MIB as u32,
             max_tensor_elements: 64 * MIB,
-            max_gossip_bytes: 4096,
+            max_gossip_bytes: 8192,
             gossip_transmit_bytes: 16 * 1024,
             max_inflight_read_bytes: 1024 * MIB,
             max_concurrent_streams: 32,
@@ -182,7 +183,7 @@ pub struct Discovery {
     /// mDNS on the LAN. Default on; turn off in tests and on networks where
     /// multicast is unwelcome.
     pub mdns: bool,
-    /// Kademlia (protocol `/shoal/kad/11.0.0`, server mode) so bootstrap peers
+    /// Kademlia (protocol `/shoal/kad/12.0.0`, server mode) so bootstrap peers
     /// lead to the rest of the cluster. Default on.
     pub kademlia: bool,
     /// Relay client, so a node behind NAT can be reached through a relay.

@@ -1,7 +1,7 @@
 //! Frame layout, with no I/O (the async codec in `codec` and the fuzz
 //! targets both use these functions).
 //!
-//! A frame on `/shoal/shard/11.0.0` is a fixed 20-byte prefix, a postcard
+//! A frame on `/shoal/shard/12.0.0` is a fixed 20-byte prefix, a postcard
 //! message header, and the tensor bodies:
 //!
 //! ```text

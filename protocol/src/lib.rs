@@ -3,7 +3,7 @@
 //! - [`messages`]: versioned request, response and gossip types.
 //! - [`payload`]: tensor payloads (f32, f16, bf16, int8 blocks, top-k) with
 //!   checksums and accuracy contracts.
-//! - [`frame`] and [`codec`]: the byte layout of `/shoal/shard/11.0.0` frames
+//! - [`frame`] and [`codec`]: the byte layout of `/shoal/shard/12.0.0` frames
 //!   and the request-response codec with size limits and size-scaled
 //!   deadlines.
 //! - [`wire`]: the one wire version, the protocol names that carry it, and

@@ -77,7 +77,8 @@ pub type Epoch = u64;
 
 /// Most shards a manifest may list.
 pub const MAX_MANIFEST_SHARDS: usize = 4096;
-/// Most shards a heartbeat may list as owned (keeps heartbeats under 4 KiB).
+/// Most shards a heartbeat may list as owned, or give versions of (keeps
+/// heartbeats under 8 KiB).
 pub const MAX_OWNED_SHARDS: usize = 256;
 /// Most service-time observations in one heartbeat.
 pub const MAX_SERVICE_OBSERVATIONS: usize = 32;
@@ -148,7 +149,7 @@ impl std::str::FromStr for RunId {
 }
 
 // ---------------------------------------------------------------------------
-// Requests on /shoal/shard/11.0.0
+// Requests on /shoal/shard/12.0.0
 // ---------------------------------------------------------------------------
 
 /// A worker's gradient contribution for one shard.
@@ -316,7 +317,7 @@ pub struct Probe {
     pub padding: Payload,
 }
 
-/// A request on `/shoal/shard/11.0.0`.
+/// A request on `/shoal/shard/12.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardRequest {
     /// Variant 0.
@@ -549,7 +550,7 @@ impl From<&ProtocolError> for WireError {
     }
 }
 
-/// A response on `/shoal/shard/11.0.0`.
+/// A response on `/shoal/shard/12.0.0`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ShardResponse {
     /// Variant 0: the push was accepted.
@@ -719,6 +720,42 @@ pub struct ServiceObservation {
     pub samples: u32,
 }
 
+/// The version of each shard a worker holds, as each shard's exchange
+/// ended: what its owner answered. Shard `i` is at `base + leads[i]`: one
+/// byte a shard, since a worker's shards are rarely more than a round or
+/// two apart. A shard further ahead than 255 versions is sent as
+/// `base + 255`: the claim is that the worker holds at least that.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardVersions {
+    /// The oldest version the worker holds of any shard.
+    pub base: Version,
+    /// Per shard, how far its version is past `base`; empty, or one entry
+    /// per shard of the run.
+    pub leads: Vec<u8>,
+}
+
+impl ShardVersions {
+    /// `versions[i]`: shard `i`'s. Empty past [`MAX_OWNED_SHARDS`] shards
+    /// (a heartbeat stays under its size limit).
+    pub fn of(versions: &[Version]) -> Self {
+        if versions.len() > MAX_OWNED_SHARDS {
+            return Self::default();
+        }
+        let base = versions.iter().copied().min().unwrap_or(0);
+        let leads = versions.iter().map(|v| (v - base).min(u64::from(u8::MAX)) as u8).collect();
+        Self { base, leads }
+    }
+
+    /// Shard `shard`'s version, if sent.
+    pub fn get(&self, shard: ShardId) -> Option<Version> {
+        self.leads.get(shard as usize).map(|&l| self.base.saturating_add(u64::from(l)))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.leads.is_empty()
+    }
+}
+
 /// A node's recent pace, gossiped so that every node can judge whether
 /// aggregation dominates step time (the exploration of the number of
 /// aggregators, see the node crate's `explore` module).
@@ -789,7 +826,7 @@ impl CheckpointOffer {
     }
 }
 
-/// Periodic membership heartbeat; encodes to at most 4 KiB.
+/// Periodic membership heartbeat; encodes to at most 8 KiB.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
     /// Run id.
@@ -821,6 +858,12 @@ pub struct Heartbeat {
     pub step: u64,
     /// Model version the sender trains on.
     pub model_version: Version,
+    /// The version of each shard the sender's worker holds (empty before
+    /// its first exchange, when it does not train, or past
+    /// [`MAX_OWNED_SHARDS`] shards). An owner restored from an older copy
+    /// takes up the newest version a live worker holds (the loss bound in
+    /// `docs/architecture.md`).
+    pub shard_versions: ShardVersions,
     /// Service times of owners the sender pushes to, at most 32.
     pub service: Vec<ServiceObservation>,
     /// The sender's pace and its proposed number of aggregators.
@@ -983,5 +1026,23 @@ impl HasPayloads for ShardResponse {
             ShardResponse::Timed { answer, .. } => answer.payloads_mut(),
             _ => Vec::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_versions_round_trip_and_report_at_least_what_is_held() {
+        let v = ShardVersions::of(&[7, 9, 7, 8]);
+        assert_eq!((v.base, v.leads.as_slice()), (7, &[0u8, 2, 0, 1][..]));
+        assert_eq!((0..5).map(|s| v.get(s)).collect::<Vec<_>>(), vec![Some(7), Some(9), Some(7), Some(8), None]);
+        // Further ahead than a byte: the claim is at least base + 255.
+        let far = ShardVersions::of(&[10, 10_000]);
+        assert_eq!((far.get(0), far.get(1)), (Some(10), Some(265)));
+        assert!(ShardVersions::of(&[]).is_empty());
+        assert!(ShardVersions::of(&vec![1; MAX_OWNED_SHARDS + 1]).is_empty(), "past the cap: not sent");
+        assert_eq!(ShardVersions::of(&vec![1; MAX_OWNED_SHARDS]).leads.len(), MAX_OWNED_SHARDS);
     }
 }

@@ -349,6 +349,13 @@ pub fn validate_heartbeat(hb: &Heartbeat, source: Option<&PeerId>, ctx: &Validat
     for &s in &hb.owned_shards {
         ctx.check_shard(s)?;
     }
+    let leads = hb.shard_versions.leads.len();
+    if leads != 0 && leads != ctx.num_shards as usize {
+        return Err(ProtocolError::InvalidField {
+            field: "shard_versions",
+            reason: format!("{leads} versions for {} shards", ctx.num_shards),
+        });
+    }
     check_count("service", hb.service.len(), MAX_SERVICE_OBSERVATIONS)?;
     for (i, obs) in hb.service.iter().enumerate() {
         check_measure("service.micros_per_mib", i, obs.micros_per_mib)?;
@@ -691,6 +698,7 @@ mod tests {
             owned_shards: vec![0, 3],
             step: 0,
             model_version: 0,
+            shard_versions: ShardVersions::of(&[5, 6, 5, 5]),
             service: vec![],
             pace: Pace {
                 step_micros: 1000,
@@ -746,6 +754,15 @@ mod tests {
             validate_heartbeat(&bad, Some(&me), &ctx()),
             Err(ProtocolError::InvalidField { field: "checkpoints", .. })
         ));
+        let mut bad = hb.clone();
+        bad.shard_versions.leads.pop();
+        assert!(matches!(
+            validate_heartbeat(&bad, Some(&me), &ctx()),
+            Err(ProtocolError::InvalidField { field: "shard_versions", .. })
+        ));
+        let mut ok = hb.clone();
+        ok.shard_versions = ShardVersions::default();
+        assert!(validate_heartbeat(&ok, Some(&me), &ctx()).is_ok(), "no versions: a node that does not train");
         let mut bad = hb.clone();
         bad.suspects = vec![PeerId::random(); MAX_SUSPECTS + 1];
         assert!(matches!(

@@ -40,6 +40,7 @@ fn heartbeat(peer: PeerId, seq: u64) -> GossipMessage {
         owned_shards: vec![],
         step: seq,
         model_version: 0,
+        shard_versions: ShardVersions::default(),
         service: vec![],
         pace: Pace::default(),
         checkpoints: vec![],

@@ -44,7 +44,7 @@ proptest! {
     fn gossip_round_trips(msg in gossip()) {
         let signer = signer();
         let bytes = frame::encode_gossip(&msg, &signer, &limits()).unwrap();
-        prop_assert!(bytes.len() <= 4096 + frame::GOSSIP_SIGNATURE_LEN);
+        prop_assert!(bytes.len() <= limits().max_gossip_bytes as usize + frame::GOSSIP_SIGNATURE_LEN);
         let back = frame::decode_gossip(&bytes, &limits()).unwrap();
         prop_assert_eq!(back.message, msg);
         prop_assert_eq!(back.signer, signer.peer());
@@ -122,7 +122,7 @@ proptest! {
 }
 
 #[test]
-fn largest_heartbeat_fits_in_4_kib() {
+fn largest_heartbeat_fits_in_the_gossip_limit() {
     let peer = || Keypair::generate_ed25519().public().to_peer_id();
     let hb = Heartbeat {
         run: RunId::new("r".repeat(64)).unwrap(),
@@ -143,6 +143,7 @@ fn largest_heartbeat_fits_in_4_kib() {
         owned_shards: vec![u32::MAX; MAX_OWNED_SHARDS],
         step: u64::MAX,
         model_version: u64::MAX,
+        shard_versions: ShardVersions { base: u64::MAX, leads: vec![u8::MAX; MAX_OWNED_SHARDS] },
         service: (0..MAX_SERVICE_OBSERVATIONS)
             .map(|_| ServiceObservation { owner: peer(), micros_per_mib: f32::MAX, samples: u32::MAX })
             .collect(),
@@ -161,7 +162,10 @@ fn largest_heartbeat_fits_in_4_kib() {
     };
     // The signature's 96 bytes come on top of the limit.
     let bytes = frame::encode_gossip(&GossipMessage::Heartbeat(hb), &signer(), &limits()).unwrap();
-    assert!(bytes.len() <= 4096 + frame::GOSSIP_SIGNATURE_LEN, "maximal heartbeat is {} bytes", bytes.len());
+    let max = limits().max_gossip_bytes as usize;
+    assert!(bytes.len() <= max + frame::GOSSIP_SIGNATURE_LEN, "maximal heartbeat is {} bytes", bytes.len());
+    // Far from the limit: a heartbeat of a later wire version has room.
+    assert!(bytes.len() < 4500 + frame::GOSSIP_SIGNATURE_LEN, "maximal heartbeat is {} bytes", bytes.len());
 }
 
 #[test]
@@ -220,7 +224,7 @@ fn documented_example_frame_is_stable() {
     let req = ShardRequest::StateSync(StateSync { run: RunId::new("demo").unwrap(), shard: 3, min_version: 300 });
     let bytes = frame::encode_request(&req, &limits()).unwrap().to_vec();
     let expected: Vec<u8> = vec![
-        0x53, 0x48, 0x0b, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 11, kind 1, reserved
+        0x53, 0x48, 0x0c, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 12, kind 1, reserved
         0x09, 0x00, 0x00, 0x00, // header_len 9
         0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // body_len 0
         0x03, // ShardRequest variant 3 = StateSync

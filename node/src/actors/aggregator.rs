@@ -146,15 +146,27 @@ struct Stored {
     retry_at: Option<Instant>,
 }
 
+/// What the aggregator watches.
+#[derive(Debug)]
+pub struct Inputs {
+    /// The election's placements.
+    pub placement: watch::Receiver<Option<Arc<Placement>>>,
+    /// The worker's model copy (a shard taken over with no other copy).
+    pub snapshot: watch::Receiver<ModelSnapshot>,
+    /// Per shard, the newest version a live worker holds (the heartbeats'
+    /// `shard_versions`): a restored core takes it up.
+    pub workers_hold: watch::Receiver<Vec<u64>>,
+}
+
 /// Start the aggregator actor. It stops when every handle has been dropped.
 pub fn spawn(
     cfg: AggregatorConfig,
     status: StatusHandle,
     net: NetworkHandle,
-    placement: watch::Receiver<Option<Arc<Placement>>>,
-    snapshot: watch::Receiver<ModelSnapshot>,
+    inputs: Inputs,
     tasks: &NodeTasks,
 ) -> AggregatorHandle {
+    let Inputs { placement, snapshot, workers_hold } = inputs;
     let (sender, receiver) = mpsc::channel(cfg.capacity.max(1));
     let (held_tx, held) = watch::channel(Held::default());
     let (suspects_tx, suspects) = watch::channel(Vec::new());
@@ -170,6 +182,7 @@ pub fn spawn(
         stored: BTreeMap::new(),
         placement_rx: placement,
         placement: None,
+        workers_hold,
         parked: Vec::new(),
         replicating: BTreeSet::new(),
         replicated: BTreeMap::new(),
@@ -202,6 +215,8 @@ struct AggregatorActor {
     stored: BTreeMap<u32, Stored>,
     placement_rx: watch::Receiver<Option<Arc<Placement>>>,
     placement: Option<Arc<Placement>>,
+    /// Per shard, the newest version a live worker holds.
+    workers_hold: watch::Receiver<Vec<u64>>,
     parked: Vec<ParkedPull>,
     replicating: BTreeSet<u32>,
     /// Version last replicated, per shard.
@@ -254,6 +269,7 @@ impl AggregatorActor {
         // In gossip mode no election runs and the placement sender is dropped
         // at once: keep serving (stats, refusals) rather than stop.
         let mut placements_open = true;
+        let mut holds_open = true;
         loop {
             let rounds = self
                 .cores
@@ -284,6 +300,18 @@ impl AggregatorActor {
                     if let Some(p) = p {
                         self.place(p);
                     }
+                }
+                r = self.workers_hold.changed(), if holds_open => {
+                    if r.is_err() {
+                        holds_open = false;
+                        continue;
+                    }
+                    self.workers_hold.borrow_and_update();
+                    let shards: Vec<u32> = self.cores.keys().copied().collect();
+                    for shard in shards {
+                        self.take_up_held(shard);
+                    }
+                    self.release_ready();
                 }
                 _ = sleep_until_opt(next_deadline) => self.expire(),
             }
@@ -650,6 +678,25 @@ impl AggregatorActor {
         let room = self.cfg.replica_every.saturating_mul(4).saturating_add(16);
         if let Some(core) = self.cores.get_mut(&shard) {
             core.mark_restored(room);
+        }
+        self.take_up_held(shard);
+    }
+
+    /// A restored core takes up the newest version of `shard` a live worker
+    /// holds, within its room ([`ShardCore::take_up`]): the owner that was
+    /// lost applied every round before it. The workers that got its newest
+    /// versions of different shards may each be waiting for another shard,
+    /// and then no push of theirs carries the newer base (the schedule
+    /// explorer's finding 3). A no-op on a core handed over live.
+    fn take_up_held(&mut self, shard: u32) {
+        let Some(&held) = self.workers_hold.borrow().get(shard as usize) else { return };
+        let Some(core) = self.cores.get_mut(&shard) else { return };
+        let before = core.version();
+        if core.take_up(held) {
+            info!(shard, from = before, to = held, "restored shard: taking up the version a live worker holds");
+            report_core(&self.status, &self.suspects, shard, core);
+            self.maybe_replicate(shard);
+            self.maybe_checkpoint(shard);
         }
     }
 
@@ -1193,6 +1240,8 @@ mod tests {
         me: PeerId,
         agg: AggregatorHandle,
         placement: watch::Sender<Option<Arc<Placement>>>,
+        /// The newest version of shard 0 the workers' heartbeats name.
+        workers_hold: watch::Sender<Vec<u64>>,
     }
 
     /// Start one aggregator per peer (the workers' model copy is empty, so a
@@ -1225,6 +1274,7 @@ mod tests {
             let (net_tx, net_rx) = mpsc::channel(64);
             let (placement, placement_rx) = watch::channel(None);
             let (_snapshot_tx, snapshot) = watch::channel(ModelSnapshot::default());
+            let (workers_hold, held_rx) = watch::channel(vec![0]);
             let cfg = AggregatorConfig {
                 me,
                 incarnation: 1,
@@ -1247,8 +1297,9 @@ mod tests {
             let tasks = NodeTasks::new();
             let status = crate::actors::status::spawn("t".into(), me.to_string(), 100, 64, &tasks);
             let net = NetworkHandle::new(net_tx, me, Default::default());
-            let agg = spawn(cfg, status, net, placement_rx, snapshot, &tasks);
-            nodes.push(Node { me, agg, placement });
+            let agg =
+                spawn(cfg, status, net, Inputs { placement: placement_rx, snapshot, workers_hold: held_rx }, &tasks);
+            nodes.push(Node { me, agg, placement, workers_hold });
             inboxes.push((me, net_rx));
         }
         let handles: HashMap<PeerId, AggregatorHandle> = nodes.iter().map(|n| (n.me, n.agg.clone())).collect();
@@ -1371,6 +1422,42 @@ mod tests {
         forwarding_back(&nodes[0], leaver, &[b, leaver]).await;
         nodes[0].placement.send_replace(Some(placement(b, &[b])));
         assert_eq!(installed(&nodes[0]).await, 5, "the copy its send carried, not the replica");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restored_owner_takes_up_the_version_a_live_workers_heartbeat_names() {
+        // Finding 3 of the schedule explorer: the owner died after it had
+        // applied round 5 and answered `w0` with version 6, not yet `w2`.
+        // `b` restores from its replica at version 4; `w2` re-pushes its
+        // step-5 gradient (catch-up opens round 5 with it) and waits for 6.
+        // `w0` will not push to this shard until its other shard's round,
+        // waiting for `w2`, closes: only its heartbeat says it holds 6.
+        let (b, dead, w0, w2) = (PeerId::random(), PeerId::random(), PeerId::random(), PeerId::random());
+        let (nodes, _log) = start(&[b]);
+        let node = &nodes[0];
+        let rx = node.agg.try_handoff(dead, HandoffKind::Replica, 0, state(4)).expect("aggregator has room");
+        assert!(matches!(rx.await.expect("aggregator answers"), HandoffReply::Ack { version: 4 }));
+        node.placement.send_replace(Some(placement(b, &[b, w0, w2])));
+        assert_eq!(installed(node).await, 4, "restored from the replica");
+        let pushed = node.agg.push(w2, 0, 5, 1, vec![1.0; SHARD_LEN]).await.expect("aggregator answers");
+        assert!(matches!(pushed, PushReply::Accepted { version: 5, .. }), "{pushed:?}");
+        let waiting = node.agg.pull(w2, 0, 6, Duration::from_secs(30));
+        let heartbeat = async {
+            // The pull is parked before the heartbeat's versions come.
+            let r = node.agg.pull(w0, 0, 5, Duration::ZERO).await.expect("aggregator answers");
+            assert!(matches!(r, PullReply::State { version: 5, .. }), "{r:?}");
+            node.workers_hold.send_replace(vec![6]);
+        };
+        let (r, ()) = tokio::time::timeout(Duration::from_secs(10), futures::future::join(waiting, heartbeat))
+            .await
+            .expect("w2's pull answered within 10 s, not at the round timeout");
+        let r = r.expect("aggregator answers");
+        let PullReply::State { version, params } = r else { panic!("w2's pull: {r:?}") };
+        // Round 5 applied with the one gradient it held, numbered 6.
+        let mut round = Optimizer::new(optimizer(), SHARD_LEN).expect("an SGD optimizer");
+        let mut expected = state(4).params;
+        round.step(&mut expected, &[1.0; SHARD_LEN]).expect("a step");
+        assert_eq!((version, params.as_slice()), (6, expected.as_slice()));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -208,6 +208,7 @@ mod tests {
             owned_shards: vec![],
             step,
             model_version: step,
+            shard_versions: Default::default(),
             service: vec![],
             pace: Default::default(),
             checkpoints: vec![],

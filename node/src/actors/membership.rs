@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use shoal_protocol::libp2p::PeerId;
-use shoal_protocol::{Capabilities, CheckpointOffer, GossipMessage, Heartbeat, Pace, Role, RunId, WIRE_VERSION};
+use shoal_protocol::{
+    Capabilities, CheckpointOffer, GossipMessage, Heartbeat, Pace, Role, RunId, ShardVersions, WIRE_VERSION,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -46,6 +48,7 @@ pub fn spawn(
         owned_shards: Vec::new(),
         step: 0,
         model_version: 0,
+        shard_versions: Vec::new(),
         frozen_epoch: None,
         announce: 0,
         service: Vec::new(),
@@ -192,6 +195,7 @@ impl MembershipActor {
             owned_shards: me.owned_shards.iter().copied().take(shoal_protocol::MAX_OWNED_SHARDS).collect(),
             step: me.step,
             model_version: me.model_version,
+            shard_versions: ShardVersions::of(&me.shard_versions),
             service: me.service.iter().take(shoal_protocol::MAX_SERVICE_OBSERVATIONS).cloned().collect(),
             pace: me.pace,
             checkpoints: me.checkpoints.iter().take(shoal_protocol::MAX_CHECKPOINT_OFFERS).cloned().collect(),

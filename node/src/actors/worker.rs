@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use futures::future::try_join_all;
+use futures::FutureExt;
 use shoal_models::data::shuffled_batches;
 use shoal_models::{LayerFactors, Optimizer, Partition, ShardPlan};
 use shoal_protocol::libp2p::PeerId;
@@ -1201,30 +1202,7 @@ impl Worker {
         feedback: &mut ErrorFeedback,
     ) -> anyhow::Result<u64> {
         let (samples, grads, factors) = pushed;
-        let parts = self.plan.split(grads)?;
-        let push = self.config.compression.push;
-        let delta = self.config.delta_pulls().is_some();
-        let outgoing = self
-            .plan
-            .shards()
-            .iter()
-            .zip(parts)
-            .map(|(shard, slice)| {
-                let have = delta.then(|| versions[shard.id as usize]);
-                if push == PushCompression::Sfb && !factors.is_empty() {
-                    let p = factored_push(shard.range(), slice, factors)
-                        .with_context(|| format!("step {step}: factoring shard {}", shard.id))?;
-                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: Some(p), have });
-                }
-                if !push.is_lossy() {
-                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: None, have });
-                }
-                let c = feedback
-                    .compress(shard.id as usize, slice, push.encoding(slice.len()))
-                    .with_context(|| format!("step {step}: encoding shard {} as {push}", shard.id))?;
-                Ok(Outgoing { values: std::borrow::Cow::Owned(c.values), payload: Some(c.payload), have })
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let outgoing = self.outgoing(step, versions, grads, factors, feedback)?;
         let drop_stale = self.backup_mode() || !*exchanged_before;
         let (batches, mut firsts) = self.batches();
         let batched = batches.into_iter().map(|(owner, idx, outcomes)| {
@@ -1234,7 +1212,12 @@ impl Worker {
             self.push_pull_many(owner, step, samples, items, outcomes)
         });
         let exchanges = self.plan.shards().iter().zip(&outgoing).zip(firsts.iter_mut()).map(|((shard, out), first)| {
-            self.exchange(shard.id, step, versions[shard.id as usize], samples, out, drop_stale, first.take())
+            let id = shard.id;
+            self.exchange(id, step, versions[id as usize], samples, out, drop_stale, first.take()).inspect(move |r| {
+                if let Ok(e) = r {
+                    self.hold(id, e.version);
+                }
+            })
         });
         // Together: a batched shard's exchange waits for its batch's answer,
         // and the owners answer only once every worker's pushes (this one's
@@ -1288,7 +1271,61 @@ impl Worker {
             self.status.record(StatusEvent::DroppedPushes { samples: f64::from(samples) * share });
         }
         *exchanged_before = true;
+        self.membership.set_self(|me| me.shard_versions = versions.to_vec());
         Ok(versions.iter().copied().min().unwrap_or(0))
+    }
+
+    /// Each shard's part of the step's gradient as it goes out: whole,
+    /// factored (SFB) or compressed with error feedback, and with delta
+    /// pulls the version this worker holds.
+    fn outgoing<'a>(
+        &self,
+        step: u64,
+        versions: &[u64],
+        grads: &'a [f32],
+        factors: &[LayerFactors],
+        feedback: &mut ErrorFeedback,
+    ) -> anyhow::Result<Vec<Outgoing<'a>>> {
+        let parts = self.plan.split(grads)?;
+        let push = self.config.compression.push;
+        let delta = self.config.delta_pulls().is_some();
+        self.plan
+            .shards()
+            .iter()
+            .zip(parts)
+            .map(|(shard, slice)| {
+                let have = delta.then(|| versions[shard.id as usize]);
+                if push == PushCompression::Sfb && !factors.is_empty() {
+                    let p = factored_push(shard.range(), slice, factors)
+                        .with_context(|| format!("step {step}: factoring shard {}", shard.id))?;
+                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: Some(p), have });
+                }
+                if !push.is_lossy() {
+                    return Ok(Outgoing { values: std::borrow::Cow::Borrowed(slice), payload: None, have });
+                }
+                let c = feedback
+                    .compress(shard.id as usize, slice, push.encoding(slice.len()))
+                    .with_context(|| format!("step {step}: encoding shard {} as {push}", shard.id))?;
+                Ok(Outgoing { values: std::borrow::Cow::Owned(c.values), payload: Some(c.payload), have })
+            })
+            .collect()
+    }
+
+    /// `shard`'s exchange of this step ended at `version`: this node's
+    /// heartbeat says so from its next beat on, before the step's other
+    /// shards are in. An owner restored from an older copy takes up the
+    /// newest version a live worker holds; the worker that got the lost
+    /// owner's last round of one shard may be waiting for another shard,
+    /// and pushes nothing that would tell it (the schedule explorer's
+    /// finding 3).
+    fn hold(&self, shard: u32, version: u64) {
+        let shards = self.plan.len();
+        self.membership.set_self(|me| {
+            me.shard_versions.resize(shards, 0);
+            if let Some(v) = me.shard_versions.get_mut(shard as usize) {
+                *v = version;
+            }
+        });
     }
 
     /// Backup workers: rounds close without the slowest workers, so the

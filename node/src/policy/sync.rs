@@ -601,6 +601,24 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         self.version += jump;
     }
 
+    /// BSP, restored from an older copy: a live worker holds `version` of
+    /// this shard (its heartbeat says so), so the owner that was lost
+    /// applied every round before it. Takes the numbering up to it as a
+    /// push against that base would ([`ShardCore::catch_up`], within the
+    /// restore's room). A push is not always coming: when the workers that
+    /// got the lost owner's newest versions of different shards wait on
+    /// each other's shards, no push carries the newer base, and each
+    /// restored round waits for a worker the other holds (the schedule
+    /// explorer's finding 3). Returns whether the numbering moved.
+    pub fn take_up(&mut self, version: u64) -> bool {
+        let ahead = version > self.version && version - self.version <= self.catch_up_room;
+        if self.policy != SyncPolicy::Bsp || self.catch_up_disabled || !ahead {
+            return false;
+        }
+        self.catch_up(version);
+        true
+    }
+
     /// Versions taken up by catch-up without an optimizer step: how far
     /// the number runs ahead of the parameters' own steps (logged by the
     /// aggregator). Transfers are fenced on [`ShardCore::version`], as
@@ -990,6 +1008,35 @@ mod tests {
         // A full round settled the numbering: a newer base joins the round.
         assert!(matches!(core.push(&"a", 16, 1, vec![0.0, 0.0], 0), PushOutcome::Accepted { version: 14, .. }));
         assert_eq!((core.version(), core.skipped()), (14, 2));
+    }
+
+    /// Finding 3: a live worker holds a version of the shard newer than a
+    /// restored core's, and no push will carry it. Its heartbeat takes the
+    /// numbering there, the round held is applied first and the parked
+    /// pulls of its workers become ready; beyond the room, after a full
+    /// round, or on a core handed over live, nothing moves.
+    #[test]
+    fn a_restored_core_takes_up_a_version_a_live_worker_holds() {
+        let mut core = ShardCore::new(vec![0.0, 0.0], sgd(), 4, SyncPolicy::Bsp, ["a", "b"]);
+        assert!(!core.take_up(6), "a core handed over live keeps its numbering");
+        core.mark_restored(8);
+        assert!(!core.take_up(4) && !core.take_up(3), "not newer: nothing to take up");
+        assert!(!core.take_up(100), "beyond the room (a made-up claim)");
+        // b re-pushes the step-5 gradient the lost owner applied (its
+        // answer died with it): catch-up opens round 5 with it.
+        assert!(matches!(core.push(&"b", 5, 1, vec![0.0, 2.0], 0), PushOutcome::Accepted { version: 5, .. }));
+        assert!(!core.pull_ready(&"b", 6, 0), "round 5 waits for a, which already holds 6");
+        assert!(core.take_up(6));
+        assert_eq!((core.version(), core.skipped(), core.params()), (6, 1, &[0.0f32, -2.0][..]));
+        assert!(core.pull_ready(&"b", 6, 0), "b's pull is answered at 6");
+        // The next round is full: the numbering is settled.
+        assert!(matches!(core.push(&"a", 6, 1, vec![2.0, 0.0], 0), PushOutcome::Accepted { version: 6, .. }));
+        assert!(matches!(core.push(&"b", 6, 1, vec![0.0, 2.0], 0), PushOutcome::Accepted { version: 6, .. }));
+        assert_eq!(core.version(), 7);
+        assert!(!core.take_up(9), "after a full round");
+        let mut other = ShardCore::new(vec![0.0], sgd(), 4, SyncPolicy::Asp, ["a"]);
+        other.mark_restored(8);
+        assert!(!other.take_up(6), "BSP only: the other policies number pushes, not rounds");
     }
 
     #[test]

@@ -174,6 +174,22 @@ impl View {
         self.peers.values().filter(|p| now_ms.saturating_sub(p.last_seen_ms) <= timeout_ms).collect()
     }
 
+    /// Per shard (of `shards`), the newest version that this node's worker
+    /// (`mine`, by shard) or a peer in the view says it holds
+    /// (`Heartbeat::shard_versions`); 0 where none says. Peers silent past
+    /// the failure timeout have left the view ([`View::expire`]).
+    pub fn newest_shard_versions(&self, mine: &[u64], shards: usize) -> Vec<u64> {
+        let mut newest: Vec<u64> = (0..shards).map(|s| mine.get(s).copied().unwrap_or(0)).collect();
+        for p in self.peers.values() {
+            for (s, n) in newest.iter_mut().enumerate() {
+                if let Some(v) = p.heartbeat.shard_versions.get(s as u32) {
+                    *n = (*n).max(v);
+                }
+            }
+        }
+        newest
+    }
+
     /// Drop one peer (it stopped); whether it was in the view.
     pub fn forget(&mut self, peer: &PeerId) -> bool {
         self.peers.remove(peer).is_some()
@@ -248,6 +264,9 @@ pub struct SelfState {
     pub owned_shards: Vec<u32>,
     pub step: u64,
     pub model_version: u64,
+    /// The version of each shard this node's worker holds, by shard (set
+    /// by the worker as each shard's exchange ends; empty before the first).
+    pub shard_versions: Vec<u64>,
     /// Once training has started: the frozen roster's hash.
     pub frozen_epoch: Option<u64>,
     /// Bump to publish a heartbeat now instead of at the next tick (roster
@@ -280,7 +299,7 @@ pub struct SelfState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_protocol::{Capabilities, Device, RunId, WIRE_VERSION};
+    use shoal_protocol::{Capabilities, Device, RunId, ShardVersions, WIRE_VERSION};
 
     fn hb(peer: PeerId, seq: u64, epoch: u64) -> Heartbeat {
         Heartbeat {
@@ -302,12 +321,36 @@ mod tests {
             owned_shards: vec![],
             step: 0,
             model_version: 0,
+            shard_versions: Default::default(),
             service: vec![],
             pace: Default::default(),
             checkpoints: vec![],
             suspects: vec![],
             finished: false,
         }
+    }
+
+    #[test]
+    fn the_newest_shard_versions_are_the_largest_a_worker_in_the_view_holds() {
+        let (me, a, b, quiet) = (PeerId::random(), PeerId::random(), PeerId::random(), PeerId::random());
+        let mut v = View::new(me, true, 7);
+        assert_eq!(v.newest_shard_versions(&[], 2), vec![0, 0]);
+        let mut from_a = hb(a, 1, 0);
+        from_a.shard_versions = ShardVersions::of(&[6, 5]);
+        let mut from_b = hb(b, 1, 0);
+        from_b.shard_versions = ShardVersions::of(&[5, 6]);
+        assert!(v.observe(from_a, 0) && v.observe(from_b.clone(), 0) && v.observe(hb(quiet, 1, 0), 0));
+        assert_eq!(v.newest_shard_versions(&[4, 4], 2), vec![6, 6]);
+        assert_eq!(v.newest_shard_versions(&[7, 4], 2), vec![7, 6], "this node's own worker counts");
+        // A newer heartbeat's versions are kept. (They change every step:
+        // not a change that runs the election again; the membership
+        // actor publishes the view every heartbeat period anyway.)
+        from_b.seq = 2;
+        from_b.shard_versions = ShardVersions::of(&[6, 7]);
+        assert!(!v.observe(from_b, 0));
+        // A peer that left the view says nothing any more.
+        assert!(v.forget(&a));
+        assert_eq!(v.newest_shard_versions(&[], 2), vec![6, 7]);
     }
 
     #[test]

@@ -263,6 +263,7 @@ pub fn gossip() -> impl Strategy<Value = GossipMessage> {
                     owned_shards,
                     step,
                     model_version,
+                    shard_versions: ShardVersions::of(&[model_version, model_version.saturating_add(1)]),
                     service: service.clone(),
                     pace,
                     checkpoints: vec![CheckpointOffer::new(model_version, step, [0, 3])],
