@@ -2106,7 +2106,8 @@ enum Kind {
     /// Finding 3: a deadlock of restored rounds (the cycle of issue 16)
     /// after a crash where no surviving worker got the crashed owner's
     /// newest version of every shard it held: nobody can push against the
-    /// newer numbering, so catch-up never comes.
+    /// newer numbering, so catch-up never comes. Fixed by the versions in
+    /// heartbeats; found again without them.
     UncoveredRestore,
     /// Finding 2: applied rounds lost in a run where a leaver stopped while
     /// the newest copy of a shard it handed off was on its way back to it
