@@ -622,6 +622,9 @@ fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle,
 /// Per shard, the newest version a live worker holds (this node's own or
 /// a peer's, from the heartbeats in the view), for the aggregator: a
 /// restored owner takes it up ([`crate::policy::sync::ShardCore::take_up`]).
+/// Recomputed when the view changes (at least once a heartbeat period) and
+/// as the own worker's versions change (the schedule explorer models the
+/// own worker's versions as known at once).
 fn workers_hold(membership: &MembershipHandle, shards: usize, tasks: &NodeTasks) -> watch::Receiver<Vec<u64>> {
     let (tx, rx) = watch::channel(vec![0; shards]);
     let (mut view, mut me) = (membership.subscribe(), membership.subscribe_self());

@@ -306,12 +306,14 @@ impl AggregatorActor {
                         holds_open = false;
                         continue;
                     }
-                    self.workers_hold.borrow_and_update();
                     let shards: Vec<u32> = self.cores.keys().copied().collect();
+                    let mut moved = false;
                     for shard in shards {
-                        self.take_up_held(shard);
+                        moved |= self.take_up_held(shard);
                     }
-                    self.release_ready();
+                    if moved {
+                        self.release_ready();
+                    }
                 }
                 _ = sleep_until_opt(next_deadline) => self.expire(),
             }
@@ -687,17 +689,20 @@ impl AggregatorActor {
     /// lost applied every round before it. The workers that got its newest
     /// versions of different shards may each be waiting for another shard,
     /// and then no push of theirs carries the newer base (the schedule
-    /// explorer's finding 3). A no-op on a core handed over live.
-    fn take_up_held(&mut self, shard: u32) {
-        let Some(&held) = self.workers_hold.borrow().get(shard as usize) else { return };
-        let Some(core) = self.cores.get_mut(&shard) else { return };
+    /// explorer's finding 3). A no-op on a core handed over live. Returns
+    /// whether the numbering moved.
+    fn take_up_held(&mut self, shard: u32) -> bool {
+        let Some(&held) = self.workers_hold.borrow().get(shard as usize) else { return false };
+        let Some(core) = self.cores.get_mut(&shard) else { return false };
         let before = core.version();
-        if core.take_up(held) {
-            info!(shard, from = before, to = held, "restored shard: taking up the version a live worker holds");
-            report_core(&self.status, &self.suspects, shard, core);
-            self.maybe_replicate(shard);
-            self.maybe_checkpoint(shard);
+        if !core.take_up(held) {
+            return false;
         }
+        info!(shard, from = before, to = held, "restored shard: taking up the version a live worker holds");
+        report_core(&self.status, &self.suspects, shard, core);
+        self.maybe_replicate(shard);
+        self.maybe_checkpoint(shard);
+        true
     }
 
     /// Apply a new placement: hand off what we lost, take what we gained.

@@ -509,10 +509,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         let Some(w) = self.workers.get(worker) else { return PushOutcome::UnknownWorker };
         let lead = w.clock.saturating_sub(min_before);
         if self.policy == SyncPolicy::Bsp {
-            let ahead = base_version > self.version && !self.catch_up_disabled;
-            if ahead && base_version - self.version <= self.catch_up_room {
-                self.catch_up(base_version);
-            }
+            self.take_up(base_version);
             // An older base missed a round.
             if base_version < self.version {
                 return PushOutcome::Stale { current_version: self.version };
@@ -601,15 +598,16 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         self.version += jump;
     }
 
-    /// BSP, restored from an older copy: a live worker holds `version` of
-    /// this shard (its heartbeat says so), so the owner that was lost
-    /// applied every round before it. Takes the numbering up to it as a
-    /// push against that base would ([`ShardCore::catch_up`], within the
-    /// restore's room). A push is not always coming: when the workers that
-    /// got the lost owner's newest versions of different shards wait on
-    /// each other's shards, no push carries the newer base, and each
-    /// restored round waits for a worker the other holds (the schedule
-    /// explorer's finding 3). Returns whether the numbering moved.
+    /// BSP, restored from an older copy: a worker holds `version` of this
+    /// shard (it pushed against it, or its heartbeat says so), so the owner
+    /// that was lost applied every round before it. Takes the numbering up
+    /// to it ([`ShardCore::catch_up`]) within the restore's room. A push is
+    /// not always coming: when the workers that got the lost owner's newest
+    /// versions of different shards wait on each other's shards, no push
+    /// carries the newer base, and each restored round waits for a worker
+    /// the other holds (the schedule explorer's finding 3): the aggregator
+    /// then calls this with the newest version a live worker's heartbeat
+    /// names. Returns whether the numbering moved.
     pub fn take_up(&mut self, version: u64) -> bool {
         let ahead = version > self.version && version - self.version <= self.catch_up_room;
         if self.policy != SyncPolicy::Bsp || self.catch_up_disabled || !ahead {
