@@ -45,7 +45,7 @@ use crate::policy::health::ServiceTracker;
 use crate::policy::placement::{owner_shard_bytes, ElectPolicy, Own, Placement};
 use crate::policy::resume::{offers_of, resume_point, ResumePoint};
 use crate::policy::sync::SyncPolicy;
-use crate::policy::view::{Roster, RosterStatus, SelfState};
+use crate::policy::view::{Roster, RosterStatus, SelfState, ShardNews};
 
 /// What a finished node reports.
 #[derive(Debug, Clone)]
@@ -389,7 +389,7 @@ async fn build(config: NodeConfig, keypair: Keypair, tasks: &NodeTasks) -> anyho
         aggregator::Inputs {
             placement: election.subscribe(),
             snapshot: snapshot.subscribe(),
-            workers_hold: workers_hold(&membership, training.plan.len(), tasks),
+            heard: shard_news(&membership, training.plan.len(), tasks),
         },
         tasks,
     );
@@ -606,8 +606,8 @@ fn aggregator_config(
     }
 }
 
-/// The owner's suspects go into this node's heartbeat. The task ends with
-/// the aggregator.
+/// The owner's suspects, and the shards whose transfer it keeps or sends,
+/// go into this node's heartbeat. The tasks end with the aggregator.
 fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle, tasks: &NodeTasks) {
     let mut suspects = aggregator.suspects();
     let gossiped = membership.clone();
@@ -617,16 +617,29 @@ fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle,
             gossiped.set_self(|s| s.suspects = now);
         }
     });
+    let mut handing = aggregator.handing();
+    let gossiped = membership.clone();
+    tasks.spawn(async move {
+        while handing.changed().await.is_ok() {
+            let now = handing.borrow_and_update().clone();
+            gossiped.set_self(|s| {
+                s.handing = now;
+                s.announce += 1;
+            });
+        }
+    });
 }
 
-/// Per shard, the newest version a live worker holds (this node's own or
-/// a peer's, from the heartbeats in the view), for the aggregator: a
-/// restored owner takes it up ([`crate::policy::sync::ShardCore::take_up`]).
+/// What the heartbeats say of each shard, for the aggregator
+/// ([`crate::policy::view::ShardNews`]): the newest version a live worker
+/// holds (this node's own or a peer's), which a restored owner takes up
+/// ([`crate::policy::sync::ShardCore::take_up`]), and the peers that say
+/// they own or hand over each shard, whose transfer a new owner waits for.
 /// Recomputed when the view changes (at least once a heartbeat period) and
 /// as the own worker's versions change (the schedule explorer models the
 /// own worker's versions as known at once).
-fn workers_hold(membership: &MembershipHandle, shards: usize, tasks: &NodeTasks) -> watch::Receiver<Vec<u64>> {
-    let (tx, rx) = watch::channel(vec![0; shards]);
+fn shard_news(membership: &MembershipHandle, shards: usize, tasks: &NodeTasks) -> watch::Receiver<ShardNews> {
+    let (tx, rx) = watch::channel(ShardNews { newest: vec![0; shards], claimants: vec![Vec::new(); shards] });
     let (mut view, mut me) = (membership.subscribe(), membership.subscribe_self());
     tasks.spawn(async move {
         loop {
@@ -635,9 +648,8 @@ fn workers_hold(membership: &MembershipHandle, shards: usize, tasks: &NodeTasks)
                 r = me.changed() => if r.is_err() { break },
                 () = tx.closed() => break,
             }
-            let newest =
-                view.borrow_and_update().view.newest_shard_versions(&me.borrow_and_update().shard_versions, shards);
-            tx.send_if_modified(|v| std::mem::replace(v, newest) != *v);
+            let news = view.borrow_and_update().view.shard_news(&me.borrow_and_update().shard_versions, shards);
+            tx.send_if_modified(|v| std::mem::replace(v, news) != *v);
         }
     });
     rx

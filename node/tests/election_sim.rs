@@ -132,6 +132,7 @@ impl Sim {
                         announce: 0,
                         service: vec![],
                         leaving: false,
+                        handing: Vec::new(),
                         pace: Default::default(),
                         compute_samples_per_sec: 0.0,
                         net_bytes_per_sec: 0.0,

@@ -18,13 +18,20 @@
 //!   of the model with a fresh optimizer state. A dead old owner is not
 //!   waited for, unless this node's own transfer of the shard is still on
 //!   the wire (to a leaver that stopped before this view heard it leave):
-//!   that send comes back undelivered with the newest copy;
+//!   that send comes back undelivered with the newest copy; or unless a
+//!   live peer's heartbeat names the shard among those it owns, keeps or
+//!   sends (the shard moved on in a placement this view skipped): that
+//!   peer hands it over;
 //! - every `replica_every` versions an owned shard is copied to its backup
 //!   (`Handoff::Replica`), the node that takes it over if this one dies.
 //!
 //! A transfer that meets a copy with the same or a higher version is refused
 //! (`Fenced`): after a partition heals, the copy with the higher version
-//! wins, and on a tie the one already installed stays.
+//! wins, and on a tie the one already installed stays, unless that one was
+//! restored from an older copy and has not closed a round since: its
+//! number may have been taken up from the workers over older parameters,
+//! and the transfer is the real state at that number
+//! ([`ShardCore::yields_to`]); it takes the round the restored core held.
 //!
 //! A transfer for a shard this node's view gives to another node is passed
 //! on to that node, unless it has been forwarded [`MAX_TRANSFER_HOPS`] times
@@ -71,6 +78,7 @@ use crate::policy::placement::Placement;
 use crate::policy::robust::Robust;
 use crate::policy::schedule::LrSchedule;
 use crate::policy::sync::{PushOutcome, ShardCore, SyncPolicy, SUSPECT_AFTER};
+use crate::policy::view::ShardNews;
 
 /// How many times a transfer may be forwarded (see the module doc). A shard
 /// that moves on while its transfer is on the wire takes one hop per move;
@@ -153,9 +161,10 @@ pub struct Inputs {
     pub placement: watch::Receiver<Option<Arc<Placement>>>,
     /// The worker's model copy (a shard taken over with no other copy).
     pub snapshot: watch::Receiver<ModelSnapshot>,
-    /// Per shard, the newest version a live worker holds (the heartbeats'
-    /// `shard_versions`): a restored core takes it up.
-    pub workers_hold: watch::Receiver<Vec<u64>>,
+    /// What the heartbeats say of each shard: the newest version a live
+    /// worker holds (a restored core takes it up), and who says it owns or
+    /// hands it over (a new owner whose old owner is gone waits for them).
+    pub heard: watch::Receiver<ShardNews>,
 }
 
 /// Start the aggregator actor. It stops when every handle has been dropped.
@@ -166,14 +175,16 @@ pub fn spawn(
     inputs: Inputs,
     tasks: &NodeTasks,
 ) -> AggregatorHandle {
-    let Inputs { placement, snapshot, workers_hold } = inputs;
+    let Inputs { placement, snapshot, heard } = inputs;
     let (sender, receiver) = mpsc::channel(cfg.capacity.max(1));
     let (held_tx, held) = watch::channel(Held::default());
     let (suspects_tx, suspects) = watch::channel(Vec::new());
+    let (handing_tx, handing) = watch::channel(Vec::new());
     let actor = AggregatorActor {
         tasks: tasks.clone(),
         held: held_tx,
         suspects: suspects_tx,
+        handing: handing_tx,
         sending: BTreeMap::new(),
         me_tx: sender.downgrade(),
         receiver,
@@ -182,7 +193,7 @@ pub fn spawn(
         stored: BTreeMap::new(),
         placement_rx: placement,
         placement: None,
-        workers_hold,
+        heard,
         parked: Vec::new(),
         replicating: BTreeSet::new(),
         replicated: BTreeMap::new(),
@@ -197,7 +208,7 @@ pub fn spawn(
         cfg,
     };
     tasks.spawn(actor.run());
-    AggregatorHandle::new(sender, held, suspects)
+    AggregatorHandle::new(sender, held, suspects, handing)
 }
 
 struct AggregatorActor {
@@ -215,8 +226,8 @@ struct AggregatorActor {
     stored: BTreeMap<u32, Stored>,
     placement_rx: watch::Receiver<Option<Arc<Placement>>>,
     placement: Option<Arc<Placement>>,
-    /// Per shard, the newest version a live worker holds.
-    workers_hold: watch::Receiver<Vec<u64>>,
+    /// What the heartbeats say of each shard ([`Inputs::heard`]).
+    heard: watch::Receiver<ShardNews>,
     parked: Vec<ParkedPull>,
     replicating: BTreeSet<u32>,
     /// Version last replicated, per shard.
@@ -228,6 +239,8 @@ struct AggregatorActor {
     held: watch::Sender<Held>,
     /// Workers marked as suspects since start, for this node's heartbeat.
     suspects: watch::Sender<Vec<PeerId>>,
+    /// The shards whose transfer this node keeps or sends, for its heartbeat.
+    handing: watch::Sender<Vec<u32>>,
     /// Transfers in flight, per shard.
     sending: BTreeMap<u32, usize>,
     /// Per shard: the version last checkpointed, and when.
@@ -251,6 +264,14 @@ impl AggregatorActor {
             kept: self.stored.values().filter(|s| s.transfer).count(),
         };
         self.held.send_if_modified(|h| std::mem::replace(h, now) != now);
+        let handing: BTreeSet<u32> = self
+            .sending
+            .keys()
+            .copied()
+            .chain(self.stored.iter().filter(|(_, s)| s.transfer).map(|(s, _)| *s))
+            .collect();
+        let handing: Vec<u32> = handing.into_iter().collect();
+        self.handing.send_if_modified(|h| std::mem::replace(h, handing.clone()) != handing);
     }
 
     fn now_ms(&self) -> u64 {
@@ -301,7 +322,7 @@ impl AggregatorActor {
                         self.place(p);
                     }
                 }
-                r = self.workers_hold.changed(), if holds_open => {
+                r = self.heard.changed(), if holds_open => {
                     if r.is_err() {
                         holds_open = false;
                         continue;
@@ -549,14 +570,20 @@ impl AggregatorActor {
                     // On the version number, as every owner compares: a
                     // restored copy's number counts the rounds its workers
                     // had seen, which the loss bound covers (see
-                    // `ShardCore::catch_up`).
-                    if core.version() >= state.version {
+                    // `ShardCore::catch_up`). A restored core that has not
+                    // closed a round yields to a copy of its own number
+                    // too: that copy holds the rounds the number stands for.
+                    if !core.yields_to(state.version) {
                         info!(shard, mine = core.version(), theirs = state.version, %from, "transfer fenced: ours is as new");
                         return HandoffReply::Fenced { epoch: self.epoch() };
                     }
-                    info!(shard, mine = core.version(), theirs = state.version, %from, "newer copy replaces ours");
+                    info!(shard, mine = core.version(), theirs = state.version, %from, "the copy handed over replaces ours");
                     let version = state.version;
+                    let old = self.cores.remove(&shard);
                     self.install(state);
+                    if let (Some(mut old), Some(new)) = (old, self.cores.get_mut(&shard)) {
+                        old.hand_round_to(new);
+                    }
                     return HandoffReply::Ack { version };
                 }
                 let version = state.version;
@@ -692,7 +719,7 @@ impl AggregatorActor {
     /// explorer's finding 3). A no-op on a core handed over live. Returns
     /// whether the numbering moved.
     fn take_up_held(&mut self, shard: u32) -> bool {
-        let Some(&held) = self.workers_hold.borrow().get(shard as usize) else { return false };
+        let Some(&held) = self.heard.borrow().newest.get(shard as usize) else { return false };
         let Some(core) = self.cores.get_mut(&shard) else { return false };
         let before = core.version();
         if !core.take_up(held) {
@@ -788,6 +815,12 @@ impl AggregatorActor {
                     if self.sending.contains_key(&shard) {
                         debug!(shard, "waiting for this node's own transfer of the shard to be answered");
                         self.pending.insert(shard, deadline);
+                    } else if let Some(c) = self.claimant(shard, &new) {
+                        // The shard moved on in a view this node skipped (a
+                        // leave it never heard): the node that holds it now
+                        // hands it over.
+                        info!(shard, from = %short(&c), "the old owner is gone; waiting for the node that says it holds the shard");
+                        self.pending.insert(shard, deadline);
                     } else {
                         self.restore(shard);
                     }
@@ -799,6 +832,14 @@ impl AggregatorActor {
             }
         }
         self.release_ready();
+    }
+
+    /// A live peer other than this node whose heartbeat says it owns
+    /// `shard` or keeps or sends its transfer ([`ShardNews::claimants`]).
+    fn claimant(&self, shard: u32, placement: &Placement) -> Option<PeerId> {
+        let heard = self.heard.borrow();
+        let claimants = heard.claimants.get(shard as usize)?;
+        claimants.iter().copied().find(|c| *c != self.cfg.me && placement.is_live(c))
     }
 
     /// Write an owned shard's checkpoint when its version is a multiple of
@@ -1246,7 +1287,7 @@ mod tests {
         agg: AggregatorHandle,
         placement: watch::Sender<Option<Arc<Placement>>>,
         /// The newest version of shard 0 the workers' heartbeats name.
-        workers_hold: watch::Sender<Vec<u64>>,
+        heard: watch::Sender<ShardNews>,
     }
 
     /// Start one aggregator per peer (the workers' model copy is empty, so a
@@ -1279,7 +1320,7 @@ mod tests {
             let (net_tx, net_rx) = mpsc::channel(64);
             let (placement, placement_rx) = watch::channel(None);
             let (_snapshot_tx, snapshot) = watch::channel(ModelSnapshot::default());
-            let (workers_hold, held_rx) = watch::channel(vec![0]);
+            let (heard, heard_rx) = watch::channel(ShardNews::default());
             let cfg = AggregatorConfig {
                 me,
                 incarnation: 1,
@@ -1302,9 +1343,8 @@ mod tests {
             let tasks = NodeTasks::new();
             let status = crate::actors::status::spawn("t".into(), me.to_string(), 100, 64, &tasks);
             let net = NetworkHandle::new(net_tx, me, Default::default());
-            let agg =
-                spawn(cfg, status, net, Inputs { placement: placement_rx, snapshot, workers_hold: held_rx }, &tasks);
-            nodes.push(Node { me, agg, placement, workers_hold });
+            let agg = spawn(cfg, status, net, Inputs { placement: placement_rx, snapshot, heard: heard_rx }, &tasks);
+            nodes.push(Node { me, agg, placement, heard });
             inboxes.push((me, net_rx));
         }
         let handles: HashMap<PeerId, AggregatorHandle> = nodes.iter().map(|n| (n.me, n.agg.clone())).collect();
@@ -1451,7 +1491,7 @@ mod tests {
             // The pull is parked before the heartbeat's versions come.
             let r = node.agg.pull(w0, 0, 5, Duration::ZERO).await.expect("aggregator answers");
             assert!(matches!(r, PullReply::State { version: 5, .. }), "{r:?}");
-            node.workers_hold.send_replace(vec![6]);
+            node.heard.send_replace(ShardNews { newest: vec![6], claimants: vec![Vec::new()] });
         };
         let (r, ()) = tokio::time::timeout(Duration::from_secs(10), futures::future::join(waiting, heartbeat))
             .await
@@ -1646,12 +1686,12 @@ mod tests {
     }
 
     /// A shard restored from a replica older than the workers' copies takes
-    /// up their numbering (issue 16's restore stall), and transfers are
-    /// fenced on that number as on any other: the shard's real state at
-    /// the same number is refused (the loss bound, as for any restore),
-    /// and at a newer number it replaces the restored copy.
+    /// up their numbering (issue 16's restore stall). Until it closes a
+    /// round, the shard's real state at that number replaces it, with the
+    /// pushes its round holds (the schedule explorer's finding 6); once it
+    /// has closed one, a copy of its own number is fenced.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_restored_copy_takes_up_the_workers_numbering_and_is_fenced_on_it() {
+    async fn a_restored_copy_takes_up_the_workers_numbering_and_yields_to_the_real_state_at_it() {
         let (old, b, w) = (PeerId::random(), PeerId::random(), PeerId::random());
         let (nodes, _log) = start(&[b]);
         let rx = nodes[0].agg.try_handoff(old, HandoffKind::Replica, 0, state(5)).expect("aggregator has room");
@@ -1663,11 +1703,57 @@ mod tests {
         // Worker `w` had pulled version 8 from `old`: the numbering moves to 8.
         let pushed = nodes[0].agg.push(w, 0, 8, 32, vec![0.5; SHARD_LEN]).await.expect("aggregator answers");
         assert!(matches!(pushed, PushReply::Accepted { version: 8, .. }), "got {pushed:?}");
-        let at_8 = nodes[0].agg.try_handoff(old, HandoffKind::Transfer, 0, state(8)).expect("aggregator has room");
-        assert!(matches!(at_8.await.expect("aggregator answers"), HandoffReply::Fenced { .. }));
-        hand(&nodes[0], old, 0, state(9)).await;
+        // The real state at 8 (a transfer that was on its way) replaces the
+        // replica's parameters numbered 8.
+        hand(&nodes[0], old, 0, state(8)).await;
         let pulled = nodes[0].agg.pull(b, 0, 0, Duration::from_secs(5)).await.expect("aggregator answers");
         let PullReply::State { version, params } = pulled else { panic!("a state, got {pulled:?}") };
-        assert_eq!((version, params.as_slice()), (9, &[9.0f32; SHARD_LEN][..]), "the newer state replaced it");
+        assert_eq!((version, params.as_slice()), (8, &[8.0f32; SHARD_LEN][..]), "the real state replaced it");
+        // `w`'s push moved with the round: `b`'s closes it.
+        let pushed = nodes[0].agg.push(b, 0, 8, 32, vec![0.5; SHARD_LEN]).await.expect("aggregator answers");
+        assert!(matches!(pushed, PushReply::Accepted { version: 8, .. }), "got {pushed:?}");
+        let pulled = nodes[0].agg.pull(b, 0, 9, Duration::from_secs(5)).await.expect("aggregator answers");
+        let PullReply::State { version, params } = pulled else { panic!("round 8 closed, got {pulled:?}") };
+        assert_eq!(version, 9);
+        assert!(params.iter().all(|&x| x < 8.0), "both gradients applied to the real state: {params:?}");
+        // A round closed: a copy of its own number is fenced now.
+        let at_9 = nodes[0].agg.try_handoff(old, HandoffKind::Transfer, 0, state(9)).expect("aggregator has room");
+        assert!(matches!(at_9.await.expect("aggregator answers"), HandoffReply::Fenced { .. }));
+    }
+
+    /// The explorer's finding 6: `b`'s view never heard `old` leave, so it
+    /// goes from `old` owning the shard to owning it itself with `old` gone,
+    /// while the placement it skipped gave the shard to `c`, which holds it
+    /// now and hands it over. `c`'s heartbeat names the shard: `b` waits for
+    /// its transfer rather than restoring its older replica (which would
+    /// have thrown away the rounds `c` applied).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_owner_whose_view_skipped_a_move_waits_for_the_node_whose_heartbeat_names_the_shard() {
+        let (old, b, c, w) = (PeerId::random(), PeerId::random(), PeerId::random(), PeerId::random());
+        let (nodes, _log) = start(&[b]);
+        let rx = nodes[0].agg.try_handoff(old, HandoffKind::Replica, 0, state(5)).expect("aggregator has room");
+        assert!(matches!(rx.await.expect("aggregator answers"), HandoffReply::Ack { version: 5 }));
+        nodes[0].heard.send_replace(ShardNews { newest: vec![7], claimants: vec![vec![c]] });
+        nodes[0].placement.send_replace(Some(placement(old, &[old, b, c, w])));
+        // Taken up (`b` now names `old` the owner) before the next one.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let pulled = nodes[0].agg.pull(w, 0, 0, Duration::from_millis(1)).await.expect("aggregator answers");
+            if matches!(pulled, PullReply::NotOwner { hint: Some(h), .. } if h == old) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the first placement taken up within 10 s");
+            tokio::task::yield_now().await;
+        }
+        nodes[0].placement.send_replace(Some(placement(b, &[b, c, w])));
+        // `b` waits: a worker's pull is parked, not answered from the replica.
+        let held = nodes[0].agg.held();
+        tokio::time::timeout(Duration::from_secs(10), held.clone().wait_for(|h| h.pending == 1))
+            .await
+            .expect("the shard awaited within 10 s")
+            .expect("aggregator running");
+        assert_eq!(held.borrow().shards, 0, "not restored from the replica");
+        hand(&nodes[0], c, 0, state(7)).await;
+        assert_eq!(installed(&nodes[0]).await, 7, "the transfer of the node that held it");
     }
 }

@@ -53,6 +53,7 @@ pub fn spawn(
         announce: 0,
         service: Vec::new(),
         leaving: false,
+        handing: Vec::new(),
         pace: Pace::default(),
         compute_samples_per_sec: 0.0,
         net_bytes_per_sec: 0.0,
@@ -192,7 +193,7 @@ impl MembershipActor {
                 ..self.cfg.capabilities.clone()
             },
             role: if me.leaving { Role::Leaving } else { me.role },
-            owned_shards: me.owned_shards.iter().copied().take(shoal_protocol::MAX_OWNED_SHARDS).collect(),
+            owned_shards: owned_or_handed(&me.owned_shards, &me.handing),
             step: me.step,
             model_version: me.model_version,
             shard_versions: ShardVersions::of(&me.shard_versions),
@@ -204,4 +205,12 @@ impl MembershipActor {
         };
         self.net.publish(GossipMessage::Heartbeat(hb)).await.map_err(|_| ())
     }
+}
+
+/// The heartbeat's `owned_shards`: the placement's shards of this node and
+/// those whose transfer its aggregator keeps or sends, sorted, at most
+/// `MAX_OWNED_SHARDS`.
+fn owned_or_handed(owned: &[u32], handing: &[u32]) -> Vec<u32> {
+    let all: std::collections::BTreeSet<u32> = owned.iter().chain(handing).copied().collect();
+    all.into_iter().take(shoal_protocol::MAX_OWNED_SHARDS).collect()
 }

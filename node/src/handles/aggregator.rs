@@ -186,6 +186,7 @@ pub struct AggregatorHandle {
     sender: mpsc::Sender<AggCommand>,
     held: watch::Receiver<Held>,
     suspects: watch::Receiver<Vec<PeerId>>,
+    handing: watch::Receiver<Vec<u32>>,
 }
 
 /// Returned by [`AggregatorHandle::try_push`] / `try_pull` when the actor is
@@ -198,8 +199,9 @@ impl AggregatorHandle {
         sender: mpsc::Sender<AggCommand>,
         held: watch::Receiver<Held>,
         suspects: watch::Receiver<Vec<PeerId>>,
+        handing: watch::Receiver<Vec<u32>>,
     ) -> Self {
-        Self { sender, held, suspects }
+        Self { sender, held, suspects, handing }
     }
 
     /// What this node holds as an owner, as it changes.
@@ -211,6 +213,14 @@ impl AggregatorHandle {
     /// `MAX_SUSPECTS`, in the order they turned suspect), as they change.
     pub fn suspects(&self) -> watch::Receiver<Vec<PeerId>> {
         self.suspects.clone()
+    }
+
+    /// The shards whose transfer this node keeps or sends, sorted, as they
+    /// change: its heartbeat names them among the shards it owns, so that a
+    /// new owner whose view skipped a move waits for the transfer rather
+    /// than restoring an older copy (the schedule explorer's finding 6).
+    pub fn handing(&self) -> watch::Receiver<Vec<u32>> {
+        self.handing.clone()
     }
 
     async fn ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> AggCommand) -> anyhow::Result<T> {

@@ -233,6 +233,9 @@ pub struct ShardCore<K: Ord + Clone + fmt::Debug> {
     /// still move the numbering ([`ShardCore::mark_restored`]); 0 once a full
     /// round has been applied, and always for a core that was handed over.
     catch_up_room: u64,
+    /// BSP: restored from an older copy and no full round applied since
+    /// ([`ShardCore::yields_to`]).
+    provisional: bool,
     /// Versions taken up by catch-up without an optimizer step.
     skipped: u64,
     /// BSP: a round is applied once all but this many workers pushed.
@@ -289,6 +292,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
             rejections: Vec::new(),
             round_median_norm: None,
             catch_up_room: 0,
+            provisional: false,
             skipped: 0,
             backup: 0,
             catch_up_disabled: false,
@@ -339,6 +343,32 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
     /// lineage after a partition, takes up a worker's numbering.
     pub fn mark_restored(&mut self, room: u64) {
         self.catch_up_room = room;
+        self.provisional = true;
+    }
+
+    /// BSP: a copy of this shard handed over live at `version` replaces this
+    /// one rather than being fenced. This core was restored from an older
+    /// copy and has applied no full round since: its number may have been
+    /// taken up from the workers ([`ShardCore::take_up`]) over parameters
+    /// that lack the rounds it stands for, while the handed-over copy has
+    /// them. That copy was still on its way when this node restored the
+    /// shard: a leaver's transfer passed on by a third node, or an owner
+    /// this node's view never named (the schedule explorer's finding 6).
+    /// A newer copy replaces any core; an older one never does.
+    pub fn yields_to(&self, version: u64) -> bool {
+        version > self.version || (version == self.version && self.policy == SyncPolicy::Bsp && self.provisional)
+    }
+
+    /// BSP: the round in progress moves into `other`, the copy of the same
+    /// version replacing this core ([`ShardCore::yields_to`]): its pushes
+    /// were made against that number, and their workers wait for the next.
+    /// A copy of another version takes nothing: pushes against an older
+    /// number are `Stale` there.
+    pub fn hand_round_to(&mut self, other: &mut Self) {
+        if other.version == self.version && other.round.is_empty() {
+            other.round = std::mem::take(&mut self.round);
+            other.round_opened_ms = self.round_opened_ms.take();
+        }
     }
 
     /// Test only: never catch up (`catch_up` is skipped and a
@@ -541,6 +571,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
                     // A quorum of the workers (all of them without backup
                     // workers) pushed here: the numbering is settled.
                     self.catch_up_room = 0;
+                    self.provisional = false;
                 }
             }
             _ => {
@@ -648,6 +679,7 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         if self.policy == SyncPolicy::Bsp && self.round_complete() {
             self.apply_round();
             self.catch_up_room = 0;
+            self.provisional = false;
         }
     }
 
@@ -1035,6 +1067,41 @@ mod tests {
         let mut other = ShardCore::new(vec![0.0], sgd(), 4, SyncPolicy::Asp, ["a"]);
         other.mark_restored(8);
         assert!(!other.take_up(6), "BSP only: the other policies number pushes, not rounds");
+    }
+
+    /// Finding 6: a restored core that has not closed a round yields to a
+    /// copy of its own number (the real state, handed over) and hands it
+    /// the round it holds; a newer copy always replaces a core, an older
+    /// one never does, and a core handed over live or past its first full
+    /// round fences a copy of its own number.
+    #[test]
+    fn a_restored_core_yields_to_a_copy_of_its_own_version_with_its_round() {
+        let live = ShardCore::new(vec![0.0, 0.0], sgd(), 4, SyncPolicy::Bsp, ["a", "b"]);
+        assert!(live.yields_to(5) && !live.yields_to(4) && !live.yields_to(3), "handed over live: newer only");
+        let mut restored = ShardCore::new(vec![0.0, 0.0], sgd(), 4, SyncPolicy::Bsp, ["a", "b"]);
+        restored.mark_restored(8);
+        assert!(restored.take_up(6));
+        assert!(matches!(restored.push(&"a", 6, 1, vec![2.0, 0.0], 0), PushOutcome::Accepted { version: 6, .. }));
+        assert!(restored.yields_to(6) && !restored.yields_to(5), "its own number, not an older one");
+        // The real state at 6 takes a's push; b's then closes round 6 there.
+        let mut real = ShardCore::new(vec![1.0, 1.0], sgd(), 6, SyncPolicy::Bsp, ["a", "b"]);
+        restored.hand_round_to(&mut real);
+        assert!(matches!(real.push(&"b", 6, 1, vec![0.0, 2.0], 0), PushOutcome::Accepted { version: 6, .. }));
+        assert_eq!(
+            (real.version(), real.params()),
+            (7, &[0.0f32, 0.0][..]),
+            "both gradients applied to the real state"
+        );
+        // A full round settles a restored core: it fences its own number.
+        let mut settled = ShardCore::new(vec![0.0, 0.0], sgd(), 4, SyncPolicy::Bsp, ["a", "b"]);
+        settled.mark_restored(8);
+        assert!(matches!(settled.push(&"a", 4, 1, vec![2.0, 0.0], 0), PushOutcome::Accepted { .. }));
+        assert!(matches!(settled.push(&"b", 4, 1, vec![0.0, 2.0], 0), PushOutcome::Accepted { .. }));
+        assert_eq!(settled.version(), 5);
+        assert!(!settled.yields_to(5) && settled.yields_to(6), "settled: its own number is fenced");
+        let mut asp = ShardCore::new(vec![0.0], sgd(), 4, SyncPolicy::Asp, ["a"]);
+        asp.mark_restored(8);
+        assert!(!asp.yields_to(4), "BSP only");
     }
 
     #[test]

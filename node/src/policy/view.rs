@@ -190,6 +190,27 @@ impl View {
         newest
     }
 
+    /// Per shard (of `shards`), the peers whose last heartbeat names it
+    /// among the shards they own (`Heartbeat::owned_shards`: their
+    /// placement's, and those whose transfer they keep or send), sorted.
+    pub fn shard_claimants(&self, shards: usize) -> Vec<Vec<PeerId>> {
+        let mut claimants = vec![Vec::new(); shards];
+        for (peer, p) in &self.peers {
+            for &s in &p.heartbeat.owned_shards {
+                if let Some(c) = claimants.get_mut(s as usize) {
+                    c.push(*peer);
+                }
+            }
+        }
+        claimants
+    }
+
+    /// What the heartbeats say of each of `shards` shards, for the
+    /// aggregator ([`ShardNews`]); `mine`: this node's worker's versions.
+    pub fn shard_news(&self, mine: &[u64], shards: usize) -> ShardNews {
+        ShardNews { newest: self.newest_shard_versions(mine, shards), claimants: self.shard_claimants(shards) }
+    }
+
     /// Drop one peer (it stopped); whether it was in the view.
     pub fn forget(&mut self, peer: &PeerId) -> bool {
         self.peers.remove(peer).is_some()
@@ -257,6 +278,17 @@ impl View {
     }
 }
 
+/// What the view's heartbeats say of each shard, for the aggregator.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShardNews {
+    /// Per shard, the newest version a live worker holds (0 where none
+    /// says): a restored core takes it up.
+    pub newest: Vec<u64>,
+    /// Per shard, the peers that say they own it or hand it over: a new
+    /// owner whose old owner is gone waits for their transfer.
+    pub claimants: Vec<Vec<PeerId>>,
+}
+
 /// This node's fields in its own heartbeat, set by the worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SelfState {
@@ -277,6 +309,9 @@ pub struct SelfState {
     /// Leaving cleanly: the heartbeat says `Leaving` so owners stop waiting
     /// for this node and the election moves its shards away.
     pub leaving: bool,
+    /// The shards whose transfer this node's aggregator keeps or sends:
+    /// the heartbeat names them among the owned shards.
+    pub handing: Vec<u32>,
     /// Recent step and communication time (set by the worker) and the number
     /// of aggregators this node proposes (set by the election).
     pub pace: Pace,
@@ -351,6 +386,24 @@ mod tests {
         // A peer that left the view says nothing any more.
         assert!(v.forget(&a));
         assert_eq!(v.newest_shard_versions(&[], 2), vec![6, 7]);
+    }
+
+    #[test]
+    fn a_shards_claimants_are_the_peers_whose_heartbeat_names_it() {
+        let (me, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let mut v = View::new(me, true, 7);
+        let mut from_a = hb(a, 1, 0);
+        from_a.owned_shards = vec![0, 2];
+        let mut from_b = hb(b, 1, 0);
+        from_b.owned_shards = vec![2, 9];
+        assert!(v.observe(from_a, 0) && v.observe(from_b, 0));
+        let mut both = vec![a, b];
+        both.sort();
+        let news = v.shard_news(&[3], 3);
+        assert_eq!(news.newest, vec![3, 0, 0]);
+        assert_eq!(news.claimants, vec![vec![a], vec![], both], "shard 9 is past the layout: ignored");
+        assert!(v.forget(&a));
+        assert_eq!(v.shard_claimants(3), vec![vec![], vec![], vec![b]]);
     }
 
     #[test]
