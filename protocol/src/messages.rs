@@ -149,7 +149,7 @@ impl std::str::FromStr for RunId {
 }
 
 // ---------------------------------------------------------------------------
-// Requests on /shoal/shard/12.0.0
+// Requests on /shoal/shard/13.0.0
 // ---------------------------------------------------------------------------
 
 /// A worker's gradient contribution for one shard.
@@ -278,6 +278,13 @@ pub struct Handoff {
     pub params: Payload,
     /// Optimizer state.
     pub optimizer: OptimizerState,
+    /// A transfer of a BSP shard restored from an older copy that has not
+    /// closed a round since: how far a worker's newer base may still move
+    /// its numbering (the sender's catch-up room); 0 for a settled shard
+    /// and for replicas. The receiver takes it up to its own configured
+    /// room, so that the shard keeps catching up to the workers' versions
+    /// after it moves.
+    pub catch_up_room: u64,
 }
 
 /// A joiner fetches one shard of the current model from any peer that holds

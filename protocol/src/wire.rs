@@ -15,11 +15,11 @@
 /// `concat!` and cannot drift from [`WIRE_VERSION`].
 macro_rules! wire_version {
     () => {
-        12
+        13
     };
 }
 
-/// The version of the wire this build speaks (12 since `Heartbeat::shard_versions`; 11 since gossip is signed by Shoal, after the message, not by gossipsub; 10: delta pulls: `PullShard::have`, `PushPull::have`, `ShardState::delta`; 9: the `Sparse2` encoding; 8: `Heartbeat::finished`; 7: builds before the
+/// The version of the wire this build speaks (13 since `Handoff::catch_up_room`; 12 since `Heartbeat::shard_versions`; 11 since gossip is signed by Shoal, after the message, not by gossipsub; 10: delta pulls: `PullShard::have`, `PushPull::have`, `ShardState::delta`; 9: the `Sparse2` encoding; 8: `Heartbeat::finished`; 7: builds before the
 /// one-version rule put 1 in their protocol names and 1 to 6 in their
 /// frames, so no earlier build can be taken for this one): in every frame and gossip
 /// prefix, in `Heartbeat::protocol_version`, and in the protocol names below.

@@ -224,7 +224,7 @@ fn documented_example_frame_is_stable() {
     let req = ShardRequest::StateSync(StateSync { run: RunId::new("demo").unwrap(), shard: 3, min_version: 300 });
     let bytes = frame::encode_request(&req, &limits()).unwrap().to_vec();
     let expected: Vec<u8> = vec![
-        0x53, 0x48, 0x0c, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 12, kind 1, reserved
+        0x53, 0x48, 0x0d, 0x00, 0x01, 0x00, 0x00, 0x00, // magic "SH", version 13, kind 1, reserved
         0x09, 0x00, 0x00, 0x00, // header_len 9
         0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // body_len 0
         0x03, // ShardRequest variant 3 = StateSync

@@ -638,14 +638,17 @@ impl AggregatorActor {
             }
         };
         self.replicated.insert(state.shard, state.version);
-        self.cores.insert(
-            state.shard,
-            ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers)
-                .with_schedule(self.cfg.schedule)
-                .with_robust(self.cfg.robust)
-                .with_backup_workers(self.cfg.backup_workers)
-                .with_delta(self.cfg.delta),
-        );
+        let mut core = ShardCore::new(state.params, optimizer, state.version, self.cfg.policy, workers)
+            .with_schedule(self.cfg.schedule)
+            .with_robust(self.cfg.robust)
+            .with_backup_workers(self.cfg.backup_workers)
+            .with_delta(self.cfg.delta);
+        if state.catch_up_room > 0 {
+            // A restored shard handed over before it settled: it goes on
+            // catching up here, within this node's own room.
+            core.mark_restored(state.catch_up_room.min(self.restore_room()));
+        }
+        self.cores.insert(state.shard, core);
     }
 
     /// Take a shard over without a transfer: from a stored copy, or else
@@ -693,7 +696,8 @@ impl AggregatorActor {
             );
             self.status.record(StatusEvent::Restored { from_replica: false });
         }
-        self.install(ShardState { shard, version: snap.version, params: snap.params[range].to_vec(), optimizer });
+        let params = snap.params[range].to_vec();
+        self.install(ShardState { shard, version: snap.version, params, optimizer, catch_up_room: 0 });
         self.restored(shard);
     }
 
@@ -704,11 +708,16 @@ impl AggregatorActor {
     /// lose: `replica_every` versions and those applied while a replica was
     /// on the wire, with slack.
     fn restored(&mut self, shard: u32) {
-        let room = self.cfg.replica_every.saturating_mul(4).saturating_add(16);
+        let room = self.restore_room();
         if let Some(core) = self.cores.get_mut(&shard) {
             core.mark_restored(room);
         }
         self.take_up_held(shard);
+    }
+
+    /// How far a restored shard's numbering may move (see [`Self::restored`]).
+    fn restore_room(&self) -> u64 {
+        self.cfg.replica_every.saturating_mul(4).saturating_add(16)
     }
 
     /// A restored core takes up the newest version of `shard` a live worker
@@ -759,9 +768,12 @@ impl AggregatorActor {
             let Some(core) = self.cores.remove(&shard) else { continue };
             let Some(to) = new.owner(shard) else { continue };
             let (params, optimizer, version) = core.export();
+            // A restored core not yet settled keeps catching up where it goes.
+            let catch_up_room = core.restore_room();
             info!(shard, version, to = %short(&to), "handing the shard over");
             self.status.record(StatusEvent::HandoffOut);
-            self.spawn_send(to, HandoffKind::Transfer, 0, ShardState { shard, version, params, optimizer });
+            let state = ShardState { shard, version, params, optimizer, catch_up_room };
+            self.spawn_send(to, HandoffKind::Transfer, 0, state);
         }
         // An early transfer kept until a placement came, where that placement
         // makes another node the owner: pass it on (as `receive` does when
@@ -791,13 +803,22 @@ impl AggregatorActor {
             self.maybe_replicate_now(shard);
         }
         self.pending.retain(|s, _| new.owner(*s) == Some(me));
+        self.take_gained(&new, old.as_deref());
+        self.release_ready();
+    }
+
+    /// The shards `new` gives this node that it neither serves nor awaits:
+    /// installed from a kept transfer or restored, or awaited from the node
+    /// that hands them over (see the module doc).
+    fn take_gained(&mut self, new: &Placement, old: Option<&Placement>) {
+        let me = self.cfg.me;
         let deadline = Instant::now() + self.cfg.handoff_timeout;
         let starting = self.snapshot.borrow().version == 0;
         for shard in new.owned_by(&me) {
             if self.cores.contains_key(&shard) || self.pending.contains_key(&shard) {
                 continue;
             }
-            let previous = old.as_ref().and_then(|o| o.owner(shard));
+            let previous = old.and_then(|o| o.owner(shard));
             match previous {
                 _ if self.stored.get(&shard).is_some_and(|s| s.transfer) => self.restore(shard),
                 // Training starts: every node holds the same initial model.
@@ -815,7 +836,7 @@ impl AggregatorActor {
                     if self.sending.contains_key(&shard) {
                         debug!(shard, "waiting for this node's own transfer of the shard to be answered");
                         self.pending.insert(shard, deadline);
-                    } else if let Some(c) = self.claimant(shard, &new) {
+                    } else if let Some(c) = self.claimant(shard, new) {
                         // The shard moved on in a view this node skipped (a
                         // leave it never heard): the node that holds it now
                         // hands it over.
@@ -831,7 +852,6 @@ impl AggregatorActor {
                 }
             }
         }
-        self.release_ready();
     }
 
     /// A live peer other than this node whose heartbeat says it owns
@@ -959,7 +979,8 @@ impl AggregatorActor {
         let (params, optimizer, version) = core.export();
         self.replicated.insert(shard, version);
         self.replicating.insert(shard);
-        self.spawn_send(backup, HandoffKind::Replica, 0, ShardState { shard, version, params, optimizer });
+        let state = ShardState { shard, version, params, optimizer, catch_up_room: 0 };
+        self.spawn_send(backup, HandoffKind::Replica, 0, state);
     }
 
     /// Deliver a transfer or replica from a task of its own (the actor keeps
@@ -1257,7 +1278,7 @@ mod tests {
 
     fn state(version: u64) -> ShardState {
         let optimizer = Optimizer::new(optimizer(), SHARD_LEN).map(Optimizer::into_state).expect("an SGD state");
-        ShardState { shard: 0, version, params: vec![version as f32; SHARD_LEN], optimizer }
+        ShardState { shard: 0, version, params: vec![version as f32; SHARD_LEN], optimizer, catch_up_room: 0 }
     }
 
     /// One shard, owned by `owner`; `live` are the members.
@@ -1422,6 +1443,21 @@ mod tests {
     }
 
     /// Wait until `node` serves a shard, and return its version.
+    /// Waits until `node` has taken up a placement naming `owner` the
+    /// owner of shard 0 (a pull is answered `NotOwner` with that hint), so
+    /// that the next placement is not taken up in its place.
+    async fn names_the_owner(node: &Node, owner: PeerId) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let pulled = node.agg.pull(owner, 0, 0, Duration::from_millis(1)).await.expect("aggregator answers");
+            if matches!(pulled, PullReply::NotOwner { hint: Some(h), .. } if h == owner) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the placement taken up within 10 s");
+            tokio::task::yield_now().await;
+        }
+    }
+
     async fn installed(node: &Node) -> u64 {
         let mut held = node.agg.held();
         tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.shards == 1))
@@ -1721,6 +1757,35 @@ mod tests {
         assert!(matches!(at_9.await.expect("aggregator answers"), HandoffReply::Fenced { .. }));
     }
 
+    /// The explorer's finding 7: a shard restored at `old` and handed over
+    /// before its first full round keeps catching up at `b`. Worker `w`
+    /// holds version 5 from the owner that crashed; its push against 5
+    /// moves the numbering there rather than joining round 3, where it
+    /// would count as round 3's gradient and, pushed again for round 5
+    /// once the worker is told to, twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restored_shard_handed_over_before_it_settled_keeps_catching_up() {
+        let (old, b, w, x) = (PeerId::random(), PeerId::random(), PeerId::random(), PeerId::random());
+        for (room, expected) in [(8, 5), (0, 3)] {
+            let (nodes, _log) = start(&[b]);
+            nodes[0].placement.send_replace(Some(placement(old, &[old, b, w, x])));
+            names_the_owner(&nodes[0], old).await;
+            nodes[0].placement.send_replace(Some(placement(b, &[old, b, w, x])));
+            // `b` awaits `old`'s transfer.
+            tokio::time::timeout(Duration::from_secs(10), nodes[0].agg.held().wait_for(|h| h.pending == 1))
+                .await
+                .expect("the shard awaited within 10 s")
+                .expect("aggregator running");
+            hand(&nodes[0], old, 0, ShardState { catch_up_room: room, ..state(3) }).await;
+            assert_eq!(installed(&nodes[0]).await, 3);
+            let pushed = nodes[0].agg.push(w, 0, 5, 32, vec![0.5; SHARD_LEN]).await.expect("aggregator answers");
+            assert!(
+                matches!(pushed, PushReply::Accepted { version, .. } if version == expected),
+                "room {room}: the push is in round {expected}, got {pushed:?}"
+            );
+        }
+    }
+
     /// The explorer's finding 6: `b`'s view never heard `old` leave, so it
     /// goes from `old` owning the shard to owning it itself with `old` gone,
     /// while the placement it skipped gave the shard to `c`, which holds it
@@ -1735,16 +1800,7 @@ mod tests {
         assert!(matches!(rx.await.expect("aggregator answers"), HandoffReply::Ack { version: 5 }));
         nodes[0].heard.send_replace(ShardNews { newest: vec![7], claimants: vec![vec![c]] });
         nodes[0].placement.send_replace(Some(placement(old, &[old, b, c, w])));
-        // Taken up (`b` now names `old` the owner) before the next one.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let pulled = nodes[0].agg.pull(w, 0, 0, Duration::from_millis(1)).await.expect("aggregator answers");
-            if matches!(pulled, PullReply::NotOwner { hint: Some(h), .. } if h == old) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the first placement taken up within 10 s");
-            tokio::task::yield_now().await;
-        }
+        names_the_owner(&nodes[0], old).await;
         nodes[0].placement.send_replace(Some(placement(b, &[b, c, w])));
         // `b` waits: a worker's pull is parked, not answered from the replica.
         let held = nodes[0].agg.held();

@@ -15,6 +15,9 @@ pub struct ShardState {
     pub version: u64,
     pub params: Vec<f32>,
     pub optimizer: OptimizerState,
+    /// A restored BSP shard that has not closed a round: its catch-up room
+    /// ([`shoal_protocol::Handoff::catch_up_room`]); 0 otherwise.
+    pub catch_up_room: u64,
 }
 
 /// Encode a shard's state as a handoff message (F32: nothing is lost in a
@@ -48,6 +51,7 @@ pub fn to_wire(
             step: state.optimizer.step,
             slots,
         },
+        catch_up_room: state.catch_up_room,
     })
 }
 
@@ -70,6 +74,7 @@ pub fn from_wire(h: &Handoff, config: OptimizerConfig) -> anyhow::Result<ShardSt
         version: h.version,
         params: h.params.decode().context("handoff parameters")?,
         optimizer: OptimizerState { config, step: h.optimizer.step, slots },
+        catch_up_room: h.catch_up_room,
     })
 }
 
@@ -84,12 +89,13 @@ mod tests {
         let mut opt = Optimizer::new(cfg, 3)?;
         let mut params = vec![0.5f32, -1.0, 2.0];
         opt.step(&mut params, &[0.1, 0.2, -0.3])?;
-        let state = ShardState { shard: 2, version: 7, params: params.clone(), optimizer: opt.state().clone() };
+        let optimizer = opt.state().clone();
+        let state = ShardState { shard: 2, version: 7, params: params.clone(), optimizer, catch_up_room: 12 };
         let run = RunId::new("t").map_err(|e| anyhow::anyhow!("{e}"))?;
         let wire = to_wire(&run, PeerId::random(), 1, HandoffKind::Transfer, 2, &state)?;
         assert_eq!(wire.hops, 2);
         let back = from_wire(&wire, cfg)?;
-        assert_eq!((back.shard, back.version), (2, 7));
+        assert_eq!((back.shard, back.version, back.catch_up_room), (2, 7, 12));
         assert_eq!(back.params, params);
         assert_eq!(&back.optimizer, opt.state());
         let sgd = OptimizerConfig::new(OptimizerKind::Sgd, 0.1);

@@ -359,6 +359,17 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
         version > self.version || (version == self.version && self.policy == SyncPolicy::Bsp && self.provisional)
     }
 
+    /// The catch-up room of a restored BSP core that has not closed a round
+    /// (it travels with the core's transfer, `Handoff::catch_up_room`); 0
+    /// for a settled core.
+    pub fn restore_room(&self) -> u64 {
+        if self.provisional {
+            self.catch_up_room
+        } else {
+            0
+        }
+    }
+
     /// BSP: the round in progress moves into `other`, the copy of the same
     /// version replacing this core ([`ShardCore::yields_to`]): its pushes
     /// were made against that number, and their workers wait for the next.

@@ -91,9 +91,9 @@ pub fn request() -> impl Strategy<Value = ShardRequest> {
         any::<u64>(),
         any::<u64>(),
         f32_payload(),
-        ("[a-z]{1,8}", any::<u64>(), proptest::collection::vec(slot, 0..3)),
+        ("[a-z]{1,8}", any::<u64>(), proptest::collection::vec(slot, 0..3), any::<u64>()),
     )
-        .prop_map(|(run, shard, hops, kind, from, from_incarnation, version, params, (k, step, slots))| {
+        .prop_map(|(run, shard, hops, kind, from, from_incarnation, version, params, (k, step, slots, room))| {
             ShardRequest::Handoff(Handoff {
                 run,
                 shard,
@@ -104,6 +104,7 @@ pub fn request() -> impl Strategy<Value = ShardRequest> {
                 version,
                 params,
                 optimizer: OptimizerState { kind: k, step, slots },
+                catch_up_room: room,
             })
         });
     let sync = (run_id(), any::<u32>(), any::<u64>())
