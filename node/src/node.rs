@@ -635,22 +635,21 @@ fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle,
 /// holds (this node's own or a peer's), which a restored owner takes up
 /// ([`crate::policy::sync::ShardCore::take_up`]), and the peers that say
 /// they own or hand over each shard, whose transfer a new owner waits for.
-/// Recomputed when the membership actor publishes the view (every
-/// heartbeat period at least), with this node's own worker's versions as
-/// they are then: not at each shard exchange, which with many peers and
-/// shards would cost a pass over every heartbeat per exchange. The schedule
-/// explorer models the own versions as read at a later heartbeat, as the
-/// peers' are.
+/// Recomputed when the view changes (at least once a heartbeat period) and
+/// as the own worker's versions change: a restored owner takes up its own
+/// worker's newest version at once. (The schedule explorer lets a node read
+/// its own versions at any later point, which covers this.)
 fn shard_news(membership: &MembershipHandle, shards: usize, tasks: &NodeTasks) -> watch::Receiver<ShardNews> {
     let (tx, rx) = watch::channel(ShardNews { newest: vec![0; shards], claimants: vec![Vec::new(); shards] });
-    let (mut view, me) = (membership.subscribe(), membership.subscribe_self());
+    let (mut view, mut me) = (membership.subscribe(), membership.subscribe_self());
     tasks.spawn(async move {
         loop {
             tokio::select! {
                 r = view.changed() => if r.is_err() { break },
+                r = me.changed() => if r.is_err() { break },
                 () = tx.closed() => break,
             }
-            let news = view.borrow_and_update().view.shard_news(&me.borrow().shard_versions, shards);
+            let news = view.borrow_and_update().view.shard_news(&me.borrow_and_update().shard_versions, shards);
             tx.send_if_modified(|v| std::mem::replace(v, news) != *v);
         }
     });

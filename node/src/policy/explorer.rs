@@ -172,9 +172,10 @@
 //!    one since the stop, as the failure timeout's several heartbeat
 //!    periods give (`World::claims_heard_since`). Without both rules, seed
 //!    9,306 of 30,000 finds it.
-//! 7. (Fixed.) Found once a node reads its own worker's versions at a
-//!    later heartbeat, as it reads its peers' (the node no longer reads
-//!    them at each exchange): a restored core handed over before its first
+//! 7. (Fixed.) Found once a node may read its own worker's versions at a
+//!    later heartbeat, as it reads its peers' (the node reads them as each
+//!    exchange ends; the model covers that and later): a restored core
+//!    handed over before its first
 //!    full round arrived settled, so a push against the newer version the
 //!    crashed owner had given its worker joined the round in progress
 //!    instead of moving the numbering, and the gradient counted twice. Now
