@@ -635,22 +635,33 @@ fn gossip_suspects(aggregator: &AggregatorHandle, membership: &MembershipHandle,
 /// holds (this node's own or a peer's), which a restored owner takes up
 /// ([`crate::policy::sync::ShardCore::take_up`]), and the peers that say
 /// they own or hand over each shard, whose transfer a new owner waits for.
-/// Recomputed when the view changes (at least once a heartbeat period) and
-/// as the own worker's versions change: a restored owner takes up its own
-/// worker's newest version at once. (The schedule explorer lets a node read
-/// its own versions at any later point, which covers this.)
+/// The newest versions are recomputed when the view changes (at least once a
+/// heartbeat period) and as the own worker's versions change: a restored
+/// owner takes up its own worker's newest version at once. (The schedule
+/// explorer lets a node read its own versions at any later point, which
+/// covers this.) The claimants come from the view alone: recomputed only
+/// when it changes, not at each shard exchange.
 fn shard_news(membership: &MembershipHandle, shards: usize, tasks: &NodeTasks) -> watch::Receiver<ShardNews> {
     let (tx, rx) = watch::channel(ShardNews { newest: vec![0; shards], claimants: vec![Vec::new(); shards] });
     let (mut view, mut me) = (membership.subscribe(), membership.subscribe_self());
     tasks.spawn(async move {
         loop {
-            tokio::select! {
-                r = view.changed() => if r.is_err() { break },
-                r = me.changed() => if r.is_err() { break },
+            let view_changed = tokio::select! {
+                r = view.changed() => if r.is_err() { break } else { true },
+                r = me.changed() => if r.is_err() { break } else { false },
                 () = tx.closed() => break,
-            }
-            let news = view.borrow_and_update().view.shard_news(&me.borrow_and_update().shard_versions, shards);
-            tx.send_if_modified(|v| std::mem::replace(v, news) != *v);
+            };
+            let snap = view.borrow_and_update();
+            let newest = snap.view.newest_shard_versions(&me.borrow_and_update().shard_versions, shards);
+            let claimants = view_changed.then(|| snap.view.shard_claimants(shards));
+            drop(snap);
+            tx.send_if_modified(|v| {
+                let mut changed = std::mem::replace(&mut v.newest, newest) != v.newest;
+                if let Some(c) = claimants {
+                    changed |= std::mem::replace(&mut v.claimants, c) != v.claimants;
+                }
+                changed
+            });
         }
     });
     rx

@@ -270,8 +270,13 @@ impl AggregatorActor {
             .copied()
             .chain(self.stored.iter().filter(|(_, s)| s.transfer).map(|(s, _)| *s))
             .collect();
-        let handing: Vec<u32> = handing.into_iter().collect();
-        self.handing.send_if_modified(|h| std::mem::replace(h, handing.clone()) != handing);
+        self.handing.send_if_modified(|h| {
+            let changed = !h.iter().eq(handing.iter());
+            if changed {
+                *h = handing.into_iter().collect();
+            }
+            changed
+        });
     }
 
     fn now_ms(&self) -> u64 {
@@ -1307,7 +1312,8 @@ mod tests {
         me: PeerId,
         agg: AggregatorHandle,
         placement: watch::Sender<Option<Arc<Placement>>>,
-        /// The newest version of shard 0 the workers' heartbeats name.
+        /// What the heartbeats say of shard 0: the newest version the
+        /// workers hold and who claims it.
         heard: watch::Sender<ShardNews>,
     }
 
@@ -1442,7 +1448,6 @@ mod tests {
             .expect("aggregator running");
     }
 
-    /// Wait until `node` serves a shard, and return its version.
     /// Waits until `node` has taken up a placement naming `owner` the
     /// owner of shard 0 (a pull is answered `NotOwner` with that hint), so
     /// that the next placement is not taken up in its place.
@@ -1458,6 +1463,7 @@ mod tests {
         }
     }
 
+    /// Wait until `node` serves a shard, and return its version.
     async fn installed(node: &Node) -> u64 {
         let mut held = node.agg.held();
         tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| h.shards == 1))

@@ -935,6 +935,8 @@ impl World {
         }
         // Heartbeats with news: a worker's versions changed since `n` last
         // heard it.
+        // What each node's heartbeat would claim now (once, not per pair).
+        let owns: Vec<BTreeSet<usize>> = (0..self.nodes.len()).map(|w| self.owns(w)).collect();
         if self.setup.heartbeat_versions {
             for (n, node) in self.nodes.iter().enumerate().filter(|(_, x)| x.alive) {
                 let live = &self.placements[node.seen].live;
@@ -943,7 +945,7 @@ impl World {
                 for w in
                     live.iter().copied().filter(|&w| w != n).chain(std::iter::once(n)).filter(|&w| self.nodes[w].alive)
                 {
-                    if self.heard[n][w] != self.hold[w] || self.claims[n][w] != self.owns(w) {
+                    if self.heard[n][w] != self.hold[w] || self.claims[n][w] != owns[w] {
                         ev.push((Event::Hear(n, w), 1));
                     }
                 }
@@ -954,7 +956,10 @@ impl World {
         // may go unheard).
         for (&n, &at) in &self.left_at {
             let heard = self.setup.faults.unheard_leave || self.nodes.iter().all(|x| !x.alive || x.seen >= at);
-            if !self.nodes[n].alive && self.placements[latest].live.contains(&n) && heard && self.claims_heard_since(n)
+            if !self.nodes[n].alive
+                && self.placements[latest].live.contains(&n)
+                && heard
+                && self.claims_heard_since(n, &owns)
             {
                 ev.push((Event::Forget(n), 1));
             }
@@ -968,12 +973,13 @@ impl World {
     /// unless that heartbeat is lost for good, which gossip's repeats every
     /// period rule out here. Its claims of shards (`owned_shards`) are then
     /// those of after the stop.
-    fn claims_heard_since(&self, stopped: Node) -> bool {
+    /// `owns`: each node's claims now ([`Self::owns`]).
+    fn claims_heard_since(&self, stopped: Node, owns: &[BTreeSet<usize>]) -> bool {
         let Some(&at) = self.stopped_at.get(&stopped) else { return true };
         let alive: Vec<Node> = (0..self.nodes.len()).filter(|&n| self.nodes[n].alive).collect();
         alive
             .iter()
-            .all(|&n| alive.iter().all(|&w| w == n || self.heard_at[n][w] >= at || self.claims[n][w] == self.owns(w)))
+            .all(|&n| alive.iter().all(|&w| w == n || self.heard_at[n][w] >= at || self.claims[n][w] == owns[w]))
     }
 
     /// A transfer of `shard` is on its way to `n` or will be sent: on the

@@ -361,13 +361,9 @@ impl<K: Ord + Clone + fmt::Debug> ShardCore<K> {
 
     /// The catch-up room of a restored BSP core that has not closed a round
     /// (it travels with the core's transfer, `Handoff::catch_up_room`); 0
-    /// for a settled core.
+    /// for a settled core (a full round zeroes the room as it settles it).
     pub fn restore_room(&self) -> u64 {
-        if self.provisional {
-            self.catch_up_room
-        } else {
-            0
-        }
+        self.catch_up_room
     }
 
     /// BSP: the round in progress moves into `other`, the copy of the same

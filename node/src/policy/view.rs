@@ -205,12 +205,6 @@ impl View {
         claimants
     }
 
-    /// What the heartbeats say of each of `shards` shards, for the
-    /// aggregator ([`ShardNews`]); `mine`: this node's worker's versions.
-    pub fn shard_news(&self, mine: &[u64], shards: usize) -> ShardNews {
-        ShardNews { newest: self.newest_shard_versions(mine, shards), claimants: self.shard_claimants(shards) }
-    }
-
     /// Drop one peer (it stopped); whether it was in the view.
     pub fn forget(&mut self, peer: &PeerId) -> bool {
         self.peers.remove(peer).is_some()
@@ -399,9 +393,8 @@ mod tests {
         assert!(v.observe(from_a, 0) && v.observe(from_b, 0));
         let mut both = vec![a, b];
         both.sort();
-        let news = v.shard_news(&[3], 3);
-        assert_eq!(news.newest, vec![3, 0, 0]);
-        assert_eq!(news.claimants, vec![vec![a], vec![], both], "shard 9 is past the layout: ignored");
+        assert_eq!(v.newest_shard_versions(&[3], 3), vec![3, 0, 0]);
+        assert_eq!(v.shard_claimants(3), vec![vec![a], vec![], both], "shard 9 is past the layout: ignored");
         assert!(v.forget(&a));
         assert_eq!(v.shard_claimants(3), vec![vec![], vec![], vec![b]]);
     }
